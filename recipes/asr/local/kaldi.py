@@ -1,0 +1,11 @@
+"""The one place that imports the Kaldi Python bindings, in the order that works.
+
+``kaldi_hmm_gmm`` must be imported before ``kaldifst`` and ``kaldilm``: importing kaldilm
+1.15.5 first and kaldi_hmm_gmm afterwards hangs the process (seen with kaldifst 1.7.17).
+Every recipe module takes ``khg`` and ``kaldifst`` from here.
+"""
+
+import kaldi_hmm_gmm as khg  # noqa: I001  (order matters, see above)
+import kaldifst
+
+__all__ = ["khg", "kaldifst"]
