@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Data pipeline of the hybrid DNN-HMM recipe, Kaldi/icefall style.
+
+Stages (each skipped when it has already completed; ``--stage`` / ``--stop-stage`` select them):
+
+  0  corpus    corpus -> Lhotse manifests (embedded TTS corpus, or a local real corpus)
+  1  features  40-bin fbank (DNN) + 13 MFCC (GMM), CMVN statistics
+  2  lang      CMUdict lexicon, phones/words, HMM topology, L.fst, n-gram LM -> G.fst
+  3  mono      monophone GMM-HMM: flat start, Viterbi training; decode dev/test
+  4  tri       triphone GMM-HMM on a phonetic decision tree; decode dev/test
+  5  align     final pdf-id alignments on the cuts, pdf priors, agreement with TTS gold timings
+  6  report    report.json and a readable summary
+
+Usage:
+  python recipes/asr/prepare.py                                  # embedded corpus, default size
+  python recipes/asr/prepare.py --corpus synthetic --size tiny --data-dir data/tiny
+  python recipes/asr/prepare.py --corpus mini_librispeech --corpus-dir /path/to/LibriSpeech
+  python recipes/asr/prepare.py --stage 3 --stop-stage 4         # re-run the GMM stages only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+log = logging.getLogger("prepare")
+
+STAGES = ["corpus", "features", "lang", "mono", "tri", "align", "report"]
+CORPORA = ["synthetic", "mini_librispeech", "librispeech", "timit", "yesno", "kaldi"]
+
+
+def default_data_dir(corpus: str, size: str) -> Path:
+    """``data/synthetic-<size>`` for the embedded corpus, ``data/<corpus>`` otherwise."""
+    return Path("data") / (f"synthetic-{size}" if corpus == "synthetic" else corpus)
+
+
+def _marker(data_dir: Path, stage: str) -> Path:
+    return data_dir / ".done" / stage
+
+
+def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
+    """Run one stage; return the line that says what it produced."""
+    if name == "corpus":
+        if args.corpus == "synthetic":
+            from local.corpus_synthetic import prepare_synthetic
+
+            cuts = prepare_synthetic(data_dir, size=args.size, seed=args.seed, num_jobs=args.num_jobs)
+        else:
+            from local.corpus_real import prepare_real
+
+            if args.corpus_dir is None:
+                raise SystemExit(f"--corpus {args.corpus} needs --corpus-dir pointing at the corpus on disk")
+            cuts = prepare_real(args.corpus, Path(args.corpus_dir), data_dir)
+        parts = [f"{s}: {len(c)} utts {sum(x.duration for x in c) / 3600:.2f} h" for s, c in cuts.items()]
+        return "; ".join(parts)
+    if name == "features":
+        from local.features import compute_features
+
+        return _summary(compute_features(data_dir, num_jobs=args.num_jobs))
+    if name == "lang":
+        from local.lang import prepare_lang
+
+        return _summary(prepare_lang(data_dir))
+    if name == "mono":
+        from local.gmm_mono import train_mono
+
+        return _summary(train_mono(data_dir))
+    if name == "tri":
+        from local.gmm_tri import train_tri
+
+        return _summary(train_tri(data_dir))
+    if name == "align":
+        from local.align import align
+
+        return _summary(align(data_dir))
+    if name == "report":
+        from local.report import make_report
+
+        return _summary(make_report(data_dir, corpus=args.corpus))
+    raise AssertionError(name)
+
+
+def _summary(result) -> str:
+    if isinstance(result, dict):
+        return ", ".join(f"{k}={_fmt(v)}" for k, v in result.items() if not isinstance(v, (dict, list)))
+    return str(result)
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def prepare(
+    corpus: str = "synthetic",
+    corpus_dir: str | Path | None = None,
+    data_dir: str | Path | None = None,
+    size: str = "default",
+    stage: int = 0,
+    stop_stage: int = len(STAGES) - 1,
+    seed: int = 0,
+    num_jobs: int = 2,
+    force: bool = False,
+) -> Path:
+    """Run stages ``stage..stop_stage``; return the data directory. Importable by train.py."""
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; choose one of {CORPORA}")
+    if size not in ("tiny", "default"):
+        raise ValueError(f"unknown --size {size!r}; choose tiny or default")
+    if not 0 <= stage <= stop_stage < len(STAGES):
+        raise ValueError(f"need 0 <= stage ({stage}) <= stop_stage ({stop_stage}) <= {len(STAGES) - 1}")
+    data_dir = Path(data_dir) if data_dir is not None else default_data_dir(corpus, size)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs)
+    settings = data_dir / "settings.json"
+    wanted = {"corpus": corpus, "corpus_dir": str(corpus_dir) if corpus_dir else None, "size": size, "seed": seed}
+    if settings.exists() and json.loads(settings.read_text()) != wanted and stage == 0 and not force:
+        raise SystemExit(
+            f"{data_dir} was prepared with {settings.read_text().strip()}, not {wanted}; "
+            "use another --data-dir or --force to rebuild it"
+        )
+    settings.write_text(json.dumps(wanted))
+    for i in range(stage, stop_stage + 1):
+        name = STAGES[i]
+        marker = _marker(data_dir, name)
+        if marker.exists() and not force:
+            log.info("stage %d %-8s skipped: done on %s (delete %s to redo)", i, name, marker.read_text().strip(), marker)
+            continue
+        start = time.perf_counter()
+        log.info("stage %d %-8s ...", i, name)
+        line = _run_stage(name, data_dir, args)
+        seconds = time.perf_counter() - start
+        marker.parent.mkdir(exist_ok=True)
+        marker.write_text(time.strftime("%Y-%m-%d %H:%M:%S") + f" in {seconds:.1f} s\n")
+        timings = data_dir / "stage_seconds.json"
+        times = json.loads(timings.read_text()) if timings.exists() else {}
+        times[name] = round(seconds, 2)
+        timings.write_text(json.dumps(times, indent=1))
+        log.info("stage %d %-8s done in %.1f s: %s", i, name, seconds, line)
+    return data_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", default="synthetic", choices=CORPORA, help="which corpus to prepare")
+    p.add_argument("--corpus-dir", default=None, help="directory holding a real corpus (not synthetic)")
+    p.add_argument("--data-dir", default=None, help="where everything is written (default data/<corpus>[-size])")
+    p.add_argument("--size", default="default", choices=["tiny", "default"], help="synthetic corpus size")
+    p.add_argument("--stage", type=int, default=0, help="first stage to run (0-6)")
+    p.add_argument("--stop-stage", type=int, default=len(STAGES) - 1, help="last stage to run (0-6)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic corpus and the GMM training")
+    p.add_argument("--num-jobs", type=int, default=2, help="parallel processes for synthesis and features")
+    p.add_argument("--force", action="store_true", help="re-run the selected stages even if done")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    prepare(a.corpus, a.corpus_dir, a.data_dir, a.size, a.stage, a.stop_stage, a.seed, a.num_jobs, a.force)
+
+
+if __name__ == "__main__":
+    main()
