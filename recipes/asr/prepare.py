@@ -29,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from local.drops import clear_drops  # noqa: E402
+
 log = logging.getLogger("prepare")
 
 STAGES = ["corpus", "features", "lang", "mono", "tri", "align", "report"]
@@ -133,6 +135,9 @@ def prepare(
             continue
         start = time.perf_counter()
         log.info("stage %d %-8s ...", i, name)
+        clear_drops(data_dir, name)
+        for later in STAGES[i:]:  # what a re-run stage produces invalidates what was built on it
+            _marker(data_dir, later).unlink(missing_ok=True)
         line = _run_stage(name, data_dir, args)
         seconds = time.perf_counter() - start
         marker.parent.mkdir(exist_ok=True)
