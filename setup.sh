@@ -19,7 +19,6 @@ if [ -n "$missing" ]; then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
 # torch first, pinned: the CPU wheel here; on a GPU machine keep the torch that is installed.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${GTC_TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e ".[asr,dev]"
