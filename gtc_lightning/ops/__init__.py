@@ -1,7 +1,8 @@
 """Public ops: ``compress`` and ``decompress``, one dispatch point for both backends.
 
 CUDA tensors run the Triton kernels (``triton_kernels.py``); CPU tensors run the pure-torch
-reference (``reference.py``). Both give bit-identical results; validation lives here only.
+reference (``reference.py``). Both give bit-identical results. Argument validation lives here;
+the non-finite check of ``grad`` lives in each backend (the Triton one fuses it on the GPU).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from gtc_lightning.ops.reference import compress_reference, decompress_reference
 
 MAX_NUMEL = (1 << 31) - 1  # a word holds a 31-bit index
 
-__all__ = ["compress", "decompress", "MAX_NUMEL", "use_triton"]
+__all__ = ["compress", "decompress", "compress_torch", "MAX_NUMEL", "use_triton"]
 
 
 def _fp32(value: float) -> float:
@@ -78,13 +79,23 @@ def compress(grad: torch.Tensor, residual: torch.Tensor, tau: float) -> torch.Te
             f"{grad.numel()} elements is more than 2**31-1 addressable by a 31-bit index; "
             "compress in chunks (lower bucket_cap_mb)"
         )
-    bad = int((~torch.isfinite(grad)).sum())
-    if bad:
-        raise ValueError(f"grad has {bad} non-finite element(s) (NaN/Inf); residual left unchanged")
     if use_triton(grad):
         from gtc_lightning.ops.triton_kernels import compress_triton
 
+        # The kernels count non-finite elements themselves, before touching the residual.
         return compress_triton(grad, residual, tau32)
+    return compress_torch(grad, residual, tau32)
+
+
+def compress_torch(grad: torch.Tensor, residual: torch.Tensor, tau32: float) -> torch.Tensor:
+    """The torch backend as ``compress`` runs it: non-finite check, then the reference.
+
+    Args and returns as ``compress_reference``; raises ``ValueError`` with the count of
+    non-finite elements in ``grad`` before ``residual`` is touched.
+    """
+    bad = int((~torch.isfinite(grad)).sum())
+    if bad:
+        raise ValueError(f"grad has {bad} non-finite element(s) (NaN/Inf); residual left unchanged")
     return compress_reference(grad, residual, tau32)
 
 
