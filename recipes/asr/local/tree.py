@@ -1,0 +1,581 @@
+"""Triphone phonetic decision tree, built the way Kaldi's ``build-tree`` builds it.
+
+kaldi-hmm-gmm has no tree building, so this module grows the tree in numpy and hands it to
+``khg.ContextDependency`` as Kaldi's binary ``ContextDependency`` blob:
+
+1. ``accumulate_tree_stats``: diagonal-Gaussian statistics (count, sum, sum of squares) per
+   context event ``(left, centre, right, pdf_class)`` from transition-id alignments
+   (Kaldi's ``acc-tree-stats``; phone 0 stands for the utterance boundary).
+2. ``cluster_phones``: questions (sets of phones) from top-down binary clustering of the
+   per-phone Gaussians; every node of the cluster tree is a question (``cluster-phones``).
+3. ``build_tree``: one root per non-silence phone (and per pdf-class unless shared), greedy
+   splitting of the best leaf by likelihood gain, then bottom-up merging of leaves within a
+   root (``--cluster-thresh``); leaves that merge share one pdf. Silence phones get one
+   leaf per pdf-class and no context.
+4. ``write_context_dependency`` / ``parse_event_map`` / ``load_context_dependency``: the binary
+   format, byte-identical to what Kaldi's writer produces for the same tree.
+
+Event keys (N=3, P=1): 0 left phone, 1 centre phone, 2 right phone, -1 pdf-class.
+"""
+
+import heapq
+import itertools
+import logging
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from local.kaldi import khg
+
+log = logging.getLogger(__name__)
+
+PDF_CLASS_KEY = -1
+KEY_COLUMN = {0: 0, 1: 1, 2: 2, PDF_CLASS_KEY: 3}  # event key -> column of the event array
+
+Stats = dict[tuple[int, int, int, int], tuple[float, np.ndarray, np.ndarray]]
+
+
+# ---------------------------------------------------------------- EventMap nodes and binary format
+@dataclass(frozen=True)
+class Const:
+    """ConstantEventMap: a leaf answering ``pdf``."""
+
+    pdf: int
+
+
+@dataclass(frozen=True)
+class Split:
+    """SplitEventMap: ``yes`` when the event's value for ``key`` is in ``yes_set``, else ``no``."""
+
+    key: int
+    yes_set: tuple[int, ...]
+    yes: "EventMap"
+    no: "EventMap"
+
+
+@dataclass(frozen=True)
+class Table:
+    """TableEventMap: ``entries[value of key]``; ``None`` entries are undefined (Kaldi's NULL)."""
+
+    key: int
+    entries: tuple["EventMap | None", ...]
+
+
+EventMap = Const | Split | Table
+
+
+def map_event(node: EventMap | None, event: Mapping[int, int]) -> int | None:
+    """The pdf an event (key -> value) maps to, or None where the tree has no answer."""
+    while node is not None and not isinstance(node, Const):
+        value = event.get(node.key)
+        if value is None:
+            return None
+        if isinstance(node, Split):
+            node = node.yes if value in node.yes_set else node.no
+        else:
+            node = node.entries[value] if 0 <= value < len(node.entries) else None
+    return None if node is None else node.pdf
+
+
+def _token(text: str) -> bytes:
+    return text.encode() + b" "
+
+
+def _int32(v: int) -> bytes:  # Kaldi WriteBasicType<int32>: size byte 4, little-endian
+    return b"\x04" + struct.pack("<i", v)
+
+
+def _write_node(node: EventMap | None) -> bytes:
+    if node is None:
+        return _token("NULL")
+    if isinstance(node, Const):
+        return _token("CE") + _int32(node.pdf)
+    if isinstance(node, Split):  # yes set as Kaldi's WriteIntegerVector: size byte, count, raw ints
+        vec = b"\x04" + struct.pack(f"<i{len(node.yes_set)}i", len(node.yes_set), *node.yes_set)
+        return (
+            _token("SE")
+            + _int32(node.key)
+            + vec
+            + _token("{")
+            + _write_node(node.yes)
+            + _write_node(node.no)
+            + _token("}")
+        )
+    # Table size is a uint32: Kaldi marks unsigned types with a negated size byte (-4 = 0xfc).
+    head = _token("TE") + _int32(node.key) + b"\xfc" + struct.pack("<I", len(node.entries)) + _token("(")
+    return head + b"".join(_write_node(e) for e in node.entries) + _token(")")
+
+
+def write_context_dependency(root: EventMap, context_width: int = 3, central_position: int = 1) -> bytes:
+    """Kaldi's binary ``ContextDependency`` blob for the tree ``root`` (as ``tree.write`` would)."""
+    return (
+        _token("ContextDependency")
+        + _int32(context_width)
+        + _int32(central_position)
+        + _token("ToPdf")
+        + _write_node(root)
+        + _token("EndContextDependency")
+    )
+
+
+def parse_event_map(blob: bytes) -> tuple[int, int, EventMap]:
+    """Inverse of ``write_context_dependency``: returns (context_width, central_position, root)."""
+    pos = 0
+
+    def token() -> str:
+        nonlocal pos
+        end = blob.index(b" ", pos)
+        text, pos = blob[pos:end].decode(), end + 1
+        return text
+
+    def number(size_byte: bytes, fmt: str) -> int:
+        nonlocal pos
+        if blob[pos : pos + 1] != size_byte:
+            raise ValueError(f"bad tree blob: expected size byte {size_byte!r} at offset {pos}")
+        (v,) = struct.unpack_from(fmt, blob, pos + 1)
+        pos += 5
+        return v
+
+    def node() -> EventMap | None:
+        nonlocal pos
+        kind = token()
+        if kind == "NULL":
+            return None
+        if kind == "CE":
+            return Const(number(b"\x04", "<i"))
+        key = number(b"\x04", "<i")
+        if kind == "SE":
+            count = number(b"\x04", "<i")
+            yes_set = struct.unpack_from(f"<{count}i", blob, pos)
+            pos += 4 * count
+            token()  # "{"
+            yes, no = node(), node()
+            token()  # "}"
+            return Split(key, tuple(yes_set), yes, no)
+        if kind != "TE":
+            raise ValueError(f"bad tree blob: unknown EventMap token {kind!r} at offset {pos}")
+        size = number(b"\xfc", "<I")
+        token()  # "("
+        entries = tuple(node() for _ in range(size))
+        token()  # ")"
+        return Table(key, entries)
+
+    if token() != "ContextDependency":
+        raise ValueError("bad tree blob: does not start with the ContextDependency token")
+    width, central = number(b"\x04", "<i"), number(b"\x04", "<i")
+    token()  # "ToPdf"
+    root = node()
+    if token() != "EndContextDependency":
+        raise ValueError("bad tree blob: missing EndContextDependency")
+    return width, central, root
+
+
+def load_context_dependency(blob: bytes) -> "khg.ContextDependency":
+    """A ``khg.ContextDependency`` read from a binary blob (pybind's pickle state is signed bytes)."""
+    tree = khg.ContextDependency.__new__(khg.ContextDependency)
+    tree.__setstate__(([b - 256 if b > 127 else b for b in blob],))
+    return tree
+
+
+def context_dependency_blob(tree: "khg.ContextDependency") -> bytes:
+    """The binary blob of a ``khg.ContextDependency`` (for example Kaldi's monophone tree)."""
+    return bytes(b & 0xFF for b in tree.__getstate__()[0])
+
+
+# ---------------------------------------------------------------- statistics from alignments
+@dataclass(frozen=True)
+class TidTables:
+    """Facts per transition-id, each an int/bool array ``[num_transition_ids + 1]`` (entry 0 unused)."""
+
+    phone: np.ndarray
+    pdf_class: (
+        np.ndarray
+    )  # forward pdf-class, or self-loop pdf-class for self-loops (Kaldi's TransitionIdToPdfClass)
+    state: np.ndarray  # transition-state
+    is_final: np.ndarray  # transition into the HMM's final state
+    is_self_loop: np.ndarray
+
+    @classmethod
+    def from_transition_model(cls, tm: "khg.TransitionModel") -> "TidTables":
+        n, topo = tm.num_transition_ids, tm.topo
+        tables = {k: np.zeros(n + 1, dtype=np.int64) for k in ("phone", "pdf_class", "state")}
+        flags = {k: np.zeros(n + 1, dtype=bool) for k in ("is_final", "is_self_loop")}
+        for tid in range(1, n + 1):
+            state = tm.id2state[tid]
+            phone, hmm_state = tm.tuples[state - 1].__getstate__()[:2]
+            self_loop = tm.is_self_loop(tid)
+            hmm = topo.topology_for_phone(phone)[hmm_state]
+            tables["phone"][tid], tables["state"][tid] = phone, state
+            tables["pdf_class"][tid] = hmm.self_loop_pdf_class if self_loop else hmm.forward_pdf_class
+            flags["is_final"][tid], flags["is_self_loop"][tid] = tm.is_final(tid), self_loop
+        return cls(**tables, **flags)
+
+
+def accumulate_tree_stats(
+    alignments: Sequence[np.ndarray], features: Sequence[np.ndarray], tables: TidTables
+) -> Stats:
+    """Gaussian statistics per context event, like Kaldi's ``acc-tree-stats``.
+
+    Args:
+        alignments: per utterance, transition-ids ``[T]``.
+        features: per utterance, features ``[T, D]`` of the same frames.
+        tables: ``TidTables.from_transition_model(tm)``.
+
+    Returns:
+        ``{(left, centre, right, pdf_class): (count, sum [D], sum of squares [D])}``, float64;
+        left/right are the neighbouring phone instances, 0 at the utterance boundaries.
+    """
+    if len(alignments) != len(features):
+        raise ValueError(
+            f"{len(alignments)} alignments but {len(features)} feature matrices; pass one of each per utterance"
+        )
+    stats: Stats = {}
+    for i, (ali, feats) in enumerate(zip(alignments, features)):
+        tid, feats = np.asarray(ali, dtype=np.int64), np.asarray(feats, dtype=np.float64)
+        if len(tid) != len(feats) or len(tid) == 0:
+            raise ValueError(
+                f"utterance {i}: {len(tid)} alignment frames vs {len(feats)} feature frames; they must agree and be > 0"
+            )
+        # A phone instance ends on a transition into the final state, unless self-loops of that same
+        # state follow (graphs compiled with reordered self-loops put them after the exit).
+        state = tables.state[tid]
+        end = tables.is_final[tid[:-1]] & ~(tables.is_self_loop[tid[1:]] & (state[1:] == state[:-1]))
+        instance = np.concatenate([[0], np.cumsum(end)])
+        phone = tables.phone[tid]
+        inst_phone = phone[np.flatnonzero(np.concatenate([[True], end]))]
+        left = np.concatenate([[0], inst_phone[:-1]])[instance]
+        right = np.concatenate([inst_phone[1:], [0]])[instance]
+        events = np.stack([left, phone, right, tables.pdf_class[tid]], axis=1)
+        keys, inverse = np.unique(events, axis=0, return_inverse=True)
+        order = np.argsort(inverse.ravel(), kind="stable")
+        starts = np.flatnonzero(np.diff(np.concatenate([[-1], inverse.ravel()[order]])))
+        counts = np.diff(np.append(starts, len(order)))
+        sums, sumsq = np.add.reduceat(feats[order], starts), np.add.reduceat(feats[order] ** 2, starts)
+        for k, key in enumerate(map(tuple, keys.tolist())):
+            old = stats.get(key)
+            stats[key] = (
+                (float(counts[k]), sums[k], sumsq[k])
+                if old is None
+                else (old[0] + counts[k], old[1] + sums[k], old[2] + sumsq[k])
+            )
+    log.info("tree stats: %d context events from %d utterances", len(stats), len(alignments))
+    return stats
+
+
+# ---------------------------------------------------------------- Gaussian likelihood of stats
+def _stats_arrays(stats: Stats) -> tuple[np.ndarray, np.ndarray]:
+    """Events ``[E, 4]`` and stacked stats ``[E, 1 + 2D]`` (count, sum, sumsq)."""
+    if not stats:
+        raise ValueError("no tree statistics: accumulate_tree_stats produced nothing (empty alignments?)")
+    keys = sorted(stats)
+    rows = [np.concatenate([[stats[k][0]], stats[k][1], stats[k][2]]) for k in keys]
+    return np.asarray(keys, dtype=np.int64).reshape(-1, 4), np.asarray(rows, dtype=np.float64)
+
+
+def _mean_var(s: np.ndarray, var_floor: float) -> tuple[np.ndarray, np.ndarray]:
+    d = (s.shape[-1] - 1) // 2
+    n = np.maximum(s[..., :1], 1e-10)
+    mean = s[..., 1 : 1 + d] / n
+    return mean, np.maximum(s[..., 1 + d :] / n - mean**2, var_floor)
+
+
+def _loglike(s: np.ndarray, var_floor: float) -> np.ndarray:
+    """Log-likelihood of stats ``[..., 1+2D]`` under their own ML diagonal Gaussian (Kaldi's Objf)."""
+    d = (s.shape[-1] - 1) // 2
+    _, var = _mean_var(s, var_floor)
+    return -0.5 * s[..., 0] * (np.log(var).sum(-1) + d * (1.0 + np.log(2 * np.pi)))
+
+
+# ---------------------------------------------------------------- questions by phone clustering
+def _two_means(
+    members: list[int], gauss: dict[int, np.ndarray], var_floor: float
+) -> tuple[list[int], list[int]]:
+    """Split phones in two, maximising the summed likelihood of both halves (local search)."""
+    like = lambda group: float(_loglike(sum(gauss[p] for p in group), var_floor))
+    pairs = [(a, b) for i, a in enumerate(members) for b in members[i + 1 :]]
+    a, b = max(pairs, key=lambda ab: like([ab[0]]) + like([ab[1]]) - like(ab))  # most dissimilar seeds
+    side = {p: int(like([b, p]) - like([b]) > like([a, p]) - like([a])) for p in members}
+    side[a], side[b] = 0, 1
+    for _ in range(20):
+        moved = False
+        for p in members:
+            here = [q for q in members if side[q] == side[p]]
+            there = [q for q in members if side[q] != side[p]]
+            if len(here) > 1 and like(here) + like(there) < like([q for q in here if q != p]) + like(
+                there + [p]
+            ):
+                side[p], moved = 1 - side[p], True
+        if not moved:
+            break
+    return [p for p in members if side[p] == 0], [p for p in members if side[p] == 1]
+
+
+def cluster_phones(
+    stats: Stats, phones: Sequence[int], pdf_classes: Sequence[int] = (1,), var_floor: float = 0.01
+) -> list[tuple[int, ...]]:
+    """Questions from top-down binary clustering of per-phone Gaussians (Kaldi's ``cluster-phones``).
+
+    Args:
+        stats: tree statistics (``accumulate_tree_stats``).
+        phones: the phones to cluster (all real phones, silence included: it is a context too).
+        pdf_classes: pdf-classes whose stats describe a phone (Kaldi uses the central state, 1);
+            a phone with none of them uses all its stats.
+        var_floor: variance floor of the likelihood.
+
+    Returns:
+        Sorted phone sets, every node of the cluster tree (the whole set and singletons included).
+    """
+    events, s = _stats_arrays(stats)
+    gauss: dict[int, np.ndarray] = {}
+    for p in phones:
+        mine = events[:, 1] == p
+        chosen = mine & np.isin(events[:, 3], pdf_classes)
+        if mine.any():
+            gauss[p] = s[chosen if chosen.any() else mine].sum(0)
+    unseen = sorted(set(phones) - set(gauss))
+    if unseen:
+        log.warning(
+            "cluster_phones: no statistics for phones %s; they only appear in the all-phones question", unseen
+        )
+    questions, todo = [tuple(sorted(phones))], [sorted(gauss)]
+    while todo:
+        group = todo.pop()
+        if tuple(group) != questions[0]:
+            questions.append(tuple(group))
+        if len(group) > 1:
+            todo.extend(_two_means(group, gauss, var_floor))
+    log.info("cluster_phones: %d questions over %d phones", len(questions), len(phones))
+    return questions
+
+
+# ---------------------------------------------------------------- tree building
+@dataclass(eq=False)
+class _Node:
+    """A node while the tree grows: a leaf until ``split`` is set to (key, yes_set, yes, no)."""
+
+    events: np.ndarray  # [E, 4]
+    stats: np.ndarray  # [E, 1 + 2D]
+    root: int
+    split: tuple | None = None
+    best: tuple = (-np.inf, None, None)  # (gain, key, yes_set) of the best allowed split
+
+
+@dataclass
+class TreeResult:
+    """A built tree and what initialising the triphone GMMs needs (one Gaussian per pdf, as init-model)."""
+
+    tree: "khg.ContextDependency"
+    blob: bytes  # Kaldi binary tree, e.g. to write as exp/tri/tree
+    root: EventMap
+    num_pdfs: int
+    counts: np.ndarray  # [num_pdfs] frames per pdf (0 for phones without data)
+    means: np.ndarray  # [num_pdfs, D]
+    variances: np.ndarray  # [num_pdfs, D], floored
+    questions: list[tuple[int, ...]]
+    summary: dict = field(default_factory=dict)
+
+    def pdf_id(self, left: int, centre: int, right: int, pdf_class: int) -> int | None:
+        """The pdf of a triphone state (0 for a missing context), as ``tree.compute`` answers."""
+        return map_event(self.root, {0: left, 1: centre, 2: right, PDF_CLASS_KEY: pdf_class})
+
+
+def _best_split(
+    node: _Node, questions: dict[int, tuple[list, np.ndarray]], min_count: float, var_floor: float
+) -> tuple:
+    total = node.stats.sum(0)
+    base = _loglike(total, var_floor)
+    best = (-np.inf, None, None)
+    for key, (sets, member) in questions.items():  # member: [Q, V] 0/1 matrix of the question sets
+        per_value = np.zeros((member.shape[1], node.stats.shape[1]))
+        np.add.at(per_value, node.events[:, KEY_COLUMN[key]], node.stats)
+        yes = member @ per_value
+        no = total - yes
+        gain = _loglike(yes, var_floor) + _loglike(no, var_floor) - base
+        gain[(yes[:, 0] < min_count) | (no[:, 0] < min_count)] = -np.inf
+        q = int(np.argmax(gain))
+        if gain[q] > best[0]:
+            best = (float(gain[q]), key, sets[q])
+    return best
+
+
+def _membership(sets: Sequence[Sequence[int]], size: int) -> np.ndarray:
+    member = np.zeros((len(sets), size))
+    for i, s in enumerate(sets):
+        member[i, list(s)] = 1.0
+    return member
+
+
+def build_tree(
+    stats: Stats,
+    questions: Sequence[Sequence[int]] | None,
+    silence_phones: Sequence[int],
+    phones: Sequence[int],
+    num_pdf_classes: Mapping[int, int] | Sequence[int],
+    num_leaves: int = 2000,
+    min_count: float = 100.0,
+    thresh: float = 300.0,
+    cluster_thresh: float | None = None,
+    share_pdf_classes: bool = False,
+    var_floor: float = 0.01,
+) -> TreeResult:
+    """Grow a triphone tree by likelihood gain (Kaldi's ``build-tree``) and load it into khg.
+
+    Args:
+        stats: tree statistics (``accumulate_tree_stats``).
+        questions: phone sets asked about the left and right phones; None clusters them
+            from ``stats`` (``cluster_phones``).
+        silence_phones: phones that get one leaf per pdf-class and no context questions.
+        phones: every phone of the topology (the tree must answer for each).
+        num_pdf_classes: pdf-classes per phone (``topo.get_phone_to_num_pdf_classes()`` or a dict).
+        num_leaves: most leaves before merging (Kaldi's ``--max-leaves``), roots included.
+        min_count: fewest frames on each side of a split.
+        thresh: smallest log-likelihood gain of a split.
+        cluster_thresh: leaves of one root merge while the merge loses less than this;
+            None means ``thresh`` (Kaldi's default).
+        share_pdf_classes: one root per phone with questions about the pdf-class (Kaldi's
+            "shared" roots) instead of one root per phone and pdf-class.
+        var_floor: variance floor of the likelihoods and of the returned variances.
+    """
+    events, s = _stats_arrays(stats)
+    phones = sorted(phones)
+    bad = sorted(set(events[:, :3].ravel().tolist()) - set(phones) - {0})
+    if bad or not set(events[:, 1].tolist()) <= set(phones):
+        raise ValueError(
+            f"stats have phones {bad or [0]} that are not in phones (0 only as a missing context); "
+            "pass every phone of the topology"
+        )
+    classes = lambda p: int(num_pdf_classes[p])
+    too_big = sorted({(c, p) for _, p, _, c in events.tolist() if not 0 <= c < classes(p)})
+    if too_big:
+        raise ValueError(
+            f"stats have (pdf_class, phone) {too_big[:5]} outside num_pdf_classes; use the topology of the alignments"
+        )
+    if questions is None:
+        questions = cluster_phones(stats, phones, var_floor=var_floor)
+    questions = sorted({tuple(sorted(q)) for q in questions})
+    width = max(phones) + 1
+    ctx = (questions, _membership(questions, width))
+    max_classes = max(classes(p) for p in phones)
+    class_sets = [tuple(range(i + 1)) for i in range(max_classes - 1)]  # "is pdf-class <= i?"
+    by_key = {0: ctx, 2: ctx}
+    shared_keys = {**by_key, PDF_CLASS_KEY: (class_sets, _membership(class_sets, max_classes))}
+
+    # 1. roots: (phone, pdf_class or None when shared); silence never splits.
+    roots, leaves, heap, tie = [], [], [], itertools.count()  # tie: split order is deterministic
+    for p in phones:
+        shared = share_pdf_classes and p not in silence_phones
+        for c in [None] if shared else range(classes(p)):
+            mask = (events[:, 1] == p) & (True if c is None else events[:, 3] == c)
+            node = _Node(events[mask], s[mask], len(roots))
+            roots.append((p, c, node))
+            leaves.append(node)
+            if p not in silence_phones and mask.any():
+                node.best = _best_split(node, shared_keys if shared else by_key, min_count, var_floor)
+                heapq.heappush(heap, (-node.best[0], next(tie), node))
+    if num_leaves < len(roots):
+        raise ValueError(
+            f"num_leaves={num_leaves} is below the {len(roots)} roots (phones x pdf-classes); raise num_leaves"
+        )
+    unseen = sorted({p for p, _, n in roots if len(n.events) == 0})
+    if unseen:
+        log.warning(
+            "build_tree: no statistics for phones %s: their pdfs get the global Gaussian and count 0", unseen
+        )
+
+    # 2. greedy splitting of the best leaf while the gain exceeds thresh.
+    split_gain = 0.0
+    while heap and len(leaves) < num_leaves and -heap[0][0] > thresh:
+        _, _, node = heapq.heappop(heap)
+        gain, key, yes_set = node.best
+        is_yes = np.isin(node.events[:, KEY_COLUMN[key]], yes_set)
+        yes, no = (_Node(node.events[m], node.stats[m], node.root) for m in (is_yes, ~is_yes))
+        node.split, split_gain = (key, yes_set, yes, no), split_gain + gain
+        leaves.remove(node)
+        keys = shared_keys if roots[node.root][1] is None else by_key
+        for child in (yes, no):
+            leaves.append(child)
+            child.best = _best_split(child, keys, min_count, var_floor)
+            heapq.heappush(heap, (-child.best[0], next(tie), child))
+
+    # 3. bottom-up merging of leaves within each root while the loss is below cluster_thresh.
+    cluster_thresh = thresh if cluster_thresh is None else cluster_thresh
+    cluster_of, merge_loss, clusters = {}, 0.0, []
+    for r in range(len(roots)):
+        group = [[n] for n in leaves if n.root == r]
+        sums = [g[0].stats.sum(0) for g in group]
+        while len(group) > 1:
+            loss = [
+                (
+                    float(
+                        _loglike(sums[i], var_floor)
+                        + _loglike(sums[j], var_floor)
+                        - _loglike(sums[i] + sums[j], var_floor)
+                    ),
+                    i,
+                    j,
+                )
+                for i in range(len(group))
+                for j in range(i + 1, len(group))
+            ]
+            best, i, j = min(loss)
+            if best >= cluster_thresh:
+                break
+            merge_loss += best
+            group[i], sums[i] = group[i] + group.pop(j), sums[i] + sums.pop(j)
+        for g, total in zip(group, sums):
+            for n in g:
+                cluster_of[id(n)] = len(clusters)
+            clusters.append(total)
+
+    # 4. pdf ids in tree order (roots by phone and pdf-class, yes before no), contiguous from 0.
+    pdf_of_cluster: dict[int, int] = {}
+
+    def freeze(node: _Node) -> EventMap:
+        if node.split is None:
+            return Const(pdf_of_cluster.setdefault(cluster_of[id(node)], len(pdf_of_cluster)))
+        key, yes_set, yes, no = node.split
+        return Split(key, tuple(int(v) for v in yes_set), freeze(yes), freeze(no))
+
+    per_phone: dict[int, EventMap] = {}
+    for p in phones:
+        mine = [(c, n) for q, c, n in roots if q == p]
+        per_phone[p] = (
+            freeze(mine[0][1])
+            if mine[0][0] is None
+            else Table(PDF_CLASS_KEY, tuple(freeze(n) for _, n in mine))
+        )
+    root = Table(1, tuple(per_phone.get(v) for v in range(width)))
+
+    order = sorted(pdf_of_cluster, key=pdf_of_cluster.get)
+    totals = np.stack([clusters[c] for c in order])
+    global_mean, global_var = _mean_var(s.sum(0), var_floor)
+    means, variances = _mean_var(totals, var_floor)
+    empty = totals[:, 0] == 0
+    means[empty], variances[empty] = global_mean, global_var
+    blob = write_context_dependency(root)
+    tree = load_context_dependency(blob)
+    if tree.num_pdfs != len(order):
+        raise RuntimeError(
+            f"khg reads {tree.num_pdfs} pdfs from the tree blob, the builder made {len(order)}"
+        )
+    frames = float(s[:, 0].sum())
+    summary = {
+        "roots": len(roots),
+        "leaves": len(leaves),
+        "pdfs": len(order),
+        "questions": len(questions),
+        "split_gain_per_frame": split_gain / frames,
+        "merge_loss_per_frame": merge_loss / frames,
+        "frames": frames,
+    }
+    log.info(
+        "build_tree: %d roots -> %d leaves (gain %.3f/frame) -> %d pdfs after merging (loss %.3f/frame)",
+        len(roots),
+        len(leaves),
+        summary["split_gain_per_frame"],
+        len(order),
+        summary["merge_loss_per_frame"],
+    )
+    return TreeResult(tree, blob, root, len(order), totals[:, 0], means, variances, list(questions), summary)
