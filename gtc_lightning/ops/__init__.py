@@ -16,7 +16,7 @@ from gtc_lightning.ops.reference import compress_reference, decompress_reference
 
 MAX_NUMEL = (1 << 31) - 1  # a word holds a 31-bit index
 
-__all__ = ["compress", "decompress", "compress_torch", "MAX_NUMEL", "use_triton"]
+__all__ = ["MAX_NUMEL", "compress", "compress_torch", "decompress", "use_triton"]
 
 
 def _fp32(value: float) -> float:
@@ -39,7 +39,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 def _check_vector(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
     if t.dtype != dtype:
         raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
     if t.dim() != 1:

@@ -206,24 +206,21 @@ def _launch_compress(
     if n == 0:
         return words, 0
     bad = torch.zeros(1, dtype=torch.int32, device=grad.device)
-    _count_nonfinite_kernel[(triton.cdiv(n, NONFINITE_BLOCK),)](
-        grad, bad, n, BLOCK=NONFINITE_BLOCK, num_warps=CUDA_CONFIG["nonfinite"][1], **FP_OPTIONS
+    check_block, check_warps = NONFINITE_BLOCK, CUDA_CONFIG["nonfinite"][1]
+    _count_nonfinite_kernel[(triton.cdiv(n, check_block),)](
+        grad, bad, n, BLOCK=check_block, num_warps=check_warps, **FP_OPTIONS
     )
     n_blocks = triton.cdiv(n, block)
     scratch = torch.empty(n, dtype=torch.int32, device=grad.device)
     block_counts = torch.empty(n_blocks, dtype=torch.int32, device=grad.device)
-    _compress_blocks_kernel[(n_blocks,)](
-        grad, residual, scratch, block_counts, bad, n, tau32, BLOCK=block, num_warps=CUDA_CONFIG["compress"][1],
-        **FP_OPTIONS,
-    )
+    launch = {"BLOCK": block, "num_warps": CUDA_CONFIG["compress"][1], **FP_OPTIONS}
+    _compress_blocks_kernel[(n_blocks,)](grad, residual, scratch, block_counts, bad, n, tau32, **launch)
     block_ends = torch.cumsum(block_counts, 0)  # int64
     total, n_bad = torch.stack([block_ends[-1], bad[0].to(torch.int64)]).tolist()
     if n_bad or total == 0:
         return words, n_bad
     words = torch.empty(total, dtype=torch.int32, device=grad.device)
-    _gather_words_kernel[(n_blocks,)](
-        scratch, block_counts, block_ends, words, BLOCK=block, num_warps=CUDA_CONFIG["compress"][1], **FP_OPTIONS
-    )
+    _gather_words_kernel[(n_blocks,)](scratch, block_counts, block_ends, words, **launch)
     return words, 0
 
 
@@ -272,7 +269,9 @@ def _launch_decompress(words: torch.Tensor, numel: int, scale: float, block: int
     return out
 
 
-def decompress_triton(words: torch.Tensor, numel: int, scale: float, block: int = WORDS_BLOCK) -> torch.Tensor:
+def decompress_triton(
+    words: torch.Tensor, numel: int, scale: float, block: int = WORDS_BLOCK
+) -> torch.Tensor:
     """Triton twin of ``decompress_reference``: ``scale * (#plus - #minus)`` per index.
 
     Args:
@@ -288,11 +287,41 @@ def decompress_triton(words: torch.Tensor, numel: int, scale: float, block: int 
     return _launch_decompress(words, numel, scale, block)
 
 
+# Every kernel with its argument types (triton signature strings, BLOCK excluded) and its
+# CUDA_CONFIG entry: what an ahead-of-time compile needs (``python -m gtc_lightning.bench --compile-only``).
 KERNELS = {
-    "count_nonfinite": _count_nonfinite_kernel,
-    "compress_blocks": _compress_blocks_kernel,
-    "gather_words": _gather_words_kernel,
-    "count_words": _count_words_kernel,
-    "gather_counts": _gather_counts_kernel,
-    "scatter_values": _scatter_values_kernel,
+    "count_nonfinite": (
+        _count_nonfinite_kernel,
+        {"grad_ptr": "*fp32", "bad_ptr": "*i32", "n": "i32"},
+        "nonfinite",
+    ),
+    "compress_blocks": (
+        _compress_blocks_kernel,
+        {
+            "grad_ptr": "*fp32",
+            "residual_ptr": "*fp32",
+            "scratch_ptr": "*i32",
+            "block_counts_ptr": "*i32",
+            "bad_ptr": "*i32",
+            "n": "i32",
+            "tau": "fp32",
+        },
+        "compress",
+    ),
+    "gather_words": (
+        _gather_words_kernel,
+        {"scratch_ptr": "*i32", "block_counts_ptr": "*i32", "block_ends_ptr": "*i64", "words_ptr": "*i32"},
+        "compress",
+    ),
+    "count_words": (_count_words_kernel, {"words_ptr": "*i32", "counts_ptr": "*i32", "m": "i32"}, "words"),
+    "gather_counts": (
+        _gather_counts_kernel,
+        {"words_ptr": "*i32", "counts_ptr": "*i32", "values_ptr": "*fp32", "scale": "fp32", "m": "i32"},
+        "words",
+    ),
+    "scatter_values": (
+        _scatter_values_kernel,
+        {"words_ptr": "*i32", "values_ptr": "*fp32", "out_ptr": "*fp32", "m": "i32"},
+        "words",
+    ),
 }

@@ -1,0 +1,281 @@
+"""Throughput of ``compress`` / ``decompress``: Triton kernels vs the torch reference, one run.
+
+    python -m gtc_lightning.bench                       # sizes 1M,14.6M,100M at 0.5 % density
+    python -m gtc_lightning.bench --device cpu --sizes 1M --repeats 3
+    python -m gtc_lightning.bench --compile-only        # compile every kernel for sm_90, no GPU needed
+
+Bytes counted (n elements, m words): compress 12n + 4m (read grad, read and write the
+residual, write the words); decompress 4n + 4m (write the output, read the words); the
+device-to-device copy 8n (read and write n float32), the memory-bandwidth roofline. Each
+timed call starts from the same residual. On CPU only the reference runs: the Triton
+interpreter is a correctness tool, not a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gtc_lightning.ops import compress_torch
+from gtc_lightning.ops.reference import decompress_reference
+
+SUFFIXES = {"K": 1e3, "M": 1e6, "G": 1e9}
+
+
+def parse_size(text: str) -> int:
+    """``"14.6M"`` -> 14600000."""
+    match = re.fullmatch(r"([0-9.]+)([KMG]?)", text.strip().upper())
+    if not match:
+        raise ValueError(f"size {text!r} is not a number with an optional K/M/G suffix, e.g. 14.6M")
+    return int(float(match.group(1)) * SUFFIXES.get(match.group(2), 1))
+
+
+def parse_density(text: str) -> float:
+    """``"0.5%"`` or ``"0.005"`` -> 0.005 words per element."""
+    value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    if not 0 < value < 1:
+        raise ValueError(f"density must be in (0, 1) words per element, got {text!r}")
+    return value
+
+
+def make_problem(n: int, density: float, device: torch.device, seed: int = 0):
+    """Gradient, residual and a float32 tau giving about ``density`` words per element.
+
+    Returns:
+        ``(grad [n], residual [n], tau32)``; tau is the ``1 - density`` quantile of
+        ``|residual + grad|`` on a random sample of up to 2**20 elements.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    grad = torch.randn(n, generator=gen, device=device)
+    residual = torch.randn(n, generator=gen, device=device)
+    sample = torch.randint(n, (min(n, 1 << 20),), generator=gen, device=device)
+    tau = torch.quantile((residual[sample] + grad[sample]).abs(), 1 - density).item()
+    return grad, residual, float(torch.tensor(tau, dtype=torch.float32))
+
+
+def median_seconds(run: Callable[[], object], reset: Callable[[], object], repeats: int, device) -> float:
+    """Median wall time of ``run()`` over ``repeats`` calls, each after an untimed ``reset()``."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    reset()
+    run()  # warm-up: compilation, allocator
+    times = []
+    for _ in range(repeats):
+        reset()
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def backends_for(device: torch.device) -> dict[str, tuple[Callable, Callable]]:
+    """The torch reference everywhere, the Triton kernels on CUDA: name -> (compress, decompress)."""
+    backends = {"torch reference": (compress_torch, decompress_reference)}
+    if device.type == "cuda":
+        from gtc_lightning.ops.triton_kernels import compress_triton, decompress_triton
+
+        backends["triton"] = (compress_triton, decompress_triton)
+    return backends
+
+
+def bench_size(n: int, density: float, device: torch.device, repeats: int, backends: dict) -> list[dict]:
+    """Rows for one size: the copy roofline, then each backend (the reference first).
+
+    A ``"triton"`` row also says whether its words and residual are bit-identical to the
+    reference's from the same start.
+    """
+    grad, residual0, tau32 = make_problem(n, density, device)
+    residual = residual0.clone()
+    dst = torch.empty_like(grad)
+    copy_s = median_seconds(lambda: dst.copy_(grad), lambda: None, repeats, device)
+    rows = [
+        {"n": n, "backend": "copy (roofline)", "compress_s": copy_s, "compress_gbs": 8 * n / copy_s / 1e9}
+    ]
+    words_seen = {}
+    for name, (compress_fn, decompress_fn) in backends.items():
+        row, words = _bench_backend(compress_fn, decompress_fn, grad, residual0, residual, tau32, repeats)
+        words_seen[name] = (words.cpu(), residual.cpu())
+        rows.append({"n": n, "backend": name, **row})
+    if "triton" in words_seen:
+        (w_ref, r_ref), (w_tri, r_tri) = words_seen["torch reference"], words_seen["triton"]
+        same = torch.equal(w_ref, w_tri) and torch.equal(r_ref.view(torch.int32), r_tri.view(torch.int32))
+        rows[-1]["identical"] = same
+    return rows
+
+
+def _bench_backend(compress_fn, decompress_fn, grad, residual0, residual, tau32, repeats):
+    """Times one backend; returns its row fields and the words of one call from ``residual0``."""
+    device, n = grad.device, grad.numel()
+    reset = lambda: residual.copy_(residual0)
+    c_s = median_seconds(lambda: compress_fn(grad, residual, tau32), reset, repeats, device)
+    reset()
+    words = compress_fn(grad, residual, tau32)
+    m = words.numel()
+    d_s = median_seconds(lambda: decompress_fn(words, n, tau32), lambda: None, repeats, device)
+    row = {
+        "density": m / n,
+        "compress_s": c_s,
+        "compress_gbs": (12 * n + 4 * m) / c_s / 1e9,
+        "decompress_s": d_s,
+        "decompress_gbs": (4 * n + 4 * m) / d_s / 1e9,
+    }
+    return row, words
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table; ratios are against the copy and the reference of the same size."""
+    head = (
+        "| n | backend | words/elem | compress ms | compress GB/s | % of copy | "
+        "decompress ms | decompress GB/s | speed-up c / d | bit-identical |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    by_key = {(r["n"], r["backend"]): r for r in rows}
+    for r in rows:
+        copy, ref = by_key[(r["n"], "copy (roofline)")], by_key.get((r["n"], "torch reference"))
+        cells = [f"{r['n']:,}", r["backend"], f"{r['density']:.4%}" if "density" in r else "–"]
+        cells += [f"{r['compress_s'] * 1e3:.3f}", f"{r['compress_gbs']:.1f}"]
+        cells.append(f"{r['compress_gbs'] / copy['compress_gbs']:.0%}" if "density" in r else "100%")
+        if "decompress_s" in r:
+            cells += [f"{r['decompress_s'] * 1e3:.3f}", f"{r['decompress_gbs']:.1f}"]
+            speed = (ref["compress_s"] / r["compress_s"], ref["decompress_s"] / r["decompress_s"])
+            cells.append("–" if r is ref else f"{speed[0]:.1f}× / {speed[1]:.1f}×")
+        else:
+            cells += ["–", "–", "–"]
+        cells.append({True: "yes", False: "NO"}.get(r.get("identical"), "–"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compile_kernels(arch: int = 90) -> list[dict]:
+    """Compile every Triton kernel for ``sm_{arch}`` without a GPU (PTX, and cubin via ptxas).
+
+    Works whether or not ``TRITON_INTERPRET`` is set: each kernel's Python function is wrapped
+    in a fresh ``JITFunction``.
+
+    Returns:
+        One dict per kernel: name, block, warps, PTX/cubin bytes, registers, spill bytes,
+        shared memory, and counts of ``.ftz`` (denormal flushing) and ``fma`` in the PTX,
+        which must be 0 for results bit-identical to the CPU reference.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from gtc_lightning.ops.triton_kernels import CUDA_CONFIG, FP_OPTIONS, KERNELS
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    rows = []
+    for name, (kernel, signature, config) in KERNELS.items():
+        block, warps = CUDA_CONFIG[config]
+        fn = JITFunction(getattr(kernel, "fn", kernel))
+        source = ASTSource(fn=fn, signature={**signature, "BLOCK": "constexpr"}, constexprs={"BLOCK": block})
+        start = time.perf_counter()
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, **FP_OPTIONS}
+        )
+        ptx, cubin = compiled.asm["ptx"], compiled.asm.get("cubin", b"")
+        row = {"kernel": name, "block": block, "warps": warps, "seconds": time.perf_counter() - start}
+        row.update(ptx_bytes=len(ptx), cubin_bytes=len(cubin), ftz=ptx.count(".ftz"), fma=ptx.count("fma."))
+        row.update(_resource_usage(cubin, cuobjdump))
+        rows.append(row)
+    return rows
+
+
+def _resource_usage(cubin: bytes, cuobjdump: Path) -> dict:
+    """Registers, spills (local memory) and shared memory from ``cuobjdump``; {} without it."""
+    if not cubin or not cuobjdump.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    found = dict(re.findall(r"\b(REG|LOCAL|SHARED):(\d+)", out))
+    return {
+        "registers": int(found["REG"]),
+        "spill_bytes": int(found["LOCAL"]),
+        "shared": int(found["SHARED"]),
+    }
+
+
+def format_compile_table(rows: list[dict], arch: int) -> str:
+    import triton
+
+    lines = [
+        f"triton {triton.__version__}, target sm_{arch}, compiled without a GPU (compile s ~0: triton's cache)",
+        "| kernel | BLOCK | warps | PTX bytes | cubin bytes | registers | spill bytes | shared | .ftz | fma | compile s |",
+        "|" + "---|" * 11,
+    ]
+    for r in rows:
+        cells = [r["kernel"], r["block"], r["warps"], r["ptx_bytes"], r["cubin_bytes"]]
+        cells += [
+            r.get("registers", "?"),
+            r.get("spill_bytes", "?"),
+            r.get("shared", "?"),
+            r["ftz"],
+            r["fma"],
+        ]
+        cells.append(f"{r['seconds']:.2f}")
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="1M,14.6M,100M", help="comma-separated element counts (K/M/G)")
+    parser.add_argument("--density", default="0.5%", help="target words per element, e.g. 0.5%% or 0.005")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--compile-only", action="store_true", help="compile the kernels for --arch and stop")
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
+    args = parser.parse_args(argv)
+    if args.compile_only:
+        print(format_compile_table(compile_kernels(args.arch), args.arch))
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch.cuda.is_available() is False")
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    sizes, density = [parse_size(s) for s in args.sizes.split(",")], parse_density(args.density)
+    if device.type == "cuda":
+        from gtc_lightning.ops.triton_kernels import INTERPRETED
+
+        if INTERPRETED:
+            parser.error("TRITON_INTERPRET=1 is set: unset it to benchmark the compiled kernels")
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    else:
+        print(
+            f"device: cpu ({torch.get_num_threads()} threads), torch {torch.__version__}: torch reference "
+            "only (no CUDA; the Triton interpreter is not a benchmark)"
+        )
+    print(
+        f"target density {density:.3%}; bytes counted: compress 12n+4m, decompress 4n+4m, copy 8n "
+        f"(n elements, m words); median of {args.repeats} calls; speed-up = reference time / time"
+    )
+    rows = []
+    for n in sizes:
+        rows += bench_size(n, density, device, args.repeats, backends_for(device))
+        print(f"n={n:,}: done", flush=True)
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
