@@ -1,0 +1,222 @@
+"""Stage 1: Kaldi-compatible fbank (for the DNN) and MFCC (for the GMMs), CMVN statistics.
+
+Both come from Lhotse's Kaldi-compatible extractors with the same framing: 25 ms window,
+10 ms shift, ``snip_edges=False`` (so an utterance of d seconds has round(100 d) frames and
+the fbank frames, MFCC frames and alignment frames agree one to one).
+
+Writes ``<data_dir>/features/{split}_cuts.jsonl.gz`` (cuts with ``cut.features`` = 40-bin
+fbank and ``cut.mfcc`` = 13 MFCC as a temporal array, both stored with
+``LilcomChunkyWriter``) and ``features/cmvn.json``::
+
+    {"global": {"mean": [F], "std": [F], "frames": N},      # training frames
+     "speakers": {spk: {"mean": [F], "std": [F], "frames": N}}}  # every split
+
+Speaker statistics pool a speaker's frames over all splits (unsupervised, like Kaldi's
+per-speaker ``compute-cmvn-stats`` on each data dir); ``global`` covers the training split
+and is used for cuts without a known speaker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from local.drops import clear_drops, record_drop
+
+log = logging.getLogger(__name__)
+
+NUM_MEL_BINS = 40
+NUM_CEPS = 13
+FRAME_SHIFT = 0.01
+SAMPLING_RATE = 16000
+DELTA_WINDOW = 2
+
+
+def _extractors():
+    from lhotse import Fbank, FbankConfig, Mfcc, MfccConfig
+
+    return Fbank(FbankConfig(num_mel_bins=NUM_MEL_BINS)), Mfcc(MfccConfig(num_ceps=NUM_CEPS))
+
+
+def _bad_audio(cut) -> tuple[np.ndarray | None, str, str]:
+    """Load a cut's audio as ``[1, S]``; on failure return ``(None, reason, detail)``."""
+    try:
+        audio = cut.load_audio()
+    except Exception as e:  # noqa: BLE001  (any decoder error means unreadable audio)
+        return None, "unreadable_audio", f"{type(e).__name__}: {e}"[:300]
+    if audio.size == 0:
+        return None, "empty_audio", "0 samples"
+    if not np.isfinite(audio).all():
+        return None, "corrupt_audio", "non-finite samples"
+    return audio[:1], "", ""
+
+
+def _process_shard(cuts: list, storage_path: str) -> tuple[list, list, dict]:
+    """Compute and store fbank + MFCC for ``cuts``.
+
+    Returns:
+        the cuts with features attached (as dicts), the drops ``[(id, reason, detail)]`` and the
+        per-speaker fbank sums ``{speaker: [count, sum [F], sum of squares [F]]}``.
+    """
+    from lhotse import LilcomChunkyWriter
+    from lhotse.utils import fastcopy
+
+    fbank, mfcc = _extractors()
+    out, drops, sums = [], [], {}
+    with LilcomChunkyWriter(storage_path) as writer:
+        for cut in tqdm(cuts, desc=Path(storage_path).name, leave=False, mininterval=2.0):
+            if cut.sampling_rate != SAMPLING_RATE:  # the extractors' filterbanks are built for 16 kHz
+                cut = cut.resample(SAMPLING_RATE)
+            audio, reason, detail = _bad_audio(cut)
+            shift = int(round(FRAME_SHIFT * cut.sampling_rate))
+            if audio is not None and (audio.shape[1] + shift // 2) // shift == 0:  # snip_edges=False framing
+                reason, detail = "too_short", f"{audio.shape[1]} samples give no 10 ms frame"
+            elif audio is not None:
+                try:
+                    feats = fbank.extract(audio, cut.sampling_rate)
+                    ceps = mfcc.extract(audio, cut.sampling_rate)
+                except Exception as e:  # noqa: BLE001  (recorded, never a crash of the stage)
+                    reason, detail = "feature_extraction_failed", f"{type(e).__name__}: {e}"[:300]
+            if reason:
+                drops.append((cut.id, reason, detail))
+                continue
+            if ceps.shape[0] != feats.shape[0]:
+                raise RuntimeError(f"cut {cut.id}: {feats.shape[0]} fbank frames but {ceps.shape[0]} MFCC frames; "
+                                   "both extractors must use the same framing")
+            features = fbank.extract_from_samples_and_store(
+                samples=audio, storage=writer, sampling_rate=cut.sampling_rate, offset=cut.start, channel=cut.channel)
+            cut = fastcopy(cut, features=features)
+            cut.mfcc = writer.store_array(cut.id, ceps, frame_shift=FRAME_SHIFT, temporal_dim=0)
+            spk = cut.supervisions[0].speaker if cut.supervisions else None
+            acc = sums.setdefault(spk, [0, np.zeros(feats.shape[1]), np.zeros(feats.shape[1])])
+            acc[0] += feats.shape[0]
+            acc[1] += feats.sum(0, dtype=np.float64)
+            acc[2] += np.square(feats, dtype=np.float64).sum(0)
+            out.append(cut.to_dict())
+    return out, drops, sums
+
+
+def _stats(count: int, total: np.ndarray, sq: np.ndarray) -> dict:
+    mean = total / count
+    std = np.sqrt(np.maximum(sq / count - mean**2, 1e-10))
+    return {"mean": mean.tolist(), "std": std.tolist(), "frames": int(count)}
+
+
+def compute_features(data_dir: Path | str, splits=("train", "dev", "test"), num_jobs: int = 1) -> dict:
+    """Stage 1: features for each split's cuts and the CMVN statistics.
+
+    Args:
+        data_dir: recipe data directory with ``manifests/{split}_cuts.jsonl.gz``.
+        splits: splits to process; a missing dev/test manifest is skipped with a warning.
+        num_jobs: worker processes (each writes its own storage shard).
+
+    Returns:
+        ``{split: {"cuts": kept, "dropped": n, "frames": total}}``.
+    """
+    from lhotse import CutSet
+
+    data_dir = Path(data_dir)
+    out_dir = data_dir / "features"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if num_jobs < 1:
+        raise ValueError(f"num_jobs={num_jobs}; use 1 or more worker processes")
+    clear_drops(data_dir, "features")
+    summary, sums_by_split = {}, {}
+    for split in splits:
+        path = data_dir / "manifests" / f"{split}_cuts.jsonl.gz"
+        if not path.exists():
+            if split == "train":
+                raise RuntimeError(f"{path} is missing; run prepare.py --stage 0 first")
+            log.warning("features: %s is missing, skipping split %s", path, split)
+            continue
+        cuts = list(CutSet.from_file(path))
+        shards = [cuts[j::num_jobs] for j in range(num_jobs)]
+        storage = [str(out_dir / f"{split}_feats.{j}") for j in range(num_jobs)]
+        if num_jobs == 1:
+            results = [_process_shard(shards[0], storage[0])]
+        else:
+            with ProcessPoolExecutor(num_jobs) as pool:
+                results = list(pool.map(_process_shard, shards, storage))
+        kept, split_sums = [], {}
+        for dicts, drops, sums in results:
+            kept += dicts
+            for cut_id, reason, detail in drops:
+                record_drop(data_dir, "features", split, cut_id, reason, detail)
+            for spk, (n, s, q) in sums.items():
+                acc = split_sums.setdefault(spk, [0, 0.0, 0.0])
+                acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + s, acc[2] + q
+        order = {c.id: i for i, c in enumerate(cuts)}
+        kept.sort(key=lambda d: order[d["id"]])
+        CutSet.from_dicts(kept).to_file(out_dir / f"{split}_cuts.jsonl.gz")
+        sums_by_split[split] = split_sums
+        frames = sum(n for n, _, _ in split_sums.values())
+        summary[split] = {"cuts": len(kept), "dropped": len(cuts) - len(kept), "frames": int(frames)}
+        log.info("features %s: %d cuts, %d frames (%.2f h), %d dropped", split, len(kept), frames,
+                 frames * FRAME_SHIFT / 3600, len(cuts) - len(kept))
+
+    write_cmvn(sums_by_split, out_dir / "cmvn.json")
+    return summary
+
+
+def write_cmvn(sums_by_split: dict, path: Path) -> dict:
+    """Per-speaker (all splits) and global (train, else all) fbank mean/std -> ``path``."""
+    speakers = {}
+    for sums in sums_by_split.values():
+        for spk, (n, s, q) in sums.items():
+            acc = speakers.setdefault(spk, [0, 0.0, 0.0])
+            acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + s, acc[2] + q
+    glob = sums_by_split.get("train") or {k: v for d in sums_by_split.values() for k, v in d.items()}
+    n = sum(v[0] for v in glob.values())
+    if n == 0:
+        raise RuntimeError("no feature frames at all: every utterance was dropped (see dropped.jsonl)")
+    stats = {
+        "global": _stats(n, sum(v[1] for v in glob.values()), sum(v[2] for v in glob.values())),
+        "speakers": {spk: _stats(*v) for spk, v in speakers.items() if spk is not None},
+    }
+    path.write_text(json.dumps(stats))
+    return stats
+
+
+def apply_cmvn(feats: np.ndarray, speaker: str | None, stats: dict) -> np.ndarray:
+    """Mean/variance normalise ``feats`` ``[T, F]`` with the speaker's statistics (global if unknown)."""
+    s = stats["speakers"].get(speaker) if speaker is not None else None
+    s = s or stats["global"]
+    mean, std = np.asarray(s["mean"], dtype=np.float32), np.asarray(s["std"], dtype=np.float32)
+    if feats.shape[-1] != mean.shape[0]:
+        raise ValueError(f"features have {feats.shape[-1]} dims but the CMVN stats {mean.shape[0]}; "
+                         "recompute features/cmvn.json with the same extractor")
+    return (feats - mean) / std
+
+
+def delta_filters(order: int = 2, window: int = DELTA_WINDOW) -> list[np.ndarray]:
+    """Kaldi's delta filters: order 1 is ``sum_n n (x[t+n] - x[t-n]) / (2 sum_n n^2)``, order k
+    convolves order k-1 with it (so ΔΔ has width 4 * window + 1)."""
+    base = np.arange(-window, window + 1, dtype=np.float64)
+    base /= 2 * np.sum(np.arange(1, window + 1) ** 2)
+    filters = [np.ones(1)]
+    for _ in range(order):
+        filters.append(np.convolve(filters[-1], base))
+    return filters
+
+
+def add_deltas(x: np.ndarray, order: int = 2, window: int = DELTA_WINDOW) -> np.ndarray:
+    """``[T, D]`` -> ``[T, D * (order + 1)]`` with Kaldi's ``add-deltas`` (edge frames repeated)."""
+    T = x.shape[0]
+    out = []
+    for f in delta_filters(order, window):
+        half = len(f) // 2
+        idx = np.clip(np.arange(T)[:, None] + np.arange(-half, half + 1)[None, :], 0, T - 1)
+        out.append(np.einsum("tkd,k->td", x[idx].astype(np.float64), f))
+    return np.concatenate(out, axis=1).astype(np.float32)
+
+
+def gmm_features(cut) -> np.ndarray:
+    """The GMM front end for one cut: 13 MFCC, per-utterance mean normalisation (Kaldi's
+    ``apply-cmvn`` default ``norm_vars=false``), Δ and ΔΔ -> ``[T, 39]`` float32."""
+    ceps = np.asarray(cut.load_custom("mfcc"), dtype=np.float32)
+    return add_deltas(ceps - ceps.mean(axis=0, keepdims=True))

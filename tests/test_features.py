@@ -1,0 +1,118 @@
+"""Stage 1: frame counts, fbank/MFCC agreement, CMVN per speaker, deltas, bad audio."""
+
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
+from lhotse.audio import AudioSource
+
+from local.drops import count_drops, load_drops
+from local.features import add_deltas, apply_cmvn, compute_features, gmm_features
+
+SR = 16000
+
+
+def tone(seconds: float, freq: float, gain: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(round(seconds * SR))) / SR
+    return (gain * (np.sin(2 * np.pi * freq * t) + 0.1 * rng.standard_normal(t.size))).astype(np.float32)
+
+
+def cut_for(path, rid: str, speaker: str | None, num_samples: int | None = None) -> MonoCut:
+    n = num_samples if num_samples is not None else sf.info(path).frames
+    rec = Recording(rid, [AudioSource("file", [0], str(path))], SR, n, n / SR)
+    sup = SupervisionSegment(rid, rid, 0.0, n / SR, text="HELLO", speaker=speaker)
+    return MonoCut(rid, 0.0, n / SR, 0, recording=rec, supervisions=[sup])
+
+
+@pytest.fixture(scope="module")
+def featdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("feat")
+    wav = d / "wav"
+    wav.mkdir()
+    good = {"a1": (1.0, "loud"), "a2": (1.234, "loud"), "b1": (0.73, "quiet"), "c1": (0.5, None)}
+    gains = {"loud": 0.5, "quiet": 0.02, None: 0.1}
+    cuts = []
+    for i, (rid, (sec, spk)) in enumerate(good.items()):
+        sf.write(wav / f"{rid}.wav", tone(sec, 300 + 100 * i, gains[spk], i), SR)
+        cuts.append(cut_for(wav / f"{rid}.wav", rid, spk))
+    (wav / "corrupt.wav").write_bytes(b"RIFF\x00\x00garbage" * 10)
+    cuts.append(cut_for(wav / "corrupt.wav", "corrupt", "loud", num_samples=16000))
+    cuts.append(cut_for(wav / "missing.wav", "missing", "loud", num_samples=16000))
+    sf.write(wav / "empty.wav", np.zeros(0, dtype=np.float32), SR)
+    cuts.append(cut_for(wav / "empty.wav", "empty", "loud", num_samples=0))
+    sf.write(wav / "short.wav", tone(0.004, 300, 0.1, 9), SR)  # 64 samples: no 10 ms frame
+    cuts.append(cut_for(wav / "short.wav", "short", "loud"))
+    (d / "manifests").mkdir()
+    CutSet.from_cuts(cuts).to_file(d / "manifests" / "train_cuts.jsonl.gz")
+    CutSet.from_cuts(cuts[:2]).to_file(d / "manifests" / "dev_cuts.jsonl.gz")
+    summary = compute_features(d, splits=("train", "dev"))
+    return d, summary, {rid: sec for rid, (sec, _) in good.items()}
+
+
+def test_frame_counts_100_per_second(featdir):
+    d, summary, seconds = featdir
+    cuts = CutSet.from_file(d / "features" / "train_cuts.jsonl.gz")
+    assert sorted(c.id for c in cuts) == sorted(seconds)
+    for cut in cuts:
+        n = int(round(seconds[cut.id] * SR))
+        fbank, mfcc = cut.load_features(), cut.load_custom("mfcc")
+        assert fbank.shape == ((n + 80) // 160, 40)  # snip_edges=False: round(samples / shift)
+        assert mfcc.shape == (fbank.shape[0], 13)
+        assert cut.num_frames == fbank.shape[0]
+    assert summary["train"] == {"cuts": 4, "dropped": 4, "frames": 100 + 123 + 73 + 50}
+    assert summary["dev"]["cuts"] == 2
+
+
+def test_bad_audio_dropped_with_reason(featdir):
+    d, _, _ = featdir
+    reasons = {r["id"]: r["reason"] for r in load_drops(d) if r["split"] == "train"}
+    assert reasons == {"corrupt": "unreadable_audio", "missing": "unreadable_audio",
+                       "empty": "empty_audio", "short": "too_short"}
+    assert count_drops(d, "features")["unreadable_audio"] == 2
+
+
+def test_cmvn_per_speaker(featdir):
+    d, _, _ = featdir
+    stats = json.loads((d / "features" / "cmvn.json").read_text())
+    assert set(stats["speakers"]) == {"loud", "quiet"}
+    assert stats["speakers"]["loud"]["frames"] == 2 * (100 + 123)  # pooled over train and dev
+    assert stats["global"]["frames"] == 100 + 123 + 73 + 50
+    loud, quiet = (np.array(stats["speakers"][s]["mean"]) for s in ("loud", "quiet"))
+    assert (loud - quiet).mean() > 3  # 28 dB gain difference shows up in the log-mel mean
+    cuts = {c.id: c for c in CutSet.from_file(d / "features" / "train_cuts.jsonl.gz")}
+    both = np.concatenate([cuts[i].load_features() for i in ("a1", "a2")])
+    normed = apply_cmvn(both, "loud", stats)
+    np.testing.assert_allclose(normed.mean(0), 0, atol=0.02)
+    np.testing.assert_allclose(normed.std(0), 1, atol=0.02)
+    glob = apply_cmvn(both, None, stats)
+    assert np.allclose(glob, apply_cmvn(both, "unknown-speaker", stats))
+    assert not np.allclose(glob, normed)
+    with pytest.raises(ValueError, match="dims"):
+        apply_cmvn(both[:, :13], "loud", stats)
+
+
+def test_gmm_features(featdir):
+    d, _, _ = featdir
+    cut = next(iter(CutSet.from_file(d / "features" / "train_cuts.jsonl.gz")))
+    x = gmm_features(cut)
+    assert x.shape == (cut.num_frames, 39) and x.dtype == np.float32
+    np.testing.assert_allclose(x[:, :13].mean(0), 0, atol=1e-3)
+
+
+def test_deltas_match_kaldi_definition():
+    ramp = np.arange(20, dtype=np.float32)[:, None] * np.array([[1.0, -2.0]], dtype=np.float32)
+    x = add_deltas(ramp)
+    assert x.shape == (20, 6)
+    np.testing.assert_allclose(x[:, :2], ramp)
+    np.testing.assert_allclose(x[2:-2, 2:4], [[1.0, -2.0]] * 16, atol=1e-6)  # slope inside
+    np.testing.assert_allclose(x[4:-4, 4:6], 0, atol=1e-6)  # no curvature inside
+    # at the edge frames are repeated: delta at t=0 = (1*1 + 2*2) / 10 for slope 1
+    assert x[0, 2] == pytest.approx(0.5)
+    rng = np.random.default_rng(0)
+    y = rng.standard_normal((30, 3)).astype(np.float32)
+    t = 10
+    want = sum(n * (y[t + n] - y[t - n]) for n in (1, 2)) / 10
+    np.testing.assert_allclose(add_deltas(y)[t, 3:6], want, atol=1e-5)
