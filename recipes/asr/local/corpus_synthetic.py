@@ -1,0 +1,285 @@
+"""Stage 0 (synthetic): the embedded corpus, synthesised with espeak-ng, flite and festival.
+
+Splits:
+
+- ``train``: 40 espeak-ng settings (5 accents × m1–m5, f1–f3) plus 3 settings each of flite
+  kal16/awb/slt and festival kal_diphone/cmu_us_slt_arctic_hts, each with its own rate and
+  pitch; plus one augmented copy of every utterance (sox speed 0.9–1.1, reverb, noise at
+  10–30 dB SNR), id suffixed ``-aug``, same speaker.
+- ``dev``: training voices, sentences not in train.
+- ``test``: voices never used in training (espeak en-gb-scotland / en-029 / en-us-nyc with
+  m6, m7, f4, f5; flite rms; festival ked_diphone), sentences not in train or dev.
+
+Utterance ids are ``<speaker>_<split><index>``; the speaker id names the voice setting
+(``espeak-en-us-m3-r110-p55``). Everything is deterministic in ``seed``. Each supervision
+carries the engine's phone timings as ``alignment["phone"]`` (ARPAbet, no stress, ``SIL``),
+relative to the recording and tiling it exactly; for the ``-aug`` copies the times are
+scaled by ``1 / speed`` (reverb and noise keep them).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+from lhotse import CutSet, MonoCut, Recording
+from lhotse.audio import AudioSource
+from lhotse.supervision import AlignmentItem, SupervisionSegment
+from tqdm.auto import tqdm
+
+from local.augment import Augmentation, augment
+from local.drops import clear_drops, record_drop
+from local.text import make_sentences
+from local.tts import SAMPLE_RATE, Voice, check_tools, synth_espeak, synth_festival_batch, synth_flite, to_alignment
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "dev", "test")
+# Share of utterances per engine: espeak has many voices but one synthesis method, so it
+# does not get a share proportional to its number of voices.
+ENGINE_SHARE = {"espeak": 0.5, "flite": 0.3, "festival": 0.2}
+
+
+@dataclass(frozen=True)
+class Size:
+    """Utterances per split (sentences 4–10 words, ~2.3 s each) and which voices take part.
+
+    Attributes:
+        train, dev, test: number of sentences (train gets as many augmented copies again).
+        espeak_variants_train / _test: espeak variants used per accent.
+        settings_per_voice: rate/pitch settings per flite/festival voice in train (test: 1 less, at least 1).
+    """
+
+    train: int
+    dev: int
+    test: int
+    espeak_accents_train: tuple[str, ...]
+    espeak_variants_train: tuple[str, ...]
+    espeak_accents_test: tuple[str, ...]
+    espeak_variants_test: tuple[str, ...]
+    settings_per_voice: int
+
+
+SIZES = {
+    "default": Size(1800, 170, 450,
+                    ("en-us", "en", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd"),
+                    ("m1", "m2", "m3", "m4", "m5", "f1", "f2", "f3"),
+                    ("en-gb-scotland", "en-029", "en-us-nyc"), ("m6", "m7", "f4", "f5"), 3),
+    "tiny": Size(24, 6, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1),
+}
+
+FLITE_TRAIN = (("kal16", "m"), ("awb", "m"), ("slt", "f"))
+FESTIVAL_TRAIN = (("kal_diphone", "m"), ("cmu_us_slt_arctic_hts", "f"))
+FLITE_TEST = (("rms", "m"),)
+FESTIVAL_TEST = (("ked_diphone", "m"),)
+
+
+def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
+    """Voice settings per engine for ``train`` (dev uses the same) and ``test``.
+
+    Returns:
+        ``{"train": {engine: [Voice, ...]}, "test": {...}}``
+    """
+    rng = random.Random(f"voices-{seed}")
+
+    def espeak(accents, variants):
+        return [Voice("espeak", f"{a}+{v}", round(rng.uniform(0.85, 1.2), 2), rng.randrange(30, 71), v[0])
+                for a in accents for v in variants]
+
+    def others(engine, names, n):
+        return [Voice(engine, name, round(rng.uniform(0.85, 1.15), 2), rng.randrange(-200, 201, 50), g)
+                for name, g in names for _ in range(n)]
+
+    n_test = max(1, size.settings_per_voice - 1)
+    return {
+        "train": {"espeak": espeak(size.espeak_accents_train, size.espeak_variants_train),
+                  "flite": others("flite", FLITE_TRAIN, size.settings_per_voice),
+                  "festival": others("festival", FESTIVAL_TRAIN, size.settings_per_voice)},
+        "test": {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_test),
+                 "flite": others("flite", FLITE_TEST, n_test),
+                 "festival": others("festival", FESTIVAL_TEST, n_test)},
+    }
+
+
+@dataclass
+class Utterance:
+    id: str
+    split: str
+    text: str
+    voice: Voice
+    wav: Path
+    aug: Augmentation | None = None
+
+
+def plan(size: Size, seed: int, audio_dir: Path) -> list[Utterance]:
+    """Assign distinct sentences to splits and voices (deterministic in ``seed``)."""
+    sentences = make_sentences(size.train + size.dev + size.test, seed)
+    rng = random.Random(f"plan-{seed}")
+    rng.shuffle(sentences)
+    voices = voice_settings(size, seed)
+    counts = {"train": size.train, "dev": size.dev, "test": size.test}
+    utts, start = [], 0
+    for split in SPLITS:
+        texts = sentences[start:start + counts[split]]
+        start += counts[split]
+        by_engine = voices["test" if split == "test" else "train"]
+        # engines by share, then round-robin over each engine's settings
+        engine_of = rng.choices(list(ENGINE_SHARE), weights=list(ENGINE_SHARE.values()), k=len(texts))
+        used = Counter()
+        for k, (text, engine) in enumerate(zip(texts, engine_of)):
+            voice = by_engine[engine][used[engine] % len(by_engine[engine])]
+            used[engine] += 1
+            uid = f"{voice.speaker}_{split}{k:05d}"
+            aug = Augmentation.draw(rng) if split == "train" else None
+            utts.append(Utterance(uid, split, text, voice, audio_dir / split / f"{uid}.wav", aug))
+    return utts
+
+
+def _chunks(utts: list[Utterance], n: int) -> list[list[Utterance]]:
+    """Group by voice (festival synthesises a whole group in one process), at most ``n`` each."""
+    by_voice: dict[Voice, list[Utterance]] = {}
+    for u in utts:
+        by_voice.setdefault(u.voice, []).append(u)
+    return [group[i:i + n] for group in by_voice.values() for i in range(0, len(group), n)]
+
+
+def _write(path: Path, audio: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(str(path), audio, SAMPLE_RATE, subtype="PCM_16")
+
+
+def _synth_chunk(chunk: list[Utterance]) -> list[dict]:
+    """Synthesise (and augment) one chunk; one result dict per utterance (and its ``-aug`` copy)."""
+    voice = chunk[0].voice
+    if voice.engine == "festival":
+        outs = synth_festival_batch(voice, [u.text for u in chunk])
+    else:
+        synth = synth_espeak if voice.engine == "espeak" else synth_flite
+        outs = []
+        for u in chunk:
+            try:
+                outs.append(synth(voice, u.text))
+            except Exception as e:  # noqa: BLE001  (one failed sentence must not stop the corpus)
+                outs.append(e)
+    results = []
+    for u, out in zip(chunk, outs):
+        base = {"utt": u, "ok": False}
+        if isinstance(out, Exception):
+            results.append({**base, "reason": "tts_failed", "detail": f"{voice.engine}: {out}"})
+            continue
+        audio, spans = out
+        if len(audio) == 0 or float(np.abs(audio).max()) < 1e-4:
+            results.append({**base, "reason": "empty_audio", "detail": f"{voice.engine} produced {len(audio)} samples"})
+            continue
+        duration = len(audio) / SAMPLE_RATE
+        phones, unmapped = to_alignment(spans, voice.engine, duration)
+        _write(u.wav, audio)
+        results.append({"utt": u, "ok": True, "id": u.id, "wav": u.wav, "num_samples": len(audio),
+                        "phones": phones, "unmapped": unmapped, "raw_end": spans[-1][2] if spans else 0.0})
+        if u.aug is not None:
+            aid = f"{u.id}-aug"
+            try:
+                y = augment(audio, u.aug)
+            except Exception as e:  # noqa: BLE001
+                results.append({"utt": u, "ok": False, "id": aid, "reason": "augmentation_failed", "detail": str(e)})
+                continue
+            awav = u.wav.with_name(f"{aid}.wav")
+            _write(awav, y)
+            aphones, _ = to_alignment(spans, voice.engine, len(y) / SAMPLE_RATE, time_scale=1.0 / u.aug.speed)
+            results.append({"utt": u, "ok": True, "id": aid, "wav": awav, "num_samples": len(y),
+                            "phones": aphones, "unmapped": Counter(), "aug": u.aug.describe()})
+    return results
+
+
+def _cut(res: dict) -> MonoCut:
+    u: Utterance = res["utt"]
+    n = res["num_samples"]
+    rec = Recording(id=res["id"], sources=[AudioSource(type="file", channels=[0], source=str(res["wav"].resolve()))],
+                    sampling_rate=SAMPLE_RATE, num_samples=n, duration=n / SAMPLE_RATE)
+    custom = {"engine": u.voice.engine, "voice": u.voice.name, "rate": u.voice.rate, "pitch": u.voice.pitch}
+    if "aug" in res:
+        custom["augmentation"] = res["aug"]
+    sup = SupervisionSegment(
+        id=res["id"], recording_id=res["id"], start=0.0, duration=rec.duration, channel=0, text=u.text,
+        speaker=u.voice.speaker, gender=u.voice.gender, language="English",
+        alignment={"phone": [AlignmentItem(symbol=p, start=s, duration=d) for p, s, d in res["phones"]]},
+        custom=custom,
+    )
+    return MonoCut(id=res["id"], start=0.0, duration=rec.duration, channel=0, recording=rec, supervisions=[sup])
+
+
+def prepare_synthetic(data_dir: Path, size: str = "default", seed: int = 0, num_jobs: int = 2) -> dict[str, CutSet]:
+    """Synthesise the embedded corpus and write ``<data_dir>/manifests/{train,dev,test}_cuts.jsonl.gz``.
+
+    Args:
+        data_dir: output root; audio goes to ``<data_dir>/audio/<split>/``.
+        size: ``default`` (≥ 1 h train + augmented copy, 0.1 h dev, ≥ 0.25 h test) or ``tiny`` (tests).
+        seed: fixes sentences, voice settings and augmentation.
+        num_jobs: synthesis processes.
+
+    Returns:
+        ``{"train": CutSet, "dev": CutSet, "test": CutSet}``, cuts sorted by id.
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown corpus size {size!r}; use one of {sorted(SIZES)}")
+    if num_jobs < 1:
+        raise ValueError(f"num_jobs={num_jobs}; use 1 or more")
+    check_tools()
+    data_dir = Path(data_dir)
+    clear_drops(data_dir, "corpus")
+    utts = plan(SIZES[size], seed, data_dir / "audio")
+    chunks = _chunks(utts, 8 if size == "tiny" else 25)
+    results: list[dict] = []
+    bar = tqdm(total=len(utts), desc=f"synthesising {size} corpus", unit="utt")
+    if num_jobs == 1:
+        for chunk in chunks:
+            results += _synth_chunk(chunk)
+            bar.update(len(chunk))
+    else:
+        # fork: workers need nothing but this module; libespeak-ng is initialised in each worker
+        with multiprocessing.get_context("fork").Pool(num_jobs) as pool:
+            for res in pool.imap_unordered(_synth_chunk, chunks):
+                results += res
+                bar.update(sum(1 for r in res if not r.get("id", "").endswith("-aug")))
+    bar.close()
+
+    unmapped: Counter = Counter()
+    cuts: dict[str, list[MonoCut]] = {s: [] for s in SPLITS}
+    for res in results:
+        u = res["utt"]
+        if not res["ok"]:
+            record_drop(data_dir, "corpus", u.split, res.get("id", u.id), res["reason"], res["detail"])
+            continue
+        unmapped += res["unmapped"]
+        cuts[u.split].append(_cut(res))
+    if unmapped:
+        log.warning("corpus: engine phone symbols without an ARPAbet mapping (scored as SIL): %s",
+                    dict(unmapped.most_common(20)))
+    out_dir = data_dir / "manifests"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifests = {}
+    for split in SPLITS:
+        cs = CutSet.from_cuts(sorted(cuts[split], key=lambda c: c.id))
+        cs.to_file(out_dir / f"{split}_cuts.jsonl.gz")
+        manifests[split] = cs
+    log.info("corpus: synthetic %s, %s", size, summarize(manifests))
+    drops = sum(1 for r in results if not r["ok"])
+    if drops:
+        log.warning("corpus: %d utterances dropped, see %s", drops, data_dir / "dropped.jsonl")
+    return manifests
+
+
+def summarize(manifests: dict[str, CutSet]) -> str:
+    """One line: hours / utterances / speakers per split."""
+    parts = []
+    for split, cs in manifests.items():
+        hours = sum(c.duration for c in cs) / 3600
+        speakers = {s.speaker for c in cs for s in c.supervisions}
+        parts.append(f"{split} {hours:.2f} h / {len(cs)} utts / {len(speakers)} speakers")
+    return "; ".join(parts)
