@@ -1,0 +1,241 @@
+"""Frame-level training data for the hybrid DNN: spliced CMVN-normalised fbank windows and pdf-ids.
+
+Batch schema (dicts from both loaders)::
+
+    x: [B, (2*context+1)*F] float32   window of frames t-context .. t+context, frame-major
+                                      (all F bins of frame t-context first); 17*40 = 680 by default
+    y: [B] int64                      pdf-id of the centre frame t
+
+Legend: B frames in the batch, F fbank bins (40). At utterance boundaries the first/last frame
+is repeated, as Kaldi's splicing does.
+
+All frames of a split live in memory as one ``[N, F]`` float32 array (160 bytes per frame at
+F = 40: one hour of speech is ~58 MB); windows are gathered per batch, so memory does not grow
+17-fold. Fine for the corpora this recipe builds (hours); a corpus of thousands of hours needs
+a streaming shuffle buffer instead.
+
+Shuffling and sharding: every epoch, all training frames are permuted with a generator seeded
+by ``(seed, epoch)``; rank ``r`` of ``W`` takes permuted positions ``r, r+W, ...`` (disjoint,
+together complete) and every rank cuts its shard into the same number of batches, so DDP/GTC
+ranks never wait on a missing batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, IterableDataset
+
+log = logging.getLogger(__name__)
+
+
+def splice(feats: np.ndarray, offsets: np.ndarray, frames: np.ndarray, context: int) -> np.ndarray:
+    """Windows of ``2*context+1`` frames around ``frames``, clamped inside each frame's utterance.
+
+    Args:
+        feats: ``[N, F]`` frames of all utterances, concatenated.
+        offsets: ``[U+1]`` start of each utterance in ``feats``, then ``N``.
+        frames: ``[B]`` global frame indices (centres).
+        context: frames on each side (8 for Strom's 17-frame window).
+
+    Returns:
+        ``[B, (2*context+1)*F]`` float32, frame-major.
+    """
+    utt = np.searchsorted(offsets, frames, side="right") - 1
+    first, last = offsets[utt], offsets[utt + 1] - 1
+    window = frames[:, None] + np.arange(-context, context + 1)[None, :]
+    window = np.clip(window, first[:, None], last[:, None])
+    return feats[window].reshape(len(frames), -1)
+
+
+def batch_bounds(shard_sizes: list[int], rank: int, batch_size: int, warmup_frames: int = 0,
+                 warmup_batch_size: int = 0) -> list[tuple[int, int]]:
+    """``(start, end)`` positions of each batch in rank ``rank``'s shard; the same count on every rank.
+
+    Batches are laid out on the smallest shard (the first ``warmup_frames`` in batches of
+    ``warmup_batch_size``, the rest in batches of ``batch_size``); a larger shard's extra frames
+    (at most one per rank) join its last batch.
+    """
+    n = min(shard_sizes)
+    if n == 0:
+        raise ValueError(f"a rank would get no training frames (shard sizes {shard_sizes}); use fewer devices")
+    bounds, start = [], 0
+    warm_end = min(warmup_frames, n) if warmup_batch_size > 0 else 0
+    while start < n:
+        size = warmup_batch_size if start < warm_end else batch_size
+        end = min(start + size, warm_end if start < warm_end else n)
+        bounds.append((start, end))
+        start = end
+    bounds[-1] = (bounds[-1][0], shard_sizes[rank])
+    return bounds
+
+
+def shard_batches(num_frames: int, rank: int, world_size: int, batch_size: int, seed: int, epoch: int,
+                  shuffle: bool = True, warmup_frames: int = 0, warmup_batch_size: int = 0) -> list[np.ndarray]:
+    """Frame indices of each of this rank's batches for one epoch.
+
+    Args:
+        num_frames: frames in the split.
+        rank, world_size: this process's global rank and the number of processes.
+        batch_size: frames per batch per rank.
+        seed, epoch: the permutation is a pure function of ``(seed, epoch)``, equal on all ranks.
+        shuffle: permute across utterances (training) or keep the corpus order (dev).
+        warmup_frames, warmup_batch_size: Strom's gentler start; the first ``warmup_frames`` of
+            this rank's shard go in batches of ``warmup_batch_size`` (0 disables it).
+
+    Returns:
+        list of ``[b]`` int64 arrays; over all ranks they are disjoint and cover ``range(num_frames)``.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} out of range for world_size={world_size}")
+    order = np.random.default_rng([seed, epoch]).permutation(num_frames) if shuffle else np.arange(num_frames)
+    shard = order[rank::world_size]
+    sizes = [len(range(r, num_frames, world_size)) for r in range(world_size)]
+    return [shard[a:b] for a, b in batch_bounds(sizes, rank, batch_size, warmup_frames, warmup_batch_size)]
+
+
+class FrameBatches(IterableDataset):
+    """One epoch of this rank's batches (see the module docstring for the schema).
+
+    ``epoch_fn`` gives the current epoch each time iteration starts (the trainer's epoch, so a
+    resumed run reshuffles exactly as an uninterrupted one).
+    """
+
+    def __init__(self, feats: np.ndarray, targets: np.ndarray, offsets: np.ndarray, context: int,
+                 batch_fn: Callable[[int], list[np.ndarray]], epoch_fn: Callable[[], int]) -> None:
+        self.feats, self.targets, self.offsets, self.context = feats, targets, offsets, context
+        self.batch_fn, self.epoch_fn = batch_fn, epoch_fn
+
+    def __len__(self) -> int:
+        return len(self.batch_fn(self.epoch_fn()))
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for frames in self.batch_fn(self.epoch_fn()):
+            x = splice(self.feats, self.offsets, frames, self.context)
+            yield {"x": torch.from_numpy(x), "y": torch.from_numpy(self.targets[frames].astype(np.int64))}
+
+
+def load_split(cuts_path: Path, cmvn_path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Load aligned cuts into memory: CMVN-normalised fbank and per-frame pdf-ids.
+
+    Returns:
+        ``feats`` ``[N, F]`` float32, ``targets`` ``[N]`` int32, ``offsets`` ``[U+1]`` int64.
+    """
+    from lhotse import CutSet
+
+    from local.features import apply_cmvn
+
+    if not cuts_path.exists():
+        raise ValueError(f"No such file: {cuts_path}; run `python recipes/asr/prepare.py` (stages 0-5) first")
+    stats = json.loads(cmvn_path.read_text())
+    feats, targets, lengths = [], [], []
+    for cut in CutSet.from_file(cuts_path):
+        f = cut.load_features()
+        ali = np.asarray(cut.load_custom("pdf_ali"))
+        if len(ali) != len(f):
+            raise ValueError(f"cut {cut.id}: {len(f)} fbank frames but {len(ali)} pdf_ali entries; "
+                             "features and alignments must come from the same framing (re-run stage 5)")
+        speaker = cut.supervisions[0].speaker if cut.supervisions else None
+        feats.append(np.asarray(apply_cmvn(f, speaker, stats), dtype=np.float32))
+        targets.append(ali.astype(np.int32))
+        lengths.append(len(f))
+    if not feats:
+        raise ValueError(f"{cuts_path} holds no cuts")
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return np.concatenate(feats), np.concatenate(targets), offsets
+
+
+class AsrDataModule(LightningDataModule):
+    """Aligned frames from ``<data_dir>/ali`` (recipe stage 5) for training and dev accuracy.
+
+    Args:
+        data_dir: the recipe's data directory (``ali/``, ``features/cmvn.json``); ``train.py``
+            fills it from ``--corpus``/``--corpus_size`` when left empty.
+        context: frames each side of the centre (8: Strom's 17-frame window).
+        batch_size: frames per batch per rank.
+        dev_batch_size: frames per dev batch per rank.
+        warmup_fraction: Strom's gentler start: this fraction of epoch 1 uses ``warmup_batch_size``.
+        warmup_batch_size: the smaller batch of the first part of epoch 1.
+        seed: seed of the frame permutation (combined with the epoch).
+    """
+
+    def __init__(self, data_dir: str | None = None, context: int = 8, batch_size: int = 256,
+                 dev_batch_size: int = 4096, warmup_fraction: float = 0.0, warmup_batch_size: int = 64,
+                 seed: int = 0) -> None:
+        super().__init__()
+        if context < 0 or batch_size < 1 or dev_batch_size < 1 or not 0.0 <= warmup_fraction <= 1.0:
+            raise ValueError(f"bad data settings: context={context} (>= 0), batch_size={batch_size} (>= 1), "
+                             f"dev_batch_size={dev_batch_size} (>= 1), warmup_fraction={warmup_fraction} (0..1)")
+        if data_dir is None:
+            raise ValueError("data_dir is None: give the recipe's data directory (e.g. data/synthetic-default)")
+        self.save_hyperparameters()
+        self.data_dir = Path(data_dir)
+        self.splits: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    @property
+    def info(self) -> dict:
+        path = self.data_dir / "ali" / "info.json"
+        if not path.exists():
+            raise ValueError(f"No such file: {path}; run `python recipes/asr/prepare.py --data-dir {self.data_dir}`")
+        return json.loads(path.read_text())
+
+    @property
+    def num_pdfs(self) -> int:
+        return int(self.info["num_pdfs"])
+
+    @property
+    def feat_dim(self) -> int:
+        info = self.info
+        if "feat_dim" in info:
+            return int(info["feat_dim"])
+        from lhotse import CutSet
+
+        return int(next(iter(CutSet.from_file(self.data_dir / "ali" / "train_cuts.jsonl.gz"))).num_features)
+
+    @property
+    def input_dim(self) -> int:
+        return (2 * self.hparams.context + 1) * self.feat_dim
+
+    def setup(self, stage: str) -> None:
+        for split in ("train", "dev"):
+            if split not in self.splits:
+                self.splits[split] = load_split(self.data_dir / "ali" / f"{split}_cuts.jsonl.gz",
+                                                self.data_dir / "features" / "cmvn.json")
+                feats, _, offsets = self.splits[split]
+                log.info("%s: %d utterances, %d frames of %d bins in memory (%.1f MB)", split,
+                         len(offsets) - 1, len(feats), feats.shape[1], feats.nbytes / 1e6)
+
+    def _rank(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _epoch(self) -> int:
+        return self.trainer.current_epoch if self.trainer is not None else 0
+
+    def train_dataloader(self) -> DataLoader:
+        feats, targets, offsets = self.splits["train"]
+        rank, world = self._rank()
+        hp = self.hparams
+        warm = int(hp.warmup_fraction * len(feats) / world)
+
+        def batches(epoch: int) -> list[np.ndarray]:
+            return shard_batches(len(feats), rank, world, hp.batch_size, hp.seed, epoch,
+                                 warmup_frames=warm if epoch == 0 else 0, warmup_batch_size=hp.warmup_batch_size)
+
+        return DataLoader(FrameBatches(feats, targets, offsets, hp.context, batches, self._epoch), batch_size=None)
+
+    def val_dataloader(self) -> DataLoader:
+        feats, targets, offsets = self.splits["dev"]
+        rank, world = self._rank()
+
+        def batches(epoch: int) -> list[np.ndarray]:
+            return shard_batches(len(feats), rank, world, self.hparams.dev_batch_size, 0, 0, shuffle=False)
+
+        return DataLoader(FrameBatches(feats, targets, offsets, self.hparams.context, batches, lambda: 0),
+                          batch_size=None)

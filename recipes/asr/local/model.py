@@ -1,0 +1,132 @@
+"""Strom's acoustic DNN: a stack of affine + sigmoid layers, softmax over pdf-ids, cross-entropy.
+
+Batch schema (from ``local.datamodule``): ``x`` ``[B, 17*F]`` float32 windows, ``y`` ``[B]``
+int64 pdf-ids. Learning rate: plain SGD, halved after each epoch (Strom 2015, Table 1), or
+Kaldi's "newbob" (keep the rate while dev frame accuracy improves by at least
+``newbob_threshold``, then halve it after every epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class AcousticModel(LightningModule):
+    """Feed-forward sigmoid DNN over spliced fbank frames.
+
+    Args:
+        input_dim: ``17*F`` (linked from the data module by the CLI).
+        num_pdfs: number of output classes (linked from the data module by the CLI).
+        hidden_dim: units per hidden layer (512 on CPU; 1536 gives Strom's ~14.6 M weights).
+        num_layers: hidden layers (Strom uses 5).
+        lr: SGD learning rate of the first epoch (for mean-over-batch cross-entropy).
+        momentum: SGD momentum (Strom: none).
+        schedule: ``"halve"`` halves the rate after each epoch past ``hold_epochs``;
+            ``"newbob"`` halves only once dev accuracy stops improving by ``newbob_threshold``
+            (absolute, as a fraction), then after every epoch.
+        hold_epochs: epochs trained at ``lr`` before halving starts (Strom's Table 1: 1).
+        newbob_threshold: improvement of dev frame accuracy below which newbob starts halving.
+        init_gain: Xavier gain on hidden layers; sigmoid stacks need ~4, or training sits at the
+            class prior for an epoch (DESIGN.md section 5).
+    """
+
+    def __init__(
+        self,
+        input_dim: int = 680,
+        num_pdfs: int = 200,
+        hidden_dim: int = 512,
+        num_layers: int = 5,
+        lr: float = 1.0,
+        momentum: float = 0.0,
+        schedule: Literal["halve", "newbob"] = "halve",
+        hold_epochs: int = 0,
+        newbob_threshold: float = 0.005,
+        init_gain: float = 4.0,
+    ) -> None:
+        super().__init__()
+        if min(input_dim, num_pdfs, hidden_dim, num_layers) < 1:
+            raise ValueError(
+                f"input_dim={input_dim}, num_pdfs={num_pdfs}, hidden_dim={hidden_dim}, "
+                f"num_layers={num_layers} must all be >= 1"
+            )
+        self.save_hyperparameters()
+        layers: list[nn.Module] = []
+        dims = [input_dim] + [hidden_dim] * num_layers
+        for d_in, d_out in zip(dims[:-1], dims[1:]):
+            affine = nn.Linear(d_in, d_out)
+            nn.init.xavier_uniform_(affine.weight, gain=init_gain)
+            nn.init.zeros_(affine.bias)
+            layers += [affine, nn.Sigmoid()]
+        output = nn.Linear(dims[-1], num_pdfs)
+        nn.init.xavier_uniform_(output.weight)
+        nn.init.zeros_(output.bias)
+        self.net = nn.Sequential(*layers, output)
+        self.dev_acc_history: list[float] = []  # dev frame accuracy after each epoch
+        self._newbob_halving = False  # newbob: once it starts halving it halves every epoch
+        self._dev_counts = torch.zeros(2, dtype=torch.float64)  # correct, total frames
+        self._epoch_frames = 0
+        self._epoch_start = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, 17*F]`` -> logits ``[B, num_pdfs]`` (log-softmax of them is the log posterior)."""
+        return self.net(x)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(self(batch["x"]), batch["y"])
+        self._epoch_frames += batch["y"].numel()
+        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=batch["y"].numel())
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self._epoch_frames, self._epoch_start = 0, time.perf_counter()
+        self.log("lr", self.optimizers().param_groups[0]["lr"], on_epoch=True, on_step=False)
+
+    def on_train_epoch_end(self) -> None:
+        # frames of all ranks per second of wall time (ranks run in lockstep under DDP/GTC)
+        seconds = max(time.perf_counter() - self._epoch_start, 1e-9)
+        self.log("frames_per_sec", self._epoch_frames * self.trainer.world_size / seconds, sync_dist=True)
+        hp, history = self.hparams, self.dev_acc_history
+        if hp.schedule == "newbob":
+            gain = history[-1] - history[-2] if len(history) >= 2 else float("inf")
+            self._newbob_halving |= gain < hp.newbob_threshold and self.current_epoch >= hp.hold_epochs
+            halve = self._newbob_halving
+        else:
+            halve = self.current_epoch >= hp.hold_epochs
+        if halve:
+            for group in self.optimizers().param_groups:
+                group["lr"] *= 0.5
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["dev_acc_history"] = list(self.dev_acc_history)
+        checkpoint["newbob_halving"] = self._newbob_halving
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.dev_acc_history = list(checkpoint.get("dev_acc_history", []))
+        self._newbob_halving = bool(checkpoint.get("newbob_halving", False))
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        logits = self(batch["x"])
+        loss = nn.functional.cross_entropy(logits, batch["y"])
+        self.log("dev_loss", loss, on_epoch=True, sync_dist=True, batch_size=batch["y"].numel())
+        correct = (logits.argmax(dim=-1) == batch["y"]).sum().item()
+        self._dev_counts += torch.tensor([correct, batch["y"].numel()], dtype=torch.float64)
+
+    def on_validation_epoch_end(self) -> None:
+        # ranks hold disjoint shards of dev: sum the counts, not the per-rank accuracies
+        counts = self.trainer.strategy.reduce(self._dev_counts.to(self.device), reduce_op="sum")
+        self._dev_counts.zero_()
+        acc = float(counts[0] / counts[1].clamp(min=1))
+        self.log("dev_frame_acc", acc, prog_bar=True, sync_dist=True)  # equal on all ranks
+        if not self.trainer.sanity_checking:
+            self.dev_acc_history.append(acc)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)

@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""Train the hybrid DNN acoustic model (Strom 2015) with Lightning, on one device or with DDP/GTC.
+
+Usage:
+  python recipes/asr/train.py                          # single device (the baseline)
+  python recipes/asr/train.py --strategy gtc           # gradient threshold compression, 2 CPU processes
+  python recipes/asr/train.py --strategy ddp           # dense all-reduce, 2 CPU processes
+  python recipes/asr/train.py --config conf/strom2015.yaml --strategy gtc   # 5 x 1536, all GPUs
+  python recipes/asr/train.py --strategy gtc --trainer.devices 4 --trainer.max_epochs 6 --model.lr 0.5
+
+``--strategy {single,ddp,gtc}`` is a shortcut, expanded where it stands into ``--trainer.strategy``
+and ``--trainer.devices`` (CPU: 1 process for single, 2 for ddp/gtc; GPU: 1 or all GPUs); a later
+``--trainer.devices N`` or ``--config`` wins. ``conf/default.yaml`` is always read first; any
+``--trainer.* / --model.* / --data.*`` overrides it (``--help`` lists them all).
+
+Data: when ``<data_dir>/ali`` is missing, the data stages (``prepare.py``) run first, in the
+process that will start the others. Output: ``<exp_dir>/<run_name>/`` with ``config.yaml``,
+``metrics.csv`` (CSVLogger), ``checkpoints/last.ckpt`` and ``train_summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from jsonargparse import Namespace  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
+
+import gtc_lightning  # noqa: E402, F401  (registers the "gtc" strategy, also in re-launched children)
+from local.datamodule import AsrDataModule  # noqa: E402
+from local.model import AcousticModel  # noqa: E402
+
+log = logging.getLogger("train")
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO / "conf" / "default.yaml"
+SHORTCUTS = {"single": "auto", "ddp": "ddp", "gtc": "gtc"}
+ALI_FILES = ("ali/train_cuts.jsonl.gz", "ali/dev_cuts.jsonl.gz", "ali/info.json", "features/cmvn.json")
+
+
+def expand_strategy_shortcut(argv: list[str], cuda: bool | None = None) -> list[str]:
+    """Replace ``--strategy NAME`` (or ``--strategy=NAME``) by the trainer arguments it stands for.
+
+    ``single`` -> strategy auto on 1 device; ``ddp``/``gtc`` -> that strategy on 2 CPU processes,
+    or on all GPUs when CUDA is available.
+    """
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--strategy" or arg.startswith("--strategy="):
+            if "=" in arg:
+                name = arg.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                name = argv[i + 1]
+                i += 1
+            else:
+                raise ValueError("--strategy needs a value: one of " + ", ".join(SHORTCUTS))
+            if name not in SHORTCUTS:
+                raise ValueError(f"--strategy {name!r} is not a shortcut; use one of {', '.join(SHORTCUTS)} "
+                                 "or --trainer.strategy for any Lightning strategy")
+            devices = "1" if name == "single" else ("auto" if cuda else "2")
+            out += [f"--trainer.strategy={SHORTCUTS[name]}", f"--trainer.devices={devices}"]
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def run_name_for(strategy, devices) -> str:
+    """``baseline`` for one device, else the strategy's name (``gtc``, ``ddp``, ...)."""
+    if isinstance(strategy, str):
+        name = strategy.removesuffix("_fork").removesuffix("_spawn").removesuffix("_find_unused_parameters_true")
+    else:
+        class_path = strategy.get("class_path", "") if isinstance(strategy, (dict, Namespace)) else ""
+        name = class_path.rsplit(".", 1)[-1].lower().removesuffix("strategy") or type(strategy).__name__.lower()
+    if name in ("auto", "single_device") and str(devices) in ("1", "[0]"):
+        return "baseline"
+    return name
+
+
+def data_ready(data_dir: Path) -> bool:
+    return all((data_dir / f).exists() for f in ALI_FILES)
+
+
+class AsrCLI(LightningCLI):
+    """LightningCLI with the recipe's links, data preparation and per-run output directory."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--corpus", default="synthetic", help="corpus prepared when data is missing")
+        parser.add_argument("--corpus_dir", default=None, help="directory of a real corpus (see prepare.py)")
+        parser.add_argument("--corpus_size", default="default", help="synthetic corpus size: tiny or default")
+        parser.add_argument("--prepare", default=True, type=bool, help="run the data stages if ali/ is missing")
+        parser.add_argument("--exp_dir", default="exp/dnn", help="runs are written to <exp_dir>/<run_name>")
+        parser.add_argument("--run_name", default=None, help="default: baseline (1 device) or the strategy name")
+        parser.add_argument("--num_threads", default=0, type=int,
+                            help="torch threads per process; 0: CPU cores / processes on this node")
+        parser.link_arguments("data.num_pdfs", "model.num_pdfs", apply_on="instantiate")
+        parser.link_arguments("data.input_dim", "model.input_dim", apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config
+        if cfg.data.data_dir is None:
+            from prepare import default_data_dir
+
+            cfg.data.data_dir = str(default_data_dir(cfg.corpus, cfg.corpus_size))
+        data_dir = Path(cfg.data.data_dir)
+        if not data_ready(data_dir):
+            self._prepare_data(data_dir)
+        name = cfg.run_name or run_name_for(cfg.trainer.strategy, cfg.trainer.devices)
+        run_dir = Path(cfg.exp_dir) / name
+        cfg.run_name = name
+        if cfg.trainer.default_root_dir is None:
+            cfg.trainer.default_root_dir = str(run_dir)
+        if cfg.trainer.logger in (None, True):
+            cfg.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger",
+                                           init_args=Namespace(save_dir=str(run_dir), name="", version=""))
+        threads = cfg.num_threads or self._auto_threads()
+        torch.set_num_threads(threads)
+        log.info("run %s -> %s; data %s; %d torch thread(s) per process", name, run_dir, data_dir, threads)
+
+    def _prepare_data(self, data_dir: Path) -> None:
+        cfg = self.config
+        missing = [f for f in ALI_FILES if not (data_dir / f).exists()]
+        if os.environ.get("LOCAL_RANK", "0") != "0" or not cfg.prepare:
+            raise RuntimeError(f"{data_dir} lacks {missing}; run `python recipes/asr/prepare.py --data-dir "
+                               f"{data_dir}` first (train.py prepares data only in the launching process)")
+        from prepare import prepare
+
+        log.info("%s lacks %s: running the data stages first", data_dir, missing)
+        prepare(corpus=cfg.corpus, corpus_dir=cfg.corpus_dir, data_dir=data_dir, size=cfg.corpus_size)
+        if not data_ready(data_dir):
+            raise RuntimeError(f"prepare.py finished but {data_dir} still lacks some of {ALI_FILES}")
+
+    def _auto_threads(self) -> int:
+        devices = self.config.trainer.devices
+        accelerator = str(self.config.trainer.accelerator)
+        on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+        procs = int(devices) if on_cpu and str(devices).isdigit() else 1
+        return max(1, (os.cpu_count() or 1) // max(procs, 1))
+
+
+def write_summary(cli: AsrCLI, seconds: float) -> Path:
+    """``train_summary.json`` for ``evaluate.py``: what ran, where, how fast, how accurate."""
+    trainer, model = cli.trainer, cli.model
+    strategy = trainer.strategy
+    run_dir = Path(cli.config.trainer.default_root_dir)
+    ckpt = trainer.checkpoint_callback
+    summary = {
+        "run_name": cli.config.run_name,
+        "strategy": run_name_for(cli.config.trainer.strategy, cli.config.trainer.devices),
+        "strategy_class": type(strategy).__name__,
+        "world_size": trainer.world_size,
+        "accelerator": type(trainer.accelerator).__name__,
+        "tau": getattr(strategy, "tau", None),
+        "epochs": trainer.current_epoch,
+        "global_steps": trainer.global_step,
+        "dev_frame_acc": model.dev_acc_history,
+        "train_seconds": round(seconds, 1),
+        "checkpoint": str(Path(ckpt.last_model_path).resolve()) if ckpt and ckpt.last_model_path else None,
+        "data_dir": str(Path(cli.config.data.data_dir).resolve()),
+        "num_weights": sum(p.numel() for p in model.parameters()),
+        "model": dict(model.hparams),
+        "data": dict(cli.datamodule.hparams),
+    }
+    path = run_dir / "train_summary.json"
+    path.write_text(json.dumps(summary, indent=1, default=str))
+    return path
+
+
+def build_cli(argv: list[str]) -> AsrCLI:
+    """Parse ``argv`` (shortcut included), prepare data if needed, instantiate model, data, trainer."""
+    return AsrCLI(
+        AcousticModel,
+        AsrDataModule,
+        args=expand_strategy_shortcut(argv),
+        run=False,
+        parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)]},
+        trainer_defaults={"callbacks": [ModelCheckpoint(save_last=True, save_top_k=0, enable_version_counter=False)]},
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+def main(argv: list[str] | None = None) -> AsrCLI:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cli = build_cli(sys.argv[1:] if argv is None else argv)
+    start = time.perf_counter()
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    if cli.trainer.is_global_zero:
+        path = write_summary(cli, time.perf_counter() - start)
+        log.info("trained %s: dev frame accuracy per epoch %s; summary %s", cli.config.run_name,
+                 [f"{a:.4f}" for a in cli.model.dev_acc_history], path)
+    return cli
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The acoustic DNN: shapes, gradients, initialisation and learning-rate schedules."""
+
+import pytest
+import torch
+from local.model import AcousticModel
+
+
+def test_forward_backward_shapes():
+    model = AcousticModel(input_dim=17 * 5, num_pdfs=11, hidden_dim=16, num_layers=3)
+    x, y = torch.randn(8, 85), torch.randint(0, 11, (8,))
+    logits = model(x)
+    assert logits.shape == (8, 11)
+    torch.nn.functional.cross_entropy(logits, y).backward()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    sigmoids = [m for m in model.net if isinstance(m, torch.nn.Sigmoid)]
+    assert len(sigmoids) == 3
+
+
+def test_weight_count_of_strom_topology():
+    model = AcousticModel(input_dim=680, num_pdfs=2700, hidden_dim=1536, num_layers=5)
+    n = sum(p.numel() for p in model.parameters())
+    assert 14.0e6 < n < 15.2e6  # Strom 2015: 14.6 M trainable parameters
+
+
+def test_hidden_init_gain_spreads_sigmoid_inputs():
+    torch.manual_seed(0)
+    x = torch.randn(256, 680)
+    wide = AcousticModel(input_dim=680, num_pdfs=10, hidden_dim=512, num_layers=2, init_gain=4.0)
+    narrow = AcousticModel(input_dim=680, num_pdfs=10, hidden_dim=512, num_layers=2, init_gain=1.0)
+    assert wide.net[0](x).std() > 3 * narrow.net[0](x).std()
+
+
+def test_bad_sizes_raise():
+    with pytest.raises(ValueError, match="num_pdfs=0"):
+        AcousticModel(num_pdfs=0)
+
+
+@pytest.mark.parametrize("schedule,hold,history,want", [
+    ("halve", 0, [0.3], [0.5, 0.25, 0.125]),
+    ("halve", 1, [0.3], [1.0, 0.5, 0.25]),
+    ("newbob", 0, [0.30, 0.40, 0.402, 0.45], [1.0, 1.0, 0.5, 0.25]),
+])
+def test_learning_rate_schedules(schedule, hold, history, want, monkeypatch):
+    model = AcousticModel(input_dim=4, num_pdfs=2, hidden_dim=2, num_layers=1, schedule=schedule,
+                          hold_epochs=hold, newbob_threshold=0.005)
+    opt = model.configure_optimizers()
+    monkeypatch.setattr(AcousticModel, "optimizers", lambda self: opt)
+    monkeypatch.setattr(AcousticModel, "log", lambda self, *a, **k: None)
+    got = []
+    for epoch in range(len(want)):
+        model.dev_acc_history = history[: epoch + 1]
+        model._trainer = type("T", (), {"current_epoch": epoch, "world_size": 1})()
+        model.on_train_epoch_end()
+        got.append(opt.param_groups[0]["lr"])
+    assert got == pytest.approx(want)
