@@ -3,17 +3,17 @@
 kaldi-hmm-gmm has no tree building, so this module grows the tree in numpy and hands it to
 ``khg.ContextDependency`` as Kaldi's binary ``ContextDependency`` blob:
 
-1. ``accumulate_tree_stats``: diagonal-Gaussian statistics (count, sum, sum of squares) per
-   context event ``(left, centre, right, pdf_class)`` from transition-id alignments
-   (Kaldi's ``acc-tree-stats``; phone 0 stands for the utterance boundary).
+1. ``accumulate_tree_stats`` (``local.tree_stats``): diagonal-Gaussian statistics (count, sum,
+   sum of squares) per context event ``(left, centre, right, pdf_class)`` from transition-id
+   alignments (Kaldi's ``acc-tree-stats``; phone 0 stands for the utterance boundary).
 2. ``cluster_phones``: questions (sets of phones) from top-down binary clustering of the
    per-phone Gaussians; every node of the cluster tree is a question (``cluster-phones``).
 3. ``build_tree``: one root per non-silence phone (and per pdf-class unless shared), greedy
    splitting of the best leaf by likelihood gain, then bottom-up merging of leaves within a
    root (``--cluster-thresh``); leaves that merge share one pdf. Silence phones get one
    leaf per pdf-class and no context.
-4. ``write_context_dependency`` / ``parse_event_map`` / ``load_context_dependency``: the binary
-   format, byte-identical to what Kaldi's writer produces for the same tree.
+4. The tree as ``local.event_map`` nodes, written in Kaldi's binary format and loaded into
+   ``khg.ContextDependency`` (``TreeResult.tree``; ``TreeResult.blob`` is the file's bytes).
 
 Event keys (N=3, P=1): 0 left phone, 1 centre phone, 2 right phone, -1 pdf-class.
 """
@@ -21,247 +21,29 @@ Event keys (N=3, P=1): 0 left phone, 1 centre phone, 2 right phone, -1 pdf-class
 import heapq
 import itertools
 import logging
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from local.event_map import (
+    PDF_CLASS_KEY,
+    Const,
+    EventMap,
+    Split,
+    Table,
+    load_context_dependency,
+    map_event,
+    write_context_dependency,
+)
 from local.kaldi import khg
+from local.tree_stats import Stats, TidTables, accumulate_tree_stats
+
+__all__ = ["TidTables", "TreeResult", "accumulate_tree_stats", "build_tree", "cluster_phones"]
 
 log = logging.getLogger(__name__)
 
-PDF_CLASS_KEY = -1
 KEY_COLUMN = {0: 0, 1: 1, 2: 2, PDF_CLASS_KEY: 3}  # event key -> column of the event array
-
-Stats = dict[tuple[int, int, int, int], tuple[float, np.ndarray, np.ndarray]]
-
-
-# ---------------------------------------------------------------- EventMap nodes and binary format
-@dataclass(frozen=True)
-class Const:
-    """ConstantEventMap: a leaf answering ``pdf``."""
-
-    pdf: int
-
-
-@dataclass(frozen=True)
-class Split:
-    """SplitEventMap: ``yes`` when the event's value for ``key`` is in ``yes_set``, else ``no``."""
-
-    key: int
-    yes_set: tuple[int, ...]
-    yes: "EventMap"
-    no: "EventMap"
-
-
-@dataclass(frozen=True)
-class Table:
-    """TableEventMap: ``entries[value of key]``; ``None`` entries are undefined (Kaldi's NULL)."""
-
-    key: int
-    entries: tuple["EventMap | None", ...]
-
-
-EventMap = Const | Split | Table
-
-
-def map_event(node: EventMap | None, event: Mapping[int, int]) -> int | None:
-    """The pdf an event (key -> value) maps to, or None where the tree has no answer."""
-    while node is not None and not isinstance(node, Const):
-        value = event.get(node.key)
-        if value is None:
-            return None
-        if isinstance(node, Split):
-            node = node.yes if value in node.yes_set else node.no
-        else:
-            node = node.entries[value] if 0 <= value < len(node.entries) else None
-    return None if node is None else node.pdf
-
-
-def _token(text: str) -> bytes:
-    return text.encode() + b" "
-
-
-def _int32(v: int) -> bytes:  # Kaldi WriteBasicType<int32>: size byte 4, little-endian
-    return b"\x04" + struct.pack("<i", v)
-
-
-def _write_node(node: EventMap | None) -> bytes:
-    if node is None:
-        return _token("NULL")
-    if isinstance(node, Const):
-        return _token("CE") + _int32(node.pdf)
-    if isinstance(node, Split):  # yes set as Kaldi's WriteIntegerVector: size byte, count, raw ints
-        vec = b"\x04" + struct.pack(f"<i{len(node.yes_set)}i", len(node.yes_set), *node.yes_set)
-        return (
-            _token("SE")
-            + _int32(node.key)
-            + vec
-            + _token("{")
-            + _write_node(node.yes)
-            + _write_node(node.no)
-            + _token("}")
-        )
-    # Table size is a uint32: Kaldi marks unsigned types with a negated size byte (-4 = 0xfc).
-    head = _token("TE") + _int32(node.key) + b"\xfc" + struct.pack("<I", len(node.entries)) + _token("(")
-    return head + b"".join(_write_node(e) for e in node.entries) + _token(")")
-
-
-def write_context_dependency(root: EventMap, context_width: int = 3, central_position: int = 1) -> bytes:
-    """Kaldi's binary ``ContextDependency`` blob for the tree ``root`` (as ``tree.write`` would)."""
-    return (
-        _token("ContextDependency")
-        + _int32(context_width)
-        + _int32(central_position)
-        + _token("ToPdf")
-        + _write_node(root)
-        + _token("EndContextDependency")
-    )
-
-
-def parse_event_map(blob: bytes) -> tuple[int, int, EventMap]:
-    """Inverse of ``write_context_dependency``: returns (context_width, central_position, root)."""
-    pos = 0
-
-    def token() -> str:
-        nonlocal pos
-        end = blob.index(b" ", pos)
-        text, pos = blob[pos:end].decode(), end + 1
-        return text
-
-    def number(size_byte: bytes, fmt: str) -> int:
-        nonlocal pos
-        if blob[pos : pos + 1] != size_byte:
-            raise ValueError(f"bad tree blob: expected size byte {size_byte!r} at offset {pos}")
-        (v,) = struct.unpack_from(fmt, blob, pos + 1)
-        pos += 5
-        return v
-
-    def node() -> EventMap | None:
-        nonlocal pos
-        kind = token()
-        if kind == "NULL":
-            return None
-        if kind == "CE":
-            return Const(number(b"\x04", "<i"))
-        key = number(b"\x04", "<i")
-        if kind == "SE":
-            count = number(b"\x04", "<i")
-            yes_set = struct.unpack_from(f"<{count}i", blob, pos)
-            pos += 4 * count
-            token()  # "{"
-            yes, no = node(), node()
-            token()  # "}"
-            return Split(key, tuple(yes_set), yes, no)
-        if kind != "TE":
-            raise ValueError(f"bad tree blob: unknown EventMap token {kind!r} at offset {pos}")
-        size = number(b"\xfc", "<I")
-        token()  # "("
-        entries = tuple(node() for _ in range(size))
-        token()  # ")"
-        return Table(key, entries)
-
-    if token() != "ContextDependency":
-        raise ValueError("bad tree blob: does not start with the ContextDependency token")
-    width, central = number(b"\x04", "<i"), number(b"\x04", "<i")
-    token()  # "ToPdf"
-    root = node()
-    if token() != "EndContextDependency":
-        raise ValueError("bad tree blob: missing EndContextDependency")
-    return width, central, root
-
-
-def load_context_dependency(blob: bytes) -> "khg.ContextDependency":
-    """A ``khg.ContextDependency`` read from a binary blob (pybind's pickle state is signed bytes)."""
-    tree = khg.ContextDependency.__new__(khg.ContextDependency)
-    tree.__setstate__(([b - 256 if b > 127 else b for b in blob],))
-    return tree
-
-
-def context_dependency_blob(tree: "khg.ContextDependency") -> bytes:
-    """The binary blob of a ``khg.ContextDependency`` (for example Kaldi's monophone tree)."""
-    return bytes(b & 0xFF for b in tree.__getstate__()[0])
-
-
-# ---------------------------------------------------------------- statistics from alignments
-@dataclass(frozen=True)
-class TidTables:
-    """Facts per transition-id, each an int/bool array ``[num_transition_ids + 1]`` (entry 0 unused)."""
-
-    phone: np.ndarray
-    pdf_class: (
-        np.ndarray
-    )  # forward pdf-class, or self-loop pdf-class for self-loops (Kaldi's TransitionIdToPdfClass)
-    state: np.ndarray  # transition-state
-    is_final: np.ndarray  # transition into the HMM's final state
-    is_self_loop: np.ndarray
-
-    @classmethod
-    def from_transition_model(cls, tm: "khg.TransitionModel") -> "TidTables":
-        n, topo = tm.num_transition_ids, tm.topo
-        tables = {k: np.zeros(n + 1, dtype=np.int64) for k in ("phone", "pdf_class", "state")}
-        flags = {k: np.zeros(n + 1, dtype=bool) for k in ("is_final", "is_self_loop")}
-        for tid in range(1, n + 1):
-            state = tm.id2state[tid]
-            phone, hmm_state = tm.tuples[state - 1].__getstate__()[:2]
-            self_loop = tm.is_self_loop(tid)
-            hmm = topo.topology_for_phone(phone)[hmm_state]
-            tables["phone"][tid], tables["state"][tid] = phone, state
-            tables["pdf_class"][tid] = hmm.self_loop_pdf_class if self_loop else hmm.forward_pdf_class
-            flags["is_final"][tid], flags["is_self_loop"][tid] = tm.is_final(tid), self_loop
-        return cls(**tables, **flags)
-
-
-def accumulate_tree_stats(
-    alignments: Sequence[np.ndarray], features: Sequence[np.ndarray], tables: TidTables
-) -> Stats:
-    """Gaussian statistics per context event, like Kaldi's ``acc-tree-stats``.
-
-    Args:
-        alignments: per utterance, transition-ids ``[T]``.
-        features: per utterance, features ``[T, D]`` of the same frames.
-        tables: ``TidTables.from_transition_model(tm)``.
-
-    Returns:
-        ``{(left, centre, right, pdf_class): (count, sum [D], sum of squares [D])}``, float64;
-        left/right are the neighbouring phone instances, 0 at the utterance boundaries.
-    """
-    if len(alignments) != len(features):
-        raise ValueError(
-            f"{len(alignments)} alignments but {len(features)} feature matrices; pass one of each per utterance"
-        )
-    stats: Stats = {}
-    for i, (ali, feats) in enumerate(zip(alignments, features)):
-        tid, feats = np.asarray(ali, dtype=np.int64), np.asarray(feats, dtype=np.float64)
-        if len(tid) != len(feats) or len(tid) == 0:
-            raise ValueError(
-                f"utterance {i}: {len(tid)} alignment frames vs {len(feats)} feature frames; they must agree and be > 0"
-            )
-        # A phone instance ends on a transition into the final state, unless self-loops of that same
-        # state follow (graphs compiled with reordered self-loops put them after the exit).
-        state = tables.state[tid]
-        end = tables.is_final[tid[:-1]] & ~(tables.is_self_loop[tid[1:]] & (state[1:] == state[:-1]))
-        instance = np.concatenate([[0], np.cumsum(end)])
-        phone = tables.phone[tid]
-        inst_phone = phone[np.flatnonzero(np.concatenate([[True], end]))]
-        left = np.concatenate([[0], inst_phone[:-1]])[instance]
-        right = np.concatenate([inst_phone[1:], [0]])[instance]
-        events = np.stack([left, phone, right, tables.pdf_class[tid]], axis=1)
-        keys, inverse = np.unique(events, axis=0, return_inverse=True)
-        order = np.argsort(inverse.ravel(), kind="stable")
-        starts = np.flatnonzero(np.diff(np.concatenate([[-1], inverse.ravel()[order]])))
-        counts = np.diff(np.append(starts, len(order)))
-        sums, sumsq = np.add.reduceat(feats[order], starts), np.add.reduceat(feats[order] ** 2, starts)
-        for k, key in enumerate(map(tuple, keys.tolist())):
-            old = stats.get(key)
-            stats[key] = (
-                (float(counts[k]), sums[k], sumsq[k])
-                if old is None
-                else (old[0] + counts[k], old[1] + sums[k], old[2] + sumsq[k])
-            )
-    log.info("tree stats: %d context events from %d utterances", len(stats), len(alignments))
-    return stats
 
 
 # ---------------------------------------------------------------- Gaussian likelihood of stats
@@ -407,6 +189,27 @@ def _membership(sets: Sequence[Sequence[int]], size: int) -> np.ndarray:
     return member
 
 
+def _merge_leaves(
+    sums: list[np.ndarray], cluster_thresh: float, var_floor: float
+) -> tuple[list[list[int]], float]:
+    """Agglomerate leaf stats ``[1 + 2D]`` while the cheapest merge loses less than ``cluster_thresh``.
+
+    Returns the groups of leaf indices and the summed likelihood loss of the merges.
+    """
+    groups, sums, total_loss = [[i] for i in range(len(sums))], list(sums), 0.0
+    while len(groups) > 1:
+        s = np.stack(sums)
+        like = _loglike(s, var_floor)
+        loss = like[:, None] + like[None, :] - _loglike(s[:, None] + s[None, :], var_floor)
+        loss[np.tril_indices(len(groups))] = np.inf
+        i, j = np.unravel_index(int(np.argmin(loss)), loss.shape)
+        if loss[i, j] >= cluster_thresh:
+            break
+        total_loss += float(loss[i, j])
+        groups[i], sums[i] = groups[i] + groups.pop(j), sums[i] + sums.pop(j)
+    return groups, total_loss
+
+
 def build_tree(
     stats: Stats,
     questions: Sequence[Sequence[int]] | None,
@@ -503,31 +306,13 @@ def build_tree(
     cluster_thresh = thresh if cluster_thresh is None else cluster_thresh
     cluster_of, merge_loss, clusters = {}, 0.0, []
     for r in range(len(roots)):
-        group = [[n] for n in leaves if n.root == r]
-        sums = [g[0].stats.sum(0) for g in group]
-        while len(group) > 1:
-            loss = [
-                (
-                    float(
-                        _loglike(sums[i], var_floor)
-                        + _loglike(sums[j], var_floor)
-                        - _loglike(sums[i] + sums[j], var_floor)
-                    ),
-                    i,
-                    j,
-                )
-                for i in range(len(group))
-                for j in range(i + 1, len(group))
-            ]
-            best, i, j = min(loss)
-            if best >= cluster_thresh:
-                break
-            merge_loss += best
-            group[i], sums[i] = group[i] + group.pop(j), sums[i] + sums.pop(j)
-        for g, total in zip(group, sums):
-            for n in g:
-                cluster_of[id(n)] = len(clusters)
-            clusters.append(total)
+        mine = [n for n in leaves if n.root == r]
+        groups, loss = _merge_leaves([n.stats.sum(0) for n in mine], cluster_thresh, var_floor)
+        merge_loss += loss
+        for group in groups:
+            for i in group:
+                cluster_of[id(mine[i])] = len(clusters)
+            clusters.append(sum(mine[i].stats.sum(0) for i in group))
 
     # 4. pdf ids in tree order (roots by phone and pdf-class, yes before no), contiguous from 0.
     pdf_of_cluster: dict[int, int] = {}
