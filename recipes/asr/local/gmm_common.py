@@ -1,0 +1,386 @@
+"""Shared pieces of GMM-HMM training (Kaldi's ``gmm-acc-stats-ali`` / ``gmm-est`` /
+``gmm-align-compiled`` / ``convert-ali``), used by the monophone and triphone stages.
+
+Statistics are accumulated in numpy over the whole training set at once: per pdf, one call
+to ``DiagGmm.log_likelihoods_matrix`` for all its frames, Gaussian posteriors, then
+occupancy, first- and second-order sums per Gaussian. They are handed to Kaldi's
+``AccumAmDiagGmm`` as two pseudo-frames per Gaussian (``accumulate_from_posteriors``), so the
+M-step is Kaldi's own ``mle_am_diag_gmm_update`` (variance floor, low-count Gaussian removal)
+while Python makes ~2 calls per Gaussian instead of one per frame. A Gaussian with
+occupancy ``n``, sums ``Σx`` and ``Σx²`` is reproduced exactly by the frames
+``m ± s`` (``m = Σx/n``, ``s² = Σx²/n − m²``), each of weight ``n/2``.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from local.kaldi import kaldifst, khg
+from local.tree import TidTables
+
+log = logging.getLogger(__name__)
+
+ACOUSTIC_SCALE = 0.1  # Kaldi's --acoustic-scale for alignment
+SELF_LOOP_SCALE = 0.1
+TRANSITION_SCALE = 1.0
+
+
+@dataclass
+class GmmSystem:
+    """A GMM-HMM: transition model, per-pdf diagonal GMMs, context-dependency tree."""
+
+    tm: "khg.TransitionModel"
+    am: "khg.AmDiagGmm"
+    tree: "khg.ContextDependency"
+
+    def save(self, path: Path | str) -> None:
+        """Pickle to ``path`` (the khg objects pickle through Kaldi's binary format)."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            pickle.dump({"tm": self.tm, "am": self.am, "tree": self.tree}, f)
+
+    @classmethod
+    def load(cls, path: Path | str) -> "GmmSystem":
+        if not Path(path).exists():
+            raise RuntimeError(f"{path} is missing; run the stage that trains it first")
+        with open(path, "rb") as f:
+            d = pickle.load(f)
+        return cls(d["tm"], d["am"], d["tree"])
+
+    def tid2pdf(self) -> np.ndarray:
+        """``[num_transition_ids + 1]`` int64: pdf of each transition-id (entry 0 unused)."""
+        return np.asarray(self.tm.id2pdf_id, dtype=np.int64)
+
+    def info(self) -> dict:
+        return {"pdfs": self.tm.num_pdfs, "gaussians": self.am.num_gauss, "transition_ids": self.tm.num_transition_ids}
+
+
+def read_topology(topo_text: str) -> "khg.HmmTopology":
+    topo = khg.HmmTopology()
+    topo.read(topo_text)
+    return topo
+
+
+def single_gaussian_am(means: np.ndarray, variances: np.ndarray) -> "khg.AmDiagGmm":
+    """One diagonal Gaussian per pdf. Args: means, variances ``[num_pdfs, D]``."""
+    am = khg.AmDiagGmm()
+    for mean, var in zip(np.asarray(means, np.float32), np.asarray(variances, np.float32)):
+        g = khg.DiagGmm(nmix=1, dim=len(mean))
+        g.set_weights(np.ones(1, np.float32))
+        g.set_means(mean[None])
+        g.set_invvars(1.0 / var[None])
+        g.compute_gconsts()
+        am.add_pdf(g)
+    return am
+
+
+# ---------------------------------------------------------------- graphs and alignment
+def compile_graphs(system: GmmSystem, lang, word_ids: dict[str, list[int]]) -> dict:
+    """Training graph (HCL for the transcript, no probabilities yet) per utterance id."""
+    compiler = khg.TrainingGraphCompiler(
+        trans_model=system.tm,
+        ctx_dep=system.tree,
+        lex_fst=lang.L(),
+        disambig_syms=lang.disambig_phone_ids,
+        opts=khg.TrainingGraphCompilerOptions(transition_scale=0.0, self_loop_scale=0.0),
+    )
+    return {utt: compiler.compile_graph_from_text(ids) for utt, ids in word_ids.items()}
+
+
+def equal_alignment(graph, num_frames: int, seed: int = 0) -> np.ndarray | None:
+    """Flat-start alignment (Kaldi's ``align-equal-compiled``): transition-ids ``[T]`` spread
+    evenly over a random path of the graph, or None when ``num_frames`` is shorter than every
+    path (the utterance is too short for its HMM sequence)."""
+    ok, afst = kaldifst.equal_align(ifst=graph, length=num_frames, rand_seed=seed, num_retries=10)
+    if not ok:
+        return None
+    ok, ali, _, _ = kaldifst.get_linear_symbol_sequence(afst)
+    if not ok or len(ali) != num_frames:
+        return None
+    return np.asarray(ali, dtype=np.int32)
+
+
+def viterbi_align(
+    system: GmmSystem, graph, feats: np.ndarray, utt: str, beam: float = 10.0, retry_beam: float = 40.0
+) -> tuple[np.ndarray | None, float]:
+    """Viterbi alignment of ``feats`` ``[T, D]`` to ``graph`` (``gmm-align-compiled``).
+
+    Returns:
+        transition-ids ``[T]`` (None when no path survives ``retry_beam``) and the
+        acoustic log-likelihood of the path (unscaled).
+    """
+    fst = graph.copy()
+    khg.add_transition_probs(
+        trans_model=system.tm, transition_scale=TRANSITION_SCALE, self_loop_scale=SELF_LOOP_SCALE, fst=fst
+    )
+    dec = khg.DecodableAmDiagGmmScaled(am=system.am, tm=system.tm, feats=feats, scale=ACOUSTIC_SCALE)
+    done, _, _, like, _, ali, _ = khg.align_utterance_wrapper(
+        config=khg.AlignConfig(beam=beam, retry_beam=retry_beam),
+        utt=utt,
+        acoustic_scale=ACOUSTIC_SCALE,
+        fst=fst,
+        decodable=dec,
+        num_done=0,
+        num_error=0,
+        num_retried=0,
+        tot_like=0.0,
+        frame_count=0,
+    )
+    if not done or len(ali) != len(feats):
+        return None, float("-inf")
+    return np.asarray(ali, dtype=np.int32), like
+
+
+# ---------------------------------------------------------------- statistics and update
+@dataclass
+class Stats:
+    """Sufficient statistics of one pass over the data."""
+
+    accs: "khg.AccumAmDiagGmm"
+    transitions: np.ndarray  # [num_transition_ids + 1] float64 counts per transition-id
+    pdf_occs: np.ndarray  # [num_pdfs] float32 frames per pdf
+    log_like: float  # total GMM log-likelihood of the aligned frames
+    frames: int
+
+
+def accumulate(system: GmmSystem, feats: np.ndarray, ali: np.ndarray) -> Stats:
+    """E-step over all aligned frames at once (``gmm-acc-stats-ali``).
+
+    Args:
+        feats: every training frame, concatenated ``[N, D]`` float32.
+        ali: transition-id of each frame ``[N]``.
+    """
+    if len(feats) != len(ali):
+        raise ValueError(f"{len(feats)} frames but {len(ali)} alignment entries; they must match")
+    am, tm = system.am, system.tm
+    pdf = system.tid2pdf()[ali]
+    accs = khg.AccumAmDiagGmm()
+    accs.init(model=am, flags=khg.GmmUpdateFlags.kGmmAll)
+    order = np.argsort(pdf, kind="stable")
+    bounds = np.searchsorted(pdf[order], np.arange(tm.num_pdfs + 1))
+    pdf_occs = np.diff(bounds).astype(np.float32)
+    total = 0.0
+    for p in range(tm.num_pdfs):
+        idx = order[bounds[p] : bounds[p + 1]]
+        if len(idx) == 0:
+            continue
+        x = feats[idx]
+        ll = np.asarray(am.get_pdf(p).log_likelihoods_matrix(x), dtype=np.float64)  # [n, G]
+        top = ll.max(1, keepdims=True)
+        frame_ll = top[:, 0] + np.log(np.exp(ll - top).sum(1))
+        total += float(frame_ll.sum())
+        post = np.exp(ll - frame_ll[:, None])
+        occ = post.sum(0)
+        x64 = x.astype(np.float64)
+        mean = (post.T @ x64) / np.maximum(occ, 1e-20)[:, None]
+        var = np.maximum((post.T @ (x64 * x64)) / np.maximum(occ, 1e-20)[:, None] - mean**2, 0.0)
+        std = np.sqrt(var)
+        for g in np.flatnonzero(occ > 0):
+            w = np.zeros(len(occ), np.float32)
+            w[g] = occ[g] / 2
+            for sign in (1.0, -1.0):
+                frame = (mean[g] + sign * std[g]).astype(np.float32)
+                accs.accumulate_from_posteriors(model=am, data=frame, gmm_index=p, weight=w)
+    trans = np.bincount(ali, minlength=tm.num_transition_ids + 1).astype(np.float64)
+    return Stats(accs, trans, pdf_occs, total, len(ali))
+
+
+def update(
+    system: GmmSystem,
+    stats: Stats,
+    target_gauss: int = 0,
+    min_gaussian_occupancy: float = 10.0,
+    power: float = 0.2,
+    min_count: float = 20.0,
+) -> None:
+    """M-step (``gmm-est``): transitions, GMM means/variances/weights, then mixture growth
+    towards ``target_gauss`` Gaussians in total (``--mix-up``; 0 keeps the count)."""
+    cfg = khg.MleTransitionUpdateConfig()
+    system.tm.mle_update(stats.transitions, cfg)
+    opts = khg.MleDiagGmmOptions()
+    opts.min_gaussian_occupancy = min_gaussian_occupancy
+    khg.mle_am_diag_gmm_update(
+        config=opts, amdiag_gmm_acc=stats.accs, flags=khg.str_to_gmm_flags("mvw"), am_gmm=system.am
+    )
+    if target_gauss > system.am.num_gauss:
+        system.am.split_by_count(
+            state_occs=stats.pdf_occs, target_components=target_gauss, perturb_factor=0.01, power=power, min_count=min_count
+        )
+
+
+# ---------------------------------------------------------------- alignment conversion
+def phone_instances(ali: np.ndarray, tables: TidTables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per frame: (phone instance index, left phone, right phone); 0 outside the utterance.
+
+    A phone instance ends on a transition into the HMM's final state unless self-loops of
+    the same state follow (reordered training graphs put them after the exit).
+    """
+    tid = np.asarray(ali, dtype=np.int64)
+    state = tables.state[tid]
+    end = tables.is_final[tid[:-1]] & ~(tables.is_self_loop[tid[1:]] & (state[1:] == state[:-1]))
+    instance = np.concatenate([[0], np.cumsum(end)])
+    inst_phone = tables.phone[tid][np.flatnonzero(np.concatenate([[True], end]))]
+    left = np.concatenate([[0], inst_phone[:-1]])[instance]
+    right = np.concatenate([inst_phone[1:], [0]])[instance]
+    return instance, left, right
+
+
+def phones_of(ali: np.ndarray, tables: TidTables) -> list[int]:
+    """The phone sequence of an alignment (one entry per phone instance)."""
+    instance, _, _ = phone_instances(ali, tables)
+    starts = np.flatnonzero(np.diff(np.concatenate([[-1], instance])))
+    return tables.phone[np.asarray(ali, dtype=np.int64)[starts]].tolist()
+
+
+def convert_alignment(ali: np.ndarray, old: GmmSystem, new: GmmSystem, old_tables: TidTables) -> np.ndarray:
+    """Map an alignment to another tree/transition model of the same topology, frame by frame
+    (Kaldi's ``convert-ali``): each frame keeps its phone, HMM state and transition index; its
+    pdfs come from the new tree with the phone's context."""
+    tid = np.asarray(ali, dtype=np.int64)
+    _, left, right = phone_instances(tid, old_tables)
+    tuple_state = {tuple(t.__getstate__()[:4]): s + 1 for s, t in enumerate(new.tm.tuples)}
+    state2id = new.tm.state2id
+    topo = new.tm.topo
+    cache: dict[tuple, int] = {}
+    out = np.empty(len(tid), dtype=np.int32)
+    for t in range(len(tid)):
+        key = (int(tid[t]), int(left[t]), int(right[t]))
+        if key not in cache:
+            state = old.tm.id2state[key[0]]
+            phone, hmm_state = old.tm.tuples[state - 1].__getstate__()[:2]
+            hmm = topo.topology_for_phone(phone)[hmm_state]
+            ctx = [key[1], phone, key[2]] if new.tree.context_width == 3 else [phone]
+            ok_f, fwd = new.tree.compute(ctx, hmm.forward_pdf_class)
+            ok_s, loop = new.tree.compute(ctx, hmm.self_loop_pdf_class)
+            if not (ok_f and ok_s):
+                raise RuntimeError(f"the new tree has no pdf for context {ctx}; was it built for these phones?")
+            new_state = tuple_state[(phone, hmm_state, fwd, loop)]
+            cache[key] = state2id[new_state] + key[0] - old.tm.state2id[state]
+        out[t] = cache[key]
+    return out
+
+
+# ---------------------------------------------------------------- data
+def is_augmented(cut) -> bool:
+    """True for the sox-augmented copy of a training utterance (the GMMs train on clean speech).
+
+    The synthetic corpus marks it with an ``augmentation`` entry in the supervision's custom
+    fields and a ``-aug`` id suffix.
+    """
+    customs = [cut.custom or {}] + [s.custom or {} for s in cut.supervisions]
+    return any("augmentation" in c for c in customs) or cut.id.endswith("-aug")
+
+
+@dataclass
+class Utterances:
+    """The utterances of one split with what GMM training and decoding need."""
+
+    cuts: list
+    feats: dict[str, np.ndarray]  # id -> [T, 39]
+    words: dict[str, list[str]]  # id -> transcript words
+
+    @property
+    def ids(self) -> list[str]:
+        return [c.id for c in self.cuts]
+
+
+def load_utterances(data_dir: Path, split: str, clean_only: bool = True) -> Utterances:
+    """Feature cuts of ``split``; for train only those the lang stage kept (no OOV) and, with
+    ``clean_only``, no augmented copies."""
+    from lhotse import CutSet
+
+    from local.features import gmm_features
+    from local.lang import cut_words
+
+    path = Path(data_dir) / "features" / f"{split}_cuts.jsonl.gz"
+    if not path.exists():
+        raise RuntimeError(f"{path} is missing; run prepare.py --stage 1 first")
+    cuts = list(CutSet.from_file(path))
+    if split == "train":
+        kept_file = Path(data_dir) / "lang" / "train_ids.txt"
+        if kept_file.exists():
+            kept = set(kept_file.read_text().split())
+            cuts = [c for c in cuts if c.id in kept]
+        if clean_only:
+            cuts = [c for c in cuts if not is_augmented(c)]
+    feats = {c.id: gmm_features(c) for c in cuts}
+    return Utterances(cuts, feats, {c.id: cut_words(c) for c in cuts})
+
+
+# ---------------------------------------------------------------- the training loop
+def realign_all(
+    system: GmmSystem,
+    graphs: dict,
+    utts: Utterances,
+    ids: list[str],
+    data_dir: Path | None,
+    stage: str,
+    split: str = "train",
+    beam: float = 10.0,
+    retry_beam: float = 40.0,
+) -> dict[str, np.ndarray]:
+    """Viterbi-align ``ids``; utterances without a path even at ``retry_beam`` are dropped
+    (reason ``alignment_failed``) and left out of the result."""
+    from local.drops import record_drop
+
+    alis = {}
+    for utt in ids:
+        ali, _ = viterbi_align(system, graphs[utt], utts.feats[utt], utt, beam=beam, retry_beam=retry_beam)
+        if ali is None:
+            log.warning("%s: %s has no alignment even at retry beam %g; dropped", stage, utt, retry_beam)
+            if data_dir is not None:
+                record_drop(data_dir, stage, split, utt, "alignment_failed", f"no path at retry_beam={retry_beam}")
+            continue
+        alis[utt] = ali
+    return alis
+
+
+def train_iterations(
+    system: GmmSystem,
+    graphs: dict,
+    utts: Utterances,
+    alis: dict[str, np.ndarray],
+    num_iters: int,
+    realign_iters: set[int],
+    total_gauss: int,
+    max_iter_inc: int,
+    data_dir: Path | None,
+    stage: str,
+    beam: float = 10.0,
+) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """Kaldi's Viterbi training loop (``train_mono.sh`` / ``train_deltas.sh``): pass 0 on the
+    given alignments, then passes ``1..num_iters-1``, re-aligning first on ``realign_iters``;
+    the Gaussian count grows linearly to ``total_gauss`` by pass ``max_iter_inc``.
+
+    Returns:
+        the final alignments and one record per pass (avg log-likelihood per frame, Gaussians).
+    """
+    from tqdm import tqdm
+
+    num_gauss = system.am.num_gauss
+    inc = max((total_gauss - num_gauss) // max(max_iter_inc, 1), 0)
+    history = []
+    ids, feats_all = None, None
+    for it in tqdm(range(num_iters), desc=f"{stage} passes", unit="pass", leave=False):
+        if it in realign_iters:
+            alis = realign_all(system, graphs, utts, list(alis), data_dir, stage, beam=beam)
+        if ids != list(alis):
+            ids = list(alis)
+            feats_all = np.concatenate([utts.feats[u] for u in ids])
+        if not ids:
+            raise RuntimeError(f"{stage}: every training utterance failed to align; check features and lang")
+        stats = accumulate(system, feats_all, np.concatenate([alis[u] for u in ids]))
+        update(system, stats, target_gauss=num_gauss, min_gaussian_occupancy=3.0 if it == 0 else 10.0)
+        if it <= max_iter_inc:
+            num_gauss = min(num_gauss + inc, total_gauss)
+        rec = {"pass": it, "log_like_per_frame": stats.log_like / stats.frames, "gaussians": system.am.num_gauss,
+               "utterances": len(ids), "realigned": it in realign_iters}
+        history.append(rec)
+        log.info("%s pass %2d: avg log-like %.3f per frame over %d frames, %d Gaussians%s", stage, it,
+                 rec["log_like_per_frame"], stats.frames, rec["gaussians"], " (realigned)" if rec["realigned"] else "")
+    return alis, history
