@@ -1,0 +1,164 @@
+"""Decoding with ``khg.LatticeFasterDecoder`` on an HCLG, and Kaldi-style scoring with jiwer.
+
+Used by the GMM stages (``decode_utterances_gmm``) and by the DNN evaluation
+(``decode_utterances`` on pseudo-log-likelihoods ``log p(pdf | x) - log p(pdf)``).
+
+The decoder asks a decodable for the log-likelihood of a transition-id at a frame.
+``khg.DecodableCtc(m)`` returns ``m[t, tid - 1]`` unscaled, so the per-pdf matrix is expanded
+to transition-ids through the transition model's ``tid -> pdf`` table and multiplied by the
+acoustic scale here (matching ``DecodableAmDiagGmmScaled`` to 1e-6, DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from local.kaldi import khg
+from local.lang import normalize_text
+
+log = logging.getLogger(__name__)
+
+
+def tid_to_pdf(trans_model) -> np.ndarray:
+    """``[num_transition_ids]`` int64: pdf-id of transition-ids 1..N (index = tid - 1)."""
+    return np.array([trans_model.transition_id_to_pdf(t) for t in range(1, trans_model.num_transition_ids + 1)],
+                    dtype=np.int64)
+
+
+def _decoder(hclg, beam: float, max_active: int, lattice_beam: float):
+    config = khg.LatticeFasterDecoderConfig(max_active=max_active, beam=beam, lattice_beam=lattice_beam)
+    return khg.LatticeFasterDecoder(hclg, config)
+
+
+def _run(decoder, trans_model, utt_id: str, decodable) -> list[int] | None:
+    ok, _, word_ids, _ = khg.decode_utterance_lattice_faster(
+        decoder=decoder, decodable=decodable, trans_model=trans_model, utt=utt_id, allow_partial=True)
+    return list(word_ids) if ok else None
+
+
+def decode_utterances(hclg, trans_model, utterances: Iterable[tuple[str, np.ndarray]], acoustic_scale: float,
+                      beam: float = 13.0, max_active: int = 7000, lattice_beam: float = 6.0) -> dict[str, list[int]]:
+    """Decode per-pdf log-likelihoods.
+
+    Args:
+        hclg: the decoding graph (``graph.make_hclg``).
+        trans_model: the ``khg.TransitionModel`` of the graph.
+        utterances: ``(utt_id, loglik)`` with ``loglik`` ``[T, num_pdfs]`` (for a DNN:
+            log posterior - log prior).
+        acoustic_scale: multiplies the log-likelihoods (0.1 for GMMs, ~0.1-1 for DNNs).
+
+    Returns:
+        ``{utt_id: [word ids]}``; an utterance where no path survives gets ``[]`` (logged).
+    """
+    tid2pdf = tid_to_pdf(trans_model)
+    decoder = _decoder(hclg, beam, max_active, lattice_beam)
+    out, failed, frames, t0 = {}, [], 0, time.time()
+    for utt_id, loglik in utterances:
+        loglik = np.asarray(loglik, dtype=np.float32)
+        if loglik.ndim != 2 or loglik.shape[1] != trans_model.num_pdfs:
+            raise ValueError(f"{utt_id}: log-likelihoods of shape {loglik.shape}, expected [T, {trans_model.num_pdfs}] "
+                             "(one column per pdf of the transition model)")
+        per_tid = np.ascontiguousarray(acoustic_scale * loglik[:, tid2pdf])
+        words = _run(decoder, trans_model, utt_id, khg.DecodableCtc(per_tid))
+        if words is None:
+            failed.append(utt_id)
+        out[utt_id] = words or []
+        frames += loglik.shape[0]
+    _log_speed(len(out), failed, frames, t0)
+    return out
+
+
+def decode_utterances_gmm(hclg, trans_model, am, utterances: Iterable[tuple[str, np.ndarray]],
+                          acoustic_scale: float = 0.1, beam: float = 13.0, max_active: int = 7000,
+                          lattice_beam: float = 6.0) -> dict[str, list[int]]:
+    """Decode GMM features: ``utterances`` yields ``(utt_id, feats [T, D])`` for ``am`` (``khg.AmDiagGmm``)."""
+    decoder = _decoder(hclg, beam, max_active, lattice_beam)
+    out, failed, frames, t0 = {}, [], 0, time.time()
+    for utt_id, feats in tqdm(utterances, desc="decode", leave=False, mininterval=2.0):
+        feats = np.ascontiguousarray(feats, dtype=np.float32)
+        decodable = khg.DecodableAmDiagGmmScaled(am=am, tm=trans_model, feats=feats, scale=acoustic_scale)
+        words = _run(decoder, trans_model, utt_id, decodable)
+        if words is None:
+            failed.append(utt_id)
+        out[utt_id] = words or []
+        frames += feats.shape[0]
+    _log_speed(len(out), failed, frames, t0)
+    return out
+
+
+def _log_speed(n: int, failed: list[str], frames: int, t0: float) -> None:
+    secs = time.time() - t0
+    log.info("decoded %d utterances (%.1f s of audio) in %.1f s, RTF %.3f; %d failed%s", n, frames / 100, secs,
+             secs / max(frames / 100, 1e-9), len(failed), f" (e.g. {failed[:3]})" if failed else "")
+
+
+def words_to_text(word_ids: list[int], id2word: dict[int, str]) -> str:
+    return " ".join(id2word[i] for i in word_ids)
+
+
+def score(refs: dict[str, str], hyps: dict[str, str], out_dir: Path | str, name: str) -> dict:
+    """WER with jiwer; writes ``recogs-{name}.txt`` and ``errs-{name}.txt`` (Kaldi/icefall style).
+
+    Both sides are normalised with ``lang.normalize_text``. Reference words the system cannot
+    output (OOV) simply count as errors. An utterance missing from ``hyps`` counts as all deleted.
+
+    Returns:
+        ``{"wer": %, "errors", "words", "ins", "del", "sub", "utterances", "sentence_errors"}``.
+    """
+    import jiwer
+
+    if not refs:
+        raise ValueError(f"no reference transcripts to score for {name}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids = sorted(refs)
+    ref_words = [normalize_text(refs[i]) for i in ids]
+    hyp_words = [normalize_text(hyps.get(i, "")) for i in ids]
+    counts = {"ins": 0, "del": 0, "sub": 0, "hits": 0}
+    per_utt, sent_err = [], 0
+    for r, h in zip(ref_words, hyp_words):
+        pairs = align_words(r, h, jiwer) if r else [(None, w) for w in h]
+        for a, b in pairs:
+            key = "ins" if a is None else "del" if b is None else "hits" if a == b else "sub"
+            counts[key] += 1
+        sent_err += any(a != b for a, b in pairs)
+        per_utt.append(pairs)
+    n_ref = sum(len(r) for r in ref_words)
+    errors = counts["ins"] + counts["del"] + counts["sub"]
+    result = {"wer": round(100.0 * errors / max(n_ref, 1), 2), "errors": errors, "words": n_ref,
+              "ins": counts["ins"], "del": counts["del"], "sub": counts["sub"], "utterances": len(ids),
+              "sentence_errors": sent_err}
+    summary = (f"%WER {result['wer']:.2f} [ {errors} / {n_ref}, {counts['ins']} ins, {counts['del']} del, "
+               f"{counts['sub']} sub ]  %SER {100.0 * sent_err / len(ids):.2f} [ {sent_err} / {len(ids)} ]")
+    with (out_dir / f"recogs-{name}.txt").open("w") as f:
+        for i, r, h in zip(ids, ref_words, hyp_words):
+            f.write(f"{i}:\tref={r}\n{i}:\thyp={h}\n")
+    with (out_dir / f"errs-{name}.txt").open("w") as f:
+        f.write(f"{summary}\n\nPER-UTTERANCE DETAILS: ref -> hyp, (REF->HYP) marks an error, *** an empty side\n")
+        for i, pairs in zip(ids, per_utt):
+            f.write(f"{i}:\t" + " ".join(a if a == b else f"({a or '***'}->{b or '***'})" for a, b in pairs) + "\n")
+    log.info("%s: %s", name, summary)
+    return result
+
+
+def align_words(ref: list[str], hyp: list[str], jiwer) -> list[tuple[str | None, str | None]]:
+    """Minimum-edit alignment of one utterance as ``(ref word or None, hyp word or None)`` pairs."""
+    if not hyp:
+        return [(w, None) for w in ref]
+    out = jiwer.process_words(" ".join(ref), " ".join(hyp))
+    pairs = []
+    for chunk in out.alignments[0]:
+        r, h = ref[chunk.ref_start_idx:chunk.ref_end_idx], hyp[chunk.hyp_start_idx:chunk.hyp_end_idx]
+        if chunk.type == "insert":
+            pairs += [(None, w) for w in h]
+        elif chunk.type == "delete":
+            pairs += [(w, None) for w in r]
+        else:  # equal / substitute: same length on both sides
+            pairs += list(zip(r, h))
+    return pairs

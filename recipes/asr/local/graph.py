@@ -1,0 +1,123 @@
+"""Decoding graph HCLG and training-graph compiler (Kaldi's ``mkgraph.sh`` and
+``compile-train-graphs`` with kaldifst + kaldi_hmm_gmm).
+
+``make_hclg`` follows mkgraph.sh step by step:
+
+1. LG  = det*(L_disambig o G) in the log semiring, then minimise (encoded).
+2. CLG = context expansion of LG for the tree's context width N and central position P
+   (N=1, P=0 for a monophone tree: C is the identity but the ilabels become context windows).
+3. Ha  = the HMM transducer from context windows to transition-ids (no self-loops yet).
+4. HCLGa = det*(Ha o CLG); the disambiguation transition-ids become epsilon; remove epsilons;
+   minimise.
+5. HCLG = HCLGa with self-loops added (self_loop_scale 0.1, reordered, as Kaldi).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from local.kaldi import kaldifst, khg
+from local.lang import load_lang
+
+log = logging.getLogger(__name__)
+
+SELF_LOOP_SCALE = 0.1
+TRANSITION_SCALE = 1.0
+
+
+def num_arcs(fst) -> int:
+    return sum(fst.num_arcs(s) for s in range(fst.num_states))
+
+
+def replace_ilabels(fst, mapping: dict[int, int]):
+    """A copy of ``fst`` with input labels mapped through ``mapping`` (others unchanged).
+
+    Builds a new ``StdVectorFst`` because editing arcs in place through the bindings does not
+    always stick (DESIGN §5).
+    """
+    out = kaldifst.StdVectorFst()
+    for _ in range(fst.num_states):
+        out.add_state()
+    out.start = fst.start
+    for s in range(fst.num_states):
+        out.set_final(s, fst.final(s))
+        it = kaldifst.ArcIterator(fst, s)
+        while not it.done:
+            a = it.value
+            out.add_arc(s, kaldifst.StdArc(mapping.get(a.ilabel, a.ilabel), a.olabel, a.weight, a.nextstate))
+            it.next()
+    return out
+
+
+def make_hclg(lang_dir: Path | str, tree, trans_model, out_path: Path | str | None = None,
+              self_loop_scale: float = SELF_LOOP_SCALE):
+    """Build the decoding graph for ``tree`` / ``trans_model`` from ``lang_dir`` (L_disambig.fst, G.fst).
+
+    Args:
+        lang_dir: the stage-2 lang directory.
+        tree: a ``khg.ContextDependency`` (monophone N=1, P=0 or triphone N=3, P=1).
+        trans_model: the ``khg.TransitionModel`` built on that tree.
+        out_path: where to write ``HCLG.fst`` (optional).
+
+    Returns:
+        ``HCLG`` (``kaldifst.StdVectorFst``): input labels transition-ids, output labels word ids.
+    """
+    t0 = time.time()
+    lang = load_lang(lang_dir)
+    g_path = Path(lang_dir) / "G.fst"
+    if not g_path.exists():
+        raise RuntimeError(f"{g_path} is missing; run prepare.py --stage 2 (lang + LM) first")
+    L = lang.L_disambig()
+    kaldifst.arcsort(L, sort_type="olabel")
+    G = kaldifst.StdVectorFst.read(str(g_path))
+    kaldifst.arcsort(G, sort_type="ilabel")
+
+    LG = kaldifst.StdVectorFst(kaldifst.compose(L, G))
+    if kaldifst.determinize_star(LG, use_log=True):  # True means it stopped early (partial result)
+        raise RuntimeError("determinization of L o G did not finish; the lexicon needs more disambiguation symbols")
+    kaldifst.minimize_encoded(LG)
+
+    CLG, ilabel_info = kaldifst.compose_context(
+        disambig_syms=lang.disambig_phone_ids, context_width=tree.context_width,
+        central_position=tree.central_position, ifst=LG)
+    kaldifst.arcsort(CLG, sort_type="ilabel")
+
+    Ha, disambig_tids = khg.get_h_transducer(
+        ilabel_info=ilabel_info, ctx_dep=tree, trans_model=trans_model,
+        config=khg.HTransducerConfig(transition_scale=TRANSITION_SCALE))
+    kaldifst.arcsort(Ha, sort_type="olabel")
+    HCLGa = kaldifst.StdVectorFst(kaldifst.compose(Ha, CLG))
+    if kaldifst.determinize_star(HCLGa, use_log=True):
+        raise RuntimeError("determinization of Ha o CLG did not finish")
+    HCLGa = replace_ilabels(HCLGa, {t: 0 for t in disambig_tids})
+    kaldifst.rmepsilon(HCLGa)
+    kaldifst.minimize_encoded(HCLGa)
+
+    HCLG = khg.add_self_loops(self_loop_scale=self_loop_scale, disambig_syms=[], reorder=True,
+                              trans_model=trans_model, ifst=HCLGa)
+    kaldifst.arcsort(HCLG, sort_type="ilabel")
+    if HCLG.num_states == 0:
+        raise RuntimeError(f"HCLG from {lang_dir} is empty: G and L share no word sequence (check words.txt)")
+    if out_path is not None:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        HCLG.write(str(out_path))
+    log.info("HCLG: LG %d states, CLG %d, HCLG %d states / %d arcs in %.1f s%s", LG.num_states, CLG.num_states,
+             HCLG.num_states, num_arcs(HCLG), time.time() - t0, f" -> {out_path}" if out_path else "")
+    return HCLG
+
+
+def training_graph_compiler(lang_dir: Path | str, tree, trans_model):
+    """``khg.TrainingGraphCompiler`` on ``L.fst`` for forced alignment.
+
+    Transition and self-loop scales are 0 (as Kaldi's ``compile-train-graphs``): the transition
+    probabilities are added at alignment time with ``khg.add_transition_probs``. Use
+    ``compiler.compile_graph_from_text(word_ids)`` per utterance.
+    """
+    lang = load_lang(lang_dir)
+    L = lang.L()
+    kaldifst.arcsort(L, sort_type="olabel")
+    opts = khg.TrainingGraphCompilerOptions(transition_scale=0.0, self_loop_scale=0.0)
+    return khg.TrainingGraphCompiler(trans_model=trans_model, ctx_dep=tree, lex_fst=L,
+                                     disambig_syms=lang.disambig_phone_ids, opts=opts)

@@ -1,0 +1,139 @@
+"""HCLG construction and decoding on a toy system, plus Kaldi-style scoring.
+
+The acoustic evidence for an utterance is made from a known forced alignment: an equal
+alignment of the training graph of its transcript gives one pdf per frame, and the
+log-likelihood matrix peaks on that pdf. Decoding must return the transcript, for a
+monophone tree and for a triphone tree (N=3, P=1) loaded from Kaldi's binary format.
+"""
+
+import numpy as np
+import pytest
+
+from local.decode import decode_utterances, decode_utterances_gmm, score, tid_to_pdf, words_to_text
+from local.event_map import Const, Split, Table, load_context_dependency, write_context_dependency
+from local.graph import make_hclg, training_graph_compiler
+from local.kaldi import kaldifst, khg
+from local.lang import cmu_lexicon, load_lang, write_lang
+from local.lm import compile_G, train_lm
+
+SENTENCES = ["THE CAT SAW THE DOG", "A DOG SAW A CAT", "THE DOG LIKES THE CAT", "MY FRIEND READ A BOOK",
+             "THE BOOK", "MY CAT LIKES A BOOK"]
+TESTS = ["THE DOG LIKES THE CAT", "A CAT SAW MY FRIEND", "THE BOOK"]
+
+
+@pytest.fixture(scope="module")
+def lang(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lang")
+    sents = [s.split() for s in SENTENCES]
+    write_lang(d, sorted({w for s in sents for w in s}), cmu_lexicon())
+    train_lm(sents, d / "lm.arpa", order=2)
+    compile_G(d / "lm.arpa", d / "words.txt", d / "G.fst")
+    return load_lang(d)
+
+
+def triphone_tree(lang, topo):
+    """Per phone and pdf class a leaf, except AE's centre state split on the left phone (vowel or not)."""
+    classes = topo.get_phone_to_num_pdf_classes()
+    entries, pdf = [None] * (max(lang.phone_ids) + 1), 0
+    vowels = tuple(sorted(lang.phones[p] for p in ("AA", "AE", "AH", "AO", "EH", "IH", "IY", "UW")))
+    for p in lang.phone_ids:
+        states = []
+        for c in range(classes[p]):
+            if p == lang.phones["AE"] and c == 1:
+                states.append(Split(key=0, yes_set=vowels, yes=Const(pdf), no=Const(pdf + 1)))
+                pdf += 2
+            else:
+                states.append(Const(pdf))
+                pdf += 1
+        entries[p] = Table(key=-1, entries=tuple(states))
+    return load_context_dependency(write_context_dependency(Table(key=1, entries=tuple(entries)), 3, 1))
+
+
+def build_system(lang, kind: str):
+    topo = khg.HmmTopology()
+    topo.read(lang.topo_text)
+    if kind == "mono":
+        tree = khg.monophone_context_dependency(phones=lang.phone_ids,
+                                                phone2num_pdf_classes=topo.get_phone_to_num_pdf_classes())
+    else:
+        tree = triphone_tree(lang, topo)
+    tm = khg.TransitionModel(ctx_dep=tree, hmm_topo=topo)
+    return kind, tree, tm, make_hclg(lang.dir, tree, tm)
+
+
+@pytest.fixture(scope="module", params=["mono", "tri"])
+def system(request, lang):
+    return build_system(lang, request.param)
+
+
+def aligned_pdfs(lang, tree, tm, text: str, frames: int, seed: int) -> np.ndarray:
+    graph = training_graph_compiler(lang.dir, tree, tm).compile_graph_from_text(lang.word_ids(text.split()))
+    ok, afst = kaldifst.equal_align(ifst=graph, length=frames, rand_seed=seed, num_retries=10)
+    assert ok
+    ok, tids, words, _ = kaldifst.get_linear_symbol_sequence(afst)
+    assert ok and len(tids) == frames and words == lang.word_ids(text.split())
+    return tid_to_pdf(tm)[np.asarray(tids) - 1]
+
+
+def test_hclg_shape(system, lang, tmp_path):
+    kind, tree, tm, hclg = system
+    assert (tree.context_width, tree.central_position) == ((1, 0) if kind == "mono" else (3, 1))
+    assert tm.num_pdfs == (122 if kind == "mono" else 123)
+    ilabels, olabels = set(), set()
+    for s in range(hclg.num_states):
+        it = kaldifst.ArcIterator(hclg, s)
+        while not it.done:
+            ilabels.add(it.value.ilabel)
+            olabels.add(it.value.olabel)
+            it.next()
+    assert ilabels - {0} <= set(range(1, tm.num_transition_ids + 1))  # no disambiguation ids left
+    assert olabels - {0} == {i for w, i in lang.words.items() if w in lang.lexicon}
+    make_hclg(lang.dir, tree, tm, out_path=tmp_path / "HCLG.fst")
+    assert kaldifst.StdVectorFst.read(str(tmp_path / "HCLG.fst")).num_states == hclg.num_states
+
+
+def test_decode_peaked_loglik_returns_transcript(system, lang):
+    kind, tree, tm, hclg = system
+    utts = []
+    for i, text in enumerate(TESTS):
+        pdfs = aligned_pdfs(lang, tree, tm, text, frames=40 * len(text.split()), seed=i)
+        loglik = np.full((len(pdfs), tm.num_pdfs), -15.0, dtype=np.float32)
+        loglik[np.arange(len(pdfs)), pdfs] = 0.0
+        utts.append((f"u{i}", loglik))
+    hyps = decode_utterances(hclg, tm, utts, acoustic_scale=1.0)
+    assert {u: words_to_text(w, lang.id2word) for u, w in hyps.items()} == {f"u{i}": t for i, t in enumerate(TESTS)}
+    with pytest.raises(ValueError, match="expected"):
+        decode_utterances(hclg, tm, [("bad", utts[0][1][:, :-1])], acoustic_scale=1.0)
+
+
+def test_decode_gmm(lang):
+    _, tree, tm, hclg = build_system(lang, "mono")  # the GMM decodable does not depend on the tree
+    rng = np.random.default_rng(0)
+    dim = 8
+    means = 4.0 * rng.standard_normal((tm.num_pdfs, dim))
+    am = khg.AmDiagGmm()
+    for m in means:
+        g = khg.DiagGmm(nmix=1, dim=dim)
+        g.set_weights(np.ones(1, dtype=np.float32))
+        g.set_means(m[None].astype(np.float32))
+        g.set_invvars(np.ones((1, dim), dtype=np.float32))
+        g.compute_gconsts()
+        am.add_pdf(g)
+    text = TESTS[1]
+    pdfs = aligned_pdfs(lang, tree, tm, text, frames=200, seed=3)
+    feats = (means[pdfs] + 0.3 * rng.standard_normal((len(pdfs), dim))).astype(np.float32)
+    hyps = decode_utterances_gmm(hclg, tm, am, [("g", feats)], acoustic_scale=0.1)
+    assert words_to_text(hyps["g"], lang.id2word) == text
+
+
+def test_score_counts_and_files(tmp_path):
+    refs = {"a": "the cat saw the dog", "b": "a book", "c": "my zebra", "d": "the book"}
+    hyps = {"a": "THE CAT SAW DOG", "b": "A BIG BOOK", "c": "MY CAT"}  # d missing: all deleted
+    r = score(refs, hyps, tmp_path, "test")
+    assert (r["words"], r["del"], r["ins"], r["sub"]) == (11, 1 + 2, 1, 1)
+    assert r["wer"] == pytest.approx(100 * 5 / 11, abs=0.01) and r["sentence_errors"] == 4
+    errs = (tmp_path / "errs-test.txt").read_text()
+    assert errs.startswith("%WER 45.45 [ 5 / 11, 1 ins, 3 del, 1 sub ]")
+    assert "(ZEBRA->CAT)" in errs and "(***->BIG)" in errs and "(THE->***)" in errs
+    assert "c:\tref=['MY', 'ZEBRA']" in (tmp_path / "recogs-test.txt").read_text()
+    assert score({"x": "a b"}, {"x": "A B"}, tmp_path, "ok")["wer"] == 0.0
