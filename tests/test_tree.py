@@ -108,7 +108,7 @@ def test_split_event_map_round_trips_through_khg():
     assert tree.compute([2, 2, 2], 0)[0] is False  # phone 2 has no entry in the table
 
 
-def test_planted_right_context_split_is_found_and_nothing_else():
+def test_planted_right_context_split_is_found_and_nothing_else(tmp_path):
     stats = planted_stats()
     result = build_tree(stats, None, [SIL], PHONES, NUM_CLASSES, num_leaves=100, min_count=100, thresh=300)
     assert (
@@ -122,6 +122,10 @@ def test_planted_right_context_split_is_found_and_nothing_else():
     shifted = result.pdf_id(1, 3, 4, 1)
     assert result.means[shifted, 2] == pytest.approx(3.0, abs=0.1)
     assert result.counts[shifted] == 2 * len(CONTEXTS) * 50
+    result.write(tmp_path / "tree")
+    assert (
+        tmp_path / "tree"
+    ).read_bytes() == b"\0B" + result.blob  # Kaldi's binary file header, then the blob
     # The same data with a threshold above the whole gain: no split at all.
     total_gain = result.summary["split_gain_per_frame"] * result.summary["frames"]
     none = build_tree(

@@ -23,6 +23,7 @@ import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -85,9 +86,8 @@ def _two_means(
         for p in members:
             here = [q for q in members if side[q] == side[p]]
             there = [q for q in members if side[q] != side[p]]
-            if len(here) > 1 and like(here) + like(there) < like([q for q in here if q != p]) + like(
-                there + [p]
-            ):
+            rest = [q for q in here if q != p]
+            if rest and like(rest) + like([*there, p]) > like(here) + like(there):
                 side[p], moved = 1 - side[p], True
         if not moved:
             break
@@ -158,8 +158,15 @@ class TreeResult:
     questions: list[tuple[int, ...]]
     summary: dict = field(default_factory=dict)
 
+    def write(self, path: str | Path) -> None:
+        """Write the tree as a Kaldi binary ``tree`` file (``\\0B`` header, then ``blob``)."""
+        self.tree.write(binary=True, filename=str(path))
+
     def pdf_id(self, left: int, centre: int, right: int, pdf_class: int) -> int | None:
-        """The pdf of a triphone state (0 for a missing context), as ``tree.compute`` answers."""
+        """The pdf of a triphone state, as ``tree.compute([left, centre, right], pdf_class)`` answers.
+
+        ``left``/``right`` are 0 at an utterance boundary; None where the tree has no answer.
+        """
         return map_event(self.root, {0: left, 1: centre, 2: right, PDF_CLASS_KEY: pdf_class})
 
 

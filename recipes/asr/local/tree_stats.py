@@ -22,23 +22,24 @@ class TidTables:
     """Facts per transition-id, each an int/bool array ``[num_transition_ids + 1]`` (entry 0 unused)."""
 
     phone: np.ndarray
-    pdf_class: (
-        np.ndarray
-    )  # forward pdf-class, or self-loop pdf-class for self-loops (Kaldi's TransitionIdToPdfClass)
+    pdf_class: np.ndarray  # forward pdf-class; the self-loop's for self-loops (TransitionIdToPdfClass)
     state: np.ndarray  # transition-state
     is_final: np.ndarray  # transition into the HMM's final state
     is_self_loop: np.ndarray
 
     @classmethod
     def from_transition_model(cls, tm: "khg.TransitionModel") -> "TidTables":
+        """Read the tables out of a transition model (any tree)."""
         n, topo = tm.num_transition_ids, tm.topo
+        id2state, tuples = tm.id2state, [t.__getstate__() for t in tm.tuples]  # each property copies
+        entries = {p: topo.topology_for_phone(p) for p in topo.phones}
         tables = {k: np.zeros(n + 1, dtype=np.int64) for k in ("phone", "pdf_class", "state")}
         flags = {k: np.zeros(n + 1, dtype=bool) for k in ("is_final", "is_self_loop")}
         for tid in range(1, n + 1):
-            state = tm.id2state[tid]
-            phone, hmm_state = tm.tuples[state - 1].__getstate__()[:2]
+            state = id2state[tid]
+            phone, hmm_state = tuples[state - 1][:2]
             self_loop = tm.is_self_loop(tid)
-            hmm = topo.topology_for_phone(phone)[hmm_state]
+            hmm = entries[phone][hmm_state]
             tables["phone"][tid], tables["state"][tid] = phone, state
             tables["pdf_class"][tid] = hmm.self_loop_pdf_class if self_loop else hmm.forward_pdf_class
             flags["is_final"][tid], flags["is_self_loop"][tid] = tm.is_final(tid), self_loop
