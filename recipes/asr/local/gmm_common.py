@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from local.graph import training_graph_compiler
 from local.kaldi import kaldifst, khg
-from local.tree import TidTables
+from local.tree_stats import TidTables, _phone_ends
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +83,7 @@ def single_gaussian_am(means: np.ndarray, variances: np.ndarray) -> "khg.AmDiagG
 # ---------------------------------------------------------------- graphs and alignment
 def compile_graphs(system: GmmSystem, lang, word_ids: dict[str, list[int]]) -> dict:
     """Training graph (HCL for the transcript, no probabilities yet) per utterance id."""
-    compiler = khg.TrainingGraphCompiler(
-        trans_model=system.tm,
-        ctx_dep=system.tree,
-        lex_fst=lang.L(),
-        disambig_syms=lang.disambig_phone_ids,
-        opts=khg.TrainingGraphCompilerOptions(transition_scale=0.0, self_loop_scale=0.0),
-    )
+    compiler = training_graph_compiler(lang.dir, system.tree, system.tm)
     return {utt: compiler.compile_graph_from_text(ids) for utt, ids in word_ids.items()}
 
 
@@ -217,12 +212,11 @@ def update(
 def phone_instances(ali: np.ndarray, tables: TidTables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per frame: (phone instance index, left phone, right phone); 0 outside the utterance.
 
-    A phone instance ends on a transition into the HMM's final state unless self-loops of
-    the same state follow (reordered training graphs put them after the exit).
+    Phone instances are split as Kaldi's ``SplitToPhones`` does (``tree_stats``), reordered
+    self-loops included.
     """
     tid = np.asarray(ali, dtype=np.int64)
-    state = tables.state[tid]
-    end = tables.is_final[tid[:-1]] & ~(tables.is_self_loop[tid[1:]] & (state[1:] == state[:-1]))
+    end = _phone_ends(tid, tables)
     instance = np.concatenate([[0], np.cumsum(end)])
     inst_phone = tables.phone[tid][np.flatnonzero(np.concatenate([[True], end]))]
     left = np.concatenate([[0], inst_phone[:-1]])[instance]

@@ -1,0 +1,64 @@
+"""Decoding of dev and test with a GMM system: the classic first baselines of a Kaldi recipe.
+
+The acoustic scale is picked on dev from ``ACOUSTIC_SCALES`` (Kaldi's scoring sweeps the LM
+weight the same way) and applied to test. Writes ``exp/<name>/graph/HCLG.fst`` and
+``exp/<name>/decode_{dev,test}/`` with ``recogs-*``/``errs-*`` per scale and ``wer.json``
+(the result at the chosen scale: ``wer`` in %, counts, ``acoustic_scale``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from local.decode import decode_utterances_gmm, score, words_to_text
+from local.gmm_common import GmmSystem, load_utterances
+from local.graph import make_hclg
+
+log = logging.getLogger(__name__)
+
+ACOUSTIC_SCALES = (0.0667, 0.0833, 0.1, 0.125)
+
+
+def decode_split(hclg, system: GmmSystem, utts, id2word: dict[int, str], out_dir: Path, split: str,
+                 acoustic_scale: float) -> dict:
+    """Decode one split at one acoustic scale and score it; returns ``decode.score``'s result."""
+    hyps = decode_utterances_gmm(hclg, system.tm, system.am, ((u, utts.feats[u]) for u in utts.ids),
+                                 acoustic_scale=acoustic_scale)
+    refs = {c.id: " ".join(utts.words[c.id]) for c in utts.cuts}
+    texts = {u: words_to_text(w, id2word) for u, w in hyps.items()}
+    return score(refs, texts, out_dir, f"{split}-acwt{acoustic_scale:g}")
+
+
+def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
+                  scales: tuple[float, ...] = ACOUSTIC_SCALES) -> dict:
+    """Build HCLG for ``system``, decode dev (every scale) and test (the best dev scale).
+
+    Returns:
+        ``{"dev_wer", "test_wer", "acoustic_scale", "decode_seconds"}`` (WER in %).
+    """
+    start = time.perf_counter()
+    exp = Path(data_dir) / "exp" / name
+    hclg = make_hclg(lang.dir, system.tree, system.tm, out_path=exp / "graph" / "HCLG.fst")
+    id2word = lang.id2word
+    results, best = {}, {}
+    splits = [s for s in ("dev", "test") if (Path(data_dir) / "features" / f"{s}_cuts.jsonl.gz").exists()]
+    for split in splits:
+        utts = load_utterances(data_dir, split)
+        out_dir = exp / f"decode_{split}"
+        if split == "dev" or "dev" not in best:
+            tried = {s: decode_split(hclg, system, utts, id2word, out_dir, split, s) for s in scales}
+            scale = min(tried, key=lambda s: (tried[s]["wer"], abs(s - 0.1)))
+            res = {**tried[scale], "acoustic_scale": scale, "by_scale": {str(s): r["wer"] for s, r in tried.items()}}
+        else:
+            scale = best["dev"]
+            res = {**decode_split(hclg, system, utts, id2word, out_dir, split, scale), "acoustic_scale": scale}
+        best[split] = scale
+        (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
+        results[f"{split}_wer"] = res["wer"]
+        log.info("%s %s: WER %.2f %% at acoustic scale %g", name, split, res["wer"], scale)
+    results["acoustic_scale"] = best.get("dev")
+    results["decode_seconds"] = round(time.perf_counter() - start, 1)
+    return results

@@ -1,0 +1,140 @@
+"""Stage 4: triphone GMM-HMM on a phonetic decision tree (Kaldi's ``steps/train_deltas.sh``),
+then decoding of dev/test.
+
+1. Tree statistics (per triphone context and pdf-class) from the monophone alignments
+   (``acc-tree-stats``); questions by phone clustering; tree grown by likelihood gain
+   (``local.tree.build_tree``).
+2. One Gaussian per leaf from the tree statistics (``gmm-init-model``); the monophone
+   alignments mapped onto the new tree frame by frame (``convert-ali``).
+3. ``num_iters`` Viterbi passes with re-alignment and mixture growth to ``total_gauss``.
+
+Writes ``exp/tri/final.pkl``, ``exp/tri/tree`` (Kaldi binary), ``exp/tri/ali.pkl``,
+``exp/tri/history.json`` and the decoding results.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from local.drops import clear_drops
+from local.gmm_common import (
+    GmmSystem,
+    compile_graphs,
+    convert_alignment,
+    load_utterances,
+    realign_all,
+    single_gaussian_am,
+    train_iterations,
+)
+from local.kaldi import khg
+from local.lang import load_lang
+from local.tree import build_tree
+from local.tree_stats import TidTables, accumulate_tree_stats
+
+log = logging.getLogger(__name__)
+
+REALIGN_ITERS = {10, 20, 30}  # Kaldi's train_deltas.sh (35 passes)
+
+
+def build_triphone_system(mono: GmmSystem, alis: dict[str, np.ndarray], feats: dict[str, np.ndarray],
+                          lang, num_leaves: int, min_count: float = 100.0, thresh: float = 300.0) -> tuple[GmmSystem, dict]:
+    """Tree from the monophone alignments and a one-Gaussian-per-leaf triphone system.
+
+    Returns:
+        the system and the tree builder's summary.
+    """
+    tables = TidTables.from_transition_model(mono.tm)
+    ids = list(alis)
+    stats = accumulate_tree_stats([alis[u] for u in ids], [feats[u] for u in ids], tables)
+    topo = mono.tm.topo
+    result = build_tree(
+        stats,
+        questions=None,
+        silence_phones=[lang.sil_id],
+        phones=lang.phone_ids,
+        num_pdf_classes=topo.get_phone_to_num_pdf_classes(),
+        num_leaves=num_leaves,
+        min_count=min_count,
+        thresh=thresh,
+    )
+    tm = khg.TransitionModel(ctx_dep=result.tree, hmm_topo=topo)
+    system = GmmSystem(tm, single_gaussian_am(result.means, result.variances), result.tree)
+    return system, {**result.summary, "blob": result.blob}
+
+
+def train_tri(
+    data_dir: Path | str,
+    num_leaves: int = 600,
+    total_gauss: int = 6000,
+    num_iters: int = 35,
+    beam: float = 10.0,
+    decode: bool = True,
+) -> dict:
+    """Train the triphone system from ``exp/mono`` and decode dev/test.
+
+    Args:
+        data_dir: the recipe's data directory (mono stage done).
+        num_leaves: most tree leaves (Kaldi's ``numleaves``); ~1 h of TTS speech supports a few hundred.
+        total_gauss: Gaussians at the end of mixture growth (Kaldi's ``totgauss``).
+        num_iters: training passes (Kaldi's train_deltas uses 35, re-aligning at 10, 20, 30).
+        beam: Viterbi alignment beam (retry beam 40).
+        decode: decode dev and test (``exp/tri/decode_*``).
+
+    Returns:
+        a summary: leaves, pdfs, Gaussians, final log-likelihood, seconds, WERs.
+    """
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    data_dir = Path(data_dir)
+    exp = data_dir / "exp" / "tri"
+    exp.mkdir(parents=True, exist_ok=True)
+    clear_drops(data_dir, "tri")
+    lang = load_lang(data_dir / "lang")
+    mono = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
+    with open(data_dir / "exp" / "mono" / "ali.pkl", "rb") as f:
+        mono_alis = pickle.load(f)
+    utts = load_utterances(data_dir, "train")
+    mono_alis = {u: a for u, a in mono_alis.items() if u in utts.feats}
+    if not mono_alis:
+        raise RuntimeError(f"exp/mono/ali.pkl has no alignment of the current training cuts; re-run stage 3")
+
+    system, tree_summary = build_triphone_system(mono, mono_alis, utts.feats, lang, num_leaves)
+    (exp / "tree").write_bytes(tree_summary.pop("blob"))
+    mono_tables = TidTables.from_transition_model(mono.tm)
+    alis = {u: convert_alignment(a, mono, system, mono_tables) for u, a in mono_alis.items()}
+    graphs = compile_graphs(system, lang, {u: lang.word_ids(utts.words[u]) for u in alis})
+    tree_seconds = time.perf_counter() - start
+    log.info("tri: tree with %d pdfs in %.1f s; %d alignments converted", system.tm.num_pdfs, tree_seconds, len(alis))
+
+    alis, history = train_iterations(
+        system, graphs, utts, alis, num_iters, REALIGN_ITERS, total_gauss, max_iter_inc=min(25, num_iters - 5),
+        data_dir=data_dir, stage="tri", beam=beam,
+    )
+    alis = realign_all(system, graphs, utts, list(alis), data_dir, "tri", beam=beam)
+    system.save(exp / "final.pkl")
+    with open(exp / "ali.pkl", "wb") as f:
+        pickle.dump(alis, f)
+    (exp / "history.json").write_text(json.dumps(history, indent=1))
+    summary = {
+        "utterances": len(alis),
+        "leaves": tree_summary.get("leaves"),
+        **system.info(),
+        "log_like_per_frame": round(history[-1]["log_like_per_frame"], 3),
+        "tree_seconds": round(tree_seconds, 1),
+        "train_seconds": round(time.perf_counter() - start, 1),
+    }
+    log.info("tri: trained %s", summary)
+    if decode:
+        from local.gmm_decode import decode_system
+
+        summary.update(decode_system(data_dir, "tri", system, lang))
+    summary["seconds"] = round(time.perf_counter() - start, 1)
+    (exp / "summary.json").write_text(json.dumps({**summary, "tree": tree_summary}, indent=1))
+    return summary
