@@ -1,0 +1,43 @@
+"""gtc-lightning: Strom's gradient threshold compression (GTC) as a PyTorch Lightning strategy.
+
+Importing the package registers the strategy names ``"gtc"`` (processes started by re-running
+the script, Lightning's default), ``"gtc_spawn"`` and ``"gtc_fork"``. Processes started by
+re-running the script import the package again through the script itself, so they know the
+names too. Use it in a Lightning project like this::
+
+    import lightning as L
+    import gtc_lightning  # registers "gtc"
+    from gtc_lightning import GTCStrategy
+
+    model, data = MyLightningModule(), MyDataModule()
+    # by name, with the defaults (tau=1e-2):
+    trainer = L.Trainer(accelerator="gpu", devices=8, strategy="gtc")
+    # or configured: threshold, 100 dense warmup steps, replica check every 1000 steps
+    strategy = GTCStrategy(tau=1e-2, warmup_steps=100, check_replicas_every=1000, bucket_cap_mb=25)
+    trainer = L.Trainer(accelerator="gpu", devices=8, num_nodes=2, strategy=strategy)
+    trainer.fit(model, data)  # logs gtc/words, gtc/ratio, ...; "gtc_ratio" in the progress bar
+    print(trainer.strategy.gtc_stats["total"]["ratio"])
+
+``tau`` works best near 15x the per-rank gradient RMS; see DESIGN.md for measurements.
+"""
+
+import logging
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from gtc_lightning.hook import GTCState, StepStats, gtc_hook, parameter_checksums
+from gtc_lightning.strategy import GTCStrategy
+
+__all__ = ["GTCStrategy", "GTCState", "StepStats", "gtc_hook", "parameter_checksums"]
+__version__ = "0.1.0"
+
+# Show the configuration line and restore messages at INFO, the way Lightning's own logger does,
+# unless the application configured logging itself.
+_logger = logging.getLogger(__name__)
+if not logging.getLogger().hasHandlers() and not _logger.handlers:
+    _logger.setLevel(logging.INFO)
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
+
+if "gtc" not in StrategyRegistry:
+    GTCStrategy.register_strategies(StrategyRegistry)
