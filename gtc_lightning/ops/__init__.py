@@ -20,7 +20,8 @@ __all__ = ["MAX_NUMEL", "compress", "compress_torch", "decompress", "use_triton"
 
 
 def _fp32(value: float) -> float:
-    return float(np.float32(value))
+    with np.errstate(over="ignore"):  # 1e39 becomes inf, which _check_tau reports
+        return float(np.float32(value))
 
 
 def _check_tau(tau: float) -> float:
