@@ -286,8 +286,8 @@ def to_alignment(spans: list[tuple[str, float, float]], engine: str, duration: f
 
     Returns:
         ``([(ARPAbet, start_s, duration_s), ...], Counter of unmapped engine symbols)``.
-        Gaps (before the first phone, after the last) are filled with ``SIL``; adjacent
-        ``SIL`` are merged.
+        Gaps of 1 ms or more (before the first phone, after the last) are filled with
+        ``SIL``, shorter ones absorbed; adjacent ``SIL`` are merged.
     """
     lookup = espeak_symbol if engine == "espeak" else flite_symbol
     unmapped: Counter = Counter()
@@ -311,8 +311,10 @@ def to_alignment(spans: list[tuple[str, float, float]], engine: str, duration: f
         start, end = max(start, t), min(end, duration)
         if end <= start:
             continue
-        if start > t:
+        if start > t + 1e-3:
             items.append([SIL, t, start])
+        else:  # gaps under 1 ms (rounding in the engines' outputs) go to the phone that follows
+            start = t
         if items and items[-1][0] == ph == SIL:
             items[-1][2] = end
         else:
@@ -323,4 +325,9 @@ def to_alignment(spans: list[tuple[str, float, float]], engine: str, duration: f
             items[-1][2] = duration
         else:
             items.append([SIL, t, duration])
-    return [(ph, round(s, 5), round(e - s, 5)) for ph, s, e in items], unmapped
+    out = []
+    for ph, s, e in items:
+        s, e = round(s, 5), round(e, 5)
+        if e > s:
+            out.append((ph, s, round(e - s, 5)))
+    return out, unmapped

@@ -1,0 +1,393 @@
+"""Stage 0 (real corpora): a local corpus directory to Lhotse manifests. Nothing is downloaded.
+
+Splits taken from each corpus:
+
+| corpus | train | dev | test |
+|---|---|---|---|
+| mini_librispeech | train-clean-5 | dev-clean-2, first half of its speakers (sorted) | dev-clean-2, other half |
+| librispeech | train-clean-100, train-clean-360, train-other-500 (those present) | dev-clean | test-clean |
+| timit | lhotse TRAIN | lhotse DEV (its 50 dev speakers) | lhotse TEST (24 core-test speakers) |
+| yesno | lhotse train (30 files) | = test (a toy corpus has no third part) | lhotse test (30 files) |
+| kaldi | ``train/`` | ``dev/`` | ``test/`` data dirs; or one data dir split by sorted speaker (utt2spk with ≥ 3 speakers, else by utterance): last 10 % (≥ 1) → test, the 10 % before → dev |
+
+Bad input is found before Lhotse sees it (Lhotse's parsers stop at a corrupt file or an
+empty transcript line): the corpus is mirrored into a temporary tree of symlinks that
+leaves out unreadable audio, empty audio and empty or missing transcripts, each recorded
+with :func:`local.drops.record_drop` (reasons ``unreadable_audio``, ``empty_audio``,
+``empty_transcript``, ``missing_transcript``, ``missing_audio``). The recipes of
+``lhotse.recipes`` then parse the clean tree and the recordings are pointed back at the
+original files. Texts are upper-cased, keeping letters, digits, apostrophes and spaces.
+TIMIT's own phone/word timings are kept as ``alignment["timit_phone"|"timit_word"]`` (its
+48-phone set, not the lexicon's: the ``phone`` key is reserved for ARPAbet gold timings).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import soundfile as sf
+from lhotse import CutSet, MonoCut, RecordingSet, SupervisionSet
+from lhotse.utils import fastcopy
+
+from local.drops import clear_drops, record_drop
+
+log = logging.getLogger(__name__)
+
+CORPORA = ("mini_librispeech", "librispeech", "timit", "yesno", "kaldi")
+SPLITS = ("train", "dev", "test")
+
+
+def normalize_text(text: str) -> str:
+    """UPPERCASE words: letters, digits and apostrophes; everything else becomes a space."""
+    return " ".join(re.sub(r"[^A-Z0-9' ]", " ", text.upper()).split())
+
+
+def check_audio(path: Path) -> tuple[str | None, str]:
+    """``(None, "")`` for readable non-empty audio, else ``(reason, detail)``."""
+    try:
+        info = sf.info(str(path))
+    except Exception as e:  # noqa: BLE001  (libsndfile raises several types for bad files)
+        return "unreadable_audio", f"{path}: {e}"
+    if info.frames == 0:
+        return "empty_audio", f"{path}: 0 samples"
+    return None, ""
+
+
+def _link(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.symlink_to(src.resolve())
+
+
+# ------------------------------------------------------------------------------ LibriSpeech
+LIBRISPEECH_PARTS = {
+    "mini_librispeech": {"train": ["train-clean-5"], "dev": ["dev-clean-2"]},
+    "librispeech": {"train": ["train-clean-100", "train-clean-360", "train-other-500"],
+                    "dev": ["dev-clean"], "test": ["test-clean"]},
+}
+
+
+def _mirror_librispeech(corpus_dir: Path, parts: dict[str, list[str]], shadow: Path, data_dir: Path) -> None:
+    for split, names in parts.items():
+        for name in names:
+            part = corpus_dir / name
+            if not part.is_dir():
+                continue
+            audio = {p.stem: p for p in part.glob("*/*/*.flac")}
+            transcribed = set()
+            for trans in sorted(part.glob("*/*/*.trans.txt")):
+                kept = []
+                for line in trans.read_text().splitlines():
+                    if not line.strip():
+                        continue
+                    uid, _, text = line.strip().partition(" ")
+                    transcribed.add(uid)
+                    if uid not in audio:
+                        record_drop(data_dir, "corpus", split, uid, "missing_audio", f"{trans}: no {uid}.flac")
+                    elif not normalize_text(text):
+                        record_drop(data_dir, "corpus", split, uid, "empty_transcript", str(trans))
+                    else:
+                        reason, detail = check_audio(audio[uid])
+                        if reason:
+                            record_drop(data_dir, "corpus", split, uid, reason, detail)
+                            continue
+                        kept.append(line.strip())
+                        _link(audio[uid], shadow / audio[uid].relative_to(corpus_dir))
+                out = shadow / trans.relative_to(corpus_dir)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text("".join(k + "\n" for k in kept))
+            for uid in sorted(set(audio) - transcribed):
+                record_drop(data_dir, "corpus", split, uid, "missing_transcript", f"{audio[uid]} has no line in a *.trans.txt")
+
+
+def _librispeech(corpus: str, corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
+    from lhotse.recipes import prepare_librispeech
+
+    parts = LIBRISPEECH_PARTS[corpus]
+    present = {s: [n for n in names if (corpus_dir / n).is_dir()] for s, names in parts.items()}
+    if not present["train"] or not present["dev"]:
+        raise FileNotFoundError(
+            f"{corpus_dir} has none of the {corpus} parts {parts['train']} or {parts['dev']}; "
+            f"point --corpus-dir at the directory that contains them (e.g. LibriSpeech/)"
+        )
+    _mirror_librispeech(corpus_dir, present, shadow, data_dir)
+    names = [n for ns in present.values() for n in ns if (shadow / n).is_dir()]
+    manifests = prepare_librispeech(shadow, dataset_parts=names, num_jobs=1)
+    out = {s: [manifests[n] for n in present[s] if n in manifests] for s in present}
+    if corpus == "mini_librispeech":
+        # dev-clean-2 is its only held-out part: half of its speakers for dev, half for test
+        dev = out["dev"][0] if out["dev"] else {"recordings": RecordingSet(), "supervisions": SupervisionSet()}
+        speakers = sorted({s.speaker for s in dev["supervisions"]})
+        test_spk = set(speakers[len(speakers) // 2:])
+        sups = dev["supervisions"]
+        out["dev"] = [{"recordings": dev["recordings"], "supervisions": sups.filter(lambda s: s.speaker not in test_spk)}]
+        out["test"] = [{"recordings": dev["recordings"], "supervisions": sups.filter(lambda s: s.speaker in test_spk)}]
+    return out
+
+
+# ------------------------------------------------------------------------------ TIMIT
+def _find_dir(root: Path, name: str) -> Path | None:
+    for base in (root, root / "data", root / "DATA"):
+        if base.is_dir():
+            for p in base.iterdir():
+                if p.is_dir() and p.name.upper() == name:
+                    return p
+    return None
+
+
+def _timit(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
+    from lhotse.recipes import prepare_timit
+
+    found = {part: _find_dir(corpus_dir, part) for part in ("TRAIN", "TEST")}
+    if not all(found.values()):
+        raise FileNotFoundError(f"{corpus_dir} has no TRAIN and TEST directories (looked in it and in data/); "
+                                "point --corpus-dir at the TIMIT root")
+    for part, src in found.items():
+        split = "train" if part == "TRAIN" else "test"
+        for wav in sorted(p for p in src.glob("*/*/*") if p.suffix.upper() == ".WAV"):
+            uid = f"{wav.parent.name.upper()}-{wav.stem.upper()}"
+            side = {ext: next((q for q in (wav.with_suffix(ext), wav.with_suffix(ext.lower())) if q.exists()), None)
+                    for ext in (".TXT", ".PHN", ".WRD")}
+            reason, detail = check_audio(wav)
+            if reason is None and side[".TXT"] is None:
+                reason, detail = "missing_transcript", f"{wav}: no .TXT beside it"
+            if reason is None and not normalize_text(" ".join(side[".TXT"].read_text().split()[2:])):
+                reason, detail = "empty_transcript", str(side[".TXT"])
+            if reason:
+                record_drop(data_dir, "corpus", split, uid, reason, detail)
+                continue
+            dst = shadow / "data" / part / wav.parent.parent.name.upper() / wav.parent.name.upper() / f"{wav.stem.upper()}.WAV"
+            _link(wav, dst)
+            for ext, path in side.items():
+                if path is not None:
+                    _link(path, dst.with_suffix(ext))
+                else:  # timings are optional for us; lhotse's parser needs the file
+                    dst.with_suffix(ext).write_text("")
+    manifests = prepare_timit(shadow, num_phones=48, num_jobs=1)
+    return {"train": [manifests["TRAIN"]], "dev": [manifests["DEV"]], "test": [manifests["TEST"]]}
+
+
+# ------------------------------------------------------------------------------ yesno
+def _yesno(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
+    from lhotse.recipes import prepare_yesno
+
+    src = corpus_dir / "waves_yesno" if (corpus_dir / "waves_yesno").is_dir() else corpus_dir
+    waves = sorted(src.glob("*.wav"))
+    if not waves:
+        raise FileNotFoundError(f"{src} has no *.wav files; point --corpus-dir at waves_yesno/ (or its parent)")
+    # lhotse's rule: sorted files, even positions train, odd test
+    split_of = {w: ("train" if i % 2 == 0 else "test") for i, w in enumerate(waves)}
+    good = []
+    for w in waves:
+        reason, detail = check_audio(w)
+        if reason:
+            record_drop(data_dir, "corpus", split_of[w], w.stem, reason, detail)
+        else:
+            good.append(w)
+    if len(waves) == 60 and len(good) == 60:
+        for w in good:
+            _link(w, shadow / w.name)
+        m = prepare_yesno(shadow)
+        return {"train": [m["train"]], "dev": [m["test"]], "test": [m["test"]]}
+    # lhotse's parser insists on exactly 60 files: same rule, applied here to what is readable
+    from lhotse import Recording, SupervisionSegment
+
+    out = {}
+    for split in ("train", "test"):
+        recs, sups = [], []
+        for w in good:
+            if split_of[w] != split:
+                continue
+            words = w.stem.split("_")
+            if not words or set(words) - {"0", "1"}:
+                record_drop(data_dir, "corpus", split, w.stem, "missing_transcript", f"{w.name} is not named 0_1_..._1.wav")
+                continue
+            rec = Recording.from_file(w, recording_id=w.stem)
+            recs.append(rec)
+            sups.append(SupervisionSegment(id=w.stem, recording_id=w.stem, start=0.0, duration=rec.duration,
+                                           channel=0, language="Hebrew",
+                                           text=" ".join("YES" if x == "1" else "NO" for x in words)))
+        out[split] = [{"recordings": RecordingSet.from_recordings(recs), "supervisions": SupervisionSet.from_segments(sups)}]
+    out["dev"] = out["test"]
+    return out
+
+
+# ------------------------------------------------------------------------------ Kaldi data dir
+def _read_map(path: Path) -> dict[str, str]:
+    """Kaldi ``key rest-of-line`` file; a missing file is an empty map."""
+    out = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                key, _, rest = line.strip().partition(" ")
+                out[key] = rest.strip()
+    return out
+
+
+def _audio_path(src: str, data: Path) -> Path:
+    """A wav.scp path: absolute, else relative to the working directory (Kaldi's rule) if it
+    exists there, else relative to the data dir."""
+    p = Path(src)
+    return p if p.is_absolute() or p.exists() else data / src
+
+
+def _kaldi_split_units(data: Path) -> dict[str, str]:
+    """Utterance id → split, for a single data dir (rule in the module docstring)."""
+    utt2spk = _read_map(data / "utt2spk")
+    utts = sorted(_read_map(data / "segments") or _read_map(data / "wav.scp"))
+    by_speaker = len(set(utt2spk.values())) >= 3
+    unit_of = {u: (utt2spk.get(u, u) if by_speaker else u) for u in utts}
+    units = sorted(set(unit_of.values()))
+    n = max(1, round(0.1 * len(units))) if len(units) >= 3 else 0
+    test, dev = set(units[len(units) - n:]) if n else set(), set(units[len(units) - 2 * n:len(units) - n]) if n else set()
+    return {u: ("test" if unit_of[u] in test else "dev" if unit_of[u] in dev else "train") for u in utts}
+
+
+def _mirror_kaldi(data: Path, out: Path, data_dir: Path, split_of) -> int:
+    """Copy a Kaldi data dir to ``out`` without bad entries; returns its sampling rate."""
+    wav_scp, text = _read_map(data / "wav.scp"), _read_map(data / "text")
+    segments = _read_map(data / "segments")
+    utt2spk = _read_map(data / "utt2spk")
+    rate, durations, bad_recs = 16000, {}, set()
+    for rid, src in wav_scp.items():
+        if src.endswith("|"):
+            continue  # a command: Lhotse runs it when the audio is loaded
+        reason, detail = check_audio(_audio_path(src, data))
+        if reason:
+            bad_recs.add(rid)
+            for uid in ([u for u, seg in segments.items() if seg.split()[0] == rid] if segments else [rid]):
+                record_drop(data_dir, "corpus", split_of(uid), uid, reason, detail)
+            continue
+        info = sf.info(str(_audio_path(src, data)))
+        rate, durations[rid] = info.samplerate, info.frames / info.samplerate
+    utts = segments if segments else {r: r for r in wav_scp}
+    keep = []
+    for uid in utts:
+        rid = segments[uid].split()[0] if segments else uid
+        if rid in bad_recs:
+            continue
+        if rid not in wav_scp:
+            record_drop(data_dir, "corpus", split_of(uid), uid, "missing_audio", f"segments names recording {rid} absent from wav.scp")
+        elif uid not in text:
+            record_drop(data_dir, "corpus", split_of(uid), uid, "missing_transcript", f"{data / 'text'} has no line for it")
+        elif not normalize_text(text[uid]):
+            record_drop(data_dir, "corpus", split_of(uid), uid, "empty_transcript", str(data / "text"))
+        else:
+            keep.append(uid)
+    out.mkdir(parents=True, exist_ok=True)
+    recs = sorted({segments[u].split()[0] if segments else u for u in keep})
+
+    def write(name, mapping, keys):
+        (out / name).write_text("".join(f"{k} {mapping[k]}\n" for k in keys))
+
+    abs_scp = {r: wav_scp[r] if wav_scp[r].endswith("|") else str(_audio_path(wav_scp[r], data).resolve())
+               for r in recs}
+    write("wav.scp", abs_scp, recs)
+    if all(r in durations for r in recs):
+        write("reco2dur", durations, recs)
+    write("text", text, keep)
+    write("utt2spk", {u: utt2spk.get(u, u) for u in keep}, keep)
+    if segments:
+        write("segments", segments, keep)
+    return rate
+
+
+def _kaldi(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
+    from lhotse.kaldi import load_kaldi_data_dir
+
+    subdirs = {s: corpus_dir / s for s in SPLITS if (corpus_dir / s / "wav.scp").is_file()}
+    if subdirs:
+        missing = [s for s in SPLITS if s not in subdirs]
+        if missing:
+            raise FileNotFoundError(f"{corpus_dir} has Kaldi data dirs for {sorted(subdirs)} but not {missing}; "
+                                    "give all of train/, dev/, test/ or a single data dir")
+        plan = {s: (d, lambda u, s=s: s) for s, d in subdirs.items()}
+    elif (corpus_dir / "wav.scp").is_file():
+        split_by_utt = _kaldi_split_units(corpus_dir)
+        plan = {"all": (corpus_dir, lambda u: split_by_utt.get(u, "train"))}
+    else:
+        raise FileNotFoundError(f"{corpus_dir} has no wav.scp, nor train/ dev/ test/ subdirs with one; "
+                                "point --corpus-dir at a Kaldi data dir")
+    out: dict[str, list] = {s: [] for s in SPLITS}
+    for name, (data, split_of) in plan.items():
+        rate = _mirror_kaldi(data, shadow / name, data_dir, split_of)
+        recs, sups, _ = load_kaldi_data_dir(shadow / name, sampling_rate=rate, num_jobs=1)
+        sups = sups if sups is not None else SupervisionSet()
+        for split in SPLITS:
+            part = sups.filter(lambda s, split=split: split_of(s.id) == split)
+            if len(part):
+                out[split].append({"recordings": recs, "supervisions": part})
+    return out
+
+
+# ------------------------------------------------------------------------------ common
+def _to_cuts(split: str, parts: list[dict], data_dir: Path) -> CutSet:
+    """One MonoCut per supervision, texts normalised, audio paths pointed back at the corpus.
+
+    Must run while the mirror tree exists (its symlinks are resolved here).
+    """
+    cuts = []
+    for part in parts:
+        recs: RecordingSet = part["recordings"]
+        for sup in part["supervisions"]:
+            rec = recs[sup.recording_id]
+            src = rec.sources[0]
+            if src.type == "file":
+                rec = fastcopy(rec, sources=[fastcopy(src, source=str(Path(src.source).resolve()))])
+            text = normalize_text(sup.text or "")
+            if not text:
+                record_drop(data_dir, "corpus", split, sup.id, "empty_transcript", "no words after normalisation")
+                continue
+            alignment = sup.alignment
+            if alignment:  # TIMIT's own timings: keep them, out of the way of the ARPAbet "phone" key
+                alignment = {f"timit_{k}": v for k, v in alignment.items()}
+            new_sup = fastcopy(sup, start=0.0, text=text, speaker=sup.speaker or sup.recording_id,
+                               language=sup.language or "English", alignment=alignment)
+            cuts.append(MonoCut(id=sup.id, start=sup.start, duration=sup.duration, channel=sup.channel,
+                                recording=rec, supervisions=[new_sup]))
+    return CutSet.from_cuts(sorted(cuts, key=lambda c: c.id))
+
+
+def prepare_real(corpus: str, corpus_dir: Path, data_dir: Path) -> dict[str, CutSet]:
+    """Prepare a local corpus; writes ``<data_dir>/manifests/{train,dev,test}_cuts.jsonl.gz``.
+
+    Args:
+        corpus: one of ``mini_librispeech``, ``librispeech``, ``timit``, ``yesno``, ``kaldi``.
+        corpus_dir: the unpacked corpus (layouts in the module docstring).
+        data_dir: output root.
+
+    Returns:
+        ``{"train": CutSet, "dev": CutSet, "test": CutSet}`` of MonoCuts with one supervision each.
+    """
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; use one of {CORPORA} (or 'synthetic')")
+    corpus_dir, data_dir = Path(corpus_dir), Path(data_dir)
+    if not corpus_dir.is_dir():
+        raise FileNotFoundError(
+            f"No such directory: {corpus_dir} (--corpus-dir must point at an unpacked local copy of {corpus}; "
+            "this recipe downloads nothing. Without a corpus use --corpus synthetic)"
+        )
+    clear_drops(data_dir, "corpus")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=data_dir, prefix=".corpus-mirror-") as tmp:
+        shadow = Path(tmp)
+        if corpus in LIBRISPEECH_PARTS:
+            parts = _librispeech(corpus, corpus_dir, shadow, data_dir)
+        elif corpus == "timit":
+            parts = _timit(corpus_dir, shadow, data_dir)
+        elif corpus == "yesno":
+            parts = _yesno(corpus_dir, shadow, data_dir)
+        else:
+            parts = _kaldi(corpus_dir, shadow, data_dir)
+        manifests = {split: _to_cuts(split, parts.get(split, []), data_dir) for split in SPLITS}
+    out_dir = data_dir / "manifests"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for split, cs in manifests.items():
+        cs.to_file(out_dir / f"{split}_cuts.jsonl.gz")
+    from local.corpus_synthetic import summarize
+
+    log.info("corpus: %s from %s, %s", corpus, corpus_dir, summarize(manifests))
+    return manifests
