@@ -26,11 +26,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from jsonargparse import Namespace  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 
@@ -116,16 +118,23 @@ class AsrCLI(LightningCLI):
         if not data_ready(data_dir):
             self._prepare_data(data_dir)
         name = cfg.run_name or run_name_for(cfg.trainer.strategy, cfg.trainer.devices)
-        run_dir = Path(cfg.exp_dir) / name
+        run_dir = Path(cfg.trainer.default_root_dir or Path(cfg.exp_dir) / name)
         cfg.run_name = name
-        if cfg.trainer.default_root_dir is None:
-            cfg.trainer.default_root_dir = str(run_dir)
+        cfg.trainer.default_root_dir = str(run_dir)
         if cfg.trainer.logger in (None, True):
             cfg.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.CSVLogger",
                                            init_args=Namespace(save_dir=str(run_dir), name="", version=""))
         threads = cfg.num_threads or self._auto_threads()
         torch.set_num_threads(threads)
         log.info("run %s -> %s; data %s; %d torch thread(s) per process", name, run_dir, data_dir, threads)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        cfg = self.config
+        label = run_name_for(cfg.trainer.strategy, cfg.trainer.devices)
+        trainer.callbacks.append(RunSummary(Path(cfg.trainer.default_root_dir), cfg.run_name, label,
+                                            Path(cfg.data.data_dir)))
+        return trainer
 
     def _prepare_data(self, data_dir: Path) -> None:
         cfg = self.config
@@ -148,32 +157,45 @@ class AsrCLI(LightningCLI):
         return max(1, (os.cpu_count() or 1) // max(procs, 1))
 
 
-def write_summary(cli: AsrCLI, seconds: float) -> Path:
-    """``train_summary.json`` for ``evaluate.py``: what ran, where, how fast, how accurate."""
-    trainer, model = cli.trainer, cli.model
-    strategy = trainer.strategy
-    run_dir = Path(cli.config.trainer.default_root_dir)
-    ckpt = trainer.checkpoint_callback
-    summary = {
-        "run_name": cli.config.run_name,
-        "strategy": run_name_for(cli.config.trainer.strategy, cli.config.trainer.devices),
-        "strategy_class": type(strategy).__name__,
-        "world_size": trainer.world_size,
-        "accelerator": type(trainer.accelerator).__name__,
-        "tau": getattr(strategy, "tau", None),
-        "epochs": trainer.current_epoch,
-        "global_steps": trainer.global_step,
-        "dev_frame_acc": model.dev_acc_history,
-        "train_seconds": round(seconds, 1),
-        "checkpoint": str(Path(ckpt.last_model_path).resolve()) if ckpt and ckpt.last_model_path else None,
-        "data_dir": str(Path(cli.config.data.data_dir).resolve()),
-        "num_weights": sum(p.numel() for p in model.parameters()),
-        "model": dict(model.hparams),
-        "data": dict(cli.datamodule.hparams),
-    }
-    path = run_dir / "train_summary.json"
-    path.write_text(json.dumps(summary, indent=1, default=str))
-    return path
+class RunSummary(Callback):
+    """Writes ``train_summary.json`` on global rank 0 when training ends (inside the training
+    process, so forked/spawned ranks report too): what ran, how fast, how accurate."""
+
+    def __init__(self, run_dir: Path, run_name: str, strategy_label: str, data_dir: Path) -> None:
+        self.run_dir, self.run_name, self.strategy_label, self.data_dir = run_dir, run_name, strategy_label, data_dir
+        self._start = time.perf_counter()
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        strategy, ckpt = trainer.strategy, trainer.checkpoint_callback
+        summary = {
+            "run_name": self.run_name,
+            "strategy": self.strategy_label,
+            "strategy_class": type(strategy).__name__,
+            "world_size": trainer.world_size,
+            "accelerator": type(trainer.accelerator).__name__,
+            "tau": getattr(strategy, "tau", getattr(strategy, "_tau", None)),
+            "gtc": getattr(strategy, "gtc_stats", None),  # rank 0's step count and byte totals
+            "epochs": trainer.current_epoch,
+            "global_steps": trainer.global_step,
+            "dev_frame_acc": list(getattr(pl_module, "dev_acc_history", [])),
+            "train_seconds": round(time.perf_counter() - self._start, 1),
+            "checkpoint": str(Path(ckpt.last_model_path).resolve()) if ckpt and ckpt.last_model_path else None,
+            "data_dir": str(self.data_dir.resolve()),
+            "num_weights": sum(p.numel() for p in pl_module.parameters()),
+            "model": {k: v for k, v in pl_module.hparams.items() if not k.startswith("_")},
+            "data": {k: v for k, v in trainer.datamodule.hparams.items() if not k.startswith("_")}
+            if trainer.datamodule is not None else None,
+        }
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / "train_summary.json"
+        path.write_text(json.dumps(summary, indent=1, default=str))
+        log.info("trained %s in %.0f s: dev frame accuracy per epoch %s; summary %s", self.run_name,
+                 summary["train_seconds"], [f"{a:.4f}" for a in summary["dev_frame_acc"]], path)
 
 
 def build_cli(argv: list[str]) -> AsrCLI:
@@ -192,12 +214,7 @@ def build_cli(argv: list[str]) -> AsrCLI:
 def main(argv: list[str] | None = None) -> AsrCLI:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cli = build_cli(sys.argv[1:] if argv is None else argv)
-    start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    if cli.trainer.is_global_zero:
-        path = write_summary(cli, time.perf_counter() - start)
-        log.info("trained %s: dev frame accuracy per epoch %s; summary %s", cli.config.run_name,
-                 [f"{a:.4f}" for a in cli.model.dev_acc_history], path)
     return cli
 
 

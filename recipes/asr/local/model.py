@@ -121,7 +121,7 @@ class AcousticModel(LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         # ranks hold disjoint shards of dev: sum the counts, not the per-rank accuracies
-        counts = self.trainer.strategy.reduce(self._dev_counts.to(self.device), reduce_op="sum")
+        counts = self.trainer.strategy.reduce(self._dev_counts.clone().to(self.device), reduce_op="sum")
         self._dev_counts.zero_()
         acc = float(counts[0] / counts[1].clamp(min=1))
         self.log("dev_frame_acc", acc, prog_bar=True, sync_dist=True)  # equal on all ranks

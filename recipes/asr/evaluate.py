@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""Decode with trained DNN acoustic models (hybrid DNN-HMM) and compare runs.
+
+For each run: pseudo log-likelihoods ``log p(pdf | x) - log p(pdf)`` of ``checkpoints/last.ckpt``
+-> ``LatticeFasterDecoder`` on ``exp/tri/graph/HCLG.fst``; the acoustic scale is picked on dev
+from ``--acoustic-scales``, then test is decoded once with it. Writes ``<run>/decode/``
+(``recogs-*``, ``errs-*``, ``results.json``), then the comparison over runs (markdown, JSON and
+the dev frame accuracy plot) under ``--out``.
+
+Usage:
+  python recipes/asr/evaluate.py --runs exp/dnn/baseline exp/dnn/gtc
+  python recipes/asr/evaluate.py --runs exp/dnn/baseline exp/dnn/gtc --compare-only
+  # any other test set, as a Kaldi data dir (wav.scp, text, ...) or a Lhotse cuts manifest:
+  python recipes/asr/evaluate.py --checkpoint exp/dnn/gtc/checkpoints/last.ckpt \\
+      --test-set /path/to/data/test --data-dir data/synthetic-default --acoustic-scale 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from local.compare import compare_runs  # noqa: E402
+from local.datamodule import splice  # noqa: E402
+from local.model import AcousticModel  # noqa: E402
+
+log = logging.getLogger("evaluate")
+
+DEFAULT_SCALES = (0.05, 0.067, 0.083, 0.1, 0.125, 0.167)  # 1 / LM weight for LM weights 20 .. 6
+
+
+def load_checkpoint(path: Path | str) -> tuple[AcousticModel, int]:
+    """The model in eval mode on CPU, and the context width it was trained with."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"No such checkpoint: {path}; train with recipes/asr/train.py first")
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    context = int(blob.get("datamodule_hyper_parameters", {}).get("context", 8))
+    model = AcousticModel.load_from_checkpoint(path, map_location="cpu")
+    return model.eval(), context
+
+
+@torch.no_grad()
+def pseudo_loglik(model: AcousticModel, feats: np.ndarray, context: int, log_prior: np.ndarray) -> np.ndarray:
+    """``feats`` ``[T, F]`` (CMVN applied) -> ``[T, num_pdfs]`` float32 ``log p(pdf|x) - log p(pdf)``."""
+    x = splice(feats, np.array([0, len(feats)]), np.arange(len(feats)), context)
+    logpost = torch.log_softmax(model(torch.from_numpy(x)), dim=-1).numpy()
+    return logpost - log_prior[None, :]
+
+
+def utterance_logliks(model, context, log_prior, cuts, cmvn: dict) -> Iterator[tuple[str, np.ndarray]]:
+    from local.features import apply_cmvn
+
+    for cut in cuts:
+        speaker = cut.supervisions[0].speaker if cut.supervisions else None
+        feats = np.asarray(apply_cmvn(cut.load_features(), speaker, cmvn), dtype=np.float32)
+        yield cut.id, pseudo_loglik(model, feats, context, log_prior)
+
+
+def references(cuts) -> dict[str, str]:
+    return {c.id: " ".join(s.text or "" for s in c.supervisions) for c in cuts}
+
+
+class Decoder:
+    """The HCLG, transition model and word table of a data directory (recipe stages 2 and 4)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        from local.gmm_common import GmmSystem
+        from local.kaldi import kaldifst
+        from local.lang import read_symbols
+
+        graph = data_dir / "exp" / "tri" / "graph" / "HCLG.fst"
+        if not graph.exists():
+            raise ValueError(f"No such file: {graph}; run `python recipes/asr/prepare.py --data-dir {data_dir}` "
+                             "(stage 4 builds the graph)")
+        self.hclg = kaldifst.StdVectorFst.read(str(graph))
+        self.trans_model = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl").tm
+        self.id2word = {i: w for w, i in read_symbols(data_dir / "lang" / "words.txt").items()}
+
+    def decode(self, logliks: list[tuple[str, np.ndarray]], scale: float) -> dict[str, str]:
+        from local.decode import decode_utterances, words_to_text
+
+        hyps = decode_utterances(self.hclg, self.trans_model, logliks, acoustic_scale=scale)
+        return {u: words_to_text(w, self.id2word) for u, w in hyps.items()}
+
+
+def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]) -> dict:
+    """Decode dev for each acoustic scale, test with the best; write ``<run_dir>/decode/``."""
+    from lhotse import CutSet
+
+    from local.decode import score
+
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    data_dir = Path(data_dir or summary["data_dir"])
+    model, context = load_checkpoint(summary.get("checkpoint") or run_dir / "checkpoints" / "last.ckpt")
+    log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)
+    cmvn = json.loads((data_dir / "features" / "cmvn.json").read_text())
+    decoder, out = Decoder(data_dir), run_dir / "decode"
+    dev_cuts = CutSet.from_file(data_dir / "ali" / "dev_cuts.jsonl.gz")
+    dev = list(utterance_logliks(model, context, log_prior, dev_cuts, cmvn))
+    sweep = {}
+    for scale in scales:
+        sweep[scale] = score(references(dev_cuts), decoder.decode(dev, scale), out, f"dev-acwt{scale:g}")
+    best = min(scales, key=lambda s: (sweep[s]["wer"], abs(s - 0.1)))
+    test_cuts = CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz")
+    test = utterance_logliks(model, context, log_prior, test_cuts, cmvn)
+    result = {
+        "acoustic_scale": best,
+        "dev": sweep[best],
+        "dev_sweep": {f"{s:g}": sweep[s]["wer"] for s in scales},
+        "test": score(references(test_cuts), decoder.decode(test, best), out, "test"),
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    log.info("%s: acoustic scale %g (dev WER %.2f %%), test WER %.2f %%", run_dir, best, result["dev"]["wer"],
+             result["test"]["wer"])
+    return result
+
+
+def load_test_set(test_set: Path, work_dir: Path, train_cmvn: dict):
+    """A Kaldi data dir or a Lhotse cuts manifest -> cuts with fbank computed as in stage 1, and
+    CMVN stats (per speaker of this set, the training set's global stats as fallback)."""
+    from lhotse import CutSet
+
+    from local.features import _process_shard, _stats
+
+    if test_set.is_dir():
+        from lhotse.kaldi import load_kaldi_data_dir
+
+        if not (test_set / "wav.scp").exists():
+            raise ValueError(f"{test_set} is a directory without wav.scp; give a Kaldi data dir or a cuts manifest")
+        recordings, supervisions, _ = load_kaldi_data_dir(test_set, sampling_rate=16000)
+        cuts = CutSet.from_manifests(recordings=recordings, supervisions=supervisions).trim_to_supervisions()
+    elif test_set.exists():
+        cuts = CutSet.from_file(test_set)
+    else:
+        raise ValueError(f"No such test set: {test_set}")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    dicts, drops, sums = _process_shard(list(cuts), str(work_dir / "feats"))
+    for cut_id, reason, detail in drops:
+        log.warning("test set: dropped %s (%s: %s)", cut_id, reason, detail)
+    stats = {"global": train_cmvn["global"], "speakers": {s: _stats(*v) for s, v in sums.items() if s is not None}}
+    return CutSet.from_dicts(dicts), stats
+
+
+def decode_test_set(checkpoint: Path, test_set: Path, data_dir: Path, scale: float, out_dir: Path) -> dict:
+    """WER of ``checkpoint`` on any test set; words outside the lexicon count as errors."""
+    from local.decode import score
+
+    model, context = load_checkpoint(checkpoint)
+    log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)
+    train_cmvn = json.loads((data_dir / "features" / "cmvn.json").read_text())
+    cuts, cmvn = load_test_set(test_set, out_dir / "features", train_cmvn)
+    hyps = Decoder(data_dir).decode(utterance_logliks(model, context, log_prior, cuts, cmvn), scale)
+    name = test_set.name.removesuffix(".jsonl.gz")
+    result = score(references(cuts), hyps, out_dir, name)
+    (out_dir / f"results-{name}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", nargs="*", default=[], help="run directories of train.py (exp/dnn/<run>)")
+    p.add_argument("--data-dir", default=None, help="recipe data dir (default: the one each run trained on)")
+    p.add_argument("--acoustic-scales", type=float, nargs="+", default=list(DEFAULT_SCALES),
+                   help="acoustic scales tried on dev; the best decodes test")
+    p.add_argument("--out", default="exp/dnn/compare", help="where the comparison report goes")
+    p.add_argument("--baseline", default=None, help="run name of the baseline (default: the single-worker run)")
+    p.add_argument("--compare-only", action="store_true", help="only rebuild the report from decoded runs")
+    p.add_argument("--checkpoint", default=None, help="decode --test-set with this checkpoint")
+    p.add_argument("--test-set", default=None, help="Kaldi data dir or Lhotse cuts manifest (with --checkpoint)")
+    p.add_argument("--acoustic-scale", type=float, default=0.1, help="acoustic scale for --test-set")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    if a.checkpoint or a.test_set:
+        if not (a.checkpoint and a.test_set and a.data_dir):
+            p.error("--test-set needs --checkpoint and --data-dir (for the graph, priors and lexicon)")
+        decode_test_set(Path(a.checkpoint), Path(a.test_set), Path(a.data_dir), a.acoustic_scale,
+                        Path(a.out) / "decode_other")
+    if not a.runs:
+        if not a.checkpoint:
+            p.error("give --runs (and/or --checkpoint with --test-set)")
+        return
+    for run in a.runs:
+        if not a.compare_only:
+            evaluate_run(Path(run), Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales))
+    compare_runs([Path(r) for r in a.runs], Path(a.out), a.baseline)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Comparison of trained runs: a markdown table, a JSON file and Strom's Figure 1 (dev frame
+accuracy per epoch) for the single-device baseline against DDP/GTC runs.
+
+Each run directory holds ``train_summary.json`` (train.py), ``metrics.csv`` (CSVLogger) and
+``decode/results.json`` (evaluate.py).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _column_means(metrics_csv: Path) -> dict[str, float]:
+    """Mean of every numeric column of a CSVLogger file (empty cells skipped)."""
+    sums: dict[str, list[float]] = {}
+    if not metrics_csv.exists():
+        return {}
+    with metrics_csv.open() as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if value not in ("", None):
+                    sums.setdefault(key, []).append(float(value))
+    return {k: sum(v) / len(v) for k, v in sums.items()}
+
+
+def run_row(run_dir: Path | str) -> dict:
+    """Everything the report says about one run, from the files its training and decoding wrote."""
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "train_summary.json"
+    if not summary_path.exists():
+        raise ValueError(f"No such file: {summary_path}; train the run with recipes/asr/train.py first")
+    summary = json.loads(summary_path.read_text())
+    decode_path = run_dir / "decode" / "results.json"
+    decoded = json.loads(decode_path.read_text()) if decode_path.exists() else {}
+    means = _column_means(run_dir / "metrics.csv")
+    world = int(summary["world_size"])
+    gtc = (summary.get("gtc") or {}).get("total")
+    steps = (summary.get("gtc") or {}).get("step") or 0
+    if gtc and steps:
+        bytes_per_step, ratio = gtc["bytes_sent"] / steps, gtc["dense_bytes"] / max(gtc["bytes_sent"], 1)
+    elif world > 1:  # dense all-reduce: the fp32 gradient of every weight
+        bytes_per_step, ratio = 4.0 * summary["num_weights"], 1.0
+    else:
+        bytes_per_step, ratio = 0.0, None
+    accs = summary.get("dev_frame_acc") or []
+    return {
+        "run": summary.get("run_name", run_dir.name),
+        "strategy": summary["strategy"],
+        "workers": world,
+        "tau": summary.get("tau"),
+        "epochs": summary.get("epochs"),
+        "num_weights": summary.get("num_weights"),
+        "dev_frame_acc": accs[-1] if accs else None,
+        "dev_frame_acc_per_epoch": accs,
+        "dev_wer": decoded.get("dev", {}).get("wer"),
+        "test_wer": decoded.get("test", {}).get("wer"),
+        "acoustic_scale": decoded.get("acoustic_scale"),
+        "bytes_per_step": bytes_per_step,
+        "dense_bytes_per_step": 4.0 * summary["num_weights"] if world > 1 else 0.0,
+        "compression_ratio": ratio,
+        "frames_per_sec": means.get("frames_per_sec"),
+        "train_seconds": summary.get("train_seconds"),
+    }
+
+
+def add_relative_wer(rows: list[dict], baseline: str | None = None) -> dict | None:
+    """Set ``rel_wer_change_pct`` = 100 (WER - WER_base) / WER_base (negative: better than the baseline).
+
+    The baseline is the run named ``baseline`` or else the first single-worker run.
+    """
+    base = next((r for r in rows if r["run"] == baseline), None) if baseline else None
+    base = base or next((r for r in rows if r["workers"] == 1), None)
+    for r in rows:
+        ok = base is not None and base["test_wer"] and r["test_wer"] is not None
+        r["rel_wer_change_pct"] = 100.0 * (r["test_wer"] - base["test_wer"]) / base["test_wer"] if ok else None
+    return base
+
+
+def _fmt(value, spec: str, missing: str = "–") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    return format(value, spec)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| run | strategy | workers | τ | epochs | dev frame acc. | dev WER | test WER | rel. WER change "
+            "| bytes / step / worker | compression | frames / s | train time |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        lines.append(" | ".join([
+            f"| {r['run']}", r["strategy"], str(r["workers"]), _fmt(r["tau"], "g"), _fmt(r["epochs"], "d"),
+            _fmt(100 * r["dev_frame_acc"] if r["dev_frame_acc"] is not None else None, ".2f") + " %",
+            _fmt(r["dev_wer"], ".2f") + " %", _fmt(r["test_wer"], ".2f") + " %",
+            _fmt(r["rel_wer_change_pct"], "+.1f") + " %", _fmt(r["bytes_per_step"], ",.0f"),
+            _fmt(r["compression_ratio"], ",.0f") + "×" if r["compression_ratio"] else "–",
+            _fmt(r["frames_per_sec"], ",.0f"), _fmt(r["train_seconds"], ".0f") + " s |",
+        ]))
+    return "\n".join(lines)
+
+
+def plot_accuracy(rows: list[dict], path: Path) -> Path:
+    """Dev frame accuracy per epoch, one line per run (Strom 2015, Figure 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        accs = r["dev_frame_acc_per_epoch"]
+        label = f"{r['run']} ({r['workers']} worker{'s' if r['workers'] > 1 else ''})"
+        ax.plot(range(1, len(accs) + 1), [100 * a for a in accs], marker="o", label=label)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("dev frame accuracy (%)")
+    ax.set_title("Convergence: baseline vs. distributed training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str | None = None) -> dict:
+    """Write ``comparison.md``, ``comparison.json`` and ``dev_frame_acc.png`` under ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [run_row(d) for d in run_dirs]
+    base = add_relative_wer(rows, baseline)
+    table = markdown_table(rows)
+    note = (f"Relative WER change against `{base['run']}`; bytes per step: what one worker sends per "
+            "optimizer step (dense fp32 for DDP); compression: dense fp32 bytes / bytes sent.") if base else \
+        "No single-worker baseline among the runs: relative WER change not computed."
+    (out_dir / "comparison.md").write_text(table + "\n\n" + note + "\n")
+    (out_dir / "comparison.json").write_text(json.dumps({"baseline": base and base["run"], "runs": rows}, indent=1))
+    png = plot_accuracy(rows, out_dir / "dev_frame_acc.png")
+    log.info("comparison of %d runs -> %s, %s\n%s", len(rows), out_dir / "comparison.md", png, table)
+    return {"rows": rows, "markdown": out_dir / "comparison.md", "json": out_dir / "comparison.json", "png": png}

@@ -1,0 +1,188 @@
+"""train.py: the --strategy shortcut, every config in conf/, and short CPU runs on a small
+synthetic aligned data dir (random fbank, pdf-ids that depend on it), single device and GTC
+with 2 forked ranks. The end-to-end run with decoding uses the ``tiny_aligned`` corpus fixture."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import train
+from local.datamodule import AsrDataModule
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "conf").glob("*.yaml"))
+NUM_PDFS, FEAT_DIM = 6, 5
+
+
+def write_aligned_dir(data_dir: Path, utts: dict[str, int], seed: int = 0) -> Path:
+    """A data dir with what the DNN stage reads: ``ali/{train,dev}_cuts.jsonl.gz`` (fbank features and
+    ``pdf_ali``), ``ali/info.json``, ``ali/priors.npy`` and ``features/cmvn.json``.
+
+    Each frame's pdf-id is the argmax of its first ``NUM_PDFS`` feature bins, so it can be learnt.
+    """
+    from lhotse import CutSet, Features, MonoCut, SupervisionSegment
+    from lhotse.features.io import NumpyFilesWriter
+
+    rng = np.random.default_rng(seed)
+    (data_dir / "ali").mkdir(parents=True)
+    (data_dir / "features").mkdir()
+    with NumpyFilesWriter(data_dir / "ali" / "storage") as writer:
+        for split, num_utts in utts.items():
+            cuts = []
+            for i in range(num_utts):
+                cut_id, frames = f"{split}-{i:03d}", int(rng.integers(5, 40))
+                feats = rng.standard_normal((frames, FEAT_DIM)).astype(np.float32)
+                key = writer.write(cut_id, feats)
+                features = Features(type="fbank", num_frames=frames, num_features=FEAT_DIM, frame_shift=0.01,
+                                    sampling_rate=16000, start=0, duration=frames / 100, storage_type=writer.name,
+                                    storage_path=str(writer.storage_path), storage_key=key, recording_id=cut_id)
+                sup = SupervisionSegment(cut_id, cut_id, 0, frames / 100, speaker=f"spk{i % 2}", text="A B")
+                cut = MonoCut(cut_id, 0, frames / 100, 0, supervisions=[sup], features=features)
+                pdf = np.argmax(feats[:, :NUM_PDFS], axis=1).astype(np.int32) % NUM_PDFS
+                cut.pdf_ali = writer.store_array(cut_id + "-ali", pdf, frame_shift=0.01, temporal_dim=0)
+                cuts.append(cut)
+            CutSet.from_cuts(cuts).to_file(data_dir / "ali" / f"{split}_cuts.jsonl.gz")
+    (data_dir / "ali" / "info.json").write_text(json.dumps({"num_pdfs": NUM_PDFS}))
+    np.save(data_dir / "ali" / "priors.npy", np.full(NUM_PDFS, 1 / NUM_PDFS, dtype=np.float32))
+    zero = {"mean": [0.0] * FEAT_DIM, "std": [1.0] * FEAT_DIM, "frames": 1}
+    (data_dir / "features" / "cmvn.json").write_text(json.dumps({"global": zero, "speakers": {"spk0": zero}}))
+    return data_dir
+
+
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory) -> Path:
+    return write_aligned_dir(tmp_path_factory.mktemp("data") / "d", {"train": 40, "dev": 8})
+
+
+class ParseOnly(train.AsrCLI):
+    """Parses and resolves the run (data, run dir) but instantiates nothing."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def parse(args: list[str]) -> ParseOnly:
+    return ParseOnly(train.AcousticModel, train.AsrDataModule, args=train.expand_strategy_shortcut(args), run=False,
+                     parser_kwargs={"default_config_files": [str(train.DEFAULT_CONFIG)]})
+
+
+@pytest.mark.parametrize("argv,cuda,want", [
+    (["--strategy", "gtc"], False, ["--trainer.strategy=gtc", "--trainer.devices=2"]),
+    (["--strategy=ddp"], False, ["--trainer.strategy=ddp", "--trainer.devices=2"]),
+    (["--strategy", "gtc"], True, ["--trainer.strategy=gtc", "--trainer.devices=auto"]),
+    (["--strategy", "single"], True, ["--trainer.strategy=auto", "--trainer.devices=1"]),
+    (["--config", "c.yaml", "--strategy", "gtc", "--trainer.devices", "4"], False,
+     ["--config", "c.yaml", "--trainer.strategy=gtc", "--trainer.devices=2", "--trainer.devices", "4"]),
+    (["--model.lr", "0.5"], False, ["--model.lr", "0.5"]),
+])
+def test_strategy_shortcut_expands_in_place(argv, cuda, want):
+    assert train.expand_strategy_shortcut(argv, cuda=cuda) == want
+
+
+@pytest.mark.parametrize("argv", [["--strategy", "horovod"], ["--strategy"]])
+def test_bad_shortcut_raises(argv):
+    with pytest.raises(ValueError, match="--strategy"):
+        train.expand_strategy_shortcut(argv, cuda=False)
+
+
+def test_shortcut_parses_into_trainer_arguments(aligned, tmp_path):
+    cli = parse(["--strategy", "gtc", "--data.data_dir", str(aligned), "--exp_dir", str(tmp_path)])
+    assert cli.config.trainer.strategy == "gtc" and cli.config.trainer.devices == "2"
+    assert cli.config.run_name == "gtc" and cli.config.trainer.default_root_dir == str(tmp_path / "gtc")
+    assert cli.config.model.hidden_dim == 512  # conf/default.yaml is always read
+    cli = parse(["--strategy", "gtc", "--trainer.devices", "3", "--data.data_dir", str(aligned),
+                 "--exp_dir", str(tmp_path), "--model.lr", "0.25"])
+    assert cli.config.trainer.devices == "3" and cli.config.model.lr == 0.25
+    assert parse(["--strategy", "single", "--data.data_dir", str(aligned)]).config.run_name == "baseline"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_config_parses(config, aligned, tmp_path):
+    cli = parse(["--config", str(config), "--data.data_dir", str(aligned), "--exp_dir", str(tmp_path)])
+    model_hp = cli.config.model
+    assert model_hp.hidden_dim >= 1 and model_hp.num_layers >= 1 and cli.config.data.context >= 0
+    if config.name == "strom2015.yaml":
+        assert model_hp.hidden_dim == 1536 and model_hp.num_layers == 5
+    if config.name == "gtc.yaml":
+        assert cli.config.trainer.strategy.class_path == "gtc_lightning.GTCStrategy"
+        assert cli.config.trainer.strategy.init_args.tau > 0 and cli.config.run_name == "gtc"
+
+
+def test_gtc_shortcut_builds_a_two_process_cpu_trainer(aligned, tmp_path):
+    import gtc_lightning
+
+    cli = train.build_cli(["--strategy", "gtc", "--data.data_dir", str(aligned), "--exp_dir", str(tmp_path),
+                           "--trainer.accelerator", "cpu"])
+    assert isinstance(cli.trainer.strategy, gtc_lightning.GTCStrategy)
+    assert cli.trainer.num_devices == 2
+    assert cli.model.hparams.num_pdfs == NUM_PDFS and cli.model.hparams.input_dim == 17 * FEAT_DIM
+
+
+def test_missing_data_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a re-launched rank never prepares data itself
+    with pytest.raises(RuntimeError, match="prepare.py"):
+        parse(["--data.data_dir", str(tmp_path / "nothing")])
+
+
+def test_datamodule_loads_cmvn_windows_and_labels(aligned):
+    dm = AsrDataModule(data_dir=str(aligned), batch_size=16, dev_batch_size=64)
+    dm.setup("fit")
+    feats, targets, offsets = dm.splits["train"]
+    assert feats.shape == (offsets[-1], FEAT_DIM) and targets.shape == (offsets[-1],) and len(offsets) == 41
+    assert dm.num_pdfs == NUM_PDFS and dm.input_dim == 17 * FEAT_DIM
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["x"].shape == (16, 17 * FEAT_DIM) and batch["y"].dtype == torch.int64
+    dev = list(dm.val_dataloader())
+    assert sum(len(b["y"]) for b in dev) == len(dm.splits["dev"][1])
+
+
+def _run(args: list[str]) -> dict:
+    cli = train.main(args)
+    run_dir = Path(cli.config.trainer.default_root_dir)
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert (run_dir / "metrics.csv").exists() and (run_dir / "config.yaml").exists()
+    assert Path(summary["checkpoint"]).exists()
+    return summary
+
+
+def test_single_device_run_learns(aligned, tmp_path):
+    summary = _run(["--config", str(ROOT / "conf" / "tiny.yaml"), "--strategy", "single",
+                    "--data.data_dir", str(aligned), "--exp_dir", str(tmp_path), "--trainer.max_epochs", "3",
+                    "--trainer.limit_train_batches", "null", "--data.batch_size", "16", "--model.lr", "1.0"])
+    accs = summary["dev_frame_acc"]
+    assert summary["world_size"] == 1 and summary["strategy"] == "baseline" and len(accs) == 3
+    assert accs[-1] > 1.5 / NUM_PDFS, f"dev frame accuracy {accs} did not rise above chance"
+
+
+def test_gtc_run_with_two_forked_ranks(aligned, tmp_path):
+    summary = _run(["--config", str(ROOT / "conf" / "tiny.yaml"), "--trainer.strategy", "gtc_fork",
+                    "--trainer.devices", "2", "--data.data_dir", str(aligned), "--exp_dir", str(tmp_path),
+                    "--trainer.max_epochs", "1", "--num_threads", "1"])
+    assert summary["world_size"] == 2 and summary["strategy"] == "gtc" and summary["tau"] > 0
+    assert summary["gtc"]["step"] > 0 and summary["gtc"]["total"]["bytes_sent"] > 0
+    assert len(summary["dev_frame_acc"]) == 1
+
+
+def test_tiny_corpus_end_to_end(request, tmp_path):
+    """Baseline and GTC (2 ranks) on the tiny TTS corpus, then decoding and the comparison report."""
+    try:
+        data_dir = request.getfixturevalue("tiny_aligned")
+    except pytest.FixtureLookupError:
+        pytest.skip("needs the tiny_aligned corpus fixture (tests/conftest.py) from the data pipeline")
+    import evaluate
+
+    common = ["--config", str(ROOT / "conf" / "tiny.yaml"), "--data.data_dir", str(data_dir),
+              "--exp_dir", str(tmp_path), "--trainer.max_epochs", "1"]
+    base = _run(common + ["--strategy", "single"])
+    gtc = _run(common + ["--trainer.strategy", "gtc_fork", "--trainer.devices", "2", "--num_threads", "1"])
+    evaluate.main(["--runs", str(tmp_path / "baseline"), str(tmp_path / "gtc"), "--out", str(tmp_path / "cmp"),
+                   "--acoustic-scales", "0.1"])
+    report = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    assert [r["run"] for r in report["runs"]] == ["baseline", "gtc"] and report["baseline"] == "baseline"
+    for row in report["runs"]:
+        assert 0 <= row["test_wer"] and 0 <= row["dev_frame_acc"] <= 1
+    assert report["runs"][1]["compression_ratio"] > 1 and base["world_size"] == 1 and gtc["world_size"] == 2
+    assert (tmp_path / "cmp" / "dev_frame_acc.png").stat().st_size > 0
+    assert list((tmp_path / "baseline" / "decode").glob("errs-test*"))
