@@ -72,6 +72,7 @@ def train_mono(
     beam: float = 10.0,
     seed: int = 0,
     decode: bool = True,
+    scales: tuple[float, ...] | None = None,
 ) -> dict:
     """Train the monophone system on the clean training utterances and decode dev/test.
 
@@ -81,6 +82,7 @@ def train_mono(
         total_gauss: Gaussians in total at the end of mixture growth.
         beam: Viterbi alignment beam (retry beam 40).
         seed: random seed of the flat start.
+        scales: acoustic scales tried on dev (default ``gmm_decode.ACOUSTIC_SCALES``).
         decode: decode dev and test with the final model (``exp/mono/decode_*``).
 
     Returns:
@@ -126,7 +128,7 @@ def train_mono(
     if decode:
         from local.gmm_decode import decode_system
 
-        summary.update(decode_system(data_dir, "mono", system, lang))
+        summary.update(decode_system(data_dir, "mono", system, lang, **({"scales": scales} if scales else {})))
     summary["seconds"] = round(time.perf_counter() - start, 1)
     (exp / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -76,6 +76,7 @@ def train_tri(
     num_iters: int = 35,
     beam: float = 10.0,
     decode: bool = True,
+    scales: tuple[float, ...] | None = None,
 ) -> dict:
     """Train the triphone system from ``exp/mono`` and decode dev/test.
 
@@ -85,6 +86,7 @@ def train_tri(
         total_gauss: Gaussians at the end of mixture growth (Kaldi's ``totgauss``).
         num_iters: training passes (Kaldi's train_deltas uses 35, re-aligning at 10, 20, 30).
         beam: Viterbi alignment beam (retry beam 40).
+        scales: acoustic scales tried on dev (default ``gmm_decode.ACOUSTIC_SCALES``).
         decode: decode dev and test (``exp/tri/decode_*``).
 
     Returns:
@@ -134,7 +136,7 @@ def train_tri(
     if decode:
         from local.gmm_decode import decode_system
 
-        summary.update(decode_system(data_dir, "tri", system, lang))
+        summary.update(decode_system(data_dir, "tri", system, lang, **({"scales": scales} if scales else {})))
     summary["seconds"] = round(time.perf_counter() - start, 1)
     (exp / "summary.json").write_text(json.dumps({**summary, "tree": tree_summary}, indent=1))
     return summary

@@ -1,0 +1,243 @@
+"""GMM-HMM stages: vectorised statistics, monophone and triphone training, decoding, the final
+pdf-id alignments, drop handling and the agreement measure. The end-to-end tests share one tiny
+synthetic corpus (TTS) built once per module; too little speech for good models, so they check
+the mechanics, not accuracy (accuracy is measured on the default corpus, see README)."""
+
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from local.drops import load_drops
+from local.kaldi import khg
+from local.lang import make_topo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- unit tests without a corpus
+def _toy_system(num_gauss: int, dim: int, seed: int):
+    from local.gmm_common import GmmSystem, read_topology
+
+    rng = np.random.default_rng(seed)
+    topo = read_topology(make_topo([1, 2, 3], sil_id=1))
+    tree = khg.monophone_context_dependency(phones=topo.phones, phone2num_pdf_classes=topo.get_phone_to_num_pdf_classes())
+    am = khg.AmDiagGmm()
+    for _ in range(tree.num_pdfs):
+        g = khg.DiagGmm(nmix=num_gauss, dim=dim)
+        g.set_weights(rng.dirichlet(np.ones(num_gauss)).astype(np.float32))
+        g.set_means(rng.normal(size=(num_gauss, dim)).astype(np.float32))
+        g.set_invvars(rng.uniform(0.5, 2.0, size=(num_gauss, dim)).astype(np.float32))
+        g.compute_gconsts()
+        am.add_pdf(g)
+    return GmmSystem(khg.TransitionModel(ctx_dep=tree, hmm_topo=topo), am, tree)
+
+
+def test_vectorised_stats_equal_kaldi_per_frame_accumulation():
+    from local.gmm_common import accumulate
+
+    system = _toy_system(num_gauss=3, dim=5, seed=0)
+    rng = np.random.default_rng(1)
+    n = 400
+    feats = rng.normal(size=(n, 5)).astype(np.float32) * 2 + 1
+    ali = rng.integers(1, system.tm.num_transition_ids + 1, size=n)
+    ali[ali == ali[0]] = ali[1]  # leave some pdfs without frames
+    stats = accumulate(system, feats, ali)
+
+    ref = khg.AccumAmDiagGmm()
+    ref.init(model=system.am, flags=khg.GmmUpdateFlags.kGmmAll)
+    tid2pdf = system.tid2pdf()
+    log_like = sum(
+        ref.accumulate_for_gmm(model=system.am, data=x, gmm_index=int(tid2pdf[a]), weight=1.0) for x, a in zip(feats, ali)
+    )
+    assert stats.log_like == pytest.approx(log_like, rel=1e-5)
+    for p in range(system.tm.num_pdfs):
+        mine, theirs = stats.accs.get_acc(p), ref.get_acc(p)
+        np.testing.assert_allclose(mine.occupancy, theirs.occupancy, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(mine.mean_accumulator, theirs.mean_accumulator, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(mine.variance_accumulator, theirs.variance_accumulator, rtol=1e-4, atol=1e-3)
+    assert stats.pdf_occs.sum() == n
+    assert stats.transitions.sum() == n and stats.transitions[0] == 0
+
+
+def test_update_grows_mixtures_to_target():
+    from local.gmm_common import accumulate, update
+
+    system = _toy_system(num_gauss=1, dim=4, seed=2)
+    rng = np.random.default_rng(3)
+    feats = rng.normal(size=(3000, 4)).astype(np.float32)
+    ali = rng.integers(1, system.tm.num_transition_ids + 1, size=3000)
+    before = system.am.num_gauss
+    update(system, accumulate(system, feats, ali), target_gauss=before + 10, min_count=5.0)
+    assert system.am.num_gauss == before + 10
+
+
+# ---------------------------------------------------------------- end to end on the tiny corpus
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Tiny corpus through lang, then mono, tri (decoding at one scale) and the align stage."""
+    sys.path.insert(0, str(ROOT / "recipes" / "asr"))
+    from prepare import prepare
+
+    from local.align import align
+    from local.gmm_mono import train_mono
+    from local.gmm_tri import train_tri
+
+    data_dir = tmp_path_factory.mktemp("gmm") / "tiny"
+    prepare(corpus="synthetic", data_dir=data_dir, size="tiny", stop_stage=2, num_jobs=1)
+    mono = train_mono(data_dir, num_iters=8, total_gauss=200, scales=(0.1,))
+    tri = train_tri(data_dir, num_leaves=150, total_gauss=300, num_iters=8, scales=(0.1,))
+    ali = align(data_dir)
+    return data_dir, mono, tri, ali
+
+
+def test_alignments_cover_every_kept_utterance_frame_by_frame(trained):
+    from lhotse import CutSet
+
+    from local.gmm_common import is_augmented
+
+    data_dir, mono, tri, _ = trained
+    kept = set((data_dir / "lang" / "train_ids.txt").read_text().split())
+    dropped = {d["id"] for d in load_drops(data_dir) if d["stage"] in ("mono", "tri")}
+    cuts = {c.id: c for c in CutSet.from_file(data_dir / "features" / "train_cuts.jsonl.gz")}
+    clean = {u for u in kept if not is_augmented(cuts[u])}
+    for system in ("mono", "tri"):
+        with open(data_dir / "exp" / system / "ali.pkl", "rb") as f:
+            alis = pickle.load(f)
+        assert set(alis) == clean - dropped
+        for utt, ali in alis.items():
+            assert len(ali) == cuts[utt].features.num_frames
+    history = json.loads((data_dir / "exp" / "mono" / "history.json").read_text())
+    assert history[-1]["log_like_per_frame"] > history[0]["log_like_per_frame"]
+    assert tri["pdfs"] > 0 and (data_dir / "exp" / "tri" / "tree").stat().st_size > 0
+
+
+def test_pdf_alignment_cuts_and_priors(trained):
+    from lhotse import CutSet
+
+    from local.gmm_common import GmmSystem
+
+    data_dir, _, _, summary = trained
+    num_pdfs = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl").tm.num_pdfs
+    cuts = CutSet.from_file(data_dir / "ali" / "train_cuts.jsonl.gz")
+    assert len(cuts) == summary["train_utts"] > 0
+    assert any(c.id.endswith("-aug") for c in cuts), "the augmented copies are aligned too"
+    for cut in cuts:
+        pdf = cut.load_custom("pdf_ali")
+        assert pdf.dtype == np.int32 and pdf.shape == (cut.features.num_frames,)
+        assert 0 <= pdf.min() and pdf.max() < num_pdfs
+        assert cut.pdf_ali.frame_shift == 0.01
+    priors = np.load(data_dir / "ali" / "priors.npy")
+    assert priors.dtype == np.float32 and priors.shape == (num_pdfs,)
+    assert priors.sum() == pytest.approx(1.0, abs=1e-5) and (priors > 0).all()
+    info = json.loads((data_dir / "ali" / "info.json").read_text())
+    assert info["num_pdfs"] == num_pdfs and info["num_frames"] == sum(c.features.num_frames for c in cuts)
+    assert 0.0 <= info["phone_agreement"]["overall"] <= 1.0
+
+
+def test_gmm_decoding_writes_wer(trained):
+    data_dir, mono, tri, _ = trained
+    for system, summary in (("mono", mono), ("tri", tri)):
+        for split in ("dev", "test"):
+            res = json.loads((data_dir / "exp" / system / f"decode_{split}" / "wer.json").read_text())
+            assert res["wer"] == summary[f"{split}_wer"] and res["words"] > 0 and res["acoustic_scale"] == 0.1
+            assert (data_dir / "exp" / system / f"decode_{split}" / f"errs-{split}-acwt0.1.txt").exists()
+        assert (data_dir / "exp" / system / "graph" / "HCLG.fst").exists()
+
+
+def test_converted_alignment_keeps_phones_and_transitions(trained):
+    from local.gmm_common import GmmSystem, convert_alignment, phones_of
+    from local.tree_stats import TidTables
+
+    data_dir = trained[0]
+    mono = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
+    tri = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl")
+    with open(data_dir / "exp" / "mono" / "ali.pkl", "rb") as f:
+        alis = pickle.load(f)
+    mono_tables, tri_tables = TidTables.from_transition_model(mono.tm), TidTables.from_transition_model(tri.tm)
+    for ali in list(alis.values())[:5]:
+        new = convert_alignment(ali, mono, tri, mono_tables)
+        assert phones_of(new, tri_tables) == phones_of(ali, mono_tables)
+        np.testing.assert_array_equal(tri_tables.is_self_loop[new], mono_tables.is_self_loop[ali])
+        np.testing.assert_array_equal(tri_tables.pdf_class[new], mono_tables.pdf_class[ali])
+
+
+def test_phone_agreement_is_one_for_gold_equal_to_alignment_and_drops_with_shift(trained):
+    from lhotse import CutSet
+    from lhotse.supervision import AlignmentItem
+
+    from local.align import phone_agreement
+    from local.gmm_common import GmmSystem, phone_instances
+    from local.lang import load_lang
+    from local.tree_stats import TidTables
+
+    data_dir = trained[0]
+    mono = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
+    tables = TidTables.from_transition_model(mono.tm)
+    id2phone = {i: p for p, i in load_lang(data_dir / "lang").phones.items()}
+    with open(data_dir / "exp" / "mono" / "ali.pkl", "rb") as f:
+        alis = pickle.load(f)
+    cuts = [c for c in CutSet.from_file(data_dir / "features" / "train_cuts.jsonl.gz") if c.id in alis][:4]
+    gold_cuts = []
+    for cut in cuts:
+        ali = alis[cut.id]
+        inst, _, _ = phone_instances(ali, tables)
+        starts = np.flatnonzero(np.diff(np.concatenate([[-1], inst])))
+        ends = np.append(starts[1:], len(ali))
+        items = [AlignmentItem(symbol=id2phone[tables.phone[ali[s]]], start=s * 0.01, duration=(e - s) * 0.01)
+                 for s, e in zip(starts, ends)]
+        sup = cut.supervisions[0].with_alignment("phone", items)
+        gold_cuts.append(cut.map_supervisions(lambda _, sup=sup: sup))
+    exact = phone_agreement(gold_cuts, alis, tables, id2phone)
+    assert exact["overall"] == 1.0 and exact["utterances"] == len(cuts)
+    shifted = {u: np.concatenate([a[3:], a[-3:]]) for u, a in alis.items()}
+    assert phone_agreement(gold_cuts, shifted, tables, id2phone)["overall"] < 1.0
+    assert phone_agreement(gold_cuts, shifted, tables, id2phone)["within_1_frame"] <= 1.0
+
+
+def test_too_short_utterances_are_dropped_with_a_reason(trained):
+    from lhotse import CutSet
+
+    from local.align import align_cuts
+    from local.gmm_common import GmmSystem, Utterances, compile_graphs
+    from local.gmm_mono import flat_start
+    from local.lang import cut_words, load_lang
+
+    data_dir = trained[0]
+    lang = load_lang(data_dir / "lang")
+    system = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
+    cut = next(c for c in CutSet.from_file(data_dir / "features" / "train_cuts.jsonl.gz") if len(cut_words(c)) >= 3)
+    short = cut.truncate(duration=0.05).with_id(cut.id + "-short")
+    short.supervisions[0].text = cut.supervisions[0].text
+    out = data_dir / "drop_test"
+    assert align_cuts(system, lang, [short], out, "train") == {}
+    assert [d["reason"] for d in load_drops(out)] == ["too_short_for_hmm"]
+
+    words = {cut.id: cut_words(cut)}
+    utts = Utterances([cut], {cut.id: np.zeros((4, 39), np.float32)}, words)
+    graphs = compile_graphs(system, lang, {cut.id: lang.word_ids(words[cut.id])})
+    assert flat_start(system, graphs, utts, out) == {}
+    assert [d["reason"] for d in load_drops(out)] == ["too_short_for_hmm"] * 2
+
+
+def test_alignment_failure_is_dropped_not_raised(trained):
+    from lhotse import CutSet
+
+    from local.gmm_common import GmmSystem, Utterances, compile_graphs, realign_all
+    from local.lang import cut_words, load_lang
+
+    data_dir = trained[0]
+    lang = load_lang(data_dir / "lang")
+    system = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
+    cut = next(iter(CutSet.from_file(data_dir / "features" / "train_cuts.jsonl.gz")))
+    words = {cut.id: cut_words(cut)}
+    graphs = compile_graphs(system, lang, {cut.id: lang.word_ids(words[cut.id])})
+    # Noise frames far outside every Gaussian: no path survives the beam, nor the retry beam.
+    feats = np.random.default_rng(0).normal(scale=1e3, size=(300, 39)).astype(np.float32)
+    utts = Utterances([cut], {cut.id: feats}, words)
+    out = data_dir / "fail_test"
+    assert realign_all(system, graphs, utts, [cut.id], out, "mono") == {}
+    assert [d["reason"] for d in load_drops(out)] == ["alignment_failed"]
