@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from gtc_lightning.hook import GTCState, StepStats, gtc_hook, parameter_checksums
 from gtc_lightning.strategy import GTCStrategy
 
-__all__ = ["GTCStrategy", "GTCState", "StepStats", "gtc_hook", "parameter_checksums"]
+__all__ = ["GTCState", "GTCStrategy", "StepStats", "gtc_hook", "parameter_checksums"]
 __version__ = "0.1.0"
 
 # Show the configuration line and restore messages at INFO, the way Lightning's own logger does,

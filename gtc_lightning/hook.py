@@ -31,8 +31,8 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -116,11 +116,11 @@ class GTCState:
 
     def __init__(
         self,
-        process_group: Optional[dist.ProcessGroup],
+        process_group: dist.ProcessGroup | None,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
         tau: float,
         warmup_steps: int = 0,
-        max_consecutive_skips: Optional[int] = 10,
+        max_consecutive_skips: int | None = 10,
     ) -> None:
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
             raise ValueError(
@@ -155,7 +155,7 @@ class GTCState:
         self._flats: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # bucket index -> (names, [n] flat)
         self._pending: list[tuple[dist.GradBucket, torch.futures.Future]] = []
         self.step = 0
-        self.last: Optional[StepStats] = None  # the newest exchange, read by the strategy
+        self.last: StepStats | None = None  # the newest exchange, read by the strategy
         self._last_consumed = True
         # The statistics.
         self.totals: dict[str, float] = {key: 0 for key in _TOTAL_KEYS}
@@ -236,7 +236,7 @@ class GTCState:
         self._flats[bucket.index()] = (names, flat)
         return flat
 
-    def residual_vector(self, device: Optional[torch.device] = None) -> torch.Tensor:
+    def residual_vector(self, device: torch.device | None = None) -> torch.Tensor:
         """All residuals, ``[sum(numels)]`` float32 in ``param_names`` order (zeros where none yet)."""
         if device is None:
             device = next(iter(self.residuals.values())).device if self.residuals else torch.device("cpu")
@@ -272,7 +272,7 @@ class GTCState:
 
     # ---- the step outcome, consumed once by the strategy -------------------------------------
 
-    def finish_step(self, parameters: Iterable[torch.nn.Parameter]) -> Optional[StepStats]:
+    def finish_step(self, parameters: Iterable[torch.nn.Parameter]) -> StepStats | None:
         """Apply the outcome of the newest exchange once, after backward and before the update.
 
         Skipped steps (a non-finite gradient on some rank; for dense warmup steps, in the averaged

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -68,14 +69,14 @@ class GTCStrategy(DDPStrategy):
         tau: float = 1e-2,
         warmup_steps: int = 0,
         check_replicas_every: int = 0,
-        max_consecutive_skips: Optional[int] = 10,
-        accelerator: Optional[Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        max_consecutive_skips: int | None = 10,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -115,12 +116,12 @@ class GTCStrategy(DDPStrategy):
         self._warmup_steps = warmup_steps
         self._check_replicas_every = check_replicas_every
         self._max_consecutive_skips = max_consecutive_skips
-        self._gtc_state: Optional[GTCState] = None
-        self._saved_gtc: Optional[dict] = None  # checkpoint entry waiting for the state to exist
+        self._gtc_state: GTCState | None = None
+        self._saved_gtc: dict | None = None  # checkpoint entry waiting for the state to exist
         self._checked_step = 0
 
     @property
-    def gtc_state(self) -> Optional[GTCState]:
+    def gtc_state(self) -> GTCState | None:
         """The hook's state (residuals, counters); ``None`` before ``fit`` configured DDP."""
         return self._gtc_state
 
@@ -170,7 +171,7 @@ class GTCStrategy(DDPStrategy):
         self,
         optimizer: Optimizer,
         closure: Callable[[], Any],
-        model: Optional[Union[LightningModule, torch.nn.Module]] = None,
+        model: LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
         def closure_then_apply_skip() -> Any:
@@ -211,7 +212,7 @@ class GTCStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         # Trainer.save_checkpoint calls this on every rank, so the residuals can be gathered here.
         if self._gtc_state is not None:
@@ -219,7 +220,7 @@ class GTCStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         # Called before DDP is configured on resume: keep the entry until the state exists.
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(CHECKPOINT_KEY)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -40,7 +40,7 @@ class TinyMLP(L.LightningModule):
         perturb_on: ``(rank, global_step)``: after that batch, nudge one weight on that rank only.
     """
 
-    def __init__(self, lr: float = 0.5, nan_on: Optional[tuple] = None, perturb_on: Optional[tuple] = None):
+    def __init__(self, lr: float = 0.5, nan_on: tuple | None = None, perturb_on: tuple | None = None):
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(
@@ -51,7 +51,11 @@ class TinyMLP(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = torch.nn.functional.cross_entropy(self.net(x), y)
-        if self.nan_on and self.global_rank == self.nan_on[0] and self.nan_on[1] <= self.global_step <= self.nan_on[2]:
+        if (
+            self.nan_on
+            and self.global_rank == self.nan_on[0]
+            and self.nan_on[1] <= self.global_step <= self.nan_on[2]
+        ):
             loss = loss * float("nan")
         return loss
 
@@ -84,6 +88,7 @@ class Recorder(L.Callback):
     def on_train_start(self, trainer, pl_module):
         state = getattr(trainer.strategy, "gtc_state", None)
         self.start = {
+            "params": torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone(),
             "residual": state.residual_vector().clone() if state is not None else None,
             "step": state.step if state is not None else 0,
         }
@@ -104,7 +109,11 @@ class Recorder(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         self._catcher.__exit__(None, None, None)
-        out = {"records": self.records, "start": self.start, "warnings": [str(w.message) for w in self._warnings]}
+        out = {
+            "records": self.records,
+            "start": self.start,
+            "warnings": [str(w.message) for w in self._warnings],
+        }
         torch.save(out, self.out_dir / f"rank{trainer.global_rank}.pt")
 
 
@@ -113,9 +122,9 @@ def fit(
     strategy: str = "gtc",
     devices: int = 2,
     max_epochs: int = 2,
-    model_kwargs: Optional[dict] = None,
-    trainer_kwargs: Optional[dict] = None,
-    ckpt_path: Optional[str] = None,
+    model_kwargs: dict | None = None,
+    trainer_kwargs: dict | None = None,
+    ckpt_path: str | None = None,
     **strategy_kwargs: Any,
 ) -> tuple[L.Trainer, list[dict]]:
     """Train :class:`TinyMLP` on ``devices`` CPU processes started by fork.
@@ -133,19 +142,19 @@ def fit(
     cls = GTCStrategy if strategy == "gtc" else DDPStrategy
     if strategy == "gtc":
         strategy_kwargs.setdefault("tau", 0.01)
-    kwargs = dict(
-        accelerator="cpu",
-        devices=devices,
-        strategy=cls(start_method="fork", timeout=TIMEOUT, **strategy_kwargs),
-        max_epochs=max_epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Recorder(out_dir)],
-        default_root_dir=out_dir,
-        log_every_n_steps=1,
-    )
+    kwargs = {
+        "accelerator": "cpu",
+        "devices": devices,
+        "strategy": cls(start_method="fork", timeout=TIMEOUT, **strategy_kwargs),
+        "max_epochs": max_epochs,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "callbacks": [Recorder(out_dir)],
+        "default_root_dir": out_dir,
+        "log_every_n_steps": 1,
+    }
     kwargs.update(trainer_kwargs or {})
     if "callbacks" in (trainer_kwargs or {}):
         kwargs["callbacks"] = [Recorder(out_dir), *trainer_kwargs["callbacks"]]
