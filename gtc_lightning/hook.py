@@ -155,6 +155,9 @@ class GTCState:
         self._flats: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # bucket index -> (names, [n] flat)
         self._pending: list[tuple[dist.GradBucket, torch.futures.Future]] = []
         self.step = 0
+        # Loss scale of the gradients DDP hands over (AMP's GradScaler; 1.0 without one): the
+        # residuals hold unscaled gradients and the decoded estimate is scaled back.
+        self.grad_scale = 1.0
         self.last: StepStats | None = None  # the newest exchange, read by the strategy
         self._last_consumed = True
         # The statistics.
@@ -272,13 +275,20 @@ class GTCState:
 
     # ---- the step outcome, consumed once by the strategy -------------------------------------
 
-    def finish_step(self, parameters: Iterable[torch.nn.Parameter]) -> StepStats | None:
+    def finish_step(
+        self, parameters: Iterable[torch.nn.Parameter], poison_skipped: bool = False
+    ) -> StepStats | None:
         """Apply the outcome of the newest exchange once, after backward and before the update.
 
         Skipped steps (a non-finite gradient on some rank; for dense warmup steps, in the averaged
         gradient every rank holds) leave every ``param.grad`` as ``None``, so torch optimizers skip
         the update without touching their state. Counts skips, warns, and raises after too many in
         a row.
+
+        Args:
+            parameters: the parameters the optimizer updates.
+            poison_skipped: fill the gradients of a skipped step with NaN instead of dropping them,
+                so that an AMP GradScaler sees the overflow, skips the step and lowers its scale.
 
         Returns:
             the newest :class:`StepStats`, or ``None`` if no exchange happened since the last call.
@@ -298,7 +308,10 @@ class GTCState:
             )
         if stats.skipped:
             for p in parameters:
-                p.grad = None
+                if not poison_skipped:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.fill_(math.nan)
             self.totals["skips"] += 1
             self.totals["consecutive_skips"] += 1
             where = f"on rank(s) {stats.bad_ranks}" if stats.bad_ranks else "in the averaged dense gradient"
@@ -354,6 +367,12 @@ def parameter_checksums(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     sums = [p.detach().reshape(-1).view(as_int[p.element_size()]).to(torch.int64).sum() for p in parameters]
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+
+
+def _unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[n]`` float32 ``grad / scale`` (a new tensor unless nothing changes)."""
+    grad = grad if grad.dtype == torch.float32 else grad.float()
+    return grad if scale == 1.0 else grad / scale
 
 
 def _new_future(device: torch.device) -> torch.futures.Future:
@@ -435,9 +454,7 @@ def _exchange(state: GTCState, pending: list[tuple[dist.GradBucket, torch.future
     backups: list[torch.Tensor] = []
     if finite:
         backups = [r.clone() for r in residuals]
-        words = [
-            compress(b if b.dtype == torch.float32 else b.float(), r, tau) for b, r in zip(buffers, residuals)
-        ]
+        words = [compress(_unscaled(b, state.grad_scale), r, tau) for b, r in zip(buffers, residuals)]
     else:
         words = [torch.empty(0, dtype=torch.int32, device=device) for _ in buffers]
     _synchronize(device)
@@ -491,7 +508,8 @@ def _exchange(state: GTCState, pending: list[tuple[dist.GradBucket, torch.future
     for b, (buffer, (_, future)) in enumerate(zip(buffers, pending)):
         pieces = [gathered[r, int(starts[r, b]) : int(starts[r, b] + counts[r, b])] for r in range(world)]
         all_words = torch.cat(pieces) if width else gathered.view(-1)
-        buffer.copy_(decompress(all_words, buffer.numel(), tau, divisor=world))
+        decoded = decompress(all_words, buffer.numel(), tau, divisor=world)
+        buffer.copy_(decoded if state.grad_scale == 1.0 else decoded.mul_(state.grad_scale))
         future.set_result(buffer)
     _synchronize(device)
     decompress_s = time.perf_counter() - start

@@ -178,12 +178,25 @@ class GTCStrategy(DDPStrategy):
             result = closure()
             if self._gtc_state is not None:
                 assert self.lightning_module is not None
-                self._gtc_state.finish_step(self.lightning_module.parameters())
+                poison = self._grad_scaler() is not None  # let AMP's scaler see the skip
+                self._gtc_state.finish_step(self.lightning_module.parameters(), poison_skipped=poison)
             return result
 
         output = super().optimizer_step(optimizer, closure_then_apply_skip, model, **kwargs)
         self._maybe_check_replicas()
         return output
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self._gtc_state is not None:
+            scaler = self._grad_scaler()
+            self._gtc_state.grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+
+    def _grad_scaler(self) -> Any:
+        """AMP's GradScaler when the precision plugin scales the loss (fp16 mixed), else None."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler if scaler is not None and scaler.is_enabled() else None
 
     def _maybe_check_replicas(self) -> None:
         state = self._gtc_state

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from _strategy_helpers import TinyMLP, fit
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
 
 from gtc_lightning import GTCState, GTCStrategy
 
@@ -220,6 +221,26 @@ def test_non_finite_gradient_during_dense_warmup_skips_the_step(tmp_path):
         assert not torch.equal(rank["records"][1]["params"], first["params"])
         assert torch.isfinite(rank["records"][-1]["params"]).all()
     assert any("in the averaged dense gradient at optimizer step 1" in w for w in ranks[0]["warnings"])
+
+
+def test_fp16_loss_scaling_is_divided_out_and_skips_reach_the_scaler(tmp_path):
+    # GradScaler multiplies gradients by 2**10: GTC must threshold the unscaled ones, and a
+    # skipped step must reach the scaler as an overflow (NaN gradients), not as missing ones.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    _, ranks = fit(tmp_path, tau=TAU, trainer_kwargs={"plugins": plugins}, model_kwargs={"nan_on": (1, 2, 2)})
+    lr = TinyMLP().lr
+    for rank in ranks:
+        recs = rank["records"]
+        grad = (rank["start"]["params"] - recs[0]["params"]) / lr
+        votes = torch.round(grad / (TAU / WORLD))
+        assert torch.allclose(grad, votes * (TAU / WORLD), atol=1e-5) and votes.abs().max() >= 1
+        assert recs[2]["stats"]["last"]["skipped"]
+        assert torch.equal(recs[2]["params"], recs[1]["params"])
+        assert torch.equal(recs[2]["residual"], recs[1]["residual"])
+        assert torch.isfinite(recs[-1]["params"]).all()
+    for p0, p1 in zip(*_records(ranks, "params")):
+        assert torch.equal(p0, p1)
 
 
 def test_state_pickles_without_its_process_group():
