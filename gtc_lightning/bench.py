@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -77,21 +78,31 @@ def median_seconds(run: Callable[[], object], reset: Callable[[], object], repea
     return statistics.median(times)
 
 
-def backends_for(device: torch.device) -> dict[str, tuple[Callable, Callable]]:
-    """The torch reference everywhere, the Triton kernels on CUDA: name -> (compress, decompress)."""
+def backends_for(
+    device: torch.device, blocks: list[int] | None = None
+) -> dict[str, tuple[Callable, Callable]]:
+    """The torch reference everywhere, the Triton kernels on CUDA: name -> (compress, decompress).
+
+    Args:
+        device: where the benchmark runs.
+        blocks: extra compress block sizes to time on CUDA (rows ``triton B=<block>``).
+    """
     backends = {"torch reference": (compress_torch, decompress_reference)}
     if device.type == "cuda":
-        from gtc_lightning.ops.triton_kernels import compress_triton, decompress_triton
+        from gtc_lightning.ops.triton_kernels import COMPRESS_BLOCK, compress_triton, decompress_triton
 
         backends["triton"] = (compress_triton, decompress_triton)
+        for block in blocks or []:
+            if block != COMPRESS_BLOCK:
+                backends[f"triton B={block}"] = (partial(compress_triton, block=block), decompress_triton)
     return backends
 
 
 def bench_size(n: int, density: float, device: torch.device, repeats: int, backends: dict) -> list[dict]:
     """Rows for one size: the copy roofline, then each backend (the reference first).
 
-    A ``"triton"`` row also says whether its words and residual are bit-identical to the
-    reference's from the same start.
+    Rows of backends named ``triton...`` also say whether their words and residual are
+    bit-identical to the reference's from the same start.
     """
     grad, residual0, tau32 = make_problem(n, density, device)
     residual = residual0.clone()
@@ -105,10 +116,11 @@ def bench_size(n: int, density: float, device: torch.device, repeats: int, backe
         row, words = _bench_backend(compress_fn, decompress_fn, grad, residual0, residual, tau32, repeats)
         words_seen[name] = (words.cpu(), residual.cpu())
         rows.append({"n": n, "backend": name, **row})
-    if "triton" in words_seen:
-        (w_ref, r_ref), (w_tri, r_tri) = words_seen["torch reference"], words_seen["triton"]
-        same = torch.equal(w_ref, w_tri) and torch.equal(r_ref.view(torch.int32), r_tri.view(torch.int32))
-        rows[-1]["identical"] = same
+    w_ref, r_ref = words_seen["torch reference"]
+    for row in rows:
+        if row["backend"].startswith("triton"):
+            w_tri, r_tri = words_seen[row["backend"]]
+            row["identical"] = torch.equal(w_ref, w_tri) and torch.equal(bits(r_ref), bits(r_tri))
     return rows
 
 
@@ -129,6 +141,10 @@ def _bench_backend(compress_fn, decompress_fn, grad, residual0, residual, tau32,
         "decompress_gbs": (4 * n + 4 * m) / d_s / 1e9,
     }
     return row, words
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -238,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--density", default="0.5%", help="target words per element, e.g. 0.5%% or 0.005")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
+    parser.add_argument(
+        "--blocks", default="", help="extra Triton compress block sizes to time, e.g. 2048,4096"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--compile-only", action="store_true", help="compile the kernels for --arch and stop")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
@@ -254,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     sizes, density = [parse_size(s) for s in args.sizes.split(",")], parse_density(args.density)
+    blocks = [int(b) for b in args.blocks.split(",") if b]
     if device.type == "cuda":
         from gtc_lightning.ops.triton_kernels import INTERPRETED
 
@@ -271,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     rows = []
     for n in sizes:
-        rows += bench_size(n, density, device, args.repeats, backends_for(device))
+        rows += bench_size(n, density, device, args.repeats, backends_for(device, blocks))
         print(f"n={n:,}: done", flush=True)
     print(format_table(rows))
 

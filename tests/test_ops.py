@@ -8,6 +8,7 @@ import inspect
 import os
 import subprocess
 import sys
+from functools import partial
 
 import numpy as np
 import pytest
@@ -342,6 +343,9 @@ def test_kernel_table_matches_kernel_arguments():
         args = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
         assert args == [*signature, "BLOCK"], name
         assert config in tk.CUDA_CONFIG
+    block, warps = tk.CUDA_CONFIG["compress"]
+    assert tk.compress_warps(block) == warps
+    assert [tk.compress_warps(b) for b in (16, 512, 1024, 4096)] == [1, 4, 8, 16]
 
 
 def test_bench_parsers():
@@ -355,14 +359,16 @@ def test_bench_parsers():
 
 def test_bench_rows_side_by_side_on_cpu():
     """The CUDA layout of the table, with the interpreted kernels standing in for CUDA."""
-    backends = bench.backends_for(torch.device("cpu"))
+    backends = bench.backends_for(torch.device("cpu"), blocks=[1024])
+    assert list(backends) == ["torch reference"], "no Triton rows on CPU"
     backends["triton"] = (tk.compress_triton, tk.decompress_triton)
+    backends["triton B=1024"] = (partial(tk.compress_triton, block=1024), tk.decompress_triton)
     rows = bench.bench_size(20_000, 0.01, torch.device("cpu"), 1, backends)
-    assert [r["backend"] for r in rows] == ["copy (roofline)", "torch reference", "triton"]
-    assert rows[2]["identical"] is True
+    assert [r["backend"] for r in rows] == ["copy (roofline)", "torch reference", "triton", "triton B=1024"]
+    assert rows[2]["identical"] is True and rows[3]["identical"] is True
     assert 0.008 < rows[1]["density"] < 0.012
     table = bench.format_table(rows)
-    assert table.count("\n") == 4 and "| yes |" in table
+    assert table.count("\n") == 5 and table.count("| yes |") == 2
 
 
 def test_bench_command_on_cpu(capsys):

@@ -43,9 +43,11 @@ import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Elements (or words) per program and warps on CUDA. Not tuned on a GPU yet: 2048 elements
-# keep the in-block scan to 8 elements per thread at 8 warps.
-CUDA_CONFIG = {"compress": (2048, 8), "nonfinite": (4096, 8), "words": (1024, 4)}
+# Elements (or words) per program and warps on CUDA. Not tuned on a GPU yet (the benchmark's
+# --blocks sweeps the compress block). Compress runs 4 elements per thread, one 16-byte
+# vector per tensor: compiled for sm_90 that needs 32 registers with triton 3.9 and 63 with
+# 3.6 (2048 elements at 8 warps needed 64 and 115, halving the warps an SM can hold).
+CUDA_CONFIG = {"compress": (1024, 8), "nonfinite": (4096, 8), "words": (1024, 4)}
 # The interpreter costs ~1.4 ms per program, so it gets few large blocks.
 INTERPRETER_BLOCK = 65536
 COMPRESS_BLOCK = INTERPRETER_BLOCK if INTERPRETED else CUDA_CONFIG["compress"][0]
@@ -163,6 +165,11 @@ def _scatter_values_kernel(
     tl.store(out_ptr + (w & 0x7FFFFFFF), tl.load(values_ptr + offs, mask=valid), mask=valid)
 
 
+def compress_warps(block: int) -> int:
+    """Warps for a compress block: 4 elements per thread, 1 to 16 warps."""
+    return max(1, min(16, block // 128))
+
+
 def _check_runnable(t: torch.Tensor) -> None:
     if not t.is_cuda and not INTERPRETED:
         raise RuntimeError(
@@ -213,7 +220,7 @@ def _launch_compress(
     n_blocks = triton.cdiv(n, block)
     scratch = torch.empty(n, dtype=torch.int32, device=grad.device)
     block_counts = torch.empty(n_blocks, dtype=torch.int32, device=grad.device)
-    launch = {"BLOCK": block, "num_warps": CUDA_CONFIG["compress"][1], **FP_OPTIONS}
+    launch = {"BLOCK": block, "num_warps": compress_warps(block), **FP_OPTIONS}
     _compress_blocks_kernel[(n_blocks,)](grad, residual, scratch, block_counts, bad, n, tau32, **launch)
     block_ends = torch.cumsum(block_counts, 0)  # int64
     total, n_bad = torch.stack([block_ends[-1], bad[0].to(torch.int64)]).tolist()
