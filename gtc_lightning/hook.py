@@ -61,7 +61,7 @@ class StepStats:
         skipped: True when a non-finite gradient made every rank skip this update.
         bad_ranks: ranks that reported a non-finite gradient (empty when unknown: dense steps).
         numel: gradient elements in all buckets.
-        words: words this rank sent.
+        words: words this rank sent (a dense step counts one per element).
         words_all: words all ranks sent together.
         bytes_sent: bytes this rank put into the collectives (header + padded words; for a dense
             step, its fp32 message).

@@ -62,8 +62,6 @@ class GTCStrategy(DDPStrategy):
             ``find_unused_parameters``, ``static_graph``).
     """
 
-    strategy_name = "gtc"
-
     def __init__(
         self,
         tau: float = 1e-2,
@@ -234,14 +232,10 @@ class GTCStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        # Called before DDP is configured on resume: keep the entry until the state exists.
+        # Lightning loads the checkpoint of a fit before it configures DDP (and a new GTCState):
+        # keep the entry until _register_ddp_hooks applies it.
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        saved = checkpoint.get(CHECKPOINT_KEY)
-        if saved is not None:
-            if self._gtc_state is None:
-                self._saved_gtc = saved
-            else:
-                self._restore_gtc(saved)
+        self._saved_gtc = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
     def _gather_gtc(self) -> dict:
