@@ -132,7 +132,7 @@ def _count_words_kernel(
     valid = offs < m
     w = tl.load(words_ptr + offs, mask=valid, other=0)
     vote = tl.where(w < 0, -1, 1).to(tl.int32)
-    tl.atomic_add(counts_ptr + (w & 0x7FFFFFFF), vote, mask=valid, sem="relaxed")
+    tl.atomic_add(counts_ptr + (w & 0x7FFFFFFF).to(tl.int64), vote, mask=valid, sem="relaxed")
 
 
 @triton.jit
@@ -147,7 +147,7 @@ def _gather_counts_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < m
     w = tl.load(words_ptr + offs, mask=valid, other=0)
-    count = tl.load(counts_ptr + (w & 0x7FFFFFFF), mask=valid, other=0)
+    count = tl.load(counts_ptr + (w & 0x7FFFFFFF).to(tl.int64), mask=valid, other=0)
     tl.store(values_ptr + offs, count.to(tl.float32) * scale, mask=valid)
 
 
@@ -162,7 +162,7 @@ def _scatter_values_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < m
     w = tl.load(words_ptr + offs, mask=valid, other=0)
-    tl.store(out_ptr + (w & 0x7FFFFFFF), tl.load(values_ptr + offs, mask=valid), mask=valid)
+    tl.store(out_ptr + (w & 0x7FFFFFFF).to(tl.int64), tl.load(values_ptr + offs, mask=valid), mask=valid)
 
 
 def compress_warps(block: int) -> int:
