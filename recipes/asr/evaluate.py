@@ -26,12 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from local.compare import compare_runs  # noqa: E402
-from local.datamodule import splice  # noqa: E402
-from local.model import AcousticModel  # noqa: E402
+import numpy as np
+import torch
+from local.compare import compare_runs
+from local.datamodule import splice
+from local.model import AcousticModel
 
 log = logging.getLogger("evaluate")
 
@@ -73,7 +72,7 @@ def references(cuts) -> dict[str, str]:
 class Decoder:
     """The HCLG, transition model and word table of a data directory (recipe stages 2 and 4)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, beam: float = 13.0, max_active: int = 7000) -> None:
         from local.gmm_common import GmmSystem
         from local.kaldi import kaldifst
         from local.lang import read_symbols
@@ -85,18 +84,20 @@ class Decoder:
         self.hclg = kaldifst.StdVectorFst.read(str(graph))
         self.trans_model = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl").tm
         self.id2word = {i: w for w, i in read_symbols(data_dir / "lang" / "words.txt").items()}
+        self.beam, self.max_active = beam, max_active
 
     def decode(self, logliks: list[tuple[str, np.ndarray]], scale: float) -> dict[str, str]:
         from local.decode import decode_utterances, words_to_text
 
-        hyps = decode_utterances(self.hclg, self.trans_model, logliks, acoustic_scale=scale)
+        hyps = decode_utterances(self.hclg, self.trans_model, logliks, acoustic_scale=scale, beam=self.beam,
+                                 max_active=self.max_active)
         return {u: words_to_text(w, self.id2word) for u, w in hyps.items()}
 
 
-def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]) -> dict:
+def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...], beam: float = 13.0,
+                 max_active: int = 7000) -> dict:
     """Decode dev for each acoustic scale, test with the best; write ``<run_dir>/decode/``."""
     from lhotse import CutSet
-
     from local.decode import score
 
     summary = json.loads((run_dir / "train_summary.json").read_text())
@@ -104,8 +105,9 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     model, context = load_checkpoint(summary.get("checkpoint") or run_dir / "checkpoints" / "last.ckpt")
     log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)
     cmvn = json.loads((data_dir / "features" / "cmvn.json").read_text())
-    decoder, out = Decoder(data_dir), run_dir / "decode"
-    dev_cuts = CutSet.from_file(data_dir / "ali" / "dev_cuts.jsonl.gz")
+    decoder, out = Decoder(data_dir, beam, max_active), run_dir / "decode"
+    # all dev utterances (also those the GMM could not align, e.g. with OOV words), like test
+    dev_cuts = CutSet.from_file(data_dir / "features" / "dev_cuts.jsonl.gz")
     dev = list(utterance_logliks(model, context, log_prior, dev_cuts, cmvn))
     sweep = {}
     for scale in scales:
@@ -129,7 +131,6 @@ def load_test_set(test_set: Path, work_dir: Path, train_cmvn: dict):
     """A Kaldi data dir or a Lhotse cuts manifest -> cuts with fbank computed as in stage 1, and
     CMVN stats (per speaker of this set, the training set's global stats as fallback)."""
     from lhotse import CutSet
-
     from local.features import _process_shard, _stats
 
     if test_set.is_dir():
@@ -151,7 +152,8 @@ def load_test_set(test_set: Path, work_dir: Path, train_cmvn: dict):
     return CutSet.from_dicts(dicts), stats
 
 
-def decode_test_set(checkpoint: Path, test_set: Path, data_dir: Path, scale: float, out_dir: Path) -> dict:
+def decode_test_set(checkpoint: Path, test_set: Path, data_dir: Path, scale: float, out_dir: Path,
+                    beam: float = 13.0, max_active: int = 7000) -> dict:
     """WER of ``checkpoint`` on any test set; words outside the lexicon count as errors."""
     from local.decode import score
 
@@ -159,7 +161,7 @@ def decode_test_set(checkpoint: Path, test_set: Path, data_dir: Path, scale: flo
     log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)
     train_cmvn = json.loads((data_dir / "features" / "cmvn.json").read_text())
     cuts, cmvn = load_test_set(test_set, out_dir / "features", train_cmvn)
-    hyps = Decoder(data_dir).decode(utterance_logliks(model, context, log_prior, cuts, cmvn), scale)
+    hyps = Decoder(data_dir, beam, max_active).decode(utterance_logliks(model, context, log_prior, cuts, cmvn), scale)
     name = test_set.name.removesuffix(".jsonl.gz")
     result = score(references(cuts), hyps, out_dir, name)
     (out_dir / f"results-{name}.json").write_text(json.dumps(result, indent=1))
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-dir", default=None, help="recipe data dir (default: the one each run trained on)")
     p.add_argument("--acoustic-scales", type=float, nargs="+", default=list(DEFAULT_SCALES),
                    help="acoustic scales tried on dev; the best decodes test")
+    p.add_argument("--beam", type=float, default=13.0, help="decoding beam (Kaldi's default 13)")
+    p.add_argument("--max-active", type=int, default=7000, help="most active decoder states per frame")
     p.add_argument("--out", default="exp/dnn/compare", help="where the comparison report goes")
     p.add_argument("--baseline", default=None, help="run name of the baseline (default: the single-worker run)")
     p.add_argument("--compare-only", action="store_true", help="only rebuild the report from decoded runs")
@@ -185,14 +189,15 @@ def main(argv: list[str] | None = None) -> None:
         if not (a.checkpoint and a.test_set and a.data_dir):
             p.error("--test-set needs --checkpoint and --data-dir (for the graph, priors and lexicon)")
         decode_test_set(Path(a.checkpoint), Path(a.test_set), Path(a.data_dir), a.acoustic_scale,
-                        Path(a.out) / "decode_other")
+                        Path(a.out) / "decode_other", a.beam, a.max_active)
     if not a.runs:
         if not a.checkpoint:
             p.error("give --runs (and/or --checkpoint with --test-set)")
         return
     for run in a.runs:
         if not a.compare_only:
-            evaluate_run(Path(run), Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales))
+            evaluate_run(Path(run), Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales), a.beam,
+                         a.max_active)
     compare_runs([Path(r) for r in a.runs], Path(a.out), a.baseline)
 
 

@@ -30,15 +30,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from jsonargparse import Namespace  # noqa: E402
-from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
+import torch
+from jsonargparse import Namespace
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from local.datamodule import AsrDataModule
+from local.model import AcousticModel
 
-import gtc_lightning  # noqa: E402, F401  (registers the "gtc" strategy, also in re-launched children)
-from local.datamodule import AsrDataModule  # noqa: E402
-from local.model import AcousticModel  # noqa: E402
+import gtc_lightning  # noqa: F401  (registers the "gtc" strategy, also in re-launched children)
 
 log = logging.getLogger("train")
 

@@ -82,10 +82,10 @@ def add_relative_wer(rows: list[dict], baseline: str | None = None) -> dict | No
     return base
 
 
-def _fmt(value, spec: str, missing: str = "–") -> str:
+def _fmt(value, spec: str, unit: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return missing
-    return format(value, spec)
+        return "–"
+    return format(value, spec) + unit
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -95,11 +95,11 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(" | ".join([
             f"| {r['run']}", r["strategy"], str(r["workers"]), _fmt(r["tau"], "g"), _fmt(r["epochs"], "d"),
-            _fmt(100 * r["dev_frame_acc"] if r["dev_frame_acc"] is not None else None, ".2f") + " %",
-            _fmt(r["dev_wer"], ".2f") + " %", _fmt(r["test_wer"], ".2f") + " %",
-            _fmt(r["rel_wer_change_pct"], "+.1f") + " %", _fmt(r["bytes_per_step"], ",.0f"),
-            _fmt(r["compression_ratio"], ",.0f") + "×" if r["compression_ratio"] else "–",
-            _fmt(r["frames_per_sec"], ",.0f"), _fmt(r["train_seconds"], ".0f") + " s |",
+            _fmt(100 * r["dev_frame_acc"] if r["dev_frame_acc"] is not None else None, ".2f", " %"),
+            _fmt(r["dev_wer"], ".2f", " %"), _fmt(r["test_wer"], ".2f", " %"),
+            _fmt(r["rel_wer_change_pct"], "+.1f", " %"), _fmt(r["bytes_per_step"], ",.0f"),
+            _fmt(r["compression_ratio"], ",.0f", "×"),
+            _fmt(r["frames_per_sec"], ",.0f"), _fmt(r["train_seconds"], ".0f", " s") + " |",
         ]))
     return "\n".join(lines)
 

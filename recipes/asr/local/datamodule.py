@@ -121,8 +121,11 @@ class FrameBatches(IterableDataset):
             yield {"x": torch.from_numpy(x), "y": torch.from_numpy(self.targets[frames].astype(np.int64))}
 
 
-def load_split(cuts_path: Path, cmvn_path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def load_split(cuts_path: Path, cmvn_path: Path, allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Load aligned cuts into memory: CMVN-normalised fbank and per-frame pdf-ids.
+
+    Args:
+        allow_empty: return empty arrays for a manifest without cuts instead of raising.
 
     Returns:
         ``feats`` ``[N, F]`` float32, ``targets`` ``[N]`` int32, ``offsets`` ``[U+1]`` int64.
@@ -135,7 +138,7 @@ def load_split(cuts_path: Path, cmvn_path: Path) -> tuple[np.ndarray, np.ndarray
         raise ValueError(f"No such file: {cuts_path}; run `python recipes/asr/prepare.py` (stages 0-5) first")
     stats = json.loads(cmvn_path.read_text())
     feats, targets, lengths = [], [], []
-    for cut in CutSet.from_file(cuts_path):
+    for cut in CutSet.from_file(cuts_path) or []:  # lhotse returns None for an empty manifest
         f = cut.load_features()
         ali = np.asarray(cut.load_custom("pdf_ali"))
         if len(ali) != len(f):
@@ -146,7 +149,9 @@ def load_split(cuts_path: Path, cmvn_path: Path) -> tuple[np.ndarray, np.ndarray
         targets.append(ali.astype(np.int32))
         lengths.append(len(f))
     if not feats:
-        raise ValueError(f"{cuts_path} holds no cuts")
+        if not allow_empty:
+            raise ValueError(f"{cuts_path} holds no cuts; check dropped.jsonl in the data dir for why")
+        return np.zeros((0, 0), np.float32), np.zeros(0, np.int32), np.zeros(1, np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     return np.concatenate(feats), np.concatenate(targets), offsets
 
@@ -206,8 +211,12 @@ class AsrDataModule(LightningDataModule):
         for split in ("train", "dev"):
             if split not in self.splits:
                 self.splits[split] = load_split(self.data_dir / "ali" / f"{split}_cuts.jsonl.gz",
-                                                self.data_dir / "features" / "cmvn.json")
+                                                self.data_dir / "features" / "cmvn.json", allow_empty=split == "dev")
                 feats, _, offsets = self.splits[split]
+                if len(feats) == 0:
+                    log.warning("dev: no aligned utterances in %s/ali (see dropped.jsonl); dev frame accuracy "
+                                "is not computed", self.data_dir)
+                    continue
                 log.info("%s: %d utterances, %d frames of %d bins in memory (%.1f MB)", split,
                          len(offsets) - 1, len(feats), feats.shape[1], feats.nbytes / 1e6)
 
@@ -230,9 +239,11 @@ class AsrDataModule(LightningDataModule):
 
         return DataLoader(FrameBatches(feats, targets, offsets, hp.context, batches, self._epoch), batch_size=None)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list:
         feats, targets, offsets = self.splits["dev"]
         rank, world = self._rank()
+        if len(feats) < world:
+            return []  # no aligned dev frames: validation is skipped
 
         def batches(epoch: int) -> list[np.ndarray]:
             return shard_batches(len(feats), rank, world, self.hparams.dev_batch_size, 0, 0, shuffle=False)

@@ -8,6 +8,7 @@ Kaldi's "newbob" (keep the rate while dev frame accuracy improves by at least
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Literal
@@ -60,7 +61,7 @@ class AcousticModel(LightningModule):
         self.save_hyperparameters()
         layers: list[nn.Module] = []
         dims = [input_dim] + [hidden_dim] * num_layers
-        for d_in, d_out in zip(dims[:-1], dims[1:]):
+        for d_in, d_out in itertools.pairwise(dims):
             affine = nn.Linear(d_in, d_out)
             nn.init.xavier_uniform_(affine.weight, gain=init_gain)
             nn.init.zeros_(affine.bias)
