@@ -369,6 +369,12 @@ def parameter_checksums(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Exact, and cheaper than ``isfinite(t).all()``: a NaN or Inf element makes the sum
+    non-finite; only a finite sum that overflowed needs the elementwise check."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
 def _unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
     """``[n]`` float32 ``grad / scale`` (a new tensor unless nothing changes)."""
     grad = grad if grad.dtype == torch.float32 else grad.float()
@@ -448,7 +454,7 @@ def _exchange(state: GTCState, pending: list[tuple[dist.GradBucket, torch.future
     numel = sum(b.numel() for b in buffers)
 
     # 3. Compress, unless a local gradient is non-finite; back up residuals for an exact undo.
-    finite = bool(torch.stack([torch.isfinite(b).all() for b in buffers]).all())
+    finite = all(_all_finite(b) for b in buffers)
     start = time.perf_counter()
     residuals = [state.bucket_residual(bucket) for bucket in buckets]
     backups: list[torch.Tensor] = []
