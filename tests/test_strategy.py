@@ -297,3 +297,13 @@ def test_registered_names_resolve_to_the_strategy(name, start_method):
 def test_bad_configuration_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GTCStrategy(**kwargs)
+
+
+def test_finiteness_check_is_exact_when_the_sum_overflows():
+    from gtc_lightning.hook import _all_finite
+
+    assert _all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows, the elements are finite
+    assert not _all_finite(torch.tensor([1.0, float("nan")]))
+    assert not _all_finite(torch.tensor([float("inf"), float("-inf")]))
+    assert not _all_finite(torch.tensor([-float("inf"), 0.0]))
+    assert _all_finite(torch.zeros(0))
