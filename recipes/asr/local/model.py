@@ -74,7 +74,7 @@ class AcousticModel(LightningModule):
         self._newbob_halving = False  # newbob: once it starts halving it halves every epoch
         self._dev_counts = torch.zeros(2, dtype=torch.float64)  # correct, total frames
         self._epoch_frames = 0
-        self._epoch_start = 0.0
+        self._epoch_start = self._last_batch_end = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, 17*F]`` -> logits ``[B, num_pdfs]`` (log-softmax of them is the log posterior)."""
@@ -87,12 +87,17 @@ class AcousticModel(LightningModule):
         return loss
 
     def on_train_epoch_start(self) -> None:
-        self._epoch_frames, self._epoch_start = 0, time.perf_counter()
+        self._epoch_frames = 0
+        self._epoch_start = self._last_batch_end = time.perf_counter()
         self.log("lr", self.optimizers().param_groups[0]["lr"], on_epoch=True, on_step=False)
 
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        self._last_batch_end = time.perf_counter()
+
     def on_train_epoch_end(self) -> None:
-        # frames of all ranks per second of wall time (ranks run in lockstep under DDP/GTC)
-        seconds = max(time.perf_counter() - self._epoch_start, 1e-9)
+        # frames of all ranks per second of training (dev evaluation excluded); ranks run in
+        # lockstep under DDP/GTC
+        seconds = max(self._last_batch_end - self._epoch_start, 1e-9)
         self.log("frames_per_sec", self._epoch_frames * self.trainer.world_size / seconds, sync_dist=True)
         hp, history = self.hparams, self.dev_acc_history
         if hp.schedule == "newbob":
