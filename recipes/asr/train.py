@@ -20,6 +20,7 @@ process that will start the others. Output: ``<exp_dir>/<run_name>/`` with ``con
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -205,7 +206,8 @@ def build_cli(argv: list[str]) -> AsrCLI:
         AsrDataModule,
         args=expand_strategy_shortcut(argv),
         run=False,
-        parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)]},
+        parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)], "description": __doc__,
+                       "formatter_class": argparse.RawDescriptionHelpFormatter},
         trainer_defaults={"callbacks": [ModelCheckpoint(save_last=True, save_top_k=0, enable_version_counter=False)]},
         save_config_kwargs={"overwrite": True},
     )
