@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -54,6 +55,13 @@ def _bad_audio(cut) -> tuple[np.ndarray | None, str, str]:
     if not np.isfinite(audio).all():
         return None, "corrupt_audio", "non-finite samples"
     return audio[:1], "", ""
+
+
+def _one_thread() -> None:
+    """Worker set-up: one torch thread per process (the jobs are the parallelism)."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _process_shard(cuts: list, storage_path: str) -> tuple[list, list, dict]:
@@ -140,7 +148,9 @@ def compute_features(data_dir: Path | str, splits=("train", "dev", "test"), num_
         if num_jobs == 1:
             results = [_process_shard(shards[0], storage[0])]
         else:
-            with ProcessPoolExecutor(num_jobs) as pool:
+            # spawn, not fork: a forked child inherits torch's OpenMP pool in a locked state and hangs
+            with ProcessPoolExecutor(num_jobs, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_one_thread) as pool:
                 results = list(pool.map(_process_shard, shards, storage))
         kept, split_sums = [], {}
         for dicts, drops, sums in results:
