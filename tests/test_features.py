@@ -7,7 +7,6 @@ import pytest
 import soundfile as sf
 from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 from lhotse.audio import AudioSource
-
 from local.drops import count_drops, load_drops
 from local.features import add_deltas, apply_cmvn, compute_features, gmm_features
 
@@ -16,7 +15,7 @@ SR = 16000
 
 def tone(seconds: float, freq: float, gain: float, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    t = np.arange(int(round(seconds * SR))) / SR
+    t = np.arange(round(seconds * SR)) / SR
     return (gain * (np.sin(2 * np.pi * freq * t) + 0.1 * rng.standard_normal(t.size))).astype(np.float32)
 
 
@@ -57,7 +56,7 @@ def test_frame_counts_100_per_second(featdir):
     cuts = CutSet.from_file(d / "features" / "train_cuts.jsonl.gz")
     assert sorted(c.id for c in cuts) == sorted(seconds)
     for cut in cuts:
-        n = int(round(seconds[cut.id] * SR))
+        n = round(seconds[cut.id] * SR)
         fbank, mfcc = cut.load_features(), cut.load_custom("mfcc")
         assert fbank.shape == ((n + 80) // 160, 40)  # snip_edges=False: round(samples / shift)
         assert mfcc.shape == (fbank.shape[0], 13)
@@ -69,8 +68,12 @@ def test_frame_counts_100_per_second(featdir):
 def test_bad_audio_dropped_with_reason(featdir):
     d, _, _ = featdir
     reasons = {r["id"]: r["reason"] for r in load_drops(d) if r["split"] == "train"}
-    assert reasons == {"corrupt": "unreadable_audio", "missing": "unreadable_audio",
-                       "empty": "empty_audio", "short": "too_short"}
+    assert reasons == {
+        "corrupt": "unreadable_audio",
+        "missing": "unreadable_audio",
+        "empty": "empty_audio",
+        "short": "too_short",
+    }
     assert count_drops(d, "features")["unreadable_audio"] == 2
 
 
@@ -121,7 +124,9 @@ def test_deltas_match_kaldi_definition():
 def test_two_jobs_same_result(featdir, tmp_path):
     d, summary, _ = featdir
     (tmp_path / "manifests").mkdir()
-    (tmp_path / "manifests" / "train_cuts.jsonl.gz").write_bytes((d / "manifests" / "train_cuts.jsonl.gz").read_bytes())
+    (tmp_path / "manifests" / "train_cuts.jsonl.gz").write_bytes(
+        (d / "manifests" / "train_cuts.jsonl.gz").read_bytes()
+    )
     assert compute_features(tmp_path, splits=("train",), num_jobs=2)["train"] == summary["train"]
     one = CutSet.from_file(d / "features" / "train_cuts.jsonl.gz")
     two = CutSet.from_file(tmp_path / "features" / "train_cuts.jsonl.gz")

@@ -8,7 +8,6 @@ monophone tree and for a triphone tree (N=3, P=1) loaded from Kaldi's binary for
 
 import numpy as np
 import pytest
-
 from local.decode import decode_utterances, decode_utterances_gmm, score, tid_to_pdf, words_to_text
 from local.event_map import Const, Split, Table, load_context_dependency, write_context_dependency
 from local.graph import make_hclg, training_graph_compiler
@@ -16,8 +15,14 @@ from local.kaldi import kaldifst, khg
 from local.lang import cmu_lexicon, load_lang, write_lang
 from local.lm import compile_G, train_lm
 
-SENTENCES = ["THE CAT SAW THE DOG", "A DOG SAW A CAT", "THE DOG LIKES THE CAT", "MY FRIEND READ A BOOK",
-             "THE BOOK", "MY CAT LIKES A BOOK"]
+SENTENCES = [
+    "THE CAT SAW THE DOG",
+    "A DOG SAW A CAT",
+    "THE DOG LIKES THE CAT",
+    "MY FRIEND READ A BOOK",
+    "THE BOOK",
+    "MY CAT LIKES A BOOK",
+]
 TESTS = ["THE DOG LIKES THE CAT", "A CAT SAW MY FRIEND", "THE BOOK"]
 
 
@@ -53,8 +58,9 @@ def build_system(lang, kind: str):
     topo = khg.HmmTopology()
     topo.read(lang.topo_text)
     if kind == "mono":
-        tree = khg.monophone_context_dependency(phones=lang.phone_ids,
-                                                phone2num_pdf_classes=topo.get_phone_to_num_pdf_classes())
+        tree = khg.monophone_context_dependency(
+            phones=lang.phone_ids, phone2num_pdf_classes=topo.get_phone_to_num_pdf_classes()
+        )
     else:
         tree = triphone_tree(lang, topo)
     tm = khg.TransitionModel(ctx_dep=tree, hmm_topo=topo)
@@ -93,7 +99,7 @@ def test_hclg_shape(system, lang, tmp_path):
 
 
 def test_decode_peaked_loglik_returns_transcript(system, lang):
-    kind, tree, tm, hclg = system
+    _, tree, tm, hclg = system
     utts = []
     for i, text in enumerate(TESTS):
         pdfs = aligned_pdfs(lang, tree, tm, text, frames=40 * len(text.split()), seed=i)
@@ -101,7 +107,9 @@ def test_decode_peaked_loglik_returns_transcript(system, lang):
         loglik[np.arange(len(pdfs)), pdfs] = 0.0
         utts.append((f"u{i}", loglik))
     hyps = decode_utterances(hclg, tm, utts, acoustic_scale=1.0)
-    assert {u: words_to_text(w, lang.id2word) for u, w in hyps.items()} == {f"u{i}": t for i, t in enumerate(TESTS)}
+    assert {u: words_to_text(w, lang.id2word) for u, w in hyps.items()} == {
+        f"u{i}": t for i, t in enumerate(TESTS)
+    }
     with pytest.raises(ValueError, match="expected"):
         decode_utterances(hclg, tm, [("bad", utts[0][1][:, :-1])], acoustic_scale=1.0)
 

@@ -3,13 +3,18 @@
 import pytest
 from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 from lhotse.audio import AudioSource
-
 from local.drops import count_drops, load_drops
 from local.kaldi import kaldifst, khg
 from local.lang import add_disambig, load_lang, normalize_text, prepare_lang, split_oov
 
-TRAIN = ["the cat saw the dog", "a dog read the book", "the cat likes zzqxv", "my friend read a book", "",
-         "The cat saw the dog."]
+TRAIN = [
+    "the cat saw the dog",
+    "a dog read the book",
+    "the cat likes zzqxv",
+    "my friend read a book",
+    "",
+    "The cat saw the dog.",
+]
 DEV = ["the dog saw a cat", "the cat saw qqzzy"]
 
 
@@ -41,11 +46,18 @@ def test_oov_policy(lang):
     data, summary, lg = lang
     drops = load_drops(data)
     assert {d["id"]: (d["reason"], d["detail"]) for d in drops} == {
-        "train-2": ("oov", "ZZQXV"), "train-4": ("empty_transcript", "")}
+        "train-2": ("oov", "ZZQXV"),
+        "train-4": ("empty_transcript", ""),
+    }
     assert count_drops(data, "lang") == {"oov": 1, "empty_transcript": 1}
     assert summary["train_kept"] == 4 and summary["train_dropped_oov"] == 2
     assert summary["lm_sentences"] == 3  # the repeated sentence counts once
-    assert (data / "lang" / "train_ids.txt").read_text().split() == ["train-0", "train-1", "train-3", "train-5"]
+    assert (data / "lang" / "train_ids.txt").read_text().split() == [
+        "train-0",
+        "train-1",
+        "train-3",
+        "train-5",
+    ]
     # the vocabulary is the kept training words only: LIKES came from a dropped utterance
     assert "LIKES" not in lg.words and "ZZQXV" not in lg.words
     assert summary["dev_oov_rate"] == pytest.approx(1 / 9, abs=1e-4)  # QQZZY of 9 dev words
@@ -77,8 +89,12 @@ def test_tables_consistent(lang):
 def test_disambig_homophones_and_prefixes():
     lex = [("TWO", ("T", "UW")), ("TOO", ("T", "UW")), ("TOOL", ("T", "UW", "L")), ("CAT", ("K", "AE", "T"))]
     out, max_k = add_disambig(lex)
-    assert out == [("TWO", ("T", "UW", "#1")), ("TOO", ("T", "UW", "#2")), ("TOOL", ("T", "UW", "L")),
-                   ("CAT", ("K", "AE", "T"))]
+    assert out == [
+        ("TWO", ("T", "UW", "#1")),
+        ("TOO", ("T", "UW", "#2")),
+        ("TOOL", ("T", "UW", "L")),
+        ("CAT", ("K", "AE", "T")),
+    ]
     assert max_k == 2
 
 

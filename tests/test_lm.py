@@ -4,7 +4,6 @@ import math
 import random
 
 import pytest
-
 from local.lm import BOS, EOS, ArpaLM, compile_G, estimate_kn, kn_discounts, train_lm, write_arpa
 
 SUBJECTS = ["THE CAT", "A DOG", "MY FRIEND", "THE TEACHER", "OUR NEIGHBOUR"]
@@ -52,7 +51,9 @@ def test_trigram_perplexity_below_unigram(tmp_path):
     train, dev = template_sentences(400, seed=1), template_sentences(100, seed=2)
     ppl = {}
     for order in (1, 3):
-        ppl[order] = train_lm(train, tmp_path / f"{order}.arpa", order=order, held_out={"dev": dev})["lm_dev_ppl"]
+        ppl[order] = train_lm(train, tmp_path / f"{order}.arpa", order=order, held_out={"dev": dev})[
+            "lm_dev_ppl"
+        ]
     assert ppl[3] < 0.5 * ppl[1], ppl
 
 
@@ -81,6 +82,10 @@ def test_G_compiles(tmp_path):
     train_lm(sents, tmp_path / "lm.arpa", order=2)
     out = compile_G(tmp_path / "lm.arpa", tmp_path / "words.txt", tmp_path / "G.fst")
     assert out["G_states"] > len(vocab)
-    labels = {int(f[2]) for f in (line.split() for line in (tmp_path / "G.fst.txt").read_text().splitlines()) if len(f) >= 4}
+    labels = {
+        int(f[2])
+        for f in (line.split() for line in (tmp_path / "G.fst.txt").read_text().splitlines())
+        if len(f) >= 4
+    }
     assert words.index("#0") in labels  # backoff arcs
     assert labels <= set(range(len(words)))

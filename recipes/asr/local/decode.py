@@ -27,8 +27,10 @@ log = logging.getLogger(__name__)
 
 def tid_to_pdf(trans_model) -> np.ndarray:
     """``[num_transition_ids]`` int64: pdf-id of transition-ids 1..N (index = tid - 1)."""
-    return np.array([trans_model.transition_id_to_pdf(t) for t in range(1, trans_model.num_transition_ids + 1)],
-                    dtype=np.int64)
+    return np.array(
+        [trans_model.transition_id_to_pdf(t) for t in range(1, trans_model.num_transition_ids + 1)],
+        dtype=np.int64,
+    )
 
 
 def _decoder(hclg, beam: float, max_active: int, lattice_beam: float):
@@ -38,12 +40,20 @@ def _decoder(hclg, beam: float, max_active: int, lattice_beam: float):
 
 def _run(decoder, trans_model, utt_id: str, decodable) -> list[int] | None:
     ok, _, word_ids, _ = khg.decode_utterance_lattice_faster(
-        decoder=decoder, decodable=decodable, trans_model=trans_model, utt=utt_id, allow_partial=True)
+        decoder=decoder, decodable=decodable, trans_model=trans_model, utt=utt_id, allow_partial=True
+    )
     return list(word_ids) if ok else None
 
 
-def decode_utterances(hclg, trans_model, utterances: Iterable[tuple[str, np.ndarray]], acoustic_scale: float,
-                      beam: float = 13.0, max_active: int = 7000, lattice_beam: float = 6.0) -> dict[str, list[int]]:
+def decode_utterances(
+    hclg,
+    trans_model,
+    utterances: Iterable[tuple[str, np.ndarray]],
+    acoustic_scale: float,
+    beam: float = 13.0,
+    max_active: int = 7000,
+    lattice_beam: float = 6.0,
+) -> dict[str, list[int]]:
     """Decode per-pdf log-likelihoods.
 
     Args:
@@ -62,8 +72,10 @@ def decode_utterances(hclg, trans_model, utterances: Iterable[tuple[str, np.ndar
     for utt_id, loglik in utterances:
         loglik = np.asarray(loglik, dtype=np.float32)
         if loglik.ndim != 2 or loglik.shape[1] != trans_model.num_pdfs:
-            raise ValueError(f"{utt_id}: log-likelihoods of shape {loglik.shape}, expected [T, {trans_model.num_pdfs}] "
-                             "(one column per pdf of the transition model)")
+            raise ValueError(
+                f"{utt_id}: log-likelihoods of shape {loglik.shape}, expected [T, {trans_model.num_pdfs}] "
+                "(one column per pdf of the transition model)"
+            )
         per_tid = np.ascontiguousarray(acoustic_scale * loglik[:, tid2pdf])
         words = _run(decoder, trans_model, utt_id, khg.DecodableCtc(per_tid))
         if words is None:
@@ -74,9 +86,16 @@ def decode_utterances(hclg, trans_model, utterances: Iterable[tuple[str, np.ndar
     return out
 
 
-def decode_utterances_gmm(hclg, trans_model, am, utterances: Iterable[tuple[str, np.ndarray]],
-                          acoustic_scale: float = 0.1, beam: float = 13.0, max_active: int = 7000,
-                          lattice_beam: float = 6.0) -> dict[str, list[int]]:
+def decode_utterances_gmm(
+    hclg,
+    trans_model,
+    am,
+    utterances: Iterable[tuple[str, np.ndarray]],
+    acoustic_scale: float = 0.1,
+    beam: float = 13.0,
+    max_active: int = 7000,
+    lattice_beam: float = 6.0,
+) -> dict[str, list[int]]:
     """Decode GMM features: ``utterances`` yields ``(utt_id, feats [T, D])`` for ``am`` (``khg.AmDiagGmm``)."""
     decoder = _decoder(hclg, beam, max_active, lattice_beam)
     out, failed, frames, t0 = {}, [], 0, time.time()
@@ -94,8 +113,15 @@ def decode_utterances_gmm(hclg, trans_model, am, utterances: Iterable[tuple[str,
 
 def _log_speed(n: int, failed: list[str], frames: int, t0: float) -> None:
     secs = time.time() - t0
-    log.info("decoded %d utterances (%.1f s of audio) in %.1f s, RTF %.3f; %d failed%s", n, frames / 100, secs,
-             secs / max(frames / 100, 1e-9), len(failed), f" (e.g. {failed[:3]})" if failed else "")
+    log.info(
+        "decoded %d utterances (%.1f s of audio) in %.1f s, RTF %.3f; %d failed%s",
+        n,
+        frames / 100,
+        secs,
+        secs / max(frames / 100, 1e-9),
+        len(failed),
+        f" (e.g. {failed[:3]})" if failed else "",
+    )
 
 
 def words_to_text(word_ids: list[int], id2word: dict[int, str]) -> str:
@@ -131,18 +157,33 @@ def score(refs: dict[str, str], hyps: dict[str, str], out_dir: Path | str, name:
         per_utt.append(pairs)
     n_ref = sum(len(r) for r in ref_words)
     errors = counts["ins"] + counts["del"] + counts["sub"]
-    result = {"wer": round(100.0 * errors / max(n_ref, 1), 2), "errors": errors, "words": n_ref,
-              "ins": counts["ins"], "del": counts["del"], "sub": counts["sub"], "utterances": len(ids),
-              "sentence_errors": sent_err}
-    summary = (f"%WER {result['wer']:.2f} [ {errors} / {n_ref}, {counts['ins']} ins, {counts['del']} del, "
-               f"{counts['sub']} sub ]  %SER {100.0 * sent_err / len(ids):.2f} [ {sent_err} / {len(ids)} ]")
+    result = {
+        "wer": round(100.0 * errors / max(n_ref, 1), 2),
+        "errors": errors,
+        "words": n_ref,
+        "ins": counts["ins"],
+        "del": counts["del"],
+        "sub": counts["sub"],
+        "utterances": len(ids),
+        "sentence_errors": sent_err,
+    }
+    summary = (
+        f"%WER {result['wer']:.2f} [ {errors} / {n_ref}, {counts['ins']} ins, {counts['del']} del, "
+        f"{counts['sub']} sub ]  %SER {100.0 * sent_err / len(ids):.2f} [ {sent_err} / {len(ids)} ]"
+    )
     with (out_dir / f"recogs-{name}.txt").open("w") as f:
         for i, r, h in zip(ids, ref_words, hyp_words):
             f.write(f"{i}:\tref={r}\n{i}:\thyp={h}\n")
     with (out_dir / f"errs-{name}.txt").open("w") as f:
-        f.write(f"{summary}\n\nPER-UTTERANCE DETAILS: ref -> hyp, (REF->HYP) marks an error, *** an empty side\n")
+        f.write(
+            f"{summary}\n\nPER-UTTERANCE DETAILS: ref -> hyp, (REF->HYP) marks an error, *** an empty side\n"
+        )
         for i, pairs in zip(ids, per_utt):
-            f.write(f"{i}:\t" + " ".join(a if a == b else f"({a or '***'}->{b or '***'})" for a, b in pairs) + "\n")
+            f.write(
+                f"{i}:\t"
+                + " ".join(a if a == b else f"({a or '***'}->{b or '***'})" for a, b in pairs)
+                + "\n"
+            )
     log.info("%s: %s", name, summary)
     return result
 
@@ -154,7 +195,7 @@ def align_words(ref: list[str], hyp: list[str], jiwer) -> list[tuple[str | None,
     out = jiwer.process_words(" ".join(ref), " ".join(hyp))
     pairs = []
     for chunk in out.alignments[0]:
-        r, h = ref[chunk.ref_start_idx:chunk.ref_end_idx], hyp[chunk.hyp_start_idx:chunk.hyp_end_idx]
+        r, h = ref[chunk.ref_start_idx : chunk.ref_end_idx], hyp[chunk.hyp_start_idx : chunk.hyp_end_idx]
         if chunk.type == "insert":
             pairs += [(None, w) for w in h]
         elif chunk.type == "delete":

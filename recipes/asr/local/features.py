@@ -81,7 +81,7 @@ def _process_shard(cuts: list, storage_path: str) -> tuple[list, list, dict]:
             if cut.sampling_rate != SAMPLING_RATE:  # the extractors' filterbanks are built for 16 kHz
                 cut = cut.resample(SAMPLING_RATE)
             audio, reason, detail = _bad_audio(cut)
-            shift = int(round(FRAME_SHIFT * cut.sampling_rate))
+            shift = round(FRAME_SHIFT * cut.sampling_rate)
             if audio is not None and (audio.shape[1] + shift // 2) // shift == 0:  # snip_edges=False framing
                 reason, detail = "too_short", f"{audio.shape[1]} samples give no 10 ms frame"
             elif audio is not None:
@@ -94,10 +94,17 @@ def _process_shard(cuts: list, storage_path: str) -> tuple[list, list, dict]:
                 drops.append((cut.id, reason, detail))
                 continue
             if ceps.shape[0] != feats.shape[0]:
-                raise RuntimeError(f"cut {cut.id}: {feats.shape[0]} fbank frames but {ceps.shape[0]} MFCC frames; "
-                                   "both extractors must use the same framing")
+                raise RuntimeError(
+                    f"cut {cut.id}: {feats.shape[0]} fbank frames but {ceps.shape[0]} MFCC frames; "
+                    "both extractors must use the same framing"
+                )
             features = fbank.extract_from_samples_and_store(
-                samples=audio, storage=writer, sampling_rate=cut.sampling_rate, offset=cut.start, channel=cut.channel)
+                samples=audio,
+                storage=writer,
+                sampling_rate=cut.sampling_rate,
+                offset=cut.start,
+                channel=cut.channel,
+            )
             cut = fastcopy(cut, features=features)
             cut.mfcc = writer.store_array(cut.id, ceps, frame_shift=FRAME_SHIFT, temporal_dim=0)
             spk = cut.supervisions[0].speaker if cut.supervisions else None
@@ -149,8 +156,9 @@ def compute_features(data_dir: Path | str, splits=("train", "dev", "test"), num_
             results = [_process_shard(shards[0], storage[0])]
         else:
             # spawn, not fork: a forked child inherits torch's OpenMP pool in a locked state and hangs
-            with ProcessPoolExecutor(num_jobs, mp_context=multiprocessing.get_context("spawn"),
-                                     initializer=_one_thread) as pool:
+            with ProcessPoolExecutor(
+                num_jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_one_thread
+            ) as pool:
                 results = list(pool.map(_process_shard, shards, storage))
         kept, split_sums = [], {}
         for dicts, drops, sums in results:
@@ -166,8 +174,14 @@ def compute_features(data_dir: Path | str, splits=("train", "dev", "test"), num_
         sums_by_split[split] = split_sums
         frames = sum(n for n, _, _ in split_sums.values())
         summary[split] = {"cuts": len(kept), "dropped": len(cuts) - len(kept), "frames": int(frames)}
-        log.info("features %s: %d cuts, %d frames (%.2f h), %d dropped", split, len(kept), frames,
-                 frames * FRAME_SHIFT / 3600, len(cuts) - len(kept))
+        log.info(
+            "features %s: %d cuts, %d frames (%.2f h), %d dropped",
+            split,
+            len(kept),
+            frames,
+            frames * FRAME_SHIFT / 3600,
+            len(cuts) - len(kept),
+        )
 
     write_cmvn(sums_by_split, out_dir / "cmvn.json")
     return summary
@@ -198,8 +212,10 @@ def apply_cmvn(feats: np.ndarray, speaker: str | None, stats: dict) -> np.ndarra
     s = s or stats["global"]
     mean, std = np.asarray(s["mean"], dtype=np.float32), np.asarray(s["std"], dtype=np.float32)
     if feats.shape[-1] != mean.shape[0]:
-        raise ValueError(f"features have {feats.shape[-1]} dims but the CMVN stats {mean.shape[0]}; "
-                         "recompute features/cmvn.json with the same extractor")
+        raise ValueError(
+            f"features have {feats.shape[-1]} dims but the CMVN stats {mean.shape[0]}; "
+            "recompute features/cmvn.json with the same extractor"
+        )
     return (feats - mean) / std
 
 

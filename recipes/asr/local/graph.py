@@ -50,8 +50,13 @@ def remove_disambig_tids(fst, num_transition_ids: int, disambig_tids: list[int])
     return kaldifst.StdVectorFst(kaldifst.compose(m, fst))
 
 
-def make_hclg(lang_dir: Path | str, tree, trans_model, out_path: Path | str | None = None,
-              self_loop_scale: float = SELF_LOOP_SCALE):
+def make_hclg(
+    lang_dir: Path | str,
+    tree,
+    trans_model,
+    out_path: Path | str | None = None,
+    self_loop_scale: float = SELF_LOOP_SCALE,
+):
     """Build the decoding graph for ``tree`` / ``trans_model`` from ``lang_dir`` (L_disambig.fst, G.fst).
 
     Args:
@@ -75,19 +80,27 @@ def make_hclg(lang_dir: Path | str, tree, trans_model, out_path: Path | str | No
 
     LG = kaldifst.StdVectorFst(kaldifst.compose(L, G))
     if kaldifst.determinize_star(LG, use_log=True):  # True means it stopped early (partial result)
-        raise RuntimeError("determinization of L o G did not finish; the lexicon needs more disambiguation symbols")
+        raise RuntimeError(
+            "determinization of L o G did not finish; the lexicon needs more disambiguation symbols"
+        )
     kaldifst.minimize_encoded(LG)
     t_lg = time.time()
 
     CLG, ilabel_info = kaldifst.compose_context(
-        disambig_syms=lang.disambig_phone_ids, context_width=tree.context_width,
-        central_position=tree.central_position, ifst=LG)
+        disambig_syms=lang.disambig_phone_ids,
+        context_width=tree.context_width,
+        central_position=tree.central_position,
+        ifst=LG,
+    )
     kaldifst.arcsort(CLG, sort_type="ilabel")
     t_clg = time.time()
 
     Ha, disambig_tids = khg.get_h_transducer(
-        ilabel_info=ilabel_info, ctx_dep=tree, trans_model=trans_model,
-        config=khg.HTransducerConfig(transition_scale=TRANSITION_SCALE))
+        ilabel_info=ilabel_info,
+        ctx_dep=tree,
+        trans_model=trans_model,
+        config=khg.HTransducerConfig(transition_scale=TRANSITION_SCALE),
+    )
     kaldifst.arcsort(Ha, sort_type="olabel")
     HCLGa = kaldifst.StdVectorFst(kaldifst.compose(Ha, CLG))
     if kaldifst.determinize_star(HCLGa, use_log=True):
@@ -97,8 +110,9 @@ def make_hclg(lang_dir: Path | str, tree, trans_model, out_path: Path | str | No
     kaldifst.minimize_encoded(HCLGa)
     t_hclga = time.time()
 
-    HCLG = khg.add_self_loops(self_loop_scale=self_loop_scale, disambig_syms=[], reorder=True,
-                              trans_model=trans_model, ifst=HCLGa)
+    HCLG = khg.add_self_loops(
+        self_loop_scale=self_loop_scale, disambig_syms=[], reorder=True, trans_model=trans_model, ifst=HCLGa
+    )
     kaldifst.arcsort(HCLG, sort_type="ilabel")
     if HCLG.num_states == 0:
         raise RuntimeError(f"HCLG from {lang_dir} is empty: G and L share no word sequence (check words.txt)")
@@ -106,9 +120,18 @@ def make_hclg(lang_dir: Path | str, tree, trans_model, out_path: Path | str | No
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         HCLG.write(str(out_path))
     t1 = time.time()
-    log.info("HCLG: LG %d states (%.1f s), CLG %d (%.1f s), HCLGa (%.1f s), HCLG %d states / %d arcs (%.1f s)%s",
-             LG.num_states, t_lg - t0, CLG.num_states, t_clg - t_lg, t_hclga - t_clg, HCLG.num_states,
-             num_arcs(HCLG), t1 - t_hclga, f" -> {out_path}" if out_path else "")
+    log.info(
+        "HCLG: LG %d states (%.1f s), CLG %d (%.1f s), HCLGa (%.1f s), HCLG %d states / %d arcs (%.1f s)%s",
+        LG.num_states,
+        t_lg - t0,
+        CLG.num_states,
+        t_clg - t_lg,
+        t_hclga - t_clg,
+        HCLG.num_states,
+        num_arcs(HCLG),
+        t1 - t_hclga,
+        f" -> {out_path}" if out_path else "",
+    )
     return HCLG
 
 
@@ -123,5 +146,6 @@ def training_graph_compiler(lang_dir: Path | str, tree, trans_model):
     L = lang.L()
     kaldifst.arcsort(L, sort_type="olabel")
     opts = khg.TrainingGraphCompilerOptions(transition_scale=0.0, self_loop_scale=0.0)
-    return khg.TrainingGraphCompiler(trans_model=trans_model, ctx_dep=tree, lex_fst=L,
-                                     disambig_syms=lang.disambig_phone_ids, opts=opts)
+    return khg.TrainingGraphCompiler(
+        trans_model=trans_model, ctx_dep=tree, lex_fst=L, disambig_syms=lang.disambig_phone_ids, opts=opts
+    )

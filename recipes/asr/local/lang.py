@@ -126,16 +126,31 @@ def make_topo(phone_ids: list[int], sil_id: int) -> str:
     lines = ["<Topology>", "<TopologyEntry>", "<ForPhones>", normal, "</ForPhones>"]
     for s in range(3):
         lines.append(f"<State> {s} <PdfClass> {s} <Transition> {s} 0.75 <Transition> {s + 1} 0.25 </State>")
-    lines += ["<State> 3 </State>", "</TopologyEntry>", "<TopologyEntry>", "<ForPhones>", str(sil_id), "</ForPhones>"]
-    lines.append("<State> 0 <PdfClass> 0 " + " ".join(f"<Transition> {d} 0.25" for d in range(4)) + " </State>")
+    lines += [
+        "<State> 3 </State>",
+        "</TopologyEntry>",
+        "<TopologyEntry>",
+        "<ForPhones>",
+        str(sil_id),
+        "</ForPhones>",
+    ]
+    lines.append(
+        "<State> 0 <PdfClass> 0 " + " ".join(f"<Transition> {d} 0.25" for d in range(4)) + " </State>"
+    )
     for s in (1, 2, 3):
-        lines.append(f"<State> {s} <PdfClass> {s} " + " ".join(f"<Transition> {d} 0.25" for d in range(1, 5)) + " </State>")
+        lines.append(
+            f"<State> {s} <PdfClass> {s} "
+            + " ".join(f"<Transition> {d} 0.25" for d in range(1, 5))
+            + " </State>"
+        )
     lines += ["<State> 4 <PdfClass> 4 <Transition> 4 0.75 <Transition> 5 0.25 </State>", "<State> 5 </State>"]
     lines += ["</TopologyEntry>", "</Topology>"]
     return "\n".join(lines) + "\n"
 
 
-def make_lexicon_fst_text(lexicon, phone2id: dict[str, int], word2id: dict[str, int], add_loop_disambig: bool) -> str:
+def make_lexicon_fst_text(
+    lexicon, phone2id: dict[str, int], word2id: dict[str, int], add_loop_disambig: bool
+) -> str:
     """OpenFst text of L (phones -> words) with optional silence, Kaldi's ``make_lexicon_fst.py``.
 
     States: 0 start, 1 loop (final), 2 "silence follows". A word starts on the loop state and its
@@ -145,7 +160,11 @@ def make_lexicon_fst_text(lexicon, phone2id: dict[str, int], word2id: dict[str, 
     """
     sil_cost, no_sil_cost = -math.log(SIL_PROB), -math.log(1.0 - SIL_PROB)
     start, loop, sil = 0, 1, 2
-    lines = [f"{start} {loop} 0 0 {no_sil_cost:.6f}", f"{start} {sil} 0 0 {sil_cost:.6f}", f"{sil} {loop} {phone2id[SIL]} 0 0"]
+    lines = [
+        f"{start} {loop} 0 0 {no_sil_cost:.6f}",
+        f"{start} {sil} 0 0 {sil_cost:.6f}",
+        f"{sil} {loop} {phone2id[SIL]} 0 0",
+    ]
     next_state = 3
     for word, pron in lexicon:
         src, olabel = loop, word2id[word]
@@ -169,7 +188,9 @@ def compile_fst(text: str, sort_type: str):
 
 def read_symbols(path: Path | str) -> dict[str, int]:
     """``symbol -> id`` from a Kaldi ``words.txt`` / ``phones.txt``."""
-    return {s: int(i) for s, i in (line.split() for line in Path(path).read_text().splitlines() if line.strip())}
+    return {
+        s: int(i) for s, i in (line.split() for line in Path(path).read_text().splitlines() if line.strip())
+    }
 
 
 def read_lexicon(path: Path | str) -> dict[str, list[tuple[str, ...]]]:
@@ -215,7 +236,9 @@ class Lang:
         """Word ids of a transcript; raises on an OOV (training transcripts must be in-vocabulary)."""
         missing = [w for w in words if w not in self.words]
         if missing:
-            raise ValueError(f"words {missing} are not in {self.dir}/words.txt; filter the cuts with split_oov first")
+            raise ValueError(
+                f"words {missing} are not in {self.dir}/words.txt; filter the cuts with split_oov first"
+            )
         return [self.words[w] for w in words]
 
     def L(self):
@@ -250,7 +273,9 @@ def write_lang(lang_dir: Path, vocab: list[str], cmu: dict[str, list[tuple[str, 
     word2id = {w: i for i, w in enumerate(words)}
 
     (lang_dir / "lexicon.txt").write_text("".join(f"{w} {' '.join(p)}\n" for w, p in lexicon))
-    (lang_dir / "lexicon_disambig.txt").write_text("".join(f"{w} {' '.join(p)}\n" for w, p in lexicon_disambig))
+    (lang_dir / "lexicon_disambig.txt").write_text(
+        "".join(f"{w} {' '.join(p)}\n" for w, p in lexicon_disambig)
+    )
     (lang_dir / "phones.txt").write_text("".join(f"{p} {i}\n" for p, i in phone2id.items()))
     (lang_dir / "words.txt").write_text("".join(f"{w} {i}\n" for w, i in word2id.items()))
     real = [i for p, i in phone2id.items() if p != "<eps>" and not p.startswith("#")]
@@ -294,7 +319,9 @@ def prepare_lang(data_dir: Path | str, lm_order: int = 3) -> dict:
         reason, detail = ("oov", " ".join(oov)) if oov else ("empty_transcript", "")
         record_drop(data_dir, "lang", "train", cut_id, reason, detail)
     if not kept:
-        raise RuntimeError(f"all {len(dropped)} training utterances have OOV words or no words; check the transcripts")
+        raise RuntimeError(
+            f"all {len(dropped)} training utterances have OOV words or no words; check the transcripts"
+        )
     sentences = [cut_words(c) for c in kept]
     vocab = sorted({w for s in sentences for w in s})
     summary = {"train_kept": len(kept), "train_dropped_oov": len(dropped)}
@@ -307,8 +334,11 @@ def prepare_lang(data_dir: Path | str, lm_order: int = 3) -> dict:
     # the singletons its discounts are estimated from (synthetic default: dev perplexity 71 -> 58).
     distinct = list(dict.fromkeys(tuple(s) for s in sentences))
     summary["lm_sentences"] = len(distinct)
-    summary.update(train_lm([list(s) for s in distinct], lang_dir / "lm.arpa", order=lm_order, vocab=vocab,
-                            held_out=held_out))
+    summary.update(
+        train_lm(
+            [list(s) for s in distinct], lang_dir / "lm.arpa", order=lm_order, vocab=vocab, held_out=held_out
+        )
+    )
     summary.update(compile_G(lang_dir / "lm.arpa", lang_dir / "words.txt", lang_dir / "G.fst"))
     (lang_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log.info("lang: %s", summary)

@@ -51,7 +51,9 @@ def kn_discounts(count_of_counts: Counter) -> tuple[float, float, float]:
     return tuple(out)
 
 
-def estimate_kn(sentences: list[list[str]], order: int, vocab: list[str]) -> list[dict[tuple, tuple[float, float | None]]]:
+def estimate_kn(
+    sentences: list[list[str]], order: int, vocab: list[str]
+) -> list[dict[tuple, tuple[float, float | None]]]:
     """Interpolated modified Kneser-Ney n-gram model.
 
     Args:
@@ -67,7 +69,9 @@ def estimate_kn(sentences: list[list[str]], order: int, vocab: list[str]) -> lis
     vocab_set = set(vocab)
     unknown = {w for s in sentences for w in s if w not in vocab_set}
     if unknown:
-        raise ValueError(f"{len(unknown)} training words are not in the vocabulary, e.g. {sorted(unknown)[:5]}")
+        raise ValueError(
+            f"{len(unknown)} training words are not in the vocabulary, e.g. {sorted(unknown)[:5]}"
+        )
     if not sentences:
         raise ValueError("no training sentences for the LM")
 
@@ -90,21 +94,20 @@ def estimate_kn(sentences: list[list[str]], order: int, vocab: list[str]) -> lis
                 adj[n - 1][g] = c
 
     predicted = sorted(vocab_set | {EOS})
-    prob: list[dict[tuple, float]] = [dict() for _ in range(order)]
-    gamma: list[dict[tuple, float]] = [dict() for _ in range(order)]  # keyed by history (length n-1)
+    prob: list[dict[tuple, float]] = [{} for _ in range(order)]
+    gamma: list[dict[tuple, float]] = [{} for _ in range(order)]  # keyed by history (length n-1)
     for n in range(1, order + 1):
-        d1, d2, d3 = kn_discounts(Counter(c for c in adj[n - 1].values()))
-        disc = lambda c: d1 if c == 1 else d2 if c == 2 else d3  # noqa: E731
+        d = kn_discounts(Counter(adj[n - 1].values()))
         total, mass = defaultdict(float), defaultdict(float)
         for g, c in adj[n - 1].items():
             total[g[:-1]] += c
-            mass[g[:-1]] += disc(c)
+            mass[g[:-1]] += d[min(c, 3) - 1]
         for h in total:
             gamma[n - 1][h] = mass[h] / total[h]
         for g, c in adj[n - 1].items():
             h = g[:-1]
             lower = 1.0 / len(predicted) if n == 1 else prob[n - 2][g[1:]]
-            prob[n - 1][g] = max(c - disc(c), 0.0) / total[h] + gamma[n - 1][h] * lower
+            prob[n - 1][g] = max(c - d[min(c, 3) - 1], 0.0) / total[h] + gamma[n - 1][h] * lower
         if n == 1:  # vocabulary words never seen in training keep the uniform share
             for w in predicted:
                 prob[0].setdefault((w,), gamma[0][()] / len(predicted))
@@ -199,7 +202,11 @@ def train_lm(sentences, arpa_path, order=3, vocab=None, held_out=None) -> dict:
     model = estimate_kn(sentences, order, vocab)
     write_arpa(model, arpa_path)
     lm = ArpaLM(arpa_path)
-    out = {"lm_order": order, "lm_ngrams": [len(t) for t in model], "lm_train_ppl": round(lm.perplexity(sentences)["ppl"], 2)}
+    out = {
+        "lm_order": order,
+        "lm_ngrams": [len(t) for t in model],
+        "lm_train_ppl": round(lm.perplexity(sentences)["ppl"], 2),
+    }
     for split, sents in (held_out or {}).items():
         r = lm.perplexity(sents)
         out[f"lm_{split}_ppl"] = round(r["ppl"], 2)
@@ -226,12 +233,17 @@ def compile_G(arpa_path, words_txt, G_path, timeout: float = 600.0) -> dict:
     text_path = G_path.with_suffix(".fst.txt")
     proc = subprocess.run(
         [sys.executable, "-c", _ARPA2FST, str(arpa_path), str(words_txt), str(text_path)],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"kaldilm.arpa2fst failed on {arpa_path} with {words_txt}:\n{proc.stderr[-2000:]}")
     G = kaldifst.compile(s=text_path.read_text(), acceptor=False)
     kaldifst.arcsort(G, sort_type="ilabel")
     G.write(str(G_path))
-    log.info("G: %d states, %d arcs -> %s", G.num_states, sum(G.num_arcs(s) for s in range(G.num_states)), G_path)
+    log.info(
+        "G: %d states, %d arcs -> %s", G.num_states, sum(G.num_arcs(s) for s in range(G.num_states)), G_path
+    )
     return {"G_states": G.num_states}
