@@ -40,7 +40,9 @@ def tiny_utterances(data_dir: Path, n: int) -> list[tuple[np.ndarray, str]]:
     return [(c.load_audio()[0], c.supervisions[0].text) for c in cuts[:n]]
 
 
-def write_librispeech(root: Path, parts: dict[str, list[str]], utts: list[tuple[np.ndarray, str]]) -> list[str]:
+def write_librispeech(
+    root: Path, parts: dict[str, list[str]], utts: list[tuple[np.ndarray, str]]
+) -> list[str]:
     """Lay utterances out like LibriSpeech: ``<part>/<spk>/<chapter>/<spk>-<chapter>-<nnnn>.flac``
     plus ``<spk>-<chapter>.trans.txt``. ``parts`` maps part name → speaker ids; utterances
     are dealt round-robin over all (part, speaker) pairs. Returns the utterance ids."""
@@ -75,13 +77,17 @@ def write_timit(root: Path, speakers: dict[str, list[str]], utts: list[tuple[np.
         (d / f"{sent}.TXT").write_text(f"0 {n} {text.lower()}.\n")
         words = text.lower().split()
         edges = np.linspace(0, n, len(words) + 1).astype(int)
-        (d / f"{sent}.WRD").write_text("".join(f"{a} {b} {w}\n" for a, b, w in zip(edges[:-1], edges[1:], words)))
+        (d / f"{sent}.WRD").write_text(
+            "".join(f"{a} {b} {w}\n" for a, b, w in zip(edges[:-1], edges[1:], words))
+        )
         (d / f"{sent}.PHN").write_text(f"0 {n // 2} h#\n{n // 2} {n} h#\n")
         ids.append(f"{spk.upper()}-{sent}")
     return ids
 
 
-def write_kaldi_dir(d: Path, utts: list[tuple[np.ndarray, str]], prefix: str, n_speakers: int = 3) -> list[str]:
+def write_kaldi_dir(
+    d: Path, utts: list[tuple[np.ndarray, str]], prefix: str, n_speakers: int = 3
+) -> list[str]:
     """A Kaldi data dir: ``wav.scp`` (paths relative to ``d``), ``text``, ``utt2spk``. Returns utt ids."""
     (d / "wav").mkdir(parents=True, exist_ok=True)
     ids = []

@@ -1,15 +1,17 @@
 """Stage 0: the embedded TTS corpus and real-corpus layouts to Lhotse manifests."""
+# ruff: noqa: F811  (tiny_corpus is a pytest fixture imported from fixtures_corpus)
 
 from __future__ import annotations
 
 import gzip
 import shutil
+from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
-
 from fixtures_corpus import (
     load_split,
     tiny_corpus,  # noqa: F401  (pytest fixture)
@@ -23,7 +25,48 @@ from local.corpus_real import prepare_real
 from local.corpus_synthetic import SIZES, plan, prepare_synthetic
 from local.drops import load_drops
 
-ARPABET = set("AA AE AH AO AW AY B CH D DH EH ER EY F G HH IH IY JH K L M N NG OW OY P R S SH T TH UH UW V W Y Z ZH SIL".split())
+ARPABET = {
+    "AA",
+    "AE",
+    "AH",
+    "AO",
+    "AW",
+    "AY",
+    "B",
+    "CH",
+    "D",
+    "DH",
+    "EH",
+    "ER",
+    "EY",
+    "F",
+    "G",
+    "HH",
+    "IH",
+    "IY",
+    "JH",
+    "K",
+    "L",
+    "M",
+    "N",
+    "NG",
+    "OW",
+    "OY",
+    "P",
+    "R",
+    "S",
+    "SH",
+    "T",
+    "TH",
+    "UH",
+    "UW",
+    "V",
+    "W",
+    "Y",
+    "Z",
+    "ZH",
+    "SIL",
+}
 
 
 def _speakers(cuts) -> set[str]:
@@ -46,7 +89,11 @@ def test_tiny_corpus_splits(tiny_corpus):
     engines = {c.supervisions[0].custom["engine"] for c in test}
     assert engines == {"espeak", "flite", "festival"}
     # sentences disjoint between splits (augmented copies repeat their own train sentence)
-    assert not _texts(train) & _texts(test) and not _texts(train) & _texts(dev) and not _texts(dev) & _texts(test)
+    assert (
+        not _texts(train) & _texts(test)
+        and not _texts(train) & _texts(dev)
+        and not _texts(dev) & _texts(test)
+    )
     # every train utterance has an augmented copy: same speaker and text, different audio length
     plain = {c.id: c for c in train if not c.id.endswith("-aug")}
     augmented = [c for c in train if c.id.endswith("-aug")]
@@ -68,13 +115,15 @@ def test_tiny_corpus_gold_alignments_tile_the_audio(tiny_corpus):
         for c in load_split(tiny_corpus, split):
             ali = c.supervisions[0].alignment["phone"]
             assert ali[0].start == 0.0
-            for a, b in zip(ali, ali[1:]):
+            for a, b in pairwise(ali):
                 assert abs(a.start + a.duration - b.start) < 1e-4 and a.duration > 0
             assert abs(ali[-1].start + ali[-1].duration - c.duration) < 1e-3
             assert {a.symbol for a in ali} <= ARPABET
             speech = [a.symbol for a in ali if a.symbol != "SIL"]
             # about one gold phone per lexicon phone: 4-10 words of 1-10 phones each
-            assert len(c.supervisions[0].text.split()) <= len(speech) <= 10 * len(c.supervisions[0].text.split())
+            assert (
+                len(c.supervisions[0].text.split()) <= len(speech) <= 10 * len(c.supervisions[0].text.split())
+            )
 
 
 def test_tiny_corpus_is_deterministic(tiny_corpus, tmp_path):
@@ -88,35 +137,34 @@ def test_tiny_corpus_is_deterministic(tiny_corpus, tmp_path):
         a, b = load_split(tiny_corpus, split), rebuilt[split]
         assert [c.id for c in a] == [c.id for c in b]
         assert [c.supervisions[0].text for c in a] == [c.supervisions[0].text for c in b]
-        assert [c.supervisions[0].alignment["phone"] for c in a] == [c.supervisions[0].alignment["phone"] for c in b]
+        assert [c.supervisions[0].alignment["phone"] for c in a] == [
+            c.supervisions[0].alignment["phone"] for c in b
+        ]
 
 
 def test_failed_and_empty_synthesis_are_dropped(tmp_path, monkeypatch):
-    real_espeak, real_flite = corpus_synthetic.synth_espeak, corpus_synthetic.synth_flite
-    calls = {"espeak": 0, "flite": 0}
+    real_plan = corpus_synthetic.plan
 
-    def failing_espeak(voice, text):
-        calls["espeak"] += 1
-        if calls["espeak"] == 1:
-            raise RuntimeError("engine crashed")
-        return real_espeak(voice, text)
+    def small_plan_with_bad_entries(size, seed, audio_dir):
+        utts = real_plan(size, seed, audio_dir)
+        train = [u for u in utts if u.split == "train"][:2]
+        dev = next(u for u in utts if u.split == "dev")
+        test = next(u for u in utts if u.split == "test" and u.voice.engine == "flite")
+        train[0] = replace(train[0], voice=replace(train[0].voice, engine="espeak", name="en-xx-nonexistent"))
+        test = replace(test, text="   ")  # flite speaks nothing: audio of silence only
+        return train + [dev, test]
 
-    def silent_flite(voice, text):
-        calls["flite"] += 1
-        audio, spans = real_flite(voice, text)
-        return (np.zeros(0, np.float32), spans) if calls["flite"] == 1 else (audio, spans)
-
-    monkeypatch.setattr(corpus_synthetic, "synth_espeak", failing_espeak)
-    monkeypatch.setattr(corpus_synthetic, "synth_flite", silent_flite)
+    monkeypatch.setattr(corpus_synthetic, "plan", small_plan_with_bad_entries)
     cuts = prepare_synthetic(tmp_path, size="tiny", seed=0, num_jobs=1)
     drops = load_drops(tmp_path)
-    assert sorted(d["reason"] for d in drops) == ["empty_audio", "tts_failed"]
-    dropped = {d["id"] for d in drops}
-    kept = {c.id for cs in cuts.values() for c in cs}
-    assert not dropped & kept
-    planned = plan(SIZES["tiny"], 0, tmp_path)
-    assert len(kept) == 2 * sum(u.split == "train" for u in planned) + sum(u.split != "train" for u in planned) - len(
-        [d for d in drops if d["split"] != "train"]) - 2 * len([d for d in drops if d["split"] == "train"])
+    assert sorted((d["split"], d["reason"]) for d in drops) == [
+        ("test", "empty_audio"),
+        ("train", "tts_failed"),
+    ]
+    assert "en-xx-nonexistent" in next(d["detail"] for d in drops if d["reason"] == "tts_failed")
+    # what is left: one train utterance and its augmented copy, one dev utterance, no test
+    assert [len(cuts[s]) for s in ("train", "dev", "test")] == [2, 1, 0]
+    assert not {d["id"] for d in drops} & {c.id for cs in cuts.values() for c in cs}
 
 
 def test_missing_tts_tool_names_the_packages(tmp_path, monkeypatch):
@@ -134,7 +182,9 @@ def _corrupt(path: Path) -> None:
 def test_mini_librispeech_layout_with_bad_inputs(tiny_corpus, tmp_path):
     utts = tiny_utterances(tiny_corpus, 14)
     corpus = tmp_path / "LibriSpeech"
-    ids = write_librispeech(corpus, {"train-clean-5": ["19", "26"], "dev-clean-2": ["84", "174", "251", "422"]}, utts)
+    ids = write_librispeech(
+        corpus, {"train-clean-5": ["19", "26"], "dev-clean-2": ["84", "174", "251", "422"]}, utts
+    )
     # utterances are dealt round-robin over 6 speakers: 19 gets ids 0, 6, 12 and 26 gets 1, 7, 13
     spk19, spk26 = corpus / "train-clean-5" / "19" / "100", corpus / "train-clean-5" / "26" / "100"
     _corrupt(spk19 / f"{ids[0]}.flac")
@@ -142,14 +192,24 @@ def test_mini_librispeech_layout_with_bad_inputs(tiny_corpus, tmp_path):
     trans = spk19 / "19-100.trans.txt"
     trans.write_text(trans.read_text().replace(f"{ids[12]} {utts[12][1]}", ids[12]))
     trans = spk26 / "26-100.trans.txt"
-    trans.write_text("".join(line + "\n" for line in trans.read_text().splitlines() if not line.startswith(ids[7])))
+    trans.write_text(
+        "".join(line + "\n" for line in trans.read_text().splitlines() if not line.startswith(ids[7]))
+    )
     data = tmp_path / "data"
     cuts = prepare_real("mini_librispeech", corpus, data)
     reasons = {d["id"]: d["reason"] for d in load_drops(data)}
-    assert reasons == {ids[0]: "unreadable_audio", ids[6]: "empty_audio", ids[12]: "empty_transcript",
-                       ids[7]: "missing_transcript"}
+    assert reasons == {
+        ids[0]: "unreadable_audio",
+        ids[6]: "empty_audio",
+        ids[12]: "empty_transcript",
+        ids[7]: "missing_transcript",
+    }
     # dev-clean-2 speakers are halved between dev and test
-    assert _speakers(cuts["dev"]) and _speakers(cuts["test"]) and not _speakers(cuts["dev"]) & _speakers(cuts["test"])
+    assert (
+        _speakers(cuts["dev"])
+        and _speakers(cuts["test"])
+        and not _speakers(cuts["dev"]) & _speakers(cuts["test"])
+    )
     kept = {c.id for cs in cuts.values() for c in cs}
     assert kept == set(ids) - set(reasons)
     for c in cuts["train"]:
@@ -161,7 +221,9 @@ def test_mini_librispeech_layout_with_bad_inputs(tiny_corpus, tmp_path):
 
 def test_librispeech_layout(tiny_corpus, tmp_path):
     utts = tiny_utterances(tiny_corpus, 6)
-    ids = write_librispeech(tmp_path / "LS", {"train-clean-100": ["1"], "dev-clean": ["2"], "test-clean": ["3"]}, utts)
+    ids = write_librispeech(
+        tmp_path / "LS", {"train-clean-100": ["1"], "dev-clean": ["2"], "test-clean": ["3"]}, utts
+    )
     cuts = prepare_real("librispeech", tmp_path / "LS", tmp_path / "data")
     assert {c.id for c in cuts["train"]} == set(ids[0::3])
     assert {c.id for c in cuts["dev"]} == set(ids[1::3]) and {c.id for c in cuts["test"]} == set(ids[2::3])
@@ -172,12 +234,16 @@ def test_timit_layout(tiny_corpus, tmp_path):
 
     dev_spk, test_spk = get_speakers()
     utts = tiny_utterances(tiny_corpus, 6)
-    ids = write_timit(tmp_path / "timit", {"TRAIN": ["FCJF0", "MDAB0"], "TEST": [dev_spk[0], test_spk[0]]}, utts)
+    ids = write_timit(
+        tmp_path / "timit", {"TRAIN": ["FCJF0", "MDAB0"], "TEST": [dev_spk[0], test_spk[0]]}, utts
+    )
     (tmp_path / "timit" / "data" / "TRAIN" / "DR1" / "FCJF0" / "SX000.TXT").unlink()  # missing transcript
     cuts = prepare_real("timit", tmp_path / "timit", tmp_path / "data")
     assert [d["reason"] for d in load_drops(tmp_path / "data")] == ["missing_transcript"]
     # utterances dealt round-robin: FCJF0 0, 4; MDAB0 1, 5; dev speaker 2; core-test speaker 3
-    assert {c.id for c in cuts["train"]} == {ids[1], ids[4], ids[5]} and {c.id for c in cuts["dev"]} == {ids[2]}
+    assert {c.id for c in cuts["train"]} == {ids[1], ids[4], ids[5]} and {c.id for c in cuts["dev"]} == {
+        ids[2]
+    }
     assert {c.id for c in cuts["test"]} == {ids[3]}
     sup = cuts["dev"][0].supervisions[0]
     assert sup.text == utts[2][1] and "phone" not in sup.alignment and "timit_word" in sup.alignment
@@ -224,7 +290,7 @@ def test_kaldi_data_dir_single_and_split(tiny_corpus, tmp_path):
 
     split = tmp_path / "kaldi_split"
     for k, s in enumerate(("train", "dev", "test")):
-        write_kaldi_dir(split / s, utts[4 * k:4 * k + 4], s[:2])
+        write_kaldi_dir(split / s, utts[4 * k : 4 * k + 4], s[:2])
     # segments: two halves of one recording become two cuts
     rid = (split / "test" / "wav.scp").read_text().split()[0]
     half = sf.info(str(split / "test" / "wav" / f"{rid}.wav")).duration / 2

@@ -32,7 +32,7 @@ class Augmentation:
     noise_seed: int
 
     @staticmethod
-    def draw(rng: random.Random) -> "Augmentation":
+    def draw(rng: random.Random) -> Augmentation:
         return Augmentation(
             speed=round(rng.uniform(0.9, 1.1), 3),
             reverberance=rng.choice([0, 0, 20, 40, 60]),

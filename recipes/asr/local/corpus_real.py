@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -65,8 +64,11 @@ def _link(src: Path, dst: Path) -> None:
 # ------------------------------------------------------------------------------ LibriSpeech
 LIBRISPEECH_PARTS = {
     "mini_librispeech": {"train": ["train-clean-5"], "dev": ["dev-clean-2"]},
-    "librispeech": {"train": ["train-clean-100", "train-clean-360", "train-other-500"],
-                    "dev": ["dev-clean"], "test": ["test-clean"]},
+    "librispeech": {
+        "train": ["train-clean-100", "train-clean-360", "train-other-500"],
+        "dev": ["dev-clean"],
+        "test": ["test-clean"],
+    },
 }
 
 
@@ -86,7 +88,9 @@ def _mirror_librispeech(corpus_dir: Path, parts: dict[str, list[str]], shadow: P
                     uid, _, text = line.strip().partition(" ")
                     transcribed.add(uid)
                     if uid not in audio:
-                        record_drop(data_dir, "corpus", split, uid, "missing_audio", f"{trans}: no {uid}.flac")
+                        record_drop(
+                            data_dir, "corpus", split, uid, "missing_audio", f"{trans}: no {uid}.flac"
+                        )
                     elif not normalize_text(text):
                         record_drop(data_dir, "corpus", split, uid, "empty_transcript", str(trans))
                     else:
@@ -100,7 +104,14 @@ def _mirror_librispeech(corpus_dir: Path, parts: dict[str, list[str]], shadow: P
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text("".join(k + "\n" for k in kept))
             for uid in sorted(set(audio) - transcribed):
-                record_drop(data_dir, "corpus", split, uid, "missing_transcript", f"{audio[uid]} has no line in a *.trans.txt")
+                record_drop(
+                    data_dir,
+                    "corpus",
+                    split,
+                    uid,
+                    "missing_transcript",
+                    f"{audio[uid]} has no line in a *.trans.txt",
+                )
 
 
 def _librispeech(corpus: str, corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
@@ -119,12 +130,21 @@ def _librispeech(corpus: str, corpus_dir: Path, shadow: Path, data_dir: Path) ->
     out = {s: [manifests[n] for n in present[s] if n in manifests] for s in present}
     if corpus == "mini_librispeech":
         # dev-clean-2 is its only held-out part: half of its speakers for dev, half for test
-        dev = out["dev"][0] if out["dev"] else {"recordings": RecordingSet(), "supervisions": SupervisionSet()}
+        dev = (
+            out["dev"][0] if out["dev"] else {"recordings": RecordingSet(), "supervisions": SupervisionSet()}
+        )
         speakers = sorted({s.speaker for s in dev["supervisions"]})
-        test_spk = set(speakers[len(speakers) // 2:])
+        test_spk = set(speakers[len(speakers) // 2 :])
         sups = dev["supervisions"]
-        out["dev"] = [{"recordings": dev["recordings"], "supervisions": sups.filter(lambda s: s.speaker not in test_spk)}]
-        out["test"] = [{"recordings": dev["recordings"], "supervisions": sups.filter(lambda s: s.speaker in test_spk)}]
+        out["dev"] = [
+            {
+                "recordings": dev["recordings"],
+                "supervisions": sups.filter(lambda s: s.speaker not in test_spk),
+            }
+        ]
+        out["test"] = [
+            {"recordings": dev["recordings"], "supervisions": sups.filter(lambda s: s.speaker in test_spk)}
+        ]
     return out
 
 
@@ -143,14 +163,20 @@ def _timit(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
 
     found = {part: _find_dir(corpus_dir, part) for part in ("TRAIN", "TEST")}
     if not all(found.values()):
-        raise FileNotFoundError(f"{corpus_dir} has no TRAIN and TEST directories (looked in it and in data/); "
-                                "point --corpus-dir at the TIMIT root")
+        raise FileNotFoundError(
+            f"{corpus_dir} has no TRAIN and TEST directories (looked in it and in data/); "
+            "point --corpus-dir at the TIMIT root"
+        )
     for part, src in found.items():
         split = "train" if part == "TRAIN" else "test"
         for wav in sorted(p for p in src.glob("*/*/*") if p.suffix.upper() == ".WAV"):
             uid = f"{wav.parent.name.upper()}-{wav.stem.upper()}"
-            side = {ext: next((q for q in (wav.with_suffix(ext), wav.with_suffix(ext.lower())) if q.exists()), None)
-                    for ext in (".TXT", ".PHN", ".WRD")}
+            side = {
+                ext: next(
+                    (q for q in (wav.with_suffix(ext), wav.with_suffix(ext.lower())) if q.exists()), None
+                )
+                for ext in (".TXT", ".PHN", ".WRD")
+            }
             reason, detail = check_audio(wav)
             if reason is None and side[".TXT"] is None:
                 reason, detail = "missing_transcript", f"{wav}: no .TXT beside it"
@@ -159,7 +185,14 @@ def _timit(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
             if reason:
                 record_drop(data_dir, "corpus", split, uid, reason, detail)
                 continue
-            dst = shadow / "data" / part / wav.parent.parent.name.upper() / wav.parent.name.upper() / f"{wav.stem.upper()}.WAV"
+            dst = (
+                shadow
+                / "data"
+                / part
+                / wav.parent.parent.name.upper()
+                / wav.parent.name.upper()
+                / f"{wav.stem.upper()}.WAV"
+            )
             _link(wav, dst)
             for ext, path in side.items():
                 if path is not None:
@@ -177,7 +210,9 @@ def _yesno(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
     src = corpus_dir / "waves_yesno" if (corpus_dir / "waves_yesno").is_dir() else corpus_dir
     waves = sorted(src.glob("*.wav"))
     if not waves:
-        raise FileNotFoundError(f"{src} has no *.wav files; point --corpus-dir at waves_yesno/ (or its parent)")
+        raise FileNotFoundError(
+            f"{src} has no *.wav files; point --corpus-dir at waves_yesno/ (or its parent)"
+        )
     # lhotse's rule: sorted files, even positions train, odd test
     split_of = {w: ("train" if i % 2 == 0 else "test") for i, w in enumerate(waves)}
     good = []
@@ -203,14 +238,34 @@ def _yesno(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
                 continue
             words = w.stem.split("_")
             if not words or set(words) - {"0", "1"}:
-                record_drop(data_dir, "corpus", split, w.stem, "missing_transcript", f"{w.name} is not named 0_1_..._1.wav")
+                record_drop(
+                    data_dir,
+                    "corpus",
+                    split,
+                    w.stem,
+                    "missing_transcript",
+                    f"{w.name} is not named 0_1_..._1.wav",
+                )
                 continue
             rec = Recording.from_file(w, recording_id=w.stem)
             recs.append(rec)
-            sups.append(SupervisionSegment(id=w.stem, recording_id=w.stem, start=0.0, duration=rec.duration,
-                                           channel=0, language="Hebrew",
-                                           text=" ".join("YES" if x == "1" else "NO" for x in words)))
-        out[split] = [{"recordings": RecordingSet.from_recordings(recs), "supervisions": SupervisionSet.from_segments(sups)}]
+            sups.append(
+                SupervisionSegment(
+                    id=w.stem,
+                    recording_id=w.stem,
+                    start=0.0,
+                    duration=rec.duration,
+                    channel=0,
+                    language="Hebrew",
+                    text=" ".join("YES" if x == "1" else "NO" for x in words),
+                )
+            )
+        out[split] = [
+            {
+                "recordings": RecordingSet.from_recordings(recs),
+                "supervisions": SupervisionSet.from_segments(sups),
+            }
+        ]
     out["dev"] = out["test"]
     return out
 
@@ -242,7 +297,10 @@ def _kaldi_split_units(data: Path) -> dict[str, str]:
     unit_of = {u: (utt2spk.get(u, u) if by_speaker else u) for u in utts}
     units = sorted(set(unit_of.values()))
     n = max(1, round(0.1 * len(units))) if len(units) >= 3 else 0
-    test, dev = set(units[len(units) - n:]) if n else set(), set(units[len(units) - 2 * n:len(units) - n]) if n else set()
+    test, dev = (
+        set(units[len(units) - n :]) if n else set(),
+        set(units[len(units) - 2 * n : len(units) - n]) if n else set(),
+    )
     return {u: ("test" if unit_of[u] in test else "dev" if unit_of[u] in dev else "train") for u in utts}
 
 
@@ -258,7 +316,7 @@ def _mirror_kaldi(data: Path, out: Path, data_dir: Path, split_of) -> int:
         reason, detail = check_audio(_audio_path(src, data))
         if reason:
             bad_recs.add(rid)
-            for uid in ([u for u, seg in segments.items() if seg.split()[0] == rid] if segments else [rid]):
+            for uid in [u for u, seg in segments.items() if seg.split()[0] == rid] if segments else [rid]:
                 record_drop(data_dir, "corpus", split_of(uid), uid, reason, detail)
             continue
         info = sf.info(str(_audio_path(src, data)))
@@ -270,9 +328,23 @@ def _mirror_kaldi(data: Path, out: Path, data_dir: Path, split_of) -> int:
         if rid in bad_recs:
             continue
         if rid not in wav_scp:
-            record_drop(data_dir, "corpus", split_of(uid), uid, "missing_audio", f"segments names recording {rid} absent from wav.scp")
+            record_drop(
+                data_dir,
+                "corpus",
+                split_of(uid),
+                uid,
+                "missing_audio",
+                f"segments names recording {rid} absent from wav.scp",
+            )
         elif uid not in text:
-            record_drop(data_dir, "corpus", split_of(uid), uid, "missing_transcript", f"{data / 'text'} has no line for it")
+            record_drop(
+                data_dir,
+                "corpus",
+                split_of(uid),
+                uid,
+                "missing_transcript",
+                f"{data / 'text'} has no line for it",
+            )
         elif not normalize_text(text[uid]):
             record_drop(data_dir, "corpus", split_of(uid), uid, "empty_transcript", str(data / "text"))
         else:
@@ -283,8 +355,10 @@ def _mirror_kaldi(data: Path, out: Path, data_dir: Path, split_of) -> int:
     def write(name, mapping, keys):
         (out / name).write_text("".join(f"{k} {mapping[k]}\n" for k in keys))
 
-    abs_scp = {r: wav_scp[r] if wav_scp[r].endswith("|") else str(_audio_path(wav_scp[r], data).resolve())
-               for r in recs}
+    abs_scp = {
+        r: wav_scp[r] if wav_scp[r].endswith("|") else str(_audio_path(wav_scp[r], data).resolve())
+        for r in recs
+    }
     write("wav.scp", abs_scp, recs)
     if all(r in durations for r in recs):
         write("reco2dur", durations, recs)
@@ -302,22 +376,26 @@ def _kaldi(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
     if subdirs:
         missing = [s for s in SPLITS if s not in subdirs]
         if missing:
-            raise FileNotFoundError(f"{corpus_dir} has Kaldi data dirs for {sorted(subdirs)} but not {missing}; "
-                                    "give all of train/, dev/, test/ or a single data dir")
+            raise FileNotFoundError(
+                f"{corpus_dir} has Kaldi data dirs for {sorted(subdirs)} but not {missing}; "
+                "give all of train/, dev/, test/ or a single data dir"
+            )
         plan = {s: (d, lambda u, s=s: s) for s, d in subdirs.items()}
     elif (corpus_dir / "wav.scp").is_file():
         split_by_utt = _kaldi_split_units(corpus_dir)
         plan = {"all": (corpus_dir, lambda u: split_by_utt.get(u, "train"))}
     else:
-        raise FileNotFoundError(f"{corpus_dir} has no wav.scp, nor train/ dev/ test/ subdirs with one; "
-                                "point --corpus-dir at a Kaldi data dir")
+        raise FileNotFoundError(
+            f"{corpus_dir} has no wav.scp, nor train/ dev/ test/ subdirs with one; "
+            "point --corpus-dir at a Kaldi data dir"
+        )
     out: dict[str, list] = {s: [] for s in SPLITS}
     for name, (data, split_of) in plan.items():
         rate = _mirror_kaldi(data, shadow / name, data_dir, split_of)
         recs, sups, _ = load_kaldi_data_dir(shadow / name, sampling_rate=rate, num_jobs=1)
         sups = sups if sups is not None else SupervisionSet()
         for split in SPLITS:
-            part = sups.filter(lambda s, split=split: split_of(s.id) == split)
+            part = sups.filter(lambda s, split=split, split_of=split_of: split_of(s.id) == split)
             if len(part):
                 out[split].append({"recordings": recs, "supervisions": part})
     return out
@@ -339,15 +417,31 @@ def _to_cuts(split: str, parts: list[dict], data_dir: Path) -> CutSet:
                 rec = fastcopy(rec, sources=[fastcopy(src, source=str(Path(src.source).resolve()))])
             text = normalize_text(sup.text or "")
             if not text:
-                record_drop(data_dir, "corpus", split, sup.id, "empty_transcript", "no words after normalisation")
+                record_drop(
+                    data_dir, "corpus", split, sup.id, "empty_transcript", "no words after normalisation"
+                )
                 continue
             alignment = sup.alignment
             if alignment:  # TIMIT's own timings: keep them, out of the way of the ARPAbet "phone" key
                 alignment = {f"timit_{k}": v for k, v in alignment.items()}
-            new_sup = fastcopy(sup, start=0.0, text=text, speaker=sup.speaker or sup.recording_id,
-                               language=sup.language or "English", alignment=alignment)
-            cuts.append(MonoCut(id=sup.id, start=sup.start, duration=sup.duration, channel=sup.channel,
-                                recording=rec, supervisions=[new_sup]))
+            new_sup = fastcopy(
+                sup,
+                start=0.0,
+                text=text,
+                speaker=sup.speaker or sup.recording_id,
+                language=sup.language or "English",
+                alignment=alignment,
+            )
+            cuts.append(
+                MonoCut(
+                    id=sup.id,
+                    start=sup.start,
+                    duration=sup.duration,
+                    channel=sup.channel,
+                    recording=rec,
+                    supervisions=[new_sup],
+                )
+            )
     return CutSet.from_cuts(sorted(cuts, key=lambda c: c.id))
 
 

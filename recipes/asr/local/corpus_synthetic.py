@@ -26,17 +26,16 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import soundfile as sf
 from lhotse import CutSet, MonoCut, Recording
 from lhotse.audio import AudioSource
 from lhotse.supervision import AlignmentItem, SupervisionSegment
 from tqdm.auto import tqdm
 
-from local.augment import Augmentation, augment
+from local.augment import Augmentation
 from local.drops import clear_drops, record_drop
+from local.synth_jobs import Utterance, synth_chunk
 from local.text import make_sentences
-from local.tts import SAMPLE_RATE, Voice, check_tools, synth_espeak, synth_festival_batch, synth_flite, to_alignment
+from local.tts import SAMPLE_RATE, Voice, check_tools
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +66,16 @@ class Size:
 
 
 SIZES = {
-    "default": Size(1800, 170, 450,
-                    ("en-us", "en", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd"),
-                    ("m1", "m2", "m3", "m4", "m5", "f1", "f2", "f3"),
-                    ("en-gb-scotland", "en-029", "en-us-nyc"), ("m6", "m7", "f4", "f5"), 3),
+    "default": Size(
+        1800,
+        170,
+        450,
+        ("en-us", "en", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd"),
+        ("m1", "m2", "m3", "m4", "m5", "f1", "f2", "f3"),
+        ("en-gb-scotland", "en-029", "en-us-nyc"),
+        ("m6", "m7", "f4", "f5"),
+        3,
+    ),
     "tiny": Size(24, 6, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1),
 }
 
@@ -89,32 +94,32 @@ def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
     rng = random.Random(f"voices-{seed}")
 
     def espeak(accents, variants):
-        return [Voice("espeak", f"{a}+{v}", round(rng.uniform(0.85, 1.2), 2), rng.randrange(30, 71), v[0])
-                for a in accents for v in variants]
+        return [
+            Voice("espeak", f"{a}+{v}", round(rng.uniform(0.85, 1.2), 2), rng.randrange(30, 71), v[0])
+            for a in accents
+            for v in variants
+        ]
 
     def others(engine, names, n):
-        return [Voice(engine, name, round(rng.uniform(0.85, 1.15), 2), rng.randrange(-200, 201, 50), g)
-                for name, g in names for _ in range(n)]
+        return [
+            Voice(engine, name, round(rng.uniform(0.85, 1.15), 2), rng.randrange(-200, 201, 50), g)
+            for name, g in names
+            for _ in range(n)
+        ]
 
     n_test = max(1, size.settings_per_voice - 1)
     return {
-        "train": {"espeak": espeak(size.espeak_accents_train, size.espeak_variants_train),
-                  "flite": others("flite", FLITE_TRAIN, size.settings_per_voice),
-                  "festival": others("festival", FESTIVAL_TRAIN, size.settings_per_voice)},
-        "test": {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_test),
-                 "flite": others("flite", FLITE_TEST, n_test),
-                 "festival": others("festival", FESTIVAL_TEST, n_test)},
+        "train": {
+            "espeak": espeak(size.espeak_accents_train, size.espeak_variants_train),
+            "flite": others("flite", FLITE_TRAIN, size.settings_per_voice),
+            "festival": others("festival", FESTIVAL_TRAIN, size.settings_per_voice),
+        },
+        "test": {
+            "espeak": espeak(size.espeak_accents_test, size.espeak_variants_test),
+            "flite": others("flite", FLITE_TEST, n_test),
+            "festival": others("festival", FESTIVAL_TEST, n_test),
+        },
     }
-
-
-@dataclass
-class Utterance:
-    id: str
-    split: str
-    text: str
-    voice: Voice
-    wav: Path
-    aug: Augmentation | None = None
 
 
 def plan(size: Size, seed: int, audio_dir: Path) -> list[Utterance]:
@@ -126,7 +131,7 @@ def plan(size: Size, seed: int, audio_dir: Path) -> list[Utterance]:
     counts = {"train": size.train, "dev": size.dev, "test": size.test}
     utts, start = [], 0
     for split in SPLITS:
-        texts = sentences[start:start + counts[split]]
+        texts = sentences[start : start + counts[split]]
         start += counts[split]
         by_engine = voices["test" if split == "test" else "train"]
         # engines by share, then round-robin over each engine's settings
@@ -146,75 +151,43 @@ def _chunks(utts: list[Utterance], n: int) -> list[list[Utterance]]:
     by_voice: dict[Voice, list[Utterance]] = {}
     for u in utts:
         by_voice.setdefault(u.voice, []).append(u)
-    return [group[i:i + n] for group in by_voice.values() for i in range(0, len(group), n)]
-
-
-def _write(path: Path, audio: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sf.write(str(path), audio, SAMPLE_RATE, subtype="PCM_16")
-
-
-def _synth_chunk(chunk: list[Utterance]) -> list[dict]:
-    """Synthesise (and augment) one chunk; one result dict per utterance (and its ``-aug`` copy)."""
-    voice = chunk[0].voice
-    if voice.engine == "festival":
-        outs = synth_festival_batch(voice, [u.text for u in chunk])
-    else:
-        synth = synth_espeak if voice.engine == "espeak" else synth_flite
-        outs = []
-        for u in chunk:
-            try:
-                outs.append(synth(voice, u.text))
-            except Exception as e:  # noqa: BLE001  (one failed sentence must not stop the corpus)
-                outs.append(e)
-    results = []
-    for u, out in zip(chunk, outs):
-        base = {"utt": u, "ok": False}
-        if isinstance(out, Exception):
-            results.append({**base, "reason": "tts_failed", "detail": f"{voice.engine}: {out}"})
-            continue
-        audio, spans = out
-        if len(audio) == 0 or float(np.abs(audio).max()) < 1e-4:
-            results.append({**base, "reason": "empty_audio", "detail": f"{voice.engine} produced {len(audio)} samples"})
-            continue
-        duration = len(audio) / SAMPLE_RATE
-        phones, unmapped = to_alignment(spans, voice.engine, duration)
-        _write(u.wav, audio)
-        results.append({"utt": u, "ok": True, "id": u.id, "wav": u.wav, "num_samples": len(audio),
-                        "phones": phones, "unmapped": unmapped, "raw_end": spans[-1][2] if spans else 0.0})
-        if u.aug is not None:
-            aid = f"{u.id}-aug"
-            try:
-                y = augment(audio, u.aug)
-            except Exception as e:  # noqa: BLE001
-                results.append({"utt": u, "ok": False, "id": aid, "reason": "augmentation_failed", "detail": str(e)})
-                continue
-            awav = u.wav.with_name(f"{aid}.wav")
-            _write(awav, y)
-            aphones, _ = to_alignment(spans, voice.engine, len(y) / SAMPLE_RATE, time_scale=1.0 / u.aug.speed)
-            results.append({"utt": u, "ok": True, "id": aid, "wav": awav, "num_samples": len(y),
-                            "phones": aphones, "unmapped": Counter(), "aug": u.aug.describe()})
-    return results
+    return [group[i : i + n] for group in by_voice.values() for i in range(0, len(group), n)]
 
 
 def _cut(res: dict) -> MonoCut:
     u: Utterance = res["utt"]
     n = res["num_samples"]
-    rec = Recording(id=res["id"], sources=[AudioSource(type="file", channels=[0], source=str(res["wav"].resolve()))],
-                    sampling_rate=SAMPLE_RATE, num_samples=n, duration=n / SAMPLE_RATE)
+    rec = Recording(
+        id=res["id"],
+        sources=[AudioSource(type="file", channels=[0], source=str(res["wav"].resolve()))],
+        sampling_rate=SAMPLE_RATE,
+        num_samples=n,
+        duration=n / SAMPLE_RATE,
+    )
     custom = {"engine": u.voice.engine, "voice": u.voice.name, "rate": u.voice.rate, "pitch": u.voice.pitch}
     if "aug" in res:
         custom["augmentation"] = res["aug"]
     sup = SupervisionSegment(
-        id=res["id"], recording_id=res["id"], start=0.0, duration=rec.duration, channel=0, text=u.text,
-        speaker=u.voice.speaker, gender=u.voice.gender, language="English",
+        id=res["id"],
+        recording_id=res["id"],
+        start=0.0,
+        duration=rec.duration,
+        channel=0,
+        text=u.text,
+        speaker=u.voice.speaker,
+        gender=u.voice.gender,
+        language="English",
         alignment={"phone": [AlignmentItem(symbol=p, start=s, duration=d) for p, s, d in res["phones"]]},
         custom=custom,
     )
-    return MonoCut(id=res["id"], start=0.0, duration=rec.duration, channel=0, recording=rec, supervisions=[sup])
+    return MonoCut(
+        id=res["id"], start=0.0, duration=rec.duration, channel=0, recording=rec, supervisions=[sup]
+    )
 
 
-def prepare_synthetic(data_dir: Path, size: str = "default", seed: int = 0, num_jobs: int = 2) -> dict[str, CutSet]:
+def prepare_synthetic(
+    data_dir: Path, size: str = "default", seed: int = 0, num_jobs: int = 2
+) -> dict[str, CutSet]:
     """Synthesise the embedded corpus and write ``<data_dir>/manifests/{train,dev,test}_cuts.jsonl.gz``.
 
     Args:
@@ -237,16 +210,16 @@ def prepare_synthetic(data_dir: Path, size: str = "default", seed: int = 0, num_
     chunks = _chunks(utts, 8 if size == "tiny" else 25)
     results: list[dict] = []
     bar = tqdm(total=len(utts), desc=f"synthesising {size} corpus", unit="utt")
-    if num_jobs == 1:
-        for chunk in chunks:
-            results += _synth_chunk(chunk)
-            bar.update(len(chunk))
-    else:
-        # fork: workers need nothing but this module; libespeak-ng is initialised in each worker
-        with multiprocessing.get_context("fork").Pool(num_jobs) as pool:
-            for res in pool.imap_unordered(_synth_chunk, chunks):
-                results += res
-                bar.update(sum(1 for r in res if not r.get("id", "").endswith("-aug")))
+    # espeak-ng keeps waveform state (pitch phase) from one utterance to the next, which moves
+    # its phone events by a few samples: every chunk runs in a fresh process, forked from a
+    # clean fork server (never from this process, which may have used libespeak-ng already),
+    # so the corpus is the same whatever num_jobs and whatever ran before.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["local.synth_jobs"])
+    with ctx.Pool(num_jobs, maxtasksperchild=1) as pool:
+        for res in pool.imap_unordered(synth_chunk, chunks):
+            results += res
+            bar.update(sum(1 for r in res if not r.get("id", "").endswith("-aug")))
     bar.close()
 
     unmapped: Counter = Counter()
@@ -259,8 +232,10 @@ def prepare_synthetic(data_dir: Path, size: str = "default", seed: int = 0, num_
         unmapped += res["unmapped"]
         cuts[u.split].append(_cut(res))
     if unmapped:
-        log.warning("corpus: engine phone symbols without an ARPAbet mapping (scored as SIL): %s",
-                    dict(unmapped.most_common(20)))
+        log.warning(
+            "corpus: engine phone symbols without an ARPAbet mapping (scored as SIL): %s",
+            dict(unmapped.most_common(20)),
+        )
     out_dir = data_dir / "manifests"
     out_dir.mkdir(parents=True, exist_ok=True)
     manifests = {}

@@ -144,8 +144,17 @@ def word_classes() -> dict[str, list]:
 
 
 def _plural(noun: str) -> str:
-    irregular = {"mouse": "mice", "sheep": "sheep", "fish": "fish", "deer": "deer", "knife": "knives",
-                 "wolf": "wolves", "man": "men", "child": "children", "shelf": "shelves"}
+    irregular = {
+        "mouse": "mice",
+        "sheep": "sheep",
+        "fish": "fish",
+        "deer": "deer",
+        "knife": "knives",
+        "wolf": "wolves",
+        "man": "men",
+        "child": "children",
+        "shelf": "shelves",
+    }
     if noun in irregular:
         return irregular[noun]
     if re.search(r"(s|x|ch|sh)$", noun):
@@ -199,14 +208,46 @@ TEMPLATES = [
     "both {NAME} and {NAME} must {VT} their {NS}",
 ]
 
-COUNTABLE_FOOD = """apple orange banana lemon grape peach pear potato tomato onion carrot bean cake pie
-                    cookie egg sandwich""".split()
+COUNTABLE_FOOD = [
+    "apple",
+    "orange",
+    "banana",
+    "lemon",
+    "grape",
+    "peach",
+    "pear",
+    "potato",
+    "tomato",
+    "onion",
+    "carrot",
+    "bean",
+    "cake",
+    "pie",
+    "cookie",
+    "egg",
+    "sandwich",
+]
 
 _EXTRA_CLASSES = {
-    "DAY": "monday tuesday wednesday thursday friday saturday sunday".split(),
-    "MONTH": """january february march april may june july august september october november
-                december spring summer winter""".split(),
-    "TASTE": "sweet bitter sour hot cold fresh dry".split(),
+    "DAY": ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"],
+    "MONTH": [
+        "january",
+        "february",
+        "march",
+        "april",
+        "may",
+        "june",
+        "july",
+        "august",
+        "september",
+        "october",
+        "november",
+        "december",
+        "spring",
+        "summer",
+        "winter",
+    ],
+    "TASTE": ["sweet", "bitter", "sour", "hot", "cold", "fresh", "dry"],
 }
 
 
@@ -248,7 +289,9 @@ def make_sentences(n: int, seed: int, min_words: int = 4, max_words: int = 10) -
     while len(out) < n:
         tries += 1
         if tries > 50 * n + 1000:
-            raise RuntimeError(f"could only make {len(out)} distinct sentences of the {n} asked; add templates or words")
+            raise RuntimeError(
+                f"could only make {len(out)} distinct sentences of the {n} asked; add templates or words"
+            )
         text = _fill(rng.choice(TEMPLATES), rng)
         words = text.split()
         if not (min_words <= len(words) <= max_words) or any(w not in cmu for w in words):
@@ -262,7 +305,7 @@ def vocabulary() -> set[str]:
     wc = word_classes()
     cmu = _cmudict()
     words = set()
-    for cls, members in wc.items():
+    for members in wc.values():
         for m in members:
             words.update(m if isinstance(m, tuple) else (m,))
     for noun in wc["THING"] + wc["ANIMAL"] + COUNTABLE_FOOD:

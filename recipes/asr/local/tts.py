@@ -27,20 +27,74 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
 
 SAMPLE_RATE = 16000
 SIL = "SIL"
-DEBIAN_PACKAGES = "espeak-ng flite festival festvox-kallpc16k festvox-kdlpc16k festvox-us-slt-hts sox libespeak-ng1"
+DEBIAN_PACKAGES = (
+    "espeak-ng flite festival festvox-kallpc16k festvox-kdlpc16k festvox-us-slt-hts sox libespeak-ng1"
+)
 
 # flite and festival both use the CMU/radio phone set (lower case ARPAbet plus a few extras).
 FLITE_TO_ARPA: dict[str, tuple[str, ...]] = {
-    **{p.lower(): (p,) for p in (
-        "AA AE AH AO AW AY B CH D DH EH ER EY F G HH IH IY JH K L M N NG OW OY P R S SH T TH UH UW V W Y Z ZH"
-    ).split()},
-    "ax": ("AH",), "axr": ("ER",), "ix": ("IH",), "ux": ("UW",), "dx": ("T",), "nx": ("N",),
-    "el": ("AH", "L"), "em": ("AH", "M"), "en": ("AH", "N"), "hv": ("HH",),
-    "pau": (SIL,), "h#": (SIL,), "brth": (SIL,), "ssil": (SIL,), "sil": (SIL,),
+    **{
+        p.lower(): (p,)
+        for p in [
+            "AA",
+            "AE",
+            "AH",
+            "AO",
+            "AW",
+            "AY",
+            "B",
+            "CH",
+            "D",
+            "DH",
+            "EH",
+            "ER",
+            "EY",
+            "F",
+            "G",
+            "HH",
+            "IH",
+            "IY",
+            "JH",
+            "K",
+            "L",
+            "M",
+            "N",
+            "NG",
+            "OW",
+            "OY",
+            "P",
+            "R",
+            "S",
+            "SH",
+            "T",
+            "TH",
+            "UH",
+            "UW",
+            "V",
+            "W",
+            "Y",
+            "Z",
+            "ZH",
+        ]
+    },
+    "ax": ("AH",),
+    "axr": ("ER",),
+    "ix": ("IH",),
+    "ux": ("UW",),
+    "dx": ("T",),
+    "nx": ("N",),
+    "el": ("AH", "L"),
+    "em": ("AH", "M"),
+    "en": ("AH", "N"),
+    "hv": ("HH",),
+    "pau": (SIL,),
+    "h#": (SIL,),
+    "brth": (SIL,),
+    "ssil": (SIL,),
+    "sil": (SIL,),
 }
 
 # espeak-ng's English phoneme mnemonics (en, en-us, en-gb-*, en-029 ...) to ARPAbet. A few
@@ -48,31 +102,127 @@ FLITE_TO_ARPA: dict[str, tuple[str, ...]] = {
 # their duration is split evenly.
 ESPEAK_TO_ARPA: dict[str, tuple[str, ...]] = {
     # consonants
-    "p": ("P",), "b": ("B",), "t": ("T",), "d": ("D",), "k": ("K",), "g": ("G",),
-    "f": ("F",), "v": ("V",), "T": ("TH",), "D": ("DH",), "s": ("S",), "z": ("Z",),
-    "S": ("SH",), "Z": ("ZH",), "h": ("HH",), "m": ("M",), "n": ("N",), "N": ("NG",),
-    "l": ("L",), "r": ("R",), "w": ("W",), "j": ("Y",), "tS": ("CH",), "dZ": ("JH",),
+    "p": ("P",),
+    "b": ("B",),
+    "t": ("T",),
+    "d": ("D",),
+    "k": ("K",),
+    "g": ("G",),
+    "f": ("F",),
+    "v": ("V",),
+    "T": ("TH",),
+    "D": ("DH",),
+    "s": ("S",),
+    "z": ("Z",),
+    "S": ("SH",),
+    "Z": ("ZH",),
+    "h": ("HH",),
+    "m": ("M",),
+    "n": ("N",),
+    "N": ("NG",),
+    "l": ("L",),
+    "r": ("R",),
+    "w": ("W",),
+    "j": ("Y",),
+    "tS": ("CH",),
+    "dZ": ("JH",),
     # dental t/d: en-029's realisation of /θ/ and /ð/ ("threw" = t[ r u:)
-    "t[": ("TH",), "d[": ("DH",), "w#": ("W",),
+    "t[": ("TH",),
+    "d[": ("DH",),
+    "w#": ("W",),
     # ";" is a short linking glide between a vowel and a vowel-initial word ("very_old"):
     # no lexicon phone, so its time goes to the phone before it
     ";": (),
-    "t#": ("T",), "d#": ("D",), "t2": ("T",), "d2": ("D",), "?": ("T",), "z#": ("Z",), "z/2": ("Z",),
-    "n-": ("AH", "N"), "m-": ("AH", "M"), "l/": ("L",), "l/2": ("L",), "r-": ("R",), "x": ("K",),
-    "W": ("W",), "C": ("HH",), "k#": ("K",), "s2": ("S",), "tS2": ("CH",), "dZ2": ("JH",),
-    "*": ("R",), "R": ("R",), "R2": ("R",), "r/": ("R",), "j/": ("Y",),
+    "t#": ("T",),
+    "d#": ("D",),
+    "t2": ("T",),
+    "d2": ("D",),
+    "?": ("T",),
+    "z#": ("Z",),
+    "z/2": ("Z",),
+    "n-": ("AH", "N"),
+    "m-": ("AH", "M"),
+    "l/": ("L",),
+    "l/2": ("L",),
+    "r-": ("R",),
+    "x": ("K",),
+    "W": ("W",),
+    "C": ("HH",),
+    "k#": ("K",),
+    "s2": ("S",),
+    "tS2": ("CH",),
+    "dZ2": ("JH",),
+    "*": ("R",),
+    "R": ("R",),
+    "R2": ("R",),
+    "r/": ("R",),
+    "j/": ("Y",),
     # vowels
-    "a": ("AE",), "a#": ("AE",), "aa": ("AA",), "a2": ("AE",), "A:": ("AA",), "A": ("AA",),
-    "A@": ("AA", "R"), "A#": ("AA",), "aI": ("AY",), "aI2": ("AY",), "aI@": ("AY", "ER"), "aI3": ("AY", "ER"),
-    "aU": ("AW",), "aU@": ("AW", "ER"), "@": ("AH",), "@2": ("AH",), "@5": ("AH",), "@/": ("AH",),
-    "@L": ("AH", "L"), "@-": ("AH",), "3:": ("ER",), "3": ("ER",), "@r": ("ER",), "3r": ("ER",),
-    "E": ("EH",), "E2": ("EH",), "E#": ("EH",), "e@": ("EH", "R"), "eI": ("EY",), "e": ("EH",),
-    "i": ("IY",), "i:": ("IY",), "I": ("IH",), "I2": ("IH",), "I#": ("IH",), "i@": ("IY", "R"),
-    "i@3": ("IY", "R"), "I@": ("IH", "R"), "0": ("AA",), "0#": ("AA",), "O:": ("AO",), "O": ("AO",),
-    "O2": ("AA",), "O@": ("AO", "R"), "o@": ("AO", "R"), "oU": ("OW",), "oU#": ("OW",), "o:": ("OW",),
-    "o": ("OW",), "OI": ("OY",), "U": ("UH",), "u:": ("UW",), "u": ("UW",), "U@": ("UH", "R"),
-    "V": ("AH",), "V#": ("AH",), "IR": ("IH", "R"), "VR": ("ER",), "aI@3": ("AY", "ER"), "u@": ("UW", "R"),
-    "eI#": ("EY",), "a:": ("AA",), "E:": ("EH",), "y": ("UW",), "Y": ("UW",),
+    "a": ("AE",),
+    "a#": ("AE",),
+    "aa": ("AA",),
+    "a2": ("AE",),
+    "A:": ("AA",),
+    "A": ("AA",),
+    "A@": ("AA", "R"),
+    "A#": ("AA",),
+    "aI": ("AY",),
+    "aI2": ("AY",),
+    "aI@": ("AY", "ER"),
+    "aI3": ("AY", "ER"),
+    "aU": ("AW",),
+    "aU@": ("AW", "ER"),
+    "@": ("AH",),
+    "@2": ("AH",),
+    "@5": ("AH",),
+    "@/": ("AH",),
+    "@L": ("AH", "L"),
+    "@-": ("AH",),
+    "3:": ("ER",),
+    "3": ("ER",),
+    "@r": ("ER",),
+    "3r": ("ER",),
+    "E": ("EH",),
+    "E2": ("EH",),
+    "E#": ("EH",),
+    "e@": ("EH", "R"),
+    "eI": ("EY",),
+    "e": ("EH",),
+    "i": ("IY",),
+    "i:": ("IY",),
+    "I": ("IH",),
+    "I2": ("IH",),
+    "I#": ("IH",),
+    "i@": ("IY", "R"),
+    "i@3": ("IY", "R"),
+    "I@": ("IH", "R"),
+    "0": ("AA",),
+    "0#": ("AA",),
+    "O:": ("AO",),
+    "O": ("AO",),
+    "O2": ("AA",),
+    "O@": ("AO", "R"),
+    "o@": ("AO", "R"),
+    "oU": ("OW",),
+    "oU#": ("OW",),
+    "o:": ("OW",),
+    "o": ("OW",),
+    "OI": ("OY",),
+    "U": ("UH",),
+    "u:": ("UW",),
+    "u": ("UW",),
+    "U@": ("UH", "R"),
+    "V": ("AH",),
+    "V#": ("AH",),
+    "IR": ("IH", "R"),
+    "VR": ("ER",),
+    "aI@3": ("AY", "ER"),
+    "u@": ("UW", "R"),
+    "eI#": ("EY",),
+    "a:": ("AA",),
+    "E:": ("EH",),
+    "y": ("UW",),
+    "Y": ("UW",),
 }
 
 
@@ -148,13 +298,21 @@ class _EspeakEventId(ctypes.Union):
 
 
 class _EspeakEvent(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("unique_identifier", ctypes.c_uint), ("text_position", ctypes.c_int),
-                ("length", ctypes.c_int), ("audio_position", ctypes.c_int), ("sample", ctypes.c_int),
-                ("user_data", ctypes.c_void_p), ("id", _EspeakEventId)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("unique_identifier", ctypes.c_uint),
+        ("text_position", ctypes.c_int),
+        ("length", ctypes.c_int),
+        ("audio_position", ctypes.c_int),
+        ("sample", ctypes.c_int),
+        ("user_data", ctypes.c_void_p),
+        ("id", _EspeakEventId),
+    ]
 
 
-_SYNTH_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int,
-                                   ctypes.POINTER(_EspeakEvent))
+_SYNTH_CALLBACK = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_EspeakEvent)
+)
 _EVENT_LIST_TERMINATED, _EVENT_PHONEME = 0, 7
 _AUDIO_OUTPUT_SYNCHRONOUS, _INITIALIZE_PHONEME_EVENTS, _INITIALIZE_DONT_EXIT = 2, 0x0001, 0x8000
 _PARAM_RATE, _PARAM_PITCH, _POS_CHARACTER = 1, 3, 1
@@ -165,10 +323,13 @@ class _Espeak:
 
     def __init__(self) -> None:
         self.lib = ctypes.CDLL("libespeak-ng.so.1")
-        self.rate = self.lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, None,
-                                               _INITIALIZE_PHONEME_EVENTS | _INITIALIZE_DONT_EXIT)
+        self.rate = self.lib.espeak_Initialize(
+            _AUDIO_OUTPUT_SYNCHRONOUS, 0, None, _INITIALIZE_PHONEME_EVENTS | _INITIALIZE_DONT_EXIT
+        )
         if self.rate <= 0:
-            raise RuntimeError(f"espeak_Initialize failed ({self.rate}); reinstall libespeak-ng1 and espeak-ng-data")
+            raise RuntimeError(
+                f"espeak_Initialize failed ({self.rate}); reinstall libespeak-ng1 and espeak-ng-data"
+            )
         self._samples: list[bytes] = []
         self._events: list[tuple[str, int]] = []
         self._callback = _SYNTH_CALLBACK(self._on_audio)  # keep a reference: libespeak calls it
@@ -187,8 +348,10 @@ class _Espeak:
 
     def synth(self, voice: Voice, text: str) -> tuple[np.ndarray, list[tuple[str, float, float]]]:
         if self.lib.espeak_SetVoiceByName(voice.name.encode()) != 0:
-            raise RuntimeError(f"espeak-ng has no voice {voice.name!r}; list them with `espeak-ng --voices=en`")
-        self.lib.espeak_SetParameter(_PARAM_RATE, int(round(175 * voice.rate)), 0)
+            raise RuntimeError(
+                f"espeak-ng has no voice {voice.name!r}; list them with `espeak-ng --voices=en`"
+            )
+        self.lib.espeak_SetParameter(_PARAM_RATE, round(175 * voice.rate), 0)
         self.lib.espeak_SetParameter(_PARAM_PITCH, int(voice.pitch), 0)
         self._samples, self._events = [], []
         data = text.encode() + b"\0"
@@ -231,8 +394,23 @@ def synth_flite(voice: Voice, text: str) -> tuple[np.ndarray, list[tuple[str, fl
     """Returns ``(audio [num_samples] float32 at 16 kHz, [(flite_phone, start_s, end_s), ...])``."""
     with tempfile.TemporaryDirectory() as tmp:
         wav = Path(tmp) / "out.wav"
-        res = subprocess.run(["flite", "-voice", voice.name, "--setf", f"duration_stretch={1.0 / voice.rate:.4f}",
-                              "-psdur", "-t", text, "-o", str(wav)], capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [
+                "flite",
+                "-voice",
+                voice.name,
+                "--setf",
+                f"duration_stretch={1.0 / voice.rate:.4f}",
+                "-psdur",
+                "-t",
+                text,
+                "-o",
+                str(wav),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         ends = []
         for item in res.stdout.split():
             sym, _, end = item.rpartition(":")
@@ -258,12 +436,16 @@ def synth_festival_batch(voice: Voice, texts: list[str]) -> list[tuple[np.ndarra
             )
         script = Path(tmp) / "synth.scm"
         script.write_text("\n".join(lines) + "\n")
-        res = subprocess.run(["festival", "-b", str(script)], capture_output=True, text=True)
+        res = subprocess.run(["festival", "-b", str(script)], capture_output=True, text=True, check=False)
         out: list = []
         for k in range(len(texts)):
             wav, segs = Path(tmp) / f"{k}.wav", Path(tmp) / f"{k}.segs"
             if not wav.exists() or not segs.exists():
-                out.append(RuntimeError(f"festival wrote no audio (rc={res.returncode}): {res.stderr.strip()[-300:]}"))
+                out.append(
+                    RuntimeError(
+                        f"festival wrote no audio (rc={res.returncode}): {res.stderr.strip()[-300:]}"
+                    )
+                )
                 continue
             ends = []
             for line in segs.read_text().splitlines():
@@ -274,8 +456,9 @@ def synth_festival_batch(voice: Voice, texts: list[str]) -> list[tuple[np.ndarra
         return out
 
 
-def to_alignment(spans: list[tuple[str, float, float]], engine: str, duration: float,
-                 time_scale: float = 1.0) -> tuple[list[tuple[str, float, float]], Counter]:
+def to_alignment(
+    spans: list[tuple[str, float, float]], engine: str, duration: float, time_scale: float = 1.0
+) -> tuple[list[tuple[str, float, float]], Counter]:
     """Map engine phones to ARPAbet and make them tile ``[0, duration)`` exactly.
 
     Args:
