@@ -40,6 +40,7 @@ from local.tts import SAMPLE_RATE, Voice, check_tools
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "dev", "test")
+DEV_POOL_FACTOR = 20  # candidate sentences per dev sentence when looking for in-vocabulary ones
 # Share of utterances per engine: espeak has many voices but one synthesis method, so it
 # does not get a share proportional to its number of voices.
 ENGINE_SHARE = {"espeak": 0.5, "flite": 0.3, "festival": 0.2}
@@ -53,6 +54,7 @@ class Size:
         train, dev, test: number of sentences (train gets as many augmented copies again).
         espeak_variants_train / _test: espeak variants used per accent.
         settings_per_voice: rate/pitch settings per flite/festival voice in train (test: 1 less, at least 1).
+        words_per_class: keep only this many words of each template word class (None: all).
     """
 
     train: int
@@ -63,6 +65,7 @@ class Size:
     espeak_accents_test: tuple[str, ...]
     espeak_variants_test: tuple[str, ...]
     settings_per_voice: int
+    words_per_class: int | None = None
 
 
 SIZES = {
@@ -76,7 +79,7 @@ SIZES = {
         ("m6", "m7", "f4", "f5"),
         3,
     ),
-    "tiny": Size(24, 6, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1),
+    "tiny": Size(24, 6, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1, 2),
 }
 
 FLITE_TRAIN = (("kal16", "m"), ("awb", "m"), ("slt", "f"))
@@ -124,15 +127,24 @@ def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
 
 def plan(size: Size, seed: int, audio_dir: Path) -> list[Utterance]:
     """Assign distinct sentences to splits and voices (deterministic in ``seed``)."""
-    sentences = make_sentences(size.train + size.dev + size.test, seed)
+    # A pool larger than needed, so that dev can take sentences whose words all occur in train:
+    # dev frame accuracy needs alignments, and an utterance with a word outside the training
+    # lexicon cannot be aligned. Test sentences are drawn freely (their OOVs count as errors).
+    pool = make_sentences(
+        size.train + size.test + DEV_POOL_FACTOR * size.dev, seed, words_per_class=size.words_per_class
+    )
     rng = random.Random(f"plan-{seed}")
-    rng.shuffle(sentences)
+    rng.shuffle(pool)
+    vocab = {w for text in pool[: size.train] for w in text.split()}
+    rest = pool[size.train :]
+    dev = [t for t in rest if set(t.split()) <= vocab][: size.dev]
+    dev += [t for t in rest if t not in dev][: size.dev - len(dev)]
+    taken = set(dev)
+    split_texts = {"train": pool[: size.train], "dev": dev, "test": [t for t in rest if t not in taken][: size.test]}
     voices = voice_settings(size, seed)
-    counts = {"train": size.train, "dev": size.dev, "test": size.test}
-    utts, start = [], 0
+    utts = []
     for split in SPLITS:
-        texts = sentences[start : start + counts[split]]
-        start += counts[split]
+        texts = split_texts[split]
         by_engine = voices["test" if split == "test" else "train"]
         # engines by share, then round-robin over each engine's settings
         engine_of = rng.choices(list(ENGINE_SHARE), weights=list(ENGINE_SHARE.values()), k=len(texts))

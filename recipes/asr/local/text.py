@@ -251,8 +251,10 @@ _EXTRA_CLASSES = {
 }
 
 
-def _fill(template: str, rng: random.Random) -> str:
-    wc = word_classes()
+def _fill(template: str, rng: random.Random, words_per_class: int | None = None) -> str:
+    wc = {k: v[:words_per_class] for k, v in word_classes().items()}
+    extra = {k: v[:words_per_class] for k, v in _EXTRA_CLASSES.items()}
+    foods = COUNTABLE_FOOD[:words_per_class]
     nouns = wc["THING"] + wc["FOOD"] + wc["ANIMAL"]
     countable = wc["THING"] + wc["ANIMAL"]
 
@@ -262,25 +264,29 @@ def _fill(template: str, rng: random.Random) -> str:
         if slot == "NS":
             return _plural(rng.choice(countable))
         if slot == "FOODS":
-            return _plural(rng.choice(COUNTABLE_FOOD))
+            return _plural(rng.choice(foods))
         if slot in ("VT", "VTP", "VI", "VIP"):
             base, past = rng.choice(wc["VERB_T" if slot.startswith("VT") else "VERB_I"])
             return past if slot.endswith("P") else base
         short = {"P": "PLACE", "J": "ADJ", "C": "COLOR", "K": "NUMBER", "T": "TIME", "R": "ADVERB"}
         if slot in short:
             return rng.choice(wc[short[slot]])
-        if slot in _EXTRA_CLASSES:
-            return rng.choice(_EXTRA_CLASSES[slot])
+        if slot in extra:
+            return rng.choice(extra[slot])
         return rng.choice(wc[slot])
 
     text = re.sub(r"\{(\w+)\}", lambda m: pick(m.group(1)), template)
     return re.sub(r"\ba ([aeiou])", r"an \1", text)
 
 
-def make_sentences(n: int, seed: int, min_words: int = 4, max_words: int = 10) -> list[str]:
+def make_sentences(
+    n: int, seed: int, min_words: int = 4, max_words: int = 10, words_per_class: int | None = None
+) -> list[str]:
     """``n`` distinct UPPERCASE sentences of ``min_words``–``max_words`` words, deterministic in ``seed``.
 
-    Every word is in CMUdict (plurals that CMUdict lacks are re-drawn).
+    Every word is in CMUdict (plurals that CMUdict lacks are re-drawn). ``words_per_class`` keeps
+    only the first words of each word class: a small vocabulary for the tiny test corpus, whose few
+    training sentences must still cover its dev sentences' words.
     """
     rng = random.Random(seed)
     cmu = _cmudict()
@@ -292,7 +298,7 @@ def make_sentences(n: int, seed: int, min_words: int = 4, max_words: int = 10) -
             raise RuntimeError(
                 f"could only make {len(out)} distinct sentences of the {n} asked; add templates or words"
             )
-        text = _fill(rng.choice(TEMPLATES), rng)
+        text = _fill(rng.choice(TEMPLATES), rng, words_per_class)
         words = text.split()
         if not (min_words <= len(words) <= max_words) or any(w not in cmu for w in words):
             continue
