@@ -1,5 +1,4 @@
 """Stage 0: the embedded TTS corpus and real-corpus layouts to Lhotse manifests."""
-# ruff: noqa: F811  (tiny_corpus is a pytest fixture imported from fixtures_corpus)
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import pytest
 import soundfile as sf
 from fixtures_corpus import (
     load_split,
-    tiny_corpus,  # noqa: F401  (pytest fixture)
     tiny_utterances,
     write_kaldi_dir,
     write_librispeech,
