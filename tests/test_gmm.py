@@ -149,7 +149,7 @@ def test_gmm_decoding_writes_wer(trained):
 
 
 def test_converted_alignment_keeps_phones_and_transitions(trained):
-    from local.gmm_common import GmmSystem, convert_alignment, phones_of
+    from local.gmm_common import GmmSystem, convert_alignments, phones_of
     from local.tree_stats import TidTables
 
     data_dir = trained[0]
@@ -158,8 +158,10 @@ def test_converted_alignment_keeps_phones_and_transitions(trained):
     with open(data_dir / "exp" / "mono" / "ali.pkl", "rb") as f:
         alis = pickle.load(f)
     mono_tables, tri_tables = TidTables.from_transition_model(mono.tm), TidTables.from_transition_model(tri.tm)
-    for ali in list(alis.values())[:5]:
-        new = convert_alignment(ali, mono, tri, mono_tables)
+    converted = convert_alignments(alis, mono, tri)
+    assert set(converted) == set(alis)
+    for utt, ali in alis.items():
+        new = converted[utt]
         assert phones_of(new, tri_tables) == phones_of(ali, mono_tables)
         np.testing.assert_array_equal(tri_tables.is_self_loop[new], mono_tables.is_self_loop[ali])
         np.testing.assert_array_equal(tri_tables.pdf_class[new], mono_tables.pdf_class[ali])

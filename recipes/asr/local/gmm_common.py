@@ -231,31 +231,46 @@ def phones_of(ali: np.ndarray, tables: TidTables) -> list[int]:
     return tables.phone[np.asarray(ali, dtype=np.int64)[starts]].tolist()
 
 
-def convert_alignment(ali: np.ndarray, old: GmmSystem, new: GmmSystem, old_tables: TidTables) -> np.ndarray:
-    """Map an alignment to another tree/transition model of the same topology, frame by frame
+def convert_alignments(alis: dict[str, np.ndarray], old: GmmSystem, new: GmmSystem) -> dict[str, np.ndarray]:
+    """Map alignments to another tree/transition model of the same topology, frame by frame
     (Kaldi's ``convert-ali``): each frame keeps its phone, HMM state and transition index; its
-    pdfs come from the new tree with the phone's context."""
-    tid = np.asarray(ali, dtype=np.int64)
-    _, left, right = phone_instances(tid, old_tables)
-    tuple_state = {tuple(t.__getstate__()[:4]): s + 1 for s, t in enumerate(new.tm.tuples)}
-    state2id = new.tm.state2id
-    topo = new.tm.topo
-    cache: dict[tuple, int] = {}
-    out = np.empty(len(tid), dtype=np.int32)
-    for t in range(len(tid)):
-        key = (int(tid[t]), int(left[t]), int(right[t]))
-        if key not in cache:
-            state = old.tm.id2state[key[0]]
-            phone, hmm_state = old.tm.tuples[state - 1].__getstate__()[:2]
-            hmm = topo.topology_for_phone(phone)[hmm_state]
-            ctx = [key[1], phone, key[2]] if new.tree.context_width == 3 else [phone]
-            ok_f, fwd = new.tree.compute(ctx, hmm.forward_pdf_class)
-            ok_s, loop = new.tree.compute(ctx, hmm.self_loop_pdf_class)
-            if not (ok_f and ok_s):
-                raise RuntimeError(f"the new tree has no pdf for context {ctx}; was it built for these phones?")
-            new_state = tuple_state[(phone, hmm_state, fwd, loop)]
-            cache[key] = state2id[new_state] + key[0] - old.tm.state2id[state]
-        out[t] = cache[key]
+    pdfs come from the new tree with the phone's context.
+
+    Args:
+        alis: ``{utt: transition-ids of old [T]}``.
+
+    Returns:
+        ``{utt: transition-ids of new [T]}`` (int32).
+    """
+    old_tables = TidTables.from_transition_model(old.tm)
+    old_tuples = [t.__getstate__()[:2] for t in old.tm.tuples]
+    old_state2id, old_id2state = old.tm.state2id, old.tm.id2state
+    new_state = {tuple(t.__getstate__()[:4]): s + 1 for s, t in enumerate(new.tm.tuples)}
+    new_state2id, topo = new.tm.state2id, new.tm.topo
+    cache: dict[tuple[int, int, int], int] = {}
+
+    def convert(old_tid: int, lphone: int, rphone: int) -> int:
+        state = old_id2state[old_tid]
+        phone, hmm_state = old_tuples[state - 1]
+        hmm = topo.topology_for_phone(phone)[hmm_state]
+        ctx = [lphone, phone, rphone] if new.tree.context_width == 3 else [phone]
+        ok_f, fwd = new.tree.compute(ctx, hmm.forward_pdf_class)
+        ok_s, loop = new.tree.compute(ctx, hmm.self_loop_pdf_class)
+        if not (ok_f and ok_s):
+            raise RuntimeError(f"the new tree has no pdf for context {ctx}; was it built for these phones?")
+        return new_state2id[new_state[(phone, hmm_state, fwd, loop)]] + old_tid - old_state2id[state]
+
+    out = {}
+    for utt, ali in alis.items():
+        tid = np.asarray(ali, dtype=np.int64)
+        _, left, right = phone_instances(tid, old_tables)
+        keys, inverse = np.unique(np.stack([tid, left, right], axis=1), axis=0, return_inverse=True)
+        new_tids = np.empty(len(keys), dtype=np.int32)
+        for k, key in enumerate(map(tuple, keys.tolist())):
+            if key not in cache:
+                cache[key] = convert(*key)
+            new_tids[k] = cache[key]
+        out[utt] = new_tids[inverse.ravel()]
     return out
 
 
