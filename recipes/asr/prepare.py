@@ -88,10 +88,17 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
     raise AssertionError(name)
 
 
-def _summary(result) -> str:
-    if isinstance(result, dict):
-        return ", ".join(f"{k}={_fmt(v)}" for k, v in result.items() if not isinstance(v, (dict, list)))
-    return str(result)
+def _summary(result, prefix: str = "") -> str:
+    """``key=value`` pairs of a stage's result; nested dicts (e.g. per split) one level deep."""
+    if not isinstance(result, dict):
+        return str(result)
+    parts = []
+    for k, v in result.items():
+        if isinstance(v, dict) and not prefix:
+            parts.append(_summary(v, prefix=f"{k}."))
+        elif not isinstance(v, (dict, list)) and not hasattr(v, "__len__") or isinstance(v, str):
+            parts.append(f"{prefix}{k}={_fmt(v)}")
+    return ", ".join(p for p in parts if p)
 
 
 def _fmt(v) -> str:

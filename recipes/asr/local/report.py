@@ -85,7 +85,7 @@ def make_report(data_dir: Path, corpus: str = "synthetic") -> dict:
 
 
 def _wer_text(res) -> str:
-    return "missing" if not res else f"{100 * res['wer']:.2f} %"
+    return "missing" if not res else f"{res['wer']:.2f} %"  # decode.score gives percent
 
 
 def format_summary(report: dict) -> str:
