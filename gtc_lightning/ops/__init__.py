@@ -94,7 +94,8 @@ def compress_torch(grad: torch.Tensor, residual: torch.Tensor, tau32: float) -> 
     Args and returns as ``compress_reference``; raises ``ValueError`` with the count of
     non-finite elements in ``grad`` before ``residual`` is touched.
     """
-    bad = int((~torch.isfinite(grad)).sum())
+    # One reduction in the common case: a finite sum means every element is finite.
+    bad = 0 if bool(torch.isfinite(grad.sum())) else int((~torch.isfinite(grad)).sum())
     if bad:
         raise ValueError(f"grad has {bad} non-finite element(s) (NaN/Inf); residual left unchanged")
     return compress_reference(grad, residual, tau32)

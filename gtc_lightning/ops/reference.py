@@ -24,13 +24,14 @@ def compress_reference(grad: torch.Tensor, residual: torch.Tensor, tau: float) -
         ``[m]`` int32 words in ascending index order: ``i`` for +tau, ``i | 1 << 31`` for -tau.
     """
     residual.add_(grad)
-    plus = residual > tau
-    minus = residual < -tau
-    index = torch.nonzero(plus | minus).squeeze(1)
+    # |r| > tau is exactly (r > tau or r < -tau): r is never NaN here (grad is finite).
+    index = torch.nonzero(residual.abs() > tau).squeeze(1)
+    values = residual[index]
+    negative = values < 0
     words = index.to(torch.int32)
-    words = torch.where(minus[index], words | SIGN_BIT, words)
-    # Untouched elements keep their exact bits (-0.0 included), as in the kernel.
-    residual.copy_(torch.where(plus, residual - tau, torch.where(minus, residual + tau, residual)))
+    words = torch.where(negative, words | SIGN_BIT, words)
+    # Only emitted elements are written: the others keep their exact bits (-0.0 too), as in the kernel.
+    residual[index] = torch.where(negative, values + tau, values - tau)
     return words
 
 
@@ -46,8 +47,6 @@ def decompress_reference(words: torch.Tensor, numel: int, scale: float) -> torch
         ``[numel]`` float32 ``scale * (#plus - #minus)``.
     """
     index = (words & INDEX_MASK).long()
-    negative = words < 0
-    counts = torch.bincount(index[~negative], minlength=numel) - torch.bincount(
-        index[negative], minlength=numel
-    )
-    return counts.to(torch.float32) * scale
+    votes = torch.where(words < 0, -1, 1).to(torch.int32)
+    counts = torch.zeros(numel, dtype=torch.int32, device=words.device).index_add_(0, index, votes)
+    return counts.to(torch.float32).mul_(scale)
