@@ -119,6 +119,11 @@ class GTCStrategy(DDPStrategy):
         self._checked_step = 0
 
     @property
+    def tau(self) -> float:
+        """The compression threshold."""
+        return self._tau
+
+    @property
     def gtc_state(self) -> GTCState | None:
         """The hook's state (residuals, counters); ``None`` before ``fit`` configured DDP."""
         return self._gtc_state

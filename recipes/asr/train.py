@@ -179,7 +179,7 @@ class RunSummary(Callback):
             "strategy_class": type(strategy).__name__,
             "world_size": trainer.world_size,
             "accelerator": type(trainer.accelerator).__name__,
-            "tau": getattr(strategy, "tau", getattr(strategy, "_tau", None)),
+            "tau": getattr(strategy, "tau", None),
             "gtc": getattr(strategy, "gtc_stats", None),  # rank 0's step count and byte totals
             "epochs": trainer.current_epoch,
             "global_steps": trainer.global_step,
