@@ -4,6 +4,10 @@ and ``import lightning`` already does (through torch._dynamo): so set it first o
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests fork 2-rank trainers (start_method="fork"). A child that inherits an OpenMP thread pool
+# the parent already started hangs in its first parallel op (GNU OpenMP is not fork-safe), so the
+# whole session stays single-threaded: 2 cores give little speed-up anyway.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -14,6 +18,9 @@ sys.path.insert(0, str(ROOT / "recipes" / "asr"))
 import shutil  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 from fixtures_corpus import tiny_corpus  # noqa: E402,F401  (session fixture)
 
 
@@ -27,3 +34,11 @@ def tiny_aligned(tiny_corpus, tmp_path_factory) -> Path:  # noqa: F811
     shutil.copytree(tiny_corpus, data_dir, dirs_exist_ok=True)
     prepare(corpus="synthetic", size="tiny", data_dir=data_dir, stage=1, stop_stage=6, num_jobs=1)
     return data_dir
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test starts single-threaded (some code under test sets more threads), so that the
+    fork-started ranks of the next test never inherit a multi-threaded OpenMP state."""
+    torch.set_num_threads(1)
+    yield
