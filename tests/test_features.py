@@ -135,3 +135,19 @@ def test_two_jobs_same_result(featdir, tmp_path):
         np.testing.assert_array_equal(a.load_features(), b.load_features())
     with pytest.raises(ValueError, match="num_jobs"):
         compute_features(tmp_path, num_jobs=0)
+
+
+def test_gmm_features_per_speaker_cmvn(featdir):
+    from local.features import gmm_cmvn_key, gmm_speaker_means
+
+    d, _, _ = featdir
+    cuts = list(CutSet.from_file(d / "features" / "train_cuts.jsonl.gz"))
+    means = gmm_speaker_means(cuts)
+    key = gmm_cmvn_key(cuts[0])
+    mine = [c for c in cuts if gmm_cmvn_key(c) == key]
+    x = np.concatenate([gmm_features(c, means) for c in mine])
+    np.testing.assert_allclose(x[:, :13].mean(0), 0, atol=1e-3)  # zero mean over the speaker, not each utterance
+    if len(mine) > 1:
+        assert np.abs(gmm_features(mine[0], means)[:, :13].mean(0)).max() > 1e-3
+    with pytest.raises(ValueError, match="no CMVN mean"):
+        gmm_features(cuts[0], {})

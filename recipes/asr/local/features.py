@@ -241,8 +241,48 @@ def add_deltas(x: np.ndarray, order: int = 2, window: int = DELTA_WINDOW) -> np.
     return np.concatenate(out, axis=1).astype(np.float32)
 
 
-def gmm_features(cut) -> np.ndarray:
-    """The GMM front end for one cut: 13 MFCC, per-utterance mean normalisation (Kaldi's
-    ``apply-cmvn`` default ``norm_vars=false``), Δ and ΔΔ -> ``[T, 39]`` float32."""
+def gmm_cmvn_key(cut) -> str:
+    """The CMVN "speaker" of a cut for the GMM front end: its supervision's speaker (a voice
+    setting of the synthetic corpus), with augmented copies (``augmentation`` in the supervision's
+    custom fields) pooled apart, as Kaldi gives perturbed data its own speaker prefix. A cut
+    without a speaker is its own speaker (per-utterance CMVN)."""
+    sup = cut.supervisions[0] if cut.supervisions else None
+    if sup is None or sup.speaker is None:
+        return f"utt:{cut.id}"
+    aug = "augmentation" in (sup.custom or {}) or "augmentation" in (cut.custom or {}) or cut.id.endswith("-aug")
+    return f"{sup.speaker}-aug" if aug else sup.speaker
+
+
+def gmm_speaker_means(cuts) -> dict[str, np.ndarray]:
+    """Per-speaker mean of the 13 MFCC (Kaldi's ``compute-cmvn-stats --spk2utt``) over ``cuts``,
+    keyed by ``gmm_cmvn_key``: the statistics of one data split, unsupervised (no transcripts), so
+    a test speaker is normalised with its own test utterances as in Kaldi's offline decoding.
+
+    Returns:
+        ``{key: mean [13] float64}``.
+    """
+    sums: dict[str, list] = {}
+    for cut in cuts:
+        ceps = np.asarray(cut.load_custom("mfcc"), dtype=np.float64)
+        acc = sums.setdefault(gmm_cmvn_key(cut), [0, np.zeros(ceps.shape[1])])
+        acc[0] += len(ceps)
+        acc[1] += ceps.sum(0)
+    return {k: total / max(n, 1) for k, (n, total) in sums.items()}
+
+
+def gmm_features(cut, speaker_means: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """The GMM front end for one cut: 13 MFCC, mean normalisation (Kaldi's ``apply-cmvn``
+    default ``norm_vars=false``), Δ and ΔΔ -> ``[T, 39]`` float32.
+
+    Args:
+        cut: a cut with ``cut.mfcc`` (stage 1).
+        speaker_means: per-speaker means (``gmm_speaker_means``); the cut's speaker must be in
+            it. None normalises each utterance by its own mean.
+    """
     ceps = np.asarray(cut.load_custom("mfcc"), dtype=np.float32)
-    return add_deltas(ceps - ceps.mean(axis=0, keepdims=True))
+    if speaker_means is None:
+        return add_deltas(ceps - ceps.mean(axis=0, keepdims=True))
+    key = gmm_cmvn_key(cut)
+    if key not in speaker_means:
+        raise ValueError(f"no CMVN mean for speaker {key!r} of cut {cut.id}; compute gmm_speaker_means over its split")
+    return add_deltas(ceps - speaker_means[key].astype(np.float32))

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 ACOUSTIC_SCALE = 0.1  # Kaldi's --acoustic-scale for alignment
 SELF_LOOP_SCALE = 0.1
 TRANSITION_SCALE = 1.0
+CMVN = "utterance"
 
 
 @dataclass
@@ -276,7 +277,7 @@ def convert_alignments(alis: dict[str, np.ndarray], old: GmmSystem, new: GmmSyst
 
 # ---------------------------------------------------------------- data
 def is_augmented(cut) -> bool:
-    """True for the sox-augmented copy of a training utterance (the GMMs train on clean speech).
+    """True for the sox-augmented copy of a training utterance.
 
     The synthetic corpus marks it with an ``augmentation`` entry in the supervision's custom
     fields and a ``-aug`` id suffix.
@@ -298,13 +299,18 @@ class Utterances:
         return [c.id for c in self.cuts]
 
 
-def load_utterances(data_dir: Path, split: str, clean_only: bool = True) -> Utterances:
+def load_utterances(data_dir: Path, split: str, clean_only: bool = True, cmvn: str | None = None) -> Utterances:
     """Feature cuts of ``split``; for train only those the lang stage kept (no OOV) and, with
-    ``clean_only``, no augmented copies."""
+    ``clean_only``, no augmented copies. ``cmvn``: "speaker" or "utterance" mean normalisation
+    of the GMM features (``features.gmm_features``), None for the module default ``CMVN``."""
     from lhotse import CutSet
 
-    from local.features import gmm_features
+    from local.features import gmm_features, gmm_speaker_means
     from local.lang import cut_words
+
+    cmvn = CMVN if cmvn is None else cmvn
+    if cmvn not in ("speaker", "utterance"):
+        raise ValueError(f"cmvn={cmvn!r}; use 'speaker' or 'utterance'")
 
     path = Path(data_dir) / "features" / f"{split}_cuts.jsonl.gz"
     if not path.exists():
@@ -317,7 +323,8 @@ def load_utterances(data_dir: Path, split: str, clean_only: bool = True) -> Utte
             cuts = [c for c in cuts if c.id in kept]
         if clean_only:
             cuts = [c for c in cuts if not is_augmented(c)]
-    feats = {c.id: gmm_features(c) for c in cuts}
+    means = gmm_speaker_means(cuts) if cmvn == "speaker" else None
+    feats = {c.id: gmm_features(c, means) for c in cuts}
     return Utterances(cuts, feats, {c.id: cut_words(c) for c in cuts})
 
 

@@ -71,6 +71,7 @@ def train_mono(
     total_gauss: int = 1000,
     beam: float = 10.0,
     seed: int = 0,
+    augmented: bool = True,
     decode: bool = True,
     scales: tuple[float, ...] | None = None,
 ) -> dict:
@@ -83,6 +84,9 @@ def train_mono(
         beam: Viterbi alignment beam (retry beam 40).
         seed: random seed of the flat start.
         scales: acoustic scales tried on dev (default ``gmm_decode.ACOUSTIC_SCALES``).
+        augmented: train on the sox-augmented copies too (those that fail alignment are dropped
+            and counted). Held-out-voice validation (11 training voice settings left out of GMM
+            training, their 347 clean utterances decoded): WER 21.4 % clean-only, 19.6 % with them.
         decode: decode dev and test with the final model (``exp/mono/decode_*``).
 
     Returns:
@@ -94,7 +98,7 @@ def train_mono(
     start = time.perf_counter()
     clear_drops(data_dir, "mono")
     lang = load_lang(data_dir / "lang")
-    utts = load_utterances(data_dir, "train")
+    utts = load_utterances(data_dir, "train", clean_only=not augmented)
     if not utts.cuts:
         raise RuntimeError(f"no training utterances in {data_dir}/features/train_cuts.jsonl.gz after OOV filtering")
     system = init_mono(lang.topo_text, np.concatenate(list(utts.feats.values())))
