@@ -34,7 +34,7 @@ from local.model import AcousticModel
 
 log = logging.getLogger("evaluate")
 
-DEFAULT_SCALES = (0.05, 0.067, 0.083, 0.1, 0.125, 0.167)  # 1 / LM weight for LM weights 20 .. 6
+DEFAULT_SCALES = (0.1, 0.125, 0.167, 0.2, 0.25, 0.333)  # 1 / LM weight for LM weights 10 .. 3; smaller scales decode far slower (flatter scores fill the beam)
 
 
 def load_checkpoint(path: Path | str) -> tuple[AcousticModel, int]:

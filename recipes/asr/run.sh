@@ -18,8 +18,8 @@ if [ "$stage" -le 0 ]; then
   $python recipes/asr/prepare.py --data-dir "$data"
 fi
 if [ "$stage" -le 1 ]; then
-  echo "== stage 1: single-device baseline -> $exp/baseline"
-  $python recipes/asr/train.py --strategy single --data.data_dir "$data" --exp_dir "$exp" --run_name baseline
+  echo "== stage 1: single-device baseline (global batch of the 2-worker runs) -> $exp/baseline"
+  $python recipes/asr/train.py --config conf/baseline.yaml --data.data_dir "$data" --exp_dir "$exp"
 fi
 if [ "$stage" -le 2 ]; then
   echo "== stage 2: GTC, 2 workers -> $exp/gtc"
