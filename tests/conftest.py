@@ -9,19 +9,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # whole session stays single-threaded: 2 cores give little speed-up anyway.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import sys
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes" / "asr"))
 
-import shutil  # noqa: E402
+import shutil
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 torch.set_num_threads(1)
-from fixtures_corpus import tiny_corpus  # noqa: E402,F401  (session fixture)
+from fixtures_corpus import tiny_corpus  # noqa: F401  (session fixture)
 
 
 @pytest.fixture(scope="session")

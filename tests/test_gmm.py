@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from local.drops import load_drops
 from local.kaldi import khg
 from local.lang import make_topo
@@ -80,11 +79,10 @@ def test_update_grows_mixtures_to_target():
 def trained(tmp_path_factory):
     """Tiny corpus through lang, then mono, tri (decoding at one scale) and the align stage."""
     sys.path.insert(0, str(ROOT / "recipes" / "asr"))
-    from prepare import prepare
-
     from local.align import align
     from local.gmm_mono import train_mono
     from local.gmm_tri import train_tri
+    from prepare import prepare
 
     data_dir = tmp_path_factory.mktemp("gmm") / "tiny"
     prepare(corpus="synthetic", data_dir=data_dir, size="tiny", stop_stage=2, num_jobs=1)
@@ -96,7 +94,6 @@ def trained(tmp_path_factory):
 
 def test_alignments_cover_every_kept_utterance_frame_by_frame(trained):
     from lhotse import CutSet
-
     from local.gmm_common import is_augmented
 
     data_dir, mono, tri, _ = trained
@@ -120,7 +117,6 @@ def test_alignments_cover_every_kept_utterance_frame_by_frame(trained):
 
 def test_pdf_alignment_cuts_and_priors(trained):
     from lhotse import CutSet
-
     from local.gmm_common import GmmSystem
 
     data_dir, _, _, summary = trained
@@ -173,7 +169,6 @@ def test_converted_alignment_keeps_phones_and_transitions(trained):
 def test_phone_agreement_is_one_for_gold_equal_to_alignment_and_drops_with_shift(trained):
     from lhotse import CutSet
     from lhotse.supervision import AlignmentItem
-
     from local.align import phone_agreement
     from local.gmm_common import GmmSystem, phone_instances
     from local.lang import load_lang
@@ -205,7 +200,6 @@ def test_phone_agreement_is_one_for_gold_equal_to_alignment_and_drops_with_shift
 
 def test_too_short_utterances_are_dropped_with_a_reason(trained):
     from lhotse import CutSet
-
     from local.align import align_cuts
     from local.gmm_common import GmmSystem, Utterances, compile_graphs
     from local.gmm_mono import flat_start
@@ -230,7 +224,6 @@ def test_too_short_utterances_are_dropped_with_a_reason(trained):
 
 def test_alignment_failure_is_dropped_not_raised(trained):
     from lhotse import CutSet
-
     from local.gmm_common import GmmSystem, Utterances, compile_graphs, realign_all
     from local.lang import cut_words, load_lang
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from local.drops import clear_drops  # noqa: E402
+from local.drops import clear_drops
 
 log = logging.getLogger("prepare")
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from local.drops import clear_drops, record_drop
 from local.gmm_common import GmmSystem, compile_graphs, equal_alignment, is_augmented, viterbi_align
-from local.lang import SIL, cut_words, load_lang
+from local.lang import cut_words, load_lang
 from local.tree_stats import TidTables
 
 log = logging.getLogger(__name__)

@@ -36,9 +36,9 @@ CMVN = "utterance"
 class GmmSystem:
     """A GMM-HMM: transition model, per-pdf diagonal GMMs, context-dependency tree."""
 
-    tm: "khg.TransitionModel"
-    am: "khg.AmDiagGmm"
-    tree: "khg.ContextDependency"
+    tm: khg.TransitionModel
+    am: khg.AmDiagGmm
+    tree: khg.ContextDependency
 
     def save(self, path: Path | str) -> None:
         """Pickle to ``path`` (the khg objects pickle through Kaldi's binary format)."""
@@ -47,7 +47,7 @@ class GmmSystem:
             pickle.dump({"tm": self.tm, "am": self.am, "tree": self.tree}, f)
 
     @classmethod
-    def load(cls, path: Path | str) -> "GmmSystem":
+    def load(cls, path: Path | str) -> GmmSystem:
         if not Path(path).exists():
             raise RuntimeError(f"{path} is missing; run the stage that trains it first")
         with open(path, "rb") as f:
@@ -62,13 +62,13 @@ class GmmSystem:
         return {"pdfs": self.tm.num_pdfs, "gaussians": self.am.num_gauss, "transition_ids": self.tm.num_transition_ids}
 
 
-def read_topology(topo_text: str) -> "khg.HmmTopology":
+def read_topology(topo_text: str) -> khg.HmmTopology:
     topo = khg.HmmTopology()
     topo.read(topo_text)
     return topo
 
 
-def single_gaussian_am(means: np.ndarray, variances: np.ndarray) -> "khg.AmDiagGmm":
+def single_gaussian_am(means: np.ndarray, variances: np.ndarray) -> khg.AmDiagGmm:
     """One diagonal Gaussian per pdf. Args: means, variances ``[num_pdfs, D]``."""
     am = khg.AmDiagGmm()
     for mean, var in zip(np.asarray(means, np.float32), np.asarray(variances, np.float32)):
@@ -137,7 +137,7 @@ def viterbi_align(
 class Stats:
     """Sufficient statistics of one pass over the data."""
 
-    accs: "khg.AccumAmDiagGmm"
+    accs: khg.AccumAmDiagGmm
     transitions: np.ndarray  # [num_transition_ids + 1] float64 counts per transition-id
     pdf_occs: np.ndarray  # [num_pdfs] float32 frames per pdf
     log_like: float  # total GMM log-likelihood of the aligned frames

@@ -122,7 +122,7 @@ def train_tri(
     utts = load_utterances(data_dir, "train", clean_only=not augmented)
     mono_alis = {u: a for u, a in mono_alis.items() if u in utts.feats}
     if not mono_alis:
-        raise RuntimeError(f"exp/mono/ali.pkl has no alignment of the current training cuts; re-run stage 3")
+        raise RuntimeError("exp/mono/ali.pkl has no alignment of the current training cuts; re-run stage 3")
 
     system, tree_summary = build_triphone_system(
         mono, mono_alis, utts.feats, lang, num_leaves, min_count=min_count, shared_roots=shared_roots

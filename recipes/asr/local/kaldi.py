@@ -5,7 +5,9 @@
 Every recipe module takes ``khg`` and ``kaldifst`` from here.
 """
 
-import kaldi_hmm_gmm as khg  # noqa: I001  (order matters, see above)
+# isort: off  (kaldi_hmm_gmm first: see above)
+import kaldi_hmm_gmm as khg
 import kaldifst
+# isort: on
 
-__all__ = ["khg", "kaldifst"]
+__all__ = ["kaldifst", "khg"]
