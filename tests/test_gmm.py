@@ -96,7 +96,7 @@ def test_alignments_cover_every_kept_utterance_frame_by_frame(trained):
     from lhotse import CutSet
     from local.gmm_common import is_augmented
 
-    data_dir, mono, tri, _ = trained
+    data_dir, _mono, tri, _ = trained
     kept = set((data_dir / "lang" / "train_ids.txt").read_text().split())
     dropped = {d["id"] for d in load_drops(data_dir) if d["stage"] in ("mono", "tri")}
     cuts = {c.id: c for c in CutSet.from_file(data_dir / "features" / "train_cuts.jsonl.gz")}

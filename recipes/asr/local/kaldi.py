@@ -8,6 +8,7 @@ Every recipe module takes ``khg`` and ``kaldifst`` from here.
 # isort: off  (kaldi_hmm_gmm first: see above)
 import kaldi_hmm_gmm as khg
 import kaldifst
+
 # isort: on
 
 __all__ = ["kaldifst", "khg"]
