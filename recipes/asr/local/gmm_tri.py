@@ -127,7 +127,8 @@ def train_tri(
     system, tree_summary = build_triphone_system(
         mono, mono_alis, utts.feats, lang, num_leaves, min_count=min_count, shared_roots=shared_roots
     )
-    (exp / "tree").write_bytes(tree_summary.pop("blob"))
+    # Kaldi's binary file form ("\0B" header, then the blob), which Kaldi tools and khg read back.
+    (exp / "tree").write_bytes(b"\0B" + tree_summary.pop("blob"))
     alis = convert_alignments(mono_alis, mono, system)
     graphs = compile_graphs(system, lang, {u: lang.word_ids(utts.words[u]) for u in alis})
     tree_seconds = time.perf_counter() - start
