@@ -38,11 +38,20 @@ def _decoder(hclg, beam: float, max_active: int, lattice_beam: float):
     return khg.LatticeFasterDecoder(hclg, config)
 
 
-def _run(decoder, trans_model, utt_id: str, decodable) -> list[int] | None:
-    ok, _, word_ids, _ = khg.decode_utterance_lattice_faster(
-        decoder=decoder, decodable=decodable, trans_model=trans_model, utt=utt_id, allow_partial=True
-    )
-    return list(word_ids) if ok else None
+def _decode_all(hclg, trans_model, decodables, beam: float, max_active: int, lattice_beam: float) -> dict:
+    """Best word sequence per utterance; ``decodables`` yields ``(utt_id, num_frames, decodable)``."""
+    decoder = _decoder(hclg, beam, max_active, lattice_beam)
+    out, failed, frames, t0 = {}, [], 0, time.time()
+    for utt_id, num_frames, decodable in decodables:
+        ok, _, word_ids, _ = khg.decode_utterance_lattice_faster(
+            decoder=decoder, decodable=decodable, trans_model=trans_model, utt=utt_id, allow_partial=True
+        )
+        if not ok:
+            failed.append(utt_id)
+        out[utt_id] = list(word_ids) if ok else []
+        frames += num_frames
+    _log_speed(len(out), failed, frames, t0)
+    return out
 
 
 def decode_utterances(
@@ -67,23 +76,19 @@ def decode_utterances(
         ``{utt_id: [word ids]}``; an utterance where no path survives gets ``[]`` (logged).
     """
     tid2pdf = tid_to_pdf(trans_model)
-    decoder = _decoder(hclg, beam, max_active, lattice_beam)
-    out, failed, frames, t0 = {}, [], 0, time.time()
-    for utt_id, loglik in utterances:
-        loglik = np.asarray(loglik, dtype=np.float32)
-        if loglik.ndim != 2 or loglik.shape[1] != trans_model.num_pdfs:
-            raise ValueError(
-                f"{utt_id}: log-likelihoods of shape {loglik.shape}, expected [T, {trans_model.num_pdfs}] "
-                "(one column per pdf of the transition model)"
-            )
-        per_tid = np.ascontiguousarray(acoustic_scale * loglik[:, tid2pdf])
-        words = _run(decoder, trans_model, utt_id, khg.DecodableCtc(per_tid))
-        if words is None:
-            failed.append(utt_id)
-        out[utt_id] = words or []
-        frames += loglik.shape[0]
-    _log_speed(len(out), failed, frames, t0)
-    return out
+
+    def decodables():
+        for utt_id, loglik in utterances:
+            loglik = np.asarray(loglik, dtype=np.float32)
+            if loglik.ndim != 2 or loglik.shape[1] != trans_model.num_pdfs:
+                raise ValueError(
+                    f"{utt_id}: log-likelihoods of shape {loglik.shape}, expected [T, {trans_model.num_pdfs}] "
+                    "(one column per pdf of the transition model)"
+                )
+            per_tid = np.ascontiguousarray(acoustic_scale * loglik[:, tid2pdf])
+            yield utt_id, loglik.shape[0], khg.DecodableCtc(per_tid)
+
+    return _decode_all(hclg, trans_model, decodables(), beam, max_active, lattice_beam)
 
 
 def decode_utterances_gmm(
@@ -97,18 +102,15 @@ def decode_utterances_gmm(
     lattice_beam: float = 6.0,
 ) -> dict[str, list[int]]:
     """Decode GMM features: ``utterances`` yields ``(utt_id, feats [T, D])`` for ``am`` (``khg.AmDiagGmm``)."""
-    decoder = _decoder(hclg, beam, max_active, lattice_beam)
-    out, failed, frames, t0 = {}, [], 0, time.time()
-    for utt_id, feats in tqdm(utterances, desc="decode", leave=False, mininterval=2.0):
-        feats = np.ascontiguousarray(feats, dtype=np.float32)
-        decodable = khg.DecodableAmDiagGmmScaled(am=am, tm=trans_model, feats=feats, scale=acoustic_scale)
-        words = _run(decoder, trans_model, utt_id, decodable)
-        if words is None:
-            failed.append(utt_id)
-        out[utt_id] = words or []
-        frames += feats.shape[0]
-    _log_speed(len(out), failed, frames, t0)
-    return out
+
+    def decodables():
+        for utt_id, feats in tqdm(utterances, desc="decode", leave=False, mininterval=2.0):
+            feats = np.ascontiguousarray(feats, dtype=np.float32)
+            yield utt_id, feats.shape[0], khg.DecodableAmDiagGmmScaled(
+                am=am, tm=trans_model, feats=feats, scale=acoustic_scale
+            )
+
+    return _decode_all(hclg, trans_model, decodables(), beam, max_active, lattice_beam)
 
 
 def _log_speed(n: int, failed: list[str], frames: int, t0: float) -> None:
