@@ -199,12 +199,13 @@ class RunSummary(Callback):
                  summary["train_seconds"], [f"{a:.4f}" for a in summary["dev_frame_acc"]], path)
 
 
-def build_cli(argv: list[str]) -> AsrCLI:
-    """Parse ``argv`` (shortcut included), prepare data if needed, instantiate model, data, trainer."""
+def build_cli(argv: list[str] | None) -> AsrCLI:
+    """Parse ``argv`` (shortcut included; ``None``: ``sys.argv``, already expanded), prepare data if
+    needed, instantiate model, data, trainer."""
     return AsrCLI(
         AcousticModel,
         AsrDataModule,
-        args=expand_strategy_shortcut(argv),
+        args=None if argv is None else expand_strategy_shortcut(argv),
         run=False,
         parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)], "description": __doc__,
                        "formatter_class": argparse.RawDescriptionHelpFormatter},
@@ -215,7 +216,10 @@ def build_cli(argv: list[str]) -> AsrCLI:
 
 def main(argv: list[str] | None = None) -> AsrCLI:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cli = build_cli(sys.argv[1:] if argv is None else argv)
+    if argv is None:
+        # Expanded in place: Lightning's popen launcher starts the other ranks with sys.argv.
+        sys.argv[1:] = expand_strategy_shortcut(sys.argv[1:])
+    cli = build_cli(argv)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     return cli
 
