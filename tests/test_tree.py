@@ -159,29 +159,14 @@ def test_leaves_with_the_same_distribution_merge_into_one_pdf():
     assert result.pdf_id(0, 3, 4, 2) == result.pdf_id(0, 3, 5, 2) != result.pdf_id(0, 3, 6, 2)
     assert pdfs_in(result.root) == set(range(result.num_pdfs))
     unmerged = build_tree(
-        stats,
-        singletons,
-        [SIL],
-        PHONES,
-        NUM_CLASSES,
-        num_leaves=100,
-        min_count=100,
-        thresh=300,
-        cluster_thresh=0.0,
+        stats, singletons, [SIL], PHONES, NUM_CLASSES, num_leaves=100, min_count=100, thresh=300, cluster_thresh=0.0
     )
     assert unmerged.num_pdfs == unmerged.summary["leaves"]
 
 
 def test_shared_pdf_class_roots_ask_about_the_pdf_class():
     result = build_tree(
-        planted_stats(),
-        None,
-        [SIL],
-        PHONES,
-        NUM_CLASSES,
-        num_leaves=100,
-        min_count=100,
-        thresh=300,
+        planted_stats(), None, [SIL], PHONES, NUM_CLASSES, num_leaves=100, min_count=100, thresh=300,
         share_pdf_classes=True,
     )
     keys = {key for key, _ in splits(result.root)}

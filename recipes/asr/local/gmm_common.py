@@ -13,6 +13,7 @@ occupancy ``n``, sums ``Σx`` and ``Σx²`` is reproduced exactly by the frames
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 from dataclasses import dataclass
@@ -45,6 +46,14 @@ class GmmSystem:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
             pickle.dump({"tm": self.tm, "am": self.am, "tree": self.tree}, f)
+
+    def save_run(self, exp: Path, alis: dict, history: list) -> None:
+        """A trained stage's outputs in ``exp``: ``final.pkl``, ``ali.pkl`` (transition-ids per
+        utterance) and ``history.json`` (one entry per training pass)."""
+        self.save(exp / "final.pkl")
+        with open(exp / "ali.pkl", "wb") as f:
+            pickle.dump(alis, f)
+        (exp / "history.json").write_text(json.dumps(history, indent=1))
 
     @classmethod
     def load(cls, path: Path | str) -> GmmSystem:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import time
 from pathlib import Path
 
@@ -115,10 +114,7 @@ def train_mono(
     from local.gmm_common import realign_all
 
     alis = realign_all(system, graphs, utts, list(alis), data_dir, "mono", beam=beam)
-    system.save(exp / "final.pkl")
-    with open(exp / "ali.pkl", "wb") as f:
-        pickle.dump(alis, f)
-    (exp / "history.json").write_text(json.dumps(history, indent=1))
+    system.save_run(exp, alis, history)
     train_seconds = time.perf_counter() - start
     summary = {
         "utterances": len(alis),

@@ -139,10 +139,7 @@ def train_tri(
         data_dir=data_dir, stage="tri", beam=beam,
     )
     alis = realign_all(system, graphs, utts, list(alis), data_dir, "tri", beam=beam)
-    system.save(exp / "final.pkl")
-    with open(exp / "ali.pkl", "wb") as f:
-        pickle.dump(alis, f)
-    (exp / "history.json").write_text(json.dumps(history, indent=1))
+    system.save_run(exp, alis, history)
     summary = {
         "utterances": len(alis),
         "leaves": tree_summary.get("leaves"),
