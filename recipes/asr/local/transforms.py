@@ -1,0 +1,268 @@
+"""Feature-space linear transforms for diagonal-covariance GMMs (Kaldi's ``gmm-est-fmllr``,
+``est-mllt``, ``acc-lda``/``est-lda`` and ``splice-feats``), in numpy with float64 maths.
+
+* **fMLLR** (constrained MLLR, Gales 1998): a per-speaker affine map ``x -> A x + b``,
+  ``W = [A b]`` ``[D, D+1]``, chosen to maximise the likelihood of the speaker's frames under the
+  model (Jacobian ``log|det A|`` included). With the extended vector ``xi = [x; 1]`` and the
+  Gaussian posteriors ``gamma`` of the aligned pdfs, the auxiliary function is
+  ``Q(W) = beta log|det A| + sum_i (w_i . k_i - 0.5 w_i G_i w_i')`` where ``beta = sum gamma``,
+  ``K = sum gamma (mu / var) xi'`` and ``G_i = sum gamma / var[i] xi xi'``.
+* **MLLT** (semi-tied covariance, Gales 1999): one square ``A`` for all Gaussians that makes
+  diagonal covariances fit better; ``Q(A) = beta log|det A| - 0.5 sum_i a_i G_i a_i'`` with
+  ``G_i = sum gamma / var[i] (x - mu)(x - mu)'``. Applying it means ``x -> A x`` and
+  ``mu -> A mu`` (then re-estimating the GMMs), and composing it after the LDA matrix.
+* **LDA**: the projection that maximises between-class over within-class variance of spliced
+  frames, scaled so that the projected within-class covariance is the identity.
+
+Both Q's are maximised by Gales' row-by-row update: ``det A`` is linear in row ``i`` through the
+cofactor row ``c_i``, so with the other rows fixed the row optimum is
+``w_i = G_i^-1 (alpha c_i + k_i)``, where ``alpha`` solves a quadratic; of its two roots the one
+with the larger Q is kept. Each row update is the exact maximum over that row, so Q never drops.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def gaussian_posteriors(am, feats: np.ndarray, pdfs: np.ndarray, weights: np.ndarray | None = None) -> list:
+    """Within-pdf Gaussian posteriors of aligned frames, one ``log_likelihoods_matrix`` per pdf.
+
+    Args:
+        am: ``khg.AmDiagGmm``. feats: ``[T, D]``. pdfs: pdf of each frame ``[T]``.
+        weights: per-frame weight ``[T]`` (None: all 1); frames of weight 0 are left out.
+
+    Returns:
+        ``[(pdf, frame indices [n], posteriors [n, G] float64 times the frame weights)]``.
+    """
+    feats, pdfs = np.asarray(feats, np.float32), np.asarray(pdfs, np.int64)
+    weights = np.ones(len(pdfs)) if weights is None else np.asarray(weights, np.float64)
+    if not len(feats) == len(pdfs) == len(weights):
+        raise ValueError(f"{len(feats)} frames, {len(pdfs)} pdfs and {len(weights)} weights; they must match")
+    if len(pdfs) and (pdfs.min() < 0 or pdfs.max() >= am.num_pdfs):
+        raise ValueError(f"pdf ids span {pdfs.min()}..{pdfs.max()}; the model has {am.num_pdfs} pdfs")
+    frames = np.flatnonzero(weights != 0)
+    frames = frames[np.argsort(pdfs[frames], kind="stable")]
+    out = []
+    for idx in np.split(frames, np.flatnonzero(np.diff(pdfs[frames])) + 1):
+        if len(idx) == 0:
+            continue
+        p = int(pdfs[idx[0]])
+        ll = np.asarray(am.get_pdf(p).log_likelihoods_matrix(feats[idx]), np.float64)  # [n, G]
+        post = np.exp(ll - ll.max(1, keepdims=True))
+        post *= (weights[idx] / post.sum(1))[:, None]
+        out.append((p, idx, post))
+    return out
+
+
+def _outer_sum(coef: np.ndarray, x: np.ndarray, chunk: int = 2048) -> np.ndarray:
+    """``sum_t coef[t, m] x_t x_t'`` for every m: ``[M, d, d]`` (in chunks of frames, to bound memory)."""
+    d = x.shape[1]
+    out = np.zeros((coef.shape[1], d * d))
+    for s in range(0, len(x), chunk):
+        xs = x[s : s + chunk]
+        out += coef[s : s + chunk].T @ (xs[:, :, None] * xs[:, None, :]).reshape(len(xs), d * d)
+    return out.reshape(-1, d, d)
+
+
+def _pdf_params(am, p: int) -> tuple[np.ndarray, np.ndarray]:
+    g = am.get_pdf(p)
+    return np.asarray(g.means, np.float64), np.asarray(g.vars, np.float64)  # [G, D] each
+
+
+# ---------------------------------------------------------------- fMLLR
+@dataclass
+class FmllrStats:
+    """fMLLR statistics of one speaker: ``K [D, D+1]``, ``G [D, D+1, D+1]``, frame count ``beta``."""
+
+    K: np.ndarray
+    G: np.ndarray
+    beta: float = 0.0
+
+    @classmethod
+    def zeros(cls, dim: int) -> FmllrStats:
+        return cls(np.zeros((dim, dim + 1)), np.zeros((dim, dim + 1, dim + 1)), 0.0)
+
+
+def accumulate_fmllr_stats(
+    am, feats: np.ndarray, pdfs: np.ndarray, weights: np.ndarray | None = None,
+    stats: FmllrStats | None = None,
+) -> FmllrStats:
+    """Add the fMLLR statistics of ``feats`` ``[T, D]`` aligned to ``pdfs`` ``[T]`` to ``stats``
+    (new ones when None) and return them. Posteriors come from the untransformed ``feats``."""
+    feats = np.asarray(feats, np.float64)
+    stats = FmllrStats.zeros(feats.shape[1]) if stats is None else stats
+    for p, idx, post in gaussian_posteriors(am, feats, pdfs, weights):
+        mean, var = _pdf_params(am, p)
+        xi = np.hstack([feats[idx], np.ones((len(idx), 1))])
+        stats.K += (post @ (mean / var)).T @ xi  # sum_t (sum_j gamma_tj mu_j / var_j) xi_t'
+        stats.G += _outer_sum(post @ (1.0 / var), xi)
+        stats.beta += float(post.sum())
+    return stats
+
+
+def _objective(W: np.ndarray, K: np.ndarray, G: np.ndarray, beta: float) -> float:
+    D = W.shape[0]
+    sign, logdet = np.linalg.slogdet(W[:, :D])
+    if sign == 0:
+        return float("-inf")
+    return float(beta * logdet + np.sum(W * K) - 0.5 * np.einsum("ij,ijk,ik->", W, G, W))
+
+
+def _maximise_rows(W: np.ndarray, K: np.ndarray, G: np.ndarray, beta: float, num_iters: int):
+    """Gales' row-by-row maximisation of ``beta log|det W[:, :D]| + sum_i (w_i k_i - 0.5 w_i G_i w_i')``;
+    returns the new ``W`` and the objective before and after every row update."""
+    D, n = W.shape
+    W = W.astype(np.float64)
+    G_inv = np.linalg.inv(G)
+    trace = [_objective(W, K, G, beta)]
+    for _ in range(num_iters):
+        for i in range(D):
+            c = np.zeros(n)
+            c[:D] = np.linalg.inv(W[:, :D])[:, i]  # cofactor row i / det A, so det A_new = det A (c . w)
+            gc, gk = G_inv[i] @ c, G_inv[i] @ K[i]
+            a, b = c @ gc, c @ gk  # w = alpha gc + gk; alpha (c . w) = beta: a alpha^2 + b alpha - beta = 0
+            root = np.sqrt(b * b + 4.0 * a * beta)
+            rows = [alpha * gc + gk for alpha in ((-b + root) / (2 * a), (-b - root) / (2 * a))]
+            gains = [beta * np.log(abs(c @ w)) + w @ K[i] - 0.5 * w @ G[i] @ w for w in rows]
+            W[i] = rows[int(np.argmax(gains))]
+            trace.append(_objective(W, K, G, beta))
+    return W, trace
+
+
+def _info(trace: list, beta: float, **extra) -> dict:
+    gain = (trace[-1] - trace[0]) / beta if trace and beta > 0 else 0.0
+    return {"aux_gain_per_frame": gain, "frames": beta, "objective_trace": trace, **extra}
+
+
+def fmllr_objective(W: np.ndarray, stats: FmllrStats) -> float:
+    """The fMLLR auxiliary function ``Q(W)`` (log-likelihood up to a constant)."""
+    return _objective(np.asarray(W, np.float64), stats.K, stats.G, stats.beta)
+
+
+def estimate_fmllr(
+    stats: FmllrStats, init: np.ndarray | None = None, num_iters: int = 10, min_count: float = 100.0
+) -> tuple[np.ndarray, dict]:
+    """fMLLR transform ``W = [A b]`` ``[D, D+1]`` from ``stats``, starting from ``init`` (None:
+    ``[I 0]``), and ``{"aux_gain_per_frame", "frames", "estimated", "objective_trace"}``. Below
+    ``min_count`` frames the start is returned unchanged (``estimated`` False)."""
+    D = stats.K.shape[0]
+    W0 = np.hstack([np.eye(D), np.zeros((D, 1))]) if init is None else np.asarray(init, np.float64)
+    if W0.shape != (D, D + 1):
+        raise ValueError(f"init has shape {W0.shape}; expected {(D, D + 1)}")
+    if stats.beta < min_count:
+        log.info("fMLLR: %.1f frames < min_count=%g; keeping the initial transform", stats.beta, min_count)
+        return W0.copy(), _info([], stats.beta, estimated=False)
+    W, trace = _maximise_rows(W0, stats.K, stats.G, stats.beta, num_iters)
+    return W, _info(trace, stats.beta, estimated=True)
+
+
+def apply_affine(W: np.ndarray, feats: np.ndarray) -> np.ndarray:
+    """``x -> A x + b`` for ``W = [A b]`` ``[D', D+1]``, or ``x -> A x`` for ``W = A`` ``[D', D]``;
+    returns float32 ``[T, D']``."""
+    W, x = np.asarray(W, np.float64), np.asarray(feats, np.float64)
+    D = x.shape[1]
+    if W.shape[1] not in (D, D + 1):
+        raise ValueError(f"transform has shape {W.shape}; features of dim {D} need {D} or {D + 1} columns")
+    return (x @ W[:, :D].T + (W[:, D] if W.shape[1] > D else 0.0)).astype(np.float32)
+
+
+def compose_affine(outer: np.ndarray, inner: np.ndarray) -> np.ndarray:
+    """The ``[D, D+1]`` transform applying ``inner`` then ``outer`` (Kaldi's ``compose-transforms``)."""
+    outer, inner = np.asarray(outer, np.float64), np.asarray(inner, np.float64)
+    D = outer.shape[0]
+    return np.hstack([outer[:, :D] @ inner[:, :D], outer[:, :D] @ inner[:, D:] + outer[:, D:]])
+
+
+# ---------------------------------------------------------------- MLLT
+@dataclass
+class MlltStats:
+    """MLLT statistics: ``G [D, D, D]`` and the frame count ``beta``."""
+
+    G: np.ndarray
+    beta: float = 0.0
+
+    @classmethod
+    def zeros(cls, dim: int) -> MlltStats:
+        return cls(np.zeros((dim, dim, dim)), 0.0)
+
+
+def accumulate_mllt_stats(am, feats: np.ndarray, pdfs: np.ndarray, stats: MlltStats | None = None):
+    """Add the MLLT statistics of ``feats`` ``[T, D]`` aligned to ``pdfs`` ``[T]`` (``gmm-acc-mllt``)."""
+    feats = np.asarray(feats, np.float64)
+    stats = MlltStats.zeros(feats.shape[1]) if stats is None else stats
+    for p, idx, post in gaussian_posteriors(am, feats, pdfs):
+        mean, var = _pdf_params(am, p)
+        x = feats[idx]
+        occ, first = post.sum(0), post.T @ x  # [G], [G, D]
+        fm = first[:, :, None] * mean[:, None, :]  # sum_t gamma x mu'
+        mm = occ[:, None, None] * mean[:, :, None] * mean[:, None, :]
+        scatter = _outer_sum(post, x) - fm - fm.transpose(0, 2, 1) + mm  # sum_t gamma (x - mu)(x - mu)'
+        stats.G += np.einsum("ji,jkl->ikl", 1.0 / var, scatter)
+        stats.beta += float(occ.sum())
+    return stats
+
+
+def mllt_objective(A: np.ndarray, stats: MlltStats) -> float:
+    """The MLLT auxiliary function ``beta log|det A| - 0.5 sum_i a_i G_i a_i'``."""
+    return _objective(np.asarray(A, np.float64), np.zeros(np.shape(A)), stats.G, stats.beta)
+
+
+def estimate_mllt(stats: MlltStats, num_iters: int = 10) -> tuple[np.ndarray, dict]:
+    """MLLT matrix ``A`` ``[D, D]`` from ``stats``, starting from the identity (``est-mllt``), and
+    ``{"aux_gain_per_frame", "frames", "objective_trace"}``."""
+    if stats.beta <= 0:
+        raise ValueError(f"MLLT statistics have beta={stats.beta}; accumulate some frames first")
+    D = stats.G.shape[0]
+    A, trace = _maximise_rows(np.eye(D), np.zeros((D, D)), stats.G, stats.beta, num_iters)
+    return A, _info(trace, stats.beta)
+
+
+# ---------------------------------------------------------------- LDA and splicing
+def estimate_lda(
+    feats: np.ndarray, classes: np.ndarray, dim: int, allow_large_dim: bool = False, floor: float = 1e-10
+) -> np.ndarray:
+    """LDA matrix ``[dim, Din]`` (``acc-lda`` + ``est-lda``) from frames ``[N, Din]`` and their class
+    ids ``[N]`` (e.g. pdfs). Rows are the top between-class directions after whitening the
+    within-class covariance (eigenvalues floored at ``floor`` times the largest), so projected
+    frames have identity within-class covariance. ``dim`` must be at most ``classes - 1`` unless
+    ``allow_large_dim`` (the extra rows then carry no class information)."""
+    x, classes = np.asarray(feats, np.float64), np.asarray(classes)
+    if x.ndim != 2 or len(x) != len(classes):
+        raise ValueError(f"feats {x.shape} and classes {classes.shape}: need [N, Din] and [N]")
+    labels, inverse = np.unique(classes, return_inverse=True)
+    if len(labels) < 2:
+        raise ValueError(f"{len(labels)} classes; LDA needs at least 2")
+    if not 1 <= dim <= x.shape[1]:
+        raise ValueError(f"dim={dim}; must be in 1..{x.shape[1]} (the input dim)")
+    if dim > len(labels) - 1 and not allow_large_dim:
+        raise ValueError(f"dim={dim} > number of classes - 1 = {len(labels) - 1} (see allow_large_dim)")
+    x = x - x.mean(0)
+    sums = np.zeros((len(labels), x.shape[1]))
+    np.add.at(sums, inverse.ravel(), x)
+    means = sums / np.bincount(inverse.ravel())[:, None]
+    between = sums.T @ means / len(x)  # sum_c n_c m_c m_c' / N
+    within = x.T @ x / len(x) - between
+    evals, evecs = np.linalg.eigh(within)
+    low = evals < floor * evals.max()
+    if low.any():
+        log.warning("LDA: %d within-class eigenvalues floored at %g", int(low.sum()), floor * evals.max())
+    whiten = evecs.T / np.sqrt(np.maximum(evals, floor * evals.max()))[:, None]
+    _, vecs = np.linalg.eigh(whiten @ between @ whiten.T)
+    return vecs[:, ::-1][:, :dim].T @ whiten
+
+
+def splice(feats: np.ndarray, context: int) -> np.ndarray:
+    """Frames ``t-context .. t+context`` side by side, edge frames repeated (``splice-feats``):
+    ``[T, D] -> [T, D * (2 context + 1)]``."""
+    feats = np.asarray(feats)
+    if context < 0:
+        raise ValueError(f"context={context}; must be >= 0")
+    T = len(feats)
+    idx = np.clip(np.arange(T)[:, None] + np.arange(-context, context + 1)[None, :], 0, max(T - 1, 0))
+    return feats[idx].reshape(T, feats.shape[1] * (2 * context + 1))
