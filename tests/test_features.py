@@ -103,6 +103,7 @@ def test_gmm_features(featdir):
     x = gmm_features(cut)
     assert x.shape == (cut.num_frames, 39) and x.dtype == np.float32
     np.testing.assert_allclose(x[:, :13].mean(0), 0, atol=1e-3)
+    np.testing.assert_allclose(x[:, :13].std(0), 1, atol=1e-3)
 
 
 def test_deltas_match_kaldi_definition():
@@ -138,16 +139,27 @@ def test_two_jobs_same_result(featdir, tmp_path):
 
 
 def test_gmm_features_per_speaker_cmvn(featdir):
-    from local.features import gmm_cmvn_key, gmm_speaker_means
+    from local.features import gmm_cmvn_key, gmm_speaker_stats
+    from local.gmm_common import gmm_front_end
 
     d, _, _ = featdir
     cuts = list(CutSet.from_file(d / "features" / "train_cuts.jsonl.gz"))
-    means = gmm_speaker_means(cuts)
+    stats = gmm_speaker_stats(cuts)
     key = gmm_cmvn_key(cuts[0])
     mine = [c for c in cuts if gmm_cmvn_key(c) == key]
-    x = np.concatenate([gmm_features(c, means) for c in mine])
-    np.testing.assert_allclose(x[:, :13].mean(0), 0, atol=1e-3)  # zero mean over the speaker, not each utterance
+    x = np.concatenate([gmm_features(c, stats) for c in mine])
+    # zero mean and unit variance over the speaker, not over each utterance
+    np.testing.assert_allclose(x[:, :13].mean(0), 0, atol=1e-3)
+    np.testing.assert_allclose(x[:, :13].std(0), 1, atol=1e-3)
     if len(mine) > 1:
-        assert np.abs(gmm_features(mine[0], means)[:, :13].mean(0)).max() > 1e-3
-    with pytest.raises(ValueError, match="no CMVN mean"):
+        assert np.abs(gmm_features(mine[0], stats)[:, :13].mean(0)).max() > 1e-3
+    raw = np.concatenate([np.asarray(c.load_custom("mfcc"), np.float64) for c in mine])
+    means_only = np.concatenate([gmm_features(c, stats, norm_vars=False) for c in mine])
+    np.testing.assert_allclose(means_only[:, :13], raw - raw.mean(0), atol=1e-3)
+    front = gmm_front_end(cuts)
+    np.testing.assert_allclose(front[mine[0].id], gmm_features(mine[0], stats))
+    np.testing.assert_allclose(gmm_front_end(cuts[:1], "utterance")[cuts[0].id], gmm_features(cuts[0]))
+    with pytest.raises(ValueError, match="no CMVN statistics"):
         gmm_features(cuts[0], {})
+    with pytest.raises(ValueError, match="cmvn='global'"):
+        gmm_front_end(cuts, "global")

@@ -27,7 +27,14 @@ import torch
 from tqdm import tqdm
 
 from local.drops import clear_drops, record_drop
-from local.gmm_common import GmmSystem, compile_graphs, equal_alignment, is_augmented, viterbi_align
+from local.gmm_common import (
+    GmmSystem,
+    compile_graphs,
+    equal_alignment,
+    gmm_front_end,
+    is_augmented,
+    viterbi_align,
+)
 from local.lang import cut_words, load_lang
 from local.tree_stats import TidTables
 
@@ -112,8 +119,6 @@ def align_cuts(
 ) -> dict[str, np.ndarray]:
     """Viterbi transition-id alignments ``{cut id: [T]}`` of ``cuts``; failures are recorded
     (reasons ``oov``, ``too_short_for_hmm``, ``alignment_failed``) and left out."""
-    from local.features import gmm_features
-
     def drop(cut_id: str, reason: str, detail: str) -> None:
         log.warning("align: %s %s dropped: %s (%s)", split, cut_id, reason, detail)
         if data_dir is not None:
@@ -129,8 +134,9 @@ def align_cuts(
             word_ids[cut.id] = lang.word_ids(words)
     graphs = compile_graphs(system, lang, word_ids)
     alis = {}
+    front_end = gmm_front_end(cuts)
     for cut in tqdm([c for c in cuts if c.id in graphs], desc=f"align {split}", unit="utt", leave=False):
-        feats = gmm_features(cut)
+        feats = front_end[cut.id]
         if equal_alignment(graphs[cut.id], len(feats)) is None:
             drop(cut.id, "too_short_for_hmm", f"{len(feats)} frames")
             continue

@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 ACOUSTIC_SCALE = 0.1  # Kaldi's --acoustic-scale for alignment
 SELF_LOOP_SCALE = 0.1
 TRANSITION_SCALE = 1.0
-CMVN = "utterance"
+# GMM front-end CMVN: "speaker" (mean and variance over each speaker's utterances of a split, as
+# Kaldi's per-speaker cmvn.scp) or "utterance" (each utterance on its own).
+CMVN = "speaker"
 
 
 @dataclass
@@ -310,16 +312,11 @@ class Utterances:
 
 def load_utterances(data_dir: Path, split: str, clean_only: bool = True, cmvn: str | None = None) -> Utterances:
     """Feature cuts of ``split``; for train only those the lang stage kept (no OOV) and, with
-    ``clean_only``, no augmented copies. ``cmvn``: "speaker" or "utterance" mean normalisation
-    of the GMM features (``features.gmm_features``), None for the module default ``CMVN``."""
+    ``clean_only``, no augmented copies. ``cmvn``: "speaker" or "utterance" mean and variance
+    normalisation of the GMM features (``gmm_front_end``), None for the module default ``CMVN``."""
     from lhotse import CutSet
 
-    from local.features import gmm_features, gmm_speaker_means
     from local.lang import cut_words
-
-    cmvn = CMVN if cmvn is None else cmvn
-    if cmvn not in ("speaker", "utterance"):
-        raise ValueError(f"cmvn={cmvn!r}; use 'speaker' or 'utterance'")
 
     path = Path(data_dir) / "features" / f"{split}_cuts.jsonl.gz"
     if not path.exists():
@@ -332,9 +329,20 @@ def load_utterances(data_dir: Path, split: str, clean_only: bool = True, cmvn: s
             cuts = [c for c in cuts if c.id in kept]
         if clean_only:
             cuts = [c for c in cuts if not is_augmented(c)]
-    means = gmm_speaker_means(cuts) if cmvn == "speaker" else None
-    feats = {c.id: gmm_features(c, means) for c in cuts}
+    feats = gmm_front_end(cuts, cmvn)
     return Utterances(cuts, feats, {c.id: cut_words(c) for c in cuts})
+
+
+def gmm_front_end(cuts, cmvn: str | None = None) -> dict[str, np.ndarray]:
+    """GMM features ``{cut id: [T, 39]}`` of ``cuts`` (one split), normalised per speaker over
+    these cuts or per utterance (``cmvn``, None for the module default ``CMVN``)."""
+    from local.features import gmm_features, gmm_speaker_stats
+
+    cmvn = CMVN if cmvn is None else cmvn
+    if cmvn not in ("speaker", "utterance"):
+        raise ValueError(f"cmvn={cmvn!r}; use 'speaker' or 'utterance'")
+    stats = gmm_speaker_stats(cuts) if cmvn == "speaker" else None
+    return {c.id: gmm_features(c, stats) for c in cuts}
 
 
 # ---------------------------------------------------------------- the training loop
