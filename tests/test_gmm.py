@@ -92,6 +92,85 @@ def trained(tmp_path_factory):
     return data_dir, mono, tri, ali
 
 
+@pytest.fixture(scope="module")
+def sat(trained):
+    """The SAT stage on the tiny triphone system: 8 passes, transforms re-estimated at pass 4."""
+    from local.gmm_sat import train_sat
+
+    data_dir = trained[0]
+    return train_sat(data_dir, num_leaves=150, total_gauss=300, num_iters=8, realign_iters=(3,), fmllr_iters=(4,),
+                     scales=(0.1,))
+
+
+def test_sat_has_a_transform_per_training_speaker(trained, sat):
+    from lhotse import CutSet
+    from local.features import gmm_cmvn_key
+    from local.gmm_sat import FMLLR_MIN_FRAMES
+
+    data_dir = trained[0]
+    with open(data_dir / "exp" / "sat" / "trans.pkl", "rb") as f:
+        trans = pickle.load(f)
+    with open(data_dir / "exp" / "sat" / "ali.pkl", "rb") as f:
+        alis = pickle.load(f)
+    cuts = {c.id: c for c in CutSet.from_file(data_dir / "features" / "train_cuts.jsonl.gz")}
+    speakers = {gmm_cmvn_key(cuts[u]) for u in alis}
+    assert set(trans) == speakers and sat["speakers"] == len(speakers)
+    frames = {}
+    for u, ali in alis.items():
+        frames[gmm_cmvn_key(cuts[u])] = frames.get(gmm_cmvn_key(cuts[u]), 0) + len(ali)
+    identity = np.hstack([np.eye(39), np.zeros((39, 1))])
+    for spk, W in trans.items():
+        assert W.shape == (39, 40) and np.isfinite(W).all()
+        if frames[spk] < FMLLR_MIN_FRAMES:  # too few frames (silence frames weigh 0): no transform
+            np.testing.assert_array_equal(W, identity)
+    assert any(not np.allclose(W, identity) for W in trans.values())
+    history = json.loads((data_dir / "exp" / "sat" / "history.json").read_text())
+    assert len(history) == 8 and history[3]["realigned"]
+    assert sat["pdfs"] > 0 and (data_dir / "exp" / "sat" / "tree").stat().st_size > 0
+
+
+def test_sat_decoding_writes_adapted_and_first_pass_wer(trained, sat):
+    data_dir = trained[0]
+    for split in ("dev", "test"):
+        out = data_dir / "exp" / "sat" / f"decode_{split}"
+        res = json.loads((out / "wer.json").read_text())
+        assert res["wer"] == sat[f"{split}_wer"] and res["words"] > 0 and res["acoustic_scale"] == 0.1
+        assert res["si_first_pass_wer"] == sat[f"{split}_si_wer"] and res["speakers"] > 0
+        assert (out / f"errs-{split}-acwt0.1.txt").exists() and (out / "trans.pkl").exists()
+
+
+def test_speaker_transform_undoes_a_known_distortion(trained):
+    """All training frames as one speaker, distorted by y = M x + c: the estimated fMLLR maps
+    them back close to x under the triphone model and its alignments."""
+    from local.gmm_common import GmmSystem, load_utterances
+    from local.gmm_sat import SILENCE_WEIGHT_TRAIN, speaker_transforms
+    from local.lang import load_lang
+    from local.transforms import apply_affine
+
+    data_dir = trained[0]
+    tri = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl")
+    with open(data_dir / "exp" / "tri" / "ali.pkl", "rb") as f:
+        alis = pickle.load(f)
+    utts = load_utterances(data_dir, "train", clean_only=False)
+    rng = np.random.default_rng(0)
+    M = np.eye(39) * rng.uniform(0.7, 1.3, 39) + 0.05 * rng.standard_normal((39, 39))
+    c = 0.5 * rng.standard_normal(39)
+    clean = {u: utts.feats[u] for u in alis}
+    distorted = {u: (x @ M.T + c).astype(np.float32) for u, x in clean.items()}
+    speakers, sil_id = dict.fromkeys(alis, "all"), load_lang(data_dir / "lang").sil_id
+    first = speaker_transforms(tri, distorted, alis, speakers, sil_id, SILENCE_WEIGHT_TRAIN)
+    # a second estimate on the adapted features, composed onto the first (as in decoding)
+    adapted = {u: apply_affine(first["all"], y) for u, y in distorted.items()}
+    second = speaker_transforms(tri, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_TRAIN, first)
+
+    def error(W):
+        return np.mean([np.abs(apply_affine(W, distorted[u]) - clean[u]).mean() for u in alis])
+
+    before = np.mean([np.abs(distorted[u] - clean[u]).mean() for u in alis])
+    assert error(first["all"]) < 0.5 * before
+    assert error(second["all"]) < error(first["all"])
+
+
 def test_alignments_cover_every_kept_utterance_frame_by_frame(trained):
     from lhotse import CutSet
     from local.gmm_common import is_augmented

@@ -8,14 +8,15 @@ Stages (each skipped when it has already completed; ``--stage`` / ``--stop-stage
   2  lang      CMUdict lexicon, phones/words, HMM topology, L.fst, n-gram LM -> G.fst
   3  mono      monophone GMM-HMM: flat start, Viterbi training; decode dev/test
   4  tri       triphone GMM-HMM on a phonetic decision tree; decode dev/test
-  5  align     final pdf-id alignments on the cuts, pdf priors, agreement with TTS gold timings
-  6  report    report.json and a readable summary
+  5  sat       speaker-adaptive triphone GMM-HMM (per-speaker fMLLR); decode dev/test with fMLLR
+  6  align     final pdf-id alignments on the cuts, pdf priors, agreement with TTS gold timings
+  7  report    report.json and a readable summary
 
 Usage:
   python recipes/asr/prepare.py                                  # embedded corpus, default size
   python recipes/asr/prepare.py --corpus synthetic --size tiny --data-dir data/tiny
   python recipes/asr/prepare.py --corpus mini_librispeech --corpus-dir /path/to/LibriSpeech
-  python recipes/asr/prepare.py --stage 3 --stop-stage 4         # re-run the GMM stages only
+  python recipes/asr/prepare.py --stage 3 --stop-stage 5         # re-run the GMM stages only
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from local.drops import clear_drops
 
 log = logging.getLogger("prepare")
 
-STAGES = ["corpus", "features", "lang", "mono", "tri", "align", "report"]
+STAGES = ["corpus", "features", "lang", "mono", "tri", "sat", "align", "report"]
 CORPORA = ["synthetic", "mini_librispeech", "librispeech", "timit", "yesno", "kaldi"]
 
 
@@ -77,6 +78,10 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
         from local.gmm_tri import train_tri
 
         return _summary(train_tri(data_dir))
+    if name == "sat":
+        from local.gmm_sat import train_sat
+
+        return _summary(train_sat(data_dir))
     if name == "align":
         from local.align import align
 
@@ -163,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--corpus-dir", default=None, help="directory holding a real corpus (not synthetic)")
     p.add_argument("--data-dir", default=None, help="where everything is written (default data/<corpus>[-size])")
     p.add_argument("--size", default="default", choices=["tiny", "default"], help="synthetic corpus size")
-    p.add_argument("--stage", type=int, default=0, help="first stage to run (0-6)")
-    p.add_argument("--stop-stage", type=int, default=len(STAGES) - 1, help="last stage to run (0-6)")
+    p.add_argument("--stage", type=int, default=0, help=f"first stage to run (0-{len(STAGES) - 1})")
+    p.add_argument("--stop-stage", type=int, default=len(STAGES) - 1, help=f"last stage to run (0-{len(STAGES) - 1})")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic corpus and the GMM training")
     p.add_argument("--num-jobs", type=int, default=2, help="parallel processes for synthesis and features")
     p.add_argument("--force", action="store_true", help="re-run the selected stages even if done")

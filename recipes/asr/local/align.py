@@ -1,4 +1,4 @@
-"""Stage 5: final alignments with the triphone GMM, as DNN targets, plus pdf priors and the
+"""Stage 6: final alignments with the triphone GMM, as DNN targets, plus pdf priors and the
 agreement of the alignments with the TTS engines' own phone timings.
 
 Writes under ``<data_dir>/ali/``:
@@ -175,7 +175,7 @@ def write_pdf_alignments(cuts, pdf_alis: dict[str, np.ndarray], out_dir: Path, s
 
 
 def align(data_dir: Path | str, beam: float = 10.0, retry_beam: float = 40.0) -> dict:
-    """Stage 5: align train (clean + augmented) and dev with ``exp/tri/final.pkl``; write the
+    """Stage 6: align train (clean + augmented) and dev with ``exp/tri/final.pkl``; write the
     pdf-id cuts, priors and ``info.json``; measure agreement with the TTS gold timings.
 
     Returns:

@@ -143,7 +143,7 @@ def load_split(cuts_path: Path, cmvn_path: Path, allow_empty: bool = False) -> t
         ali = np.asarray(cut.load_custom("pdf_ali"))
         if len(ali) != len(f):
             raise ValueError(f"cut {cut.id}: {len(f)} fbank frames but {len(ali)} pdf_ali entries; "
-                             "features and alignments must come from the same framing (re-run stage 5)")
+                             "features and alignments must come from the same framing (re-run stage 6)")
         speaker = cut.supervisions[0].speaker if cut.supervisions else None
         feats.append(np.asarray(apply_cmvn(f, speaker, stats), dtype=np.float32))
         targets.append(ali.astype(np.int32))
@@ -157,7 +157,7 @@ def load_split(cuts_path: Path, cmvn_path: Path, allow_empty: bool = False) -> t
 
 
 class AsrDataModule(LightningDataModule):
-    """Aligned frames from ``<data_dir>/ali`` (recipe stage 5) for training and dev accuracy.
+    """Aligned frames from ``<data_dir>/ali`` (recipe stage 6) for training and dev accuracy.
 
     Args:
         data_dir: the recipe's data directory (``ali/``, ``features/cmvn.json``); ``train.py``

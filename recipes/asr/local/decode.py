@@ -38,16 +38,20 @@ def _decoder(hclg, beam: float, max_active: int, lattice_beam: float):
     return khg.LatticeFasterDecoder(hclg, config)
 
 
-def _decode_all(hclg, trans_model, decodables, beam: float, max_active: int, lattice_beam: float) -> dict:
-    """Best word sequence per utterance; ``decodables`` yields ``(utt_id, num_frames, decodable)``."""
+def _decode_all(hclg, trans_model, decodables, beam: float, max_active: int, lattice_beam: float,
+                alignments: dict | None = None) -> dict:
+    """Best word sequence per utterance; ``decodables`` yields ``(utt_id, num_frames, decodable)``.
+    ``alignments``, if given, receives the best path's transition-ids ``[T]`` per decoded utterance."""
     decoder = _decoder(hclg, beam, max_active, lattice_beam)
     out, failed, frames, t0 = {}, [], 0, time.time()
     for utt_id, num_frames, decodable in decodables:
-        ok, _, word_ids, _ = khg.decode_utterance_lattice_faster(
+        ok, tids, word_ids, _ = khg.decode_utterance_lattice_faster(
             decoder=decoder, decodable=decodable, trans_model=trans_model, utt=utt_id, allow_partial=True
         )
         if not ok:
             failed.append(utt_id)
+        elif alignments is not None:
+            alignments[utt_id] = np.asarray(tids, dtype=np.int64)
         out[utt_id] = list(word_ids) if ok else []
         frames += num_frames
     _log_speed(len(out), failed, frames, t0)
@@ -100,8 +104,10 @@ def decode_utterances_gmm(
     beam: float = 13.0,
     max_active: int = 7000,
     lattice_beam: float = 6.0,
+    alignments: dict | None = None,
 ) -> dict[str, list[int]]:
-    """Decode GMM features: ``utterances`` yields ``(utt_id, feats [T, D])`` for ``am`` (``khg.AmDiagGmm``)."""
+    """Decode GMM features: ``utterances`` yields ``(utt_id, feats [T, D])`` for ``am`` (``khg.AmDiagGmm``);
+    ``alignments`` as in ``_decode_all`` (the first pass of fMLLR decoding uses them)."""
 
     def decodables():
         for utt_id, feats in tqdm(utterances, desc="decode", leave=False, mininterval=2.0):
@@ -110,7 +116,7 @@ def decode_utterances_gmm(
                 am=am, tm=trans_model, feats=feats, scale=acoustic_scale
             )
 
-    return _decode_all(hclg, trans_model, decodables(), beam, max_active, lattice_beam)
+    return _decode_all(hclg, trans_model, decodables(), beam, max_active, lattice_beam, alignments)
 
 
 def _log_speed(n: int, failed: list[str], frames: int, t0: float) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -385,10 +386,14 @@ def train_iterations(
     data_dir: Path | None,
     stage: str,
     beam: float = 10.0,
+    adapt: Callable[[int, dict[str, np.ndarray]], bool] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[dict]]:
     """Kaldi's Viterbi training loop (``train_mono.sh`` / ``train_deltas.sh``): pass 0 on the
     given alignments, then passes ``1..num_iters-1``, re-aligning first on ``realign_iters``;
     the Gaussian count grows linearly to ``total_gauss`` by pass ``max_iter_inc``.
+
+    ``adapt(pass, alignments)``, called after any re-alignment of a pass, may replace features in
+    ``utts.feats`` (``train_sat.sh``'s fMLLR re-estimation) and returns True when it did.
 
     Returns:
         the final alignments and one record per pass (avg log-likelihood per frame, Gaussians).
@@ -402,6 +407,8 @@ def train_iterations(
     for it in tqdm(range(num_iters), desc=f"{stage} passes", unit="pass", leave=False):
         if it in realign_iters:
             alis = realign_all(system, graphs, utts, list(alis), data_dir, stage, beam=beam)
+        if adapt is not None and adapt(it, alis):
+            ids = None
         if ids != list(alis):
             ids = list(alis)
             feats_all = np.concatenate([utts.feats[u] for u in ids])

@@ -1,4 +1,4 @@
-"""Stage 6: ``report.json`` and a readable summary of what the data pipeline produced.
+"""Stage 7: ``report.json`` and a readable summary of what the data pipeline produced.
 
 Reads only what earlier stages wrote (manifests, lang, GMM decode results, alignment info,
 drop records, stage timings), so it can be re-run at any time.
@@ -18,6 +18,7 @@ from local.drops import load_drops
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "dev", "test")
+GMM_SYSTEMS = ("mono", "tri", "sat")
 
 
 def _read_json(path: Path):
@@ -42,7 +43,7 @@ def _split_stats(data_dir: Path) -> dict:
 
 def _gmm_wers(data_dir: Path) -> dict:
     wers = {}
-    for system in ("mono", "tri"):
+    for system in GMM_SYSTEMS:
         for split in ("dev", "test"):
             res = _read_json(data_dir / "exp" / system / f"decode_{split}" / "wer.json")
             wers[f"{system}_{split}"] = res
@@ -94,9 +95,10 @@ def format_summary(report: dict) -> str:
         lines.append(f"  {split:5s} {s['utterances']:6d} utts {s['hours']:7.3f} h {s['speakers']:4d} speakers")
     lines.append(f"  phones {report['num_phones']}, pdfs {report['num_pdfs']}")
     w = report["gmm_wer"]
-    for system in ("mono", "tri"):
+    for system in GMM_SYSTEMS:
+        adapted = " (fMLLR)" if system == "sat" else ""
         lines.append(
-            f"  {system:4s} GMM WER: dev {_wer_text(w[f'{system}_dev'])}, test {_wer_text(w[f'{system}_test'])}"
+            f"  {system:4s} GMM WER{adapted}: dev {_wer_text(w[f'{system}_dev'])}, test {_wer_text(w[f'{system}_test'])}"
         )
     agree = report["phone_agreement"]
     if agree:
