@@ -196,9 +196,8 @@ def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, s
     ids): estimate, decode, re-estimate, decode. Returns (hyps, transforms)."""
     trans = speaker_transforms(system, utts.feats, first_alis, speakers, sil_id, SILENCE_WEIGHT_DECODE)
     alis: dict = {}
-    decode_utterances_gmm(hclg, system.tm, system.am, transformed(utts.feats, speakers, trans).items(),
-                          acoustic_scale=scale, alignments=alis)
     adapted = transformed(utts.feats, speakers, trans)
+    decode_utterances_gmm(hclg, system.tm, system.am, adapted.items(), acoustic_scale=scale, alignments=alis)
     trans = speaker_transforms(system, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_DECODE, trans)
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, transformed(utts.feats, speakers, trans).items(),
                                  acoustic_scale=scale)
