@@ -320,3 +320,25 @@ def test_alignment_failure_is_dropped_not_raised(trained):
     out = data_dir / "fail_test"
     assert realign_all(system, graphs, utts, [cut.id], out, "mono") == {}
     assert [d["reason"] for d in load_drops(out)] == ["alignment_failed"]
+
+
+def test_sat_first_pass_reuses_tri_best_paths_and_redecodes_without_them(trained, sat):
+    from local.gmm_common import GmmSystem
+    from local.gmm_sat import decode_sat
+    from local.lang import load_lang
+
+    data_dir = trained[0]
+    tri_dir = data_dir / "exp" / "tri"
+    for split in ("dev", "test"):
+        tri_res = json.loads((tri_dir / f"decode_{split}" / "wer.json").read_text())
+        assert sat[f"{split}_si_wer"] == tri_res["wer"]  # the tri stage's decoding is the first pass
+    # without the saved best paths the first pass is decoded again, with the same result
+    saved = tri_dir / "decode_test" / "best_path.pkl"
+    saved.rename(saved.with_suffix(".bak"))
+    try:
+        again = decode_sat(data_dir, GmmSystem.load(data_dir / "exp" / "sat" / "final.pkl"),
+                           GmmSystem.load(tri_dir / "final.pkl"), load_lang(data_dir / "lang"), scales=(0.1,))
+    finally:
+        saved.with_suffix(".bak").rename(saved)
+    assert (again["test_si_wer"], again["test_wer"]) == (sat["test_si_wer"], sat["test_wer"])
+    assert (data_dir / "exp" / "sat" / "decode_test" / f"errs-test-si-acwt{0.1:g}.txt").exists()

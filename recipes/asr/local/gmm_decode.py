@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import time
 from pathlib import Path
 
@@ -23,10 +24,11 @@ ACOUSTIC_SCALES = (0.0667, 0.0833, 0.1, 0.125)
 
 
 def decode_split(hclg, system: GmmSystem, utts, id2word: dict[int, str], out_dir: Path, split: str,
-                 acoustic_scale: float) -> dict:
-    """Decode one split at one acoustic scale and score it; returns ``decode.score``'s result."""
+                 acoustic_scale: float, alignments: dict | None = None) -> dict:
+    """Decode one split at one acoustic scale and score it; returns ``decode.score``'s result
+    (``alignments`` receives the best paths' transition-ids)."""
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, ((u, utts.feats[u]) for u in utts.ids),
-                                 acoustic_scale=acoustic_scale)
+                                 acoustic_scale=acoustic_scale, alignments=alignments)
     refs = {c.id: " ".join(utts.words[c.id]) for c in utts.cuts}
     texts = {u: words_to_text(w, id2word) for u, w in hyps.items()}
     return score(refs, texts, out_dir, f"{split}-acwt{acoustic_scale:g}")
@@ -48,15 +50,20 @@ def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
     for split in splits:
         utts = load_utterances(data_dir, split)
         out_dir = exp / f"decode_{split}"
+        paths = {s: {} for s in scales}
         if split == "dev" or "dev" not in best:
-            tried = {s: decode_split(hclg, system, utts, id2word, out_dir, split, s) for s in scales}
+            tried = {s: decode_split(hclg, system, utts, id2word, out_dir, split, s, paths[s]) for s in scales}
             scale = min(tried, key=lambda s: (tried[s]["wer"], abs(s - 0.1)))
             res = {**tried[scale], "acoustic_scale": scale, "by_scale": {str(s): r["wer"] for s, r in tried.items()}}
         else:
             scale = best["dev"]
-            res = {**decode_split(hclg, system, utts, id2word, out_dir, split, scale), "acoustic_scale": scale}
+            paths[scale] = {}
+            res = {**decode_split(hclg, system, utts, id2word, out_dir, split, scale, paths[scale]),
+                   "acoustic_scale": scale}
         best[split] = scale
         (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
+        with open(out_dir / "best_path.pkl", "wb") as f:  # first pass of the SAT stage's fMLLR decoding
+            pickle.dump(paths[scale], f)
         results[f"{split}_wer"] = res["wer"]
         log.info("%s %s: WER %.2f %% at acoustic scale %g", name, split, res["wer"], scale)
     results["acoustic_scale"] = best.get("dev")

@@ -45,6 +45,7 @@ from local.gmm_common import (
     train_iterations,
 )
 from local.graph import make_hclg
+from local.kaldi import kaldifst
 from local.lang import load_lang
 from local.transforms import FmllrStats, accumulate_fmllr_stats, apply_affine, compose_affine, estimate_fmllr
 
@@ -204,10 +205,24 @@ def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, s
     return hyps, trans
 
 
+def _first_pass(decode_dir: Path, utt_ids: set[str]) -> tuple[dict | None, float | None]:
+    """The speaker-independent best paths and WER that the tri stage saved for this split, or
+    ``(None, None)`` when they are missing or do not cover exactly these utterances."""
+    path, wer = decode_dir / "best_path.pkl", decode_dir / "wer.json"
+    if not (path.exists() and wer.exists()):
+        return None, None
+    with open(path, "rb") as f:
+        alis = pickle.load(f)
+    if not alis or not set(alis) <= utt_ids:  # (utterances the decoder failed on have no path)
+        return None, None
+    return alis, json.loads(wer.read_text())["wer"]
+
+
 def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
                scales: tuple[float, ...] = ACOUSTIC_SCALES) -> dict:
     """fMLLR decoding of dev (every scale) and test (the best dev scale) with the SAT system; the
-    first pass uses the speaker-independent system at its own dev-chosen scale.
+    first pass is the speaker-independent system's decoding at its own dev-chosen scale (the
+    tri stage's ``best_path.pkl``, decoded again if missing).
 
     Returns:
         ``{"dev_wer", "test_wer", "dev_si_wer", "test_si_wer", "acoustic_scale", "decode_seconds"}``.
@@ -216,15 +231,10 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
     data_dir = Path(data_dir)
     exp = data_dir / "exp" / "sat"
     hclg = make_hclg(lang.dir, system.tree, system.tm, out_path=exp / "graph" / "HCLG.fst")
-    si_graph = data_dir / "exp" / "tri" / "graph" / "HCLG.fst"
-    if si_graph.exists():
-        from local.kaldi import kaldifst
-
-        si_hclg = kaldifst.StdVectorFst.read(str(si_graph))
-    else:
-        si_hclg = make_hclg(lang.dir, si.tree, si.tm)
-    si_wer = data_dir / "exp" / "tri" / "decode_dev" / "wer.json"
-    si_scale = json.loads(si_wer.read_text())["acoustic_scale"] if si_wer.exists() else 0.0833
+    si_dir = data_dir / "exp" / "tri"
+    si_hclg = None
+    dev_wer = si_dir / "decode_dev" / "wer.json"
+    si_scale = json.loads(dev_wer.read_text())["acoustic_scale"] if dev_wer.exists() else 0.0833
     results: dict = {}
     best_scale = None
     for split in ("dev", "test"):
@@ -234,11 +244,16 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
         speakers = {c.id: gmm_cmvn_key(c) for c in utts.cuts}
         refs = {c.id: " ".join(utts.words[c.id]) for c in utts.cuts}
         out_dir = exp / f"decode_{split}"
-        si_alis: dict = {}
-        si_hyps = decode_utterances_gmm(si_hclg, si.tm, si.am, utts.feats.items(), acoustic_scale=si_scale,
-                                        alignments=si_alis)
-        si_res = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
-                       f"{split}-si-acwt{si_scale:g}")
+        si_alis, si_wer = _first_pass(si_dir / f"decode_{split}", set(utts.ids))
+        if si_alis is None:  # the tri stage's best paths are missing or stale: decode again
+            if si_hclg is None:
+                graph = si_dir / "graph" / "HCLG.fst"
+                si_hclg = kaldifst.StdVectorFst.read(str(graph)) if graph.exists() else make_hclg(lang.dir, si.tree, si.tm)
+            si_alis = {}
+            si_hyps = decode_utterances_gmm(si_hclg, si.tm, si.am, utts.feats.items(), acoustic_scale=si_scale,
+                                            alignments=si_alis)
+            si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
+                           f"{split}-si-acwt{si_scale:g}")["wer"]
         first = convert_alignments(si_alis, si, system)
         tried = scales if best_scale is None else (best_scale,)
         by_scale, trans_by_scale = {}, {}
@@ -248,16 +263,16 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
             by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
         scale = min(by_scale, key=lambda s: (by_scale[s]["wer"], abs(s - 0.0833)))
         best_scale = best_scale or scale
-        res = {**by_scale[scale], "acoustic_scale": scale, "si_first_pass_wer": si_res["wer"],
+        res = {**by_scale[scale], "acoustic_scale": scale, "si_first_pass_wer": si_wer,
                "speakers": len(set(speakers.values()))}
         if len(tried) > 1:
             res["by_scale"] = {str(s): r["wer"] for s, r in by_scale.items()}
         (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
         with open(out_dir / "trans.pkl", "wb") as f:
             pickle.dump(trans_by_scale[scale], f)
-        results[f"{split}_wer"], results[f"{split}_si_wer"] = res["wer"], si_res["wer"]
+        results[f"{split}_wer"], results[f"{split}_si_wer"] = res["wer"], si_wer
         log.info("sat %s: WER %.2f %% with fMLLR at acoustic scale %g (first pass %.2f %%)", split, res["wer"],
-                 scale, si_res["wer"])
+                 scale, si_wer)
     results["acoustic_scale"] = best_scale
     results["decode_seconds"] = round(time.perf_counter() - start, 1)
     return results
