@@ -84,8 +84,8 @@ def train_mono(
         seed: random seed of the flat start.
         scales: acoustic scales tried on dev (default ``gmm_decode.ACOUSTIC_SCALES``).
         augmented: train on the sox-augmented copies too (those that fail alignment are dropped
-            and counted). Held-out-voice validation (11 training voice settings left out of GMM
-            training, their 347 clean utterances decoded): WER 21.4 % clean-only, 19.6 % with them.
+            and counted). Held-out-voice validation with mean-only CMVN (11 training voice settings left
+            out of GMM training, their 347 clean utterances decoded): WER 21.4 % clean-only, 19.6 % with them.
         decode: decode dev and test with the final model (``exp/mono/decode_*``).
 
     Returns:

@@ -88,11 +88,14 @@ def train_tri(
 
     Args:
         data_dir: the recipe's data directory (mono stage done).
-        num_leaves: most tree leaves (Kaldi's ``numleaves``). On the default corpus (1.15 h clean)
-            test WER on unseen voices rose with the tree size (150/1000: 15.0 %, 200/1500: 16.9 %,
-            300/2000: 19.2 %, 600/6000: 24.6 %) while dev (seen voices) barely moved.
+        num_leaves: most tree leaves (Kaldi's ``numleaves``). On the default corpus test WER on
+            unseen voices rose with the tree size while dev (seen voices) barely moved: with
+            per-speaker mean + variance CMVN and one monophone system, 150 leaves / 1500
+            Gaussians 12.5 %, 300 / 2500 13.5 %, 800 / 5000 14.9 %; with the earlier mean-only
+            CMVN (1.15 h clean) 150/1000: 15.0 %, 200/1500: 16.9 %, 300/2000: 19.2 %, 600/6000: 24.6 %.
+            The speaker-adaptive stage (``gmm_sat``) is what removes the voice differences.
         total_gauss: Gaussians at the end of mixture growth (Kaldi's ``totgauss``). The defaults
-            were chosen on a held-out-voice validation (11 training voice settings left out of
+            were chosen (with mean-only CMVN) on a held-out-voice validation (11 training voice settings left out of
             GMM training and decoded; monophone 19.6 %): with shared roots and augmented data,
             150 leaves gave 23.3 % at 600 Gaussians, 19.9 / 18.8 % (two runs) at 1000, 18.7 %
             at 1500; 300 leaves / 1000 gave 22.0 %; separate roots per HMM state 22.3 %.
