@@ -342,3 +342,15 @@ def test_sat_first_pass_reuses_tri_best_paths_and_redecodes_without_them(trained
         saved.with_suffix(".bak").rename(saved)
     assert (again["test_si_wer"], again["test_wer"]) == (sat["test_si_wer"], sat["test_wer"])
     assert (data_dir / "exp" / "sat" / "decode_test" / f"errs-test-si-acwt{0.1:g}.txt").exists()
+
+
+def test_next_stage_needs_alignments_of_the_current_training_cuts(trained):
+    from local.gmm_common import GmmSystem
+
+    exp = trained[0] / "exp" / "mono"
+    with open(exp / "ali.pkl", "rb") as f:
+        first = next(iter(pickle.load(f)))
+    system, alis = GmmSystem.load_run(exp, dict.fromkeys(["not-a-cut", first]))
+    assert len(alis) == 1 and system.tm.num_pdfs > 0
+    with pytest.raises(RuntimeError, match="no alignment of the current training cuts"):
+        GmmSystem.load_run(exp, {"not-a-cut": None})

@@ -59,6 +59,17 @@ class GmmSystem:
         (exp / "history.json").write_text(json.dumps(history, indent=1))
 
     @classmethod
+    def load_run(cls, exp: Path, feats: dict) -> tuple[GmmSystem, dict[str, np.ndarray]]:
+        """A trained stage's system and its alignments of the utterances in ``feats`` (the next
+        stage's starting point); raises if none of them has one."""
+        system = cls.load(exp / "final.pkl")
+        with open(exp / "ali.pkl", "rb") as f:
+            alis = {u: a for u, a in pickle.load(f).items() if u in feats}
+        if not alis:
+            raise RuntimeError(f"{exp}/ali.pkl has no alignment of the current training cuts; re-run that stage")
+        return system, alis
+
+    @classmethod
     def load(cls, path: Path | str) -> GmmSystem:
         if not Path(path).exists():
             raise RuntimeError(f"{path} is missing; run the stage that trains it first")

@@ -140,13 +140,8 @@ def train_sat(
     exp.mkdir(parents=True, exist_ok=True)
     clear_drops(data_dir, "sat")
     lang = load_lang(data_dir / "lang")
-    si = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl")
-    with open(data_dir / "exp" / "tri" / "ali.pkl", "rb") as f:
-        si_alis = pickle.load(f)
     utts = load_utterances(data_dir, "train", clean_only=False)
-    si_alis = {u: a for u, a in si_alis.items() if u in utts.feats}
-    if not si_alis:
-        raise RuntimeError("exp/tri/ali.pkl has no alignment of the current training cuts; re-run stage 4")
+    si, si_alis = GmmSystem.load_run(data_dir / "exp" / "tri", utts.feats)
     raw = dict(utts.feats)
     speakers = {c.id: gmm_cmvn_key(c) for c in utts.cuts}
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import time
 from pathlib import Path
 
@@ -119,13 +118,8 @@ def train_tri(
     exp.mkdir(parents=True, exist_ok=True)
     clear_drops(data_dir, "tri")
     lang = load_lang(data_dir / "lang")
-    mono = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
-    with open(data_dir / "exp" / "mono" / "ali.pkl", "rb") as f:
-        mono_alis = pickle.load(f)
     utts = load_utterances(data_dir, "train", clean_only=not augmented)
-    mono_alis = {u: a for u, a in mono_alis.items() if u in utts.feats}
-    if not mono_alis:
-        raise RuntimeError("exp/mono/ali.pkl has no alignment of the current training cuts; re-run stage 3")
+    mono, mono_alis = GmmSystem.load_run(data_dir / "exp" / "mono", utts.feats)
 
     system, tree_summary = build_triphone_system(
         mono, mono_alis, utts.feats, lang, num_leaves, min_count=min_count, shared_roots=shared_roots
