@@ -1,25 +1,18 @@
-"""Feature-space linear transforms for diagonal-covariance GMMs (Kaldi's ``gmm-est-fmllr``,
-``est-mllt``, ``acc-lda``/``est-lda`` and ``splice-feats``), in numpy with float64 maths.
+"""fMLLR (constrained MLLR, Gales 1998) for diagonal-covariance GMMs, in numpy with float64 maths:
+Kaldi's ``gmm-est-fmllr`` and ``compose-transforms``, which kaldi-hmm-gmm does not expose. The
+speaker-adaptive stage (``gmm_sat``) uses it for training and decoding.
 
-* **fMLLR** (constrained MLLR, Gales 1998): a per-speaker affine map ``x -> A x + b``,
-  ``W = [A b]`` ``[D, D+1]``, chosen to maximise the likelihood of the speaker's frames under the
-  model (Jacobian ``log|det A|`` included). With the extended vector ``xi = [x; 1]`` and the
-  Gaussian posteriors ``gamma`` of the aligned pdfs, the auxiliary function is
-  ``Q(W) = beta log|det A| + sum_i (w_i . k_i - 0.5 w_i G_i w_i')`` where ``beta = sum gamma``,
-  ``K = sum gamma (mu / var) xi'`` and ``G_i = sum gamma / var[i] xi xi'``.
-* **MLLT** (semi-tied covariance, Gales 1999): one square ``A`` for all Gaussians that makes
-  diagonal covariances fit better; ``Q(A) = beta log|det A| - 0.5 sum_i a_i G_i a_i'`` with
-  ``G_i = sum gamma / var[i] (x - mu)(x - mu)'``. Applying it means ``x -> A x`` and
-  ``mu -> A mu`` (then re-estimating the GMMs), and composing it after the LDA matrix.
-* **LDA**: the projection that maximises between-class over within-class variance of spliced
-  frames, scaled so that the projected within-class covariance is the identity.
+A per-speaker affine map ``x -> A x + b``, ``W = [A b]`` ``[D, D+1]``, is chosen to maximise the
+likelihood of the speaker's frames under the model (Jacobian ``log|det A|`` included). With the
+extended vector ``xi = [x; 1]`` and the Gaussian posteriors ``gamma`` of the aligned pdfs, the
+auxiliary function is ``Q(W) = beta log|det A| + sum_i (w_i . k_i - 0.5 w_i G_i w_i')`` where
+``beta = sum gamma``, ``K = sum gamma (mu / var) xi'`` and ``G_i = sum gamma / var[i] xi xi'``.
 
-Both Q's are maximised by Gales' row-by-row update: ``det A`` is linear in row ``i`` through the
-cofactor row ``c_i``, so with the other rows fixed the row optimum is
-``w_i = G_i^-1 (alpha c_i + k_i)``, where ``alpha`` solves a quadratic; of its two roots the one
-with the larger Q is kept. Each row update is the exact maximum over that row, so Q never drops.
+Q is maximised by Gales' row-by-row update: ``det A`` is linear in row ``i`` through the cofactor
+row ``c_i``, so with the other rows fixed the row optimum is ``w_i = G_i^-1 (alpha c_i + k_i)``,
+where ``alpha`` solves a quadratic; of its two roots the one with the larger Q is kept. Each row
+update is the exact maximum over that row, so Q never drops.
 """
-
 from __future__ import annotations
 
 import logging
@@ -177,92 +170,3 @@ def compose_affine(outer: np.ndarray, inner: np.ndarray) -> np.ndarray:
     outer, inner = np.asarray(outer, np.float64), np.asarray(inner, np.float64)
     D = outer.shape[0]
     return np.hstack([outer[:, :D] @ inner[:, :D], outer[:, :D] @ inner[:, D:] + outer[:, D:]])
-
-
-# ---------------------------------------------------------------- MLLT
-@dataclass
-class MlltStats:
-    """MLLT statistics: ``G [D, D, D]`` and the frame count ``beta``."""
-
-    G: np.ndarray
-    beta: float = 0.0
-
-    @classmethod
-    def zeros(cls, dim: int) -> MlltStats:
-        return cls(np.zeros((dim, dim, dim)), 0.0)
-
-
-def accumulate_mllt_stats(am, feats: np.ndarray, pdfs: np.ndarray, stats: MlltStats | None = None):
-    """Add the MLLT statistics of ``feats`` ``[T, D]`` aligned to ``pdfs`` ``[T]`` (``gmm-acc-mllt``)."""
-    feats = np.asarray(feats, np.float64)
-    stats = MlltStats.zeros(feats.shape[1]) if stats is None else stats
-    for p, idx, post in gaussian_posteriors(am, feats, pdfs):
-        mean, var = _pdf_params(am, p)
-        x = feats[idx]
-        occ, first = post.sum(0), post.T @ x  # [G], [G, D]
-        fm = first[:, :, None] * mean[:, None, :]  # sum_t gamma x mu'
-        mm = occ[:, None, None] * mean[:, :, None] * mean[:, None, :]
-        scatter = _outer_sum(post, x) - fm - fm.transpose(0, 2, 1) + mm  # sum_t gamma (x - mu)(x - mu)'
-        stats.G += np.einsum("ji,jkl->ikl", 1.0 / var, scatter)
-        stats.beta += float(occ.sum())
-    return stats
-
-
-def mllt_objective(A: np.ndarray, stats: MlltStats) -> float:
-    """The MLLT auxiliary function ``beta log|det A| - 0.5 sum_i a_i G_i a_i'``."""
-    return _objective(np.asarray(A, np.float64), np.zeros(np.shape(A)), stats.G, stats.beta)
-
-
-def estimate_mllt(stats: MlltStats, num_iters: int = 10) -> tuple[np.ndarray, dict]:
-    """MLLT matrix ``A`` ``[D, D]`` from ``stats``, starting from the identity (``est-mllt``), and
-    ``{"aux_gain_per_frame", "frames", "objective_trace"}``."""
-    if stats.beta <= 0:
-        raise ValueError(f"MLLT statistics have beta={stats.beta}; accumulate some frames first")
-    D = stats.G.shape[0]
-    A, trace = _maximise_rows(np.eye(D), np.zeros((D, D)), stats.G, stats.beta, num_iters)
-    return A, _info(trace, stats.beta)
-
-
-# ---------------------------------------------------------------- LDA and splicing
-def estimate_lda(
-    feats: np.ndarray, classes: np.ndarray, dim: int, allow_large_dim: bool = False, floor: float = 1e-10
-) -> np.ndarray:
-    """LDA matrix ``[dim, Din]`` (``acc-lda`` + ``est-lda``) from frames ``[N, Din]`` and their class
-    ids ``[N]`` (e.g. pdfs). Rows are the top between-class directions after whitening the
-    within-class covariance (eigenvalues floored at ``floor`` times the largest), so projected
-    frames have identity within-class covariance. ``dim`` must be at most ``classes - 1`` unless
-    ``allow_large_dim`` (the extra rows then carry no class information)."""
-    x, classes = np.asarray(feats, np.float64), np.asarray(classes)
-    if x.ndim != 2 or len(x) != len(classes):
-        raise ValueError(f"feats {x.shape} and classes {classes.shape}: need [N, Din] and [N]")
-    labels, inverse = np.unique(classes, return_inverse=True)
-    if len(labels) < 2:
-        raise ValueError(f"{len(labels)} classes; LDA needs at least 2")
-    if not 1 <= dim <= x.shape[1]:
-        raise ValueError(f"dim={dim}; must be in 1..{x.shape[1]} (the input dim)")
-    if dim > len(labels) - 1 and not allow_large_dim:
-        raise ValueError(f"dim={dim} > number of classes - 1 = {len(labels) - 1} (see allow_large_dim)")
-    x = x - x.mean(0)
-    sums = np.zeros((len(labels), x.shape[1]))
-    np.add.at(sums, inverse.ravel(), x)
-    means = sums / np.bincount(inverse.ravel())[:, None]
-    between = sums.T @ means / len(x)  # sum_c n_c m_c m_c' / N
-    within = x.T @ x / len(x) - between
-    evals, evecs = np.linalg.eigh(within)
-    low = evals < floor * evals.max()
-    if low.any():
-        log.warning("LDA: %d within-class eigenvalues floored at %g", int(low.sum()), floor * evals.max())
-    whiten = evecs.T / np.sqrt(np.maximum(evals, floor * evals.max()))[:, None]
-    _, vecs = np.linalg.eigh(whiten @ between @ whiten.T)
-    return vecs[:, ::-1][:, :dim].T @ whiten
-
-
-def splice(feats: np.ndarray, context: int) -> np.ndarray:
-    """Frames ``t-context .. t+context`` side by side, edge frames repeated (``splice-feats``):
-    ``[T, D] -> [T, D * (2 context + 1)]``."""
-    feats = np.asarray(feats)
-    if context < 0:
-        raise ValueError(f"context={context}; must be >= 0")
-    T = len(feats)
-    idx = np.clip(np.arange(T)[:, None] + np.arange(-context, context + 1)[None, :], 0, max(T - 1, 0))
-    return feats[idx].reshape(T, feats.shape[1] * (2 * context + 1))
