@@ -354,3 +354,19 @@ def test_next_stage_needs_alignments_of_the_current_training_cuts(trained):
     assert len(alis) == 1 and system.tm.num_pdfs > 0
     with pytest.raises(RuntimeError, match="no alignment of the current training cuts"):
         GmmSystem.load_run(exp, {"not-a-cut": None})
+
+
+def test_a_system_trained_on_other_features_is_refused(trained, tmp_path):
+    from local.gmm_common import GmmSystem, front_end_id
+
+    src = trained[0] / "exp" / "mono" / "final.pkl"
+    with open(src, "rb") as f:
+        saved = pickle.load(f)
+    assert saved["front_end"] == front_end_id()
+    old = tmp_path / "data" / "exp" / "mono" / "final.pkl"
+    old.parent.mkdir(parents=True)
+    with open(old, "wb") as f:  # as written by a version without speaker variance normalisation
+        pickle.dump({k: v for k, v in saved.items() if k != "front_end"}, f)
+    with pytest.raises(RuntimeError, match=r"was trained on GMM features None.*--stage 3 --force"):
+        GmmSystem.load(old)
+    assert GmmSystem.load(old, check_front_end=False).tm.num_pdfs == GmmSystem.load(src).tm.num_pdfs

@@ -82,7 +82,7 @@ class Decoder:
             raise ValueError(f"No such file: {graph}; run `python recipes/asr/prepare.py --data-dir {data_dir}` "
                              "(stage 4 builds the graph)")
         self.hclg = kaldifst.StdVectorFst.read(str(graph))
-        self.trans_model = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl").tm
+        self.trans_model = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl", check_front_end=False).tm
         self.id2word = {i: w for w, i in read_symbols(data_dir / "lang" / "words.txt").items()}
         self.beam, self.max_active = beam, max_active
 

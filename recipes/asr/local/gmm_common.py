@@ -36,6 +36,12 @@ TRANSITION_SCALE = 1.0
 CMVN = "speaker"
 
 
+def front_end_id() -> str:
+    """What the GMMs are trained on (``features.gmm_features`` with the ``CMVN`` setting); stored
+    with every system so that a system and the features it is used with always agree."""
+    return f"13 MFCC, {CMVN} mean+variance CMVN, deltas+double deltas"
+
+
 @dataclass
 class GmmSystem:
     """A GMM-HMM: transition model, per-pdf diagonal GMMs, context-dependency tree."""
@@ -48,7 +54,7 @@ class GmmSystem:
         """Pickle to ``path`` (the khg objects pickle through Kaldi's binary format)."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
-            pickle.dump({"tm": self.tm, "am": self.am, "tree": self.tree}, f)
+            pickle.dump({"tm": self.tm, "am": self.am, "tree": self.tree, "front_end": front_end_id()}, f)
 
     def save_run(self, exp: Path, alis: dict, history: list) -> None:
         """A trained stage's outputs in ``exp``: ``final.pkl``, ``ali.pkl`` (transition-ids per
@@ -70,11 +76,20 @@ class GmmSystem:
         return system, alis
 
     @classmethod
-    def load(cls, path: Path | str) -> GmmSystem:
+    def load(cls, path: Path | str, check_front_end: bool = True) -> GmmSystem:
+        """Unpickle a system; with ``check_front_end``, one trained on other GMM features than
+        the current ``front_end_id()`` (e.g. by an older version of the recipe) is refused."""
         if not Path(path).exists():
             raise RuntimeError(f"{path} is missing; run the stage that trains it first")
         with open(path, "rb") as f:
             d = pickle.load(f)
+        if check_front_end and d.get("front_end") != front_end_id():
+            data_dir = Path(path).parents[2]
+            raise RuntimeError(
+                f"{path} was trained on GMM features {d.get('front_end')!r}, not the current "
+                f"{front_end_id()!r}; retrain the GMM stages: python recipes/asr/prepare.py --data-dir {data_dir} "
+                "--stage 3 --force"
+            )
         return cls(d["tm"], d["am"], d["tree"])
 
     def tid2pdf(self) -> np.ndarray:
