@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 REALIGN_ITERS = {10, 25}
 FMLLR_ITERS = {20}
-FMLLR_MIN_FRAMES = 500.0  # fewer (non-silence) frames: the speaker keeps its current transform
+FMLLR_MIN_FRAMES = 500.0  # fewer (silence-weighted) frames: the speaker keeps its current transform
 SILENCE_WEIGHT_TRAIN = 0.0  # train_sat.sh
 SILENCE_WEIGHT_DECODE = 0.01  # decode_fmllr.sh
 ACOUSTIC_SCALES = (0.0667, 0.0833, 0.1)
