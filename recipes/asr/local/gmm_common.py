@@ -372,6 +372,22 @@ def gmm_front_end(cuts, cmvn: str | None = None) -> dict[str, np.ndarray]:
     return {c.id: gmm_features(c, stats) for c in cuts}
 
 
+def begin_stage(data_dir: Path | str, name: str) -> tuple[Path, Path, object]:
+    """The common start of a GMM stage: one torch thread, ``exp/<name>`` created, the stage's old
+    drop records cleared, the lang loaded. Returns ``(data_dir, exp dir, lang)``."""
+    import torch
+
+    from local.drops import clear_drops
+    from local.lang import load_lang
+
+    torch.set_num_threads(1)
+    data_dir = Path(data_dir)
+    exp = data_dir / "exp" / name
+    exp.mkdir(parents=True, exist_ok=True)
+    clear_drops(data_dir, name)
+    return data_dir, exp, load_lang(data_dir / "lang")
+
+
 # ---------------------------------------------------------------- the training loop
 def realign_all(
     system: GmmSystem,

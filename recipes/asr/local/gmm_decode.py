@@ -50,16 +50,13 @@ def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
     for split in splits:
         utts = load_utterances(data_dir, split)
         out_dir = exp / f"decode_{split}"
-        paths = {s: {} for s in scales}
-        if split == "dev" or "dev" not in best:
-            tried = {s: decode_split(hclg, system, utts, id2word, out_dir, split, s, paths[s]) for s in scales}
-            scale = min(tried, key=lambda s: (tried[s]["wer"], abs(s - 0.1)))
-            res = {**tried[scale], "acoustic_scale": scale, "by_scale": {str(s): r["wer"] for s, r in tried.items()}}
-        else:
-            scale = best["dev"]
-            paths[scale] = {}
-            res = {**decode_split(hclg, system, utts, id2word, out_dir, split, scale, paths[scale]),
-                   "acoustic_scale": scale}
+        sweep = split == "dev" or "dev" not in best
+        paths = {s: {} for s in (scales if sweep else (best["dev"],))}
+        tried = {s: decode_split(hclg, system, utts, id2word, out_dir, split, s, paths[s]) for s in paths}
+        scale = min(tried, key=lambda s: (tried[s]["wer"], abs(s - 0.1)))
+        res = {**tried[scale], "acoustic_scale": scale}
+        if sweep:
+            res["by_scale"] = {str(s): r["wer"] for s, r in tried.items()}
         best[split] = scale
         (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
         with open(out_dir / "best_path.pkl", "wb") as f:  # first pass of the SAT stage's fMLLR decoding

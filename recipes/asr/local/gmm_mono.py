@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from local.drops import clear_drops, record_drop
+from local.drops import record_drop
 from local.gmm_common import (
     GmmSystem,
+    begin_stage,
     compile_graphs,
     equal_alignment,
     load_utterances,
@@ -33,7 +33,6 @@ from local.gmm_common import (
     train_iterations,
 )
 from local.kaldi import khg
-from local.lang import load_lang
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +90,8 @@ def train_mono(
     Returns:
         a summary: utterances, pdfs, Gaussians, final log-likelihood, seconds, WERs.
     """
-    torch.set_num_threads(1)
-    data_dir = Path(data_dir)
-    exp = data_dir / "exp" / "mono"
     start = time.perf_counter()
-    clear_drops(data_dir, "mono")
-    lang = load_lang(data_dir / "lang")
+    data_dir, exp, lang = begin_stage(data_dir, "mono")
     utts = load_utterances(data_dir, "train", clean_only=not augmented)
     if not utts.cuts:
         raise RuntimeError(f"no training utterances in {data_dir}/features/train_cuts.jsonl.gz after OOV filtering")

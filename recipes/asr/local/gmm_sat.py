@@ -30,14 +30,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from local.decode import decode_utterances_gmm, score, words_to_text
-from local.drops import clear_drops
 from local.features import gmm_cmvn_key
 from local.gmm_common import (
     GmmSystem,
     Utterances,
+    begin_stage,
     compile_graphs,
     convert_alignments,
     load_utterances,
@@ -46,7 +45,6 @@ from local.gmm_common import (
 )
 from local.graph import make_hclg
 from local.kaldi import kaldifst
-from local.lang import load_lang
 from local.transforms import FmllrStats, accumulate_fmllr_stats, apply_affine, compose_affine, estimate_fmllr
 
 log = logging.getLogger(__name__)
@@ -89,7 +87,7 @@ def speaker_transforms(
     for spk, acc in stats.items():
         W, info = estimate_fmllr(acc, num_iters=10, min_count=FMLLR_MIN_FRAMES)
         out[spk] = compose_affine(W, out[spk]) if spk in out else W
-        if info.get("estimated", True):
+        if info["estimated"]:
             gains.append(info["aux_gain_per_frame"])
     if gains:
         log.info("fMLLR: %d of %d speakers estimated, objective gain %.3f per frame on average",
@@ -133,13 +131,8 @@ def train_sat(
     """
     from local.gmm_tri import build_triphone_system
 
-    torch.set_num_threads(1)
     start = time.perf_counter()
-    data_dir = Path(data_dir)
-    exp = data_dir / "exp" / "sat"
-    exp.mkdir(parents=True, exist_ok=True)
-    clear_drops(data_dir, "sat")
-    lang = load_lang(data_dir / "lang")
+    data_dir, exp, lang = begin_stage(data_dir, "sat")
     utts = load_utterances(data_dir, "train", clean_only=False)
     si, si_alis = GmmSystem.load_run(data_dir / "exp" / "tri", utts.feats)
     raw = dict(utts.feats)
@@ -187,14 +180,13 @@ def train_sat(
 
 
 def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
-                    first_alis: dict, scale: float) -> tuple[dict, dict]:
-    """Two fMLLR passes from first-pass alignments (``first_alis`` on ``system``'s transition
-    ids): estimate, decode, re-estimate, decode. Returns (hyps, transforms)."""
-    trans = speaker_transforms(system, utts.feats, first_alis, speakers, sil_id, SILENCE_WEIGHT_DECODE)
+                    first_trans: dict, scale: float) -> tuple[dict, dict]:
+    """Two adapted passes from the first-pass transforms: decode, re-estimate, decode.
+    Returns (hyps, transforms)."""
     alis: dict = {}
-    adapted = transformed(utts.feats, speakers, trans)
+    adapted = transformed(utts.feats, speakers, first_trans)
     decode_utterances_gmm(hclg, system.tm, system.am, adapted.items(), acoustic_scale=scale, alignments=alis)
-    trans = speaker_transforms(system, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_DECODE, trans)
+    trans = speaker_transforms(system, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_DECODE, first_trans)
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, transformed(utts.feats, speakers, trans).items(),
                                  acoustic_scale=scale)
     return hyps, trans
@@ -249,7 +241,8 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
                                             alignments=si_alis)
             si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
                            f"{split}-si-acwt{si_scale:g}")["wer"]
-        first = convert_alignments(si_alis, si, system)
+        first = speaker_transforms(system, utts.feats, convert_alignments(si_alis, si, system), speakers,
+                                   lang.sil_id, SILENCE_WEIGHT_DECODE)
         tried = scales if best_scale is None else (best_scale,)
         by_scale, trans_by_scale = {}, {}
         for scale in tried:

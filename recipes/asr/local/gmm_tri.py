@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from local.drops import clear_drops
 from local.gmm_common import (
     GmmSystem,
+    begin_stage,
     compile_graphs,
     convert_alignments,
     load_utterances,
@@ -33,7 +32,6 @@ from local.gmm_common import (
     train_iterations,
 )
 from local.kaldi import khg
-from local.lang import load_lang
 from local.tree import build_tree
 from local.tree_stats import TidTables, accumulate_tree_stats
 
@@ -111,13 +109,8 @@ def train_tri(
     Returns:
         a summary: leaves, pdfs, Gaussians, final log-likelihood, seconds, WERs.
     """
-    torch.set_num_threads(1)
     start = time.perf_counter()
-    data_dir = Path(data_dir)
-    exp = data_dir / "exp" / "tri"
-    exp.mkdir(parents=True, exist_ok=True)
-    clear_drops(data_dir, "tri")
-    lang = load_lang(data_dir / "lang")
+    data_dir, exp, lang = begin_stage(data_dir, "tri")
     utts = load_utterances(data_dir, "train", clean_only=not augmented)
     mono, mono_alis = GmmSystem.load_run(data_dir / "exp" / "mono", utts.feats)
 
