@@ -273,7 +273,8 @@ class Cluster:
         mtu: MTU of every veth and the bridge.
         subnet: a private IPv4 network for the nodes' addresses (node k gets host k+1).
         master_port: ``MASTER_PORT`` (every namespace is fresh, so any port is free).
-        verbose: print what is done.
+        verbose: print the plan, each run's start and summary, and the teardown (problems are
+            always printed).
     """
 
     _active: Cluster | None = None  # one per process: names and the route's metric come from the pid
@@ -309,7 +310,8 @@ class Cluster:
         # Hyper-parameters of the links.
         self.nodes, self.devices_per_node, self.mtu = nodes, devices_per_node, mtu
         self.world_size = nodes * devices_per_node
-        self.subnet, self.master_port, self.verbose = network, master_port, verbose
+        self.subnet, self.master_port = network, master_port
+        self._say = say if verbose else _quiet
         self.rate, self.rate_bits, self.burst_bytes, self.tbf_latency_s = "none", None, 0, 0.0
         self._check_shaping(rate, burst, tbf_latency)
         self._rate, self._burst, self._tbf_latency = rate, burst, tbf_latency
@@ -385,7 +387,7 @@ class Cluster:
                 except RuntimeError as err:
                     problems.append(str(err))
             if self._created or self._route:
-                say(f"torn down: {len(self._created)} namespaces (with their links and bridge)"
+                self._say(f"torn down: {len(self._created)} namespaces (with their links and bridge)"
                     + (f", blackhole route {self.subnet}" if self._route else ""))
             for problem in problems:
                 say(f"teardown problem: {problem}; `python -m gtc_lightning.cluster --cleanup` retries")
@@ -428,13 +430,13 @@ class Cluster:
                     "burst", str(burst_bytes), "latency", f"{round(latency_s * 1e6)}us")
         self._rate, self._burst, self._tbf_latency = rate, burst, tbf_latency
         self.rate, self.rate_bits, self.burst_bytes, self.tbf_latency_s = rate, bits, burst_bytes, latency_s
-        if self.verbose and not quiet:
-            say(f"links now {self._shaping_text()}")
+        if not quiet:
+            self._say(f"links now {self._shaping_text()}")
 
     def _shaping_text(self) -> str:
-        if self.rate_bits is None:
+        if parse_rate(self._rate) is None:
             return "unshaped"
-        return f"{self.rate} both ways (tbf burst {self._burst} latency {self._tbf_latency})"
+        return f"{self._rate} both ways (tbf burst {self._burst} latency {self._tbf_latency})"
 
     def counters(self) -> list[dict[str, int]]:
         """Each node's veth counters now: ``tx_bytes``, ``rx_bytes``, ``tx_packets``, ``rx_packets``."""
@@ -448,20 +450,13 @@ class Cluster:
     # -- set-up helpers
 
     def _print_plan(self) -> None:
-        if not self.verbose:
-            return
         procs = f", {self.devices_per_node} processes each" if self.devices_per_node > 1 else ""
-        say(f"{self.nodes} nodes{procs}; links {self._rate_plan()}, mtu {self.mtu}; no added propagation "
+        self._say(f"{self.nodes} nodes{procs}; links {self._shaping_text()}, mtu {self.mtu}; no added propagation "
             f"delay (netem is absent from this kernel)")
-        say(f"bridge br0 in namespace {self.bridge_namespace}; blackhole route {self.subnet} in the root "
+        self._say(f"bridge br0 in namespace {self.bridge_namespace}; blackhole route {self.subnet} in the root "
             f"namespace")
         for k, (ns, dev, addr) in enumerate(zip(self.namespaces, self.interfaces, self.addresses)):
-            say(f"node {k}: namespace {ns}, {dev} {addr}/{self.subnet.prefixlen} <-> port{k}")
-
-    def _rate_plan(self) -> str:
-        if parse_rate(self._rate) is None:
-            return "unshaped"
-        return f"{self._rate} both ways (tbf burst {self._burst} latency {self._tbf_latency})"
+            self._say(f"node {k}: namespace {ns}, {dev} {addr}/{self.subnet.prefixlen} <-> port{k}")
 
     def _lock(self) -> None:
         LOCK_DIR.mkdir(parents=True, exist_ok=True)
@@ -565,8 +560,8 @@ class Cluster:
                 f"{self.nodes} (or num_nodes={{num_nodes}}) to join the other nodes")
         base_env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_LAUNCHER_VARS}
         base_env.update(env or {})
-        say(f"run on {self.nodes} nodes ({self._shaping_text()}): {shlex.join(command)}")
-        say(f"MASTER_ADDR={self.master_addr} MASTER_PORT={self.master_port} WORLD_SIZE={self.world_size}; "
+        self._say(f"run on {self.nodes} nodes ({self._shaping_text()}): {shlex.join(command)}")
+        self._say(f"MASTER_ADDR={self.master_addr} MASTER_PORT={self.master_port} WORLD_SIZE={self.world_size}; "
             f"logs and cluster.json in {out}; timeout {timeout:g} s")
         before = self.counters()
         started_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -601,7 +596,7 @@ class Cluster:
             exit_code = {"ok": 0, "failed": 1, "timeout": 124}[status]
         result = RunResult(status=status, exit_code=exit_code, command=command, out=str(out),
                            started_at=started_at, wall_s=round(wall, 3), timeout_s=timeout,
-                           config=self.config(), nodes=self._node_results(procs, before, after, t0),
+                           config=self.config(), nodes=self._node_results(procs, before, after),
                            total={})
         result.total = {key: sum(getattr(n, key) for n in result.nodes)
                         for key in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")}
@@ -649,11 +644,11 @@ class Cluster:
                 return "failed"
             time.sleep(0.05)
 
-    def _node_results(self, procs: list[_Process], before: list[dict[str, int]], after: list[dict[str, int]],
-                      t0: float) -> list[NodeResult]:
+    def _node_results(self, procs: list[_Process], before: list[dict[str, int]],
+                      after: list[dict[str, int]]) -> list[NodeResult]:
         results = []
         for k in range(self.nodes):
-            mine = [p.result(t0) for p in procs if p.node_rank == k]
+            mine = [p.result() for p in procs if p.node_rank == k]
             delta = {key: after[k][key] - before[k][key] for key in after[k]}
             codes = [p.exit_code for p in mine if p.exit_code != 0]
             results.append(NodeResult(
@@ -665,14 +660,19 @@ class Cluster:
 
     def _summarise(self, result: RunResult) -> None:
         for node in result.nodes:
-            say(f"node {node.node_rank} ({node.address}): exit {_describe(node.exit_code)}, {node.wall_s:.1f} s, "
+            self._say(f"node {node.node_rank} ({node.address}): exit {_describe(node.exit_code)}, {node.wall_s:.1f} s, "
                 f"sent {node.tx_bytes / 1e6:.3f} MB, received {node.rx_bytes / 1e6:.3f} MB on {node.interface}")
         failed = [(n, p) for n in result.nodes for p in n.processes if p.exit_code != 0]
         for node, p in failed:
             why = f" (stopped: {p.stopped_by})" if p.stopped_by else ""
-            say(f"FAILED: node {node.node_rank} local rank {p.local_rank} exit {_describe(p.exit_code)}{why}; "
+            label = "stopped" if p.stopped_by == "interrupted" else "FAILED"
+            say(f"{label}: node {node.node_rank} local rank {p.local_rank} exit {_describe(p.exit_code)}{why}; "
                 f"log {p.log}")
-        say(f"{result.status} in {result.wall_s:.1f} s; {Path(result.out) / 'cluster.json'}")
+        self._say(f"{result.status} in {result.wall_s:.1f} s; {Path(result.out) / 'cluster.json'}")
+
+
+def _quiet(_message: str) -> None:
+    pass
 
 
 def _describe(code: int | None) -> str:
@@ -727,7 +727,7 @@ class _Process:
             self.popen.stdout.close()
         self._file.close()
 
-    def result(self, t0: float) -> ProcessResult:
+    def result(self) -> ProcessResult:
         return ProcessResult(node_rank=self.node_rank, local_rank=self.local_rank, rank=self.rank,
                              exit_code=self.popen.returncode, wall_s=round((self.end or self.start) - self.start, 3),
                              stopped_by=self.stopped_by, log=str(self.log))
