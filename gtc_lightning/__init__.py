@@ -1,9 +1,10 @@
 """gtc-lightning: Strom's gradient threshold compression (GTC) as a PyTorch Lightning strategy.
 
 Importing the package registers the strategy names ``"gtc"`` (processes started by re-running
-the script, Lightning's default), ``"gtc_spawn"`` and ``"gtc_fork"``. Processes started by
-re-running the script import the package again through the script itself, so they know the
-names too. Use it in a Lightning project like this::
+the script, Lightning's default), ``"gtc_spawn"``, ``"gtc_fork"`` and ``"gtc_notebook"``, each
+also as ``..._find_unused_parameters_true`` / ``_false`` (as Lightning names its DDP variants).
+Processes started by re-running the script import the package again through the script itself,
+so they know the names too. Use it in a Lightning project like this::
 
     import lightning as L
     import gtc_lightning  # registers "gtc"
@@ -15,8 +16,8 @@ names too. Use it in a Lightning project like this::
     # or configured: threshold, 100 dense warmup steps, replica check every 1000 steps
     strategy = GTCStrategy(tau=1e-2, warmup_steps=100, check_replicas_every=1000, bucket_cap_mb=25)
     trainer = L.Trainer(accelerator="gpu", devices=8, num_nodes=2, strategy=strategy)
-    trainer.fit(model, data)  # logs gtc/words, gtc/ratio, ...; "gtc_ratio" in the progress bar
-    print(trainer.strategy.gtc_stats["total"]["ratio"])
+    trainer.fit(model, data)  # logs gtc/bytes_sent, gtc/ratio_fp32, ...; "gtc_vs_bf16" in the bar
+    print(trainer.strategy.gtc_stats["total"]["ratio_bf16"])  # bf16 all-reduce bytes per byte sent
 
 ``tau`` works best near 15x the per-rank gradient RMS; see DESIGN.md for measurements.
 """
@@ -25,10 +26,19 @@ import logging
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from gtc_lightning.baselines import BF16AllReduceStrategy, bf16_allreduce_hook
 from gtc_lightning.hook import GTCState, StepStats, gtc_hook, parameter_checksums
 from gtc_lightning.strategy import GTCStrategy
 
-__all__ = ["GTCState", "GTCStrategy", "StepStats", "gtc_hook", "parameter_checksums"]
+__all__ = [
+    "BF16AllReduceStrategy",
+    "GTCState",
+    "GTCStrategy",
+    "StepStats",
+    "bf16_allreduce_hook",
+    "gtc_hook",
+    "parameter_checksums",
+]
 __version__ = "0.1.0"
 
 # Show the configuration line and restore messages at INFO, the way Lightning's own logger does,
@@ -41,3 +51,5 @@ if not logging.getLogger().hasHandlers() and not _logger.handlers:
 
 if "gtc" not in StrategyRegistry:
     GTCStrategy.register_strategies(StrategyRegistry)
+if "ddp_bf16" not in StrategyRegistry:
+    BF16AllReduceStrategy.register_strategies(StrategyRegistry)

@@ -195,12 +195,13 @@ def compile_kernels(arch: int = 90) -> list[dict]:
         raise RuntimeError("TRITON_INTERPRET=1 is set; run the compile check with TRITON_INTERPRET=0")
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     rows = []
-    for name, (kernel, signature, config) in KERNELS.items():
+    for name, (kernel, signature, config, flags) in KERNELS.items():
         block, warps = CUDA_CONFIG[config]
         # As a launch specialises them: 16-byte aligned pointers, sizes divisible by 16.
         aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t != "fp32"}
-        signature = {**signature, "BLOCK": "constexpr"}
-        source = ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK": block}, attrs=aligned)
+        constexprs = {"BLOCK": block, **flags}
+        signature = {**signature, **{key: "constexpr" for key in constexprs}}
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
         options = {"num_warps": warps, **FP_OPTIONS}
         start = time.perf_counter()
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)

@@ -2,26 +2,33 @@
 
 The algorithm, per optimizer step and per rank (Strom 2015, sections 2.3-2.6):
 
-1. Warmup: for the first ``warmup_steps`` steps every bucket is averaged by a dense all-reduce.
-2. Stash: DDP hands the hook one bucket at a time, in bucket-index order. Each bucket's Future is
-   kept pending until the last bucket (``bucket.is_last()``) arrives; then one exchange serves all
-   buckets, so the decision to skip a step is taken once, for the whole model, on every rank.
-3. Compress: if all local gradients are finite, ``compress(grad, residual, tau)`` per bucket adds
-   the gradient into the per-element residual and emits int32 words (index | sign << 31). The
-   residuals are backed up first, so a step skipped because of another rank can be undone exactly.
-4. Header exchange: every rank all-gathers ``[non_finite_flag, words_in_bucket_0, ...]``. Any flag
-   set: every rank restores its residuals, the step is marked skipped (the strategy then leaves
-   ``param.grad`` as ``None`` so the optimizer does nothing) and no words travel.
-5. Word exchange: each rank's words, concatenated over buckets, are padded to the longest message
-   and all-gathered in one collective of equal sizes (which gloo requires and NCCL does fastest).
-6. Decode: per bucket, the words of all ranks are decoded with
-   ``decompress(words, numel, tau, divisor=world_size)`` into the bucket buffer. The decoding goes
-   through exact integer counts, so every rank computes bit-identical gradients and the replicas
-   stay identical forever without any broadcast ("dead reckoning").
+1. Warmup: for the first ``warmup_steps`` steps every bucket is averaged by DDP's own dense
+   all-reduce hook, bit for bit as DDP.
+2. Threshold, bucket by bucket as DDP hands them over, while backward goes on: ``out = residual +
+   g`` (``g`` unscaled from AMP's loss scale and clipped as the Trainer asks) into a second
+   residual buffer, and the words ``index | sign << 31`` of every element with ``|out| > tau``
+   appended to this step's message. ``tau`` is not subtracted yet and the old residual is kept,
+   so the step can still be skipped or go dense without any undo. Parameters this rank did not use
+   in the backward (``find_unused_parameters``) are left out: DDP never applies an update to a
+   parameter no rank used, so a word for one would be lost; their residual is carried over.
+   Norm clipping needs every gradient first, so with it all buckets wait for the last one.
+3. Header exchange at the last bucket: every rank all-gathers ``[non-finite count, words]``, the
+   step's one host synchronisation.
+4. Decide, identically on every rank from the headers: *skip* (a non-finite value on some rank:
+   residuals unchanged, the strategy drops the update), *dense* (the sparse exchange would move
+   more bytes than a dense fp32 all-reduce: every rank's ``residual + g`` is all-reduced and the
+   residuals restart from zero, so nothing is lost; hysteresis keeps it from flapping), or
+   *sparse*.
+5. Sparse: one word exchange (all-to-all of uneven messages where the backend is gloo, measured
+   faster than padding to the longest; padded all-gather on NCCL); this rank's words subtract
+   ``±tau`` from the new residual, which then becomes the residual (buffer swap).
+6. Decode every rank's words at once into the bucket buffers: exact int32 vote counts, then one
+   float32 scale ``tau / world_size``, so every rank computes bit-identical gradients whatever the
+   order of words, and the replicas stay identical forever without a broadcast ("dead reckoning").
 
-Residuals live per parameter (keyed by name) as views into one flat tensor per bucket. DDP
-rebuilds its buckets after the first iteration; when a bucket's parameters change, a new flat
-tensor is assembled from the per-parameter residuals, so nothing is lost or misplaced.
+Residuals live in one flat buffer laid out as DDP's buckets (bucket 0 first), and words index
+that flat space. DDP rebuilds its buckets after the first iteration: the flat buffer is then laid
+out anew and each parameter's residual moves with it (found by name), so nothing is misplaced.
 
 All tensor work runs on the thread that calls the hook (no ``Future.then`` callbacks), which keeps
 Triton's interpreter, which is not thread-safe, out of DDP's callback threads.
@@ -34,11 +41,12 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from gtc_lightning.ops import compress, decompress
+from gtc_lightning.ops import MAX_NUMEL, step_ops
 
 log = logging.getLogger(__name__)
 
@@ -46,58 +54,115 @@ log = logging.getLogger(__name__)
 # (same arguments); the GPU machines run torch 2.11, which only has the former.
 all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-_HEADER_DTYPE = torch.int64
 _WORD_BYTES = 4
-_DENSE_BYTES = 4  # an fp32 gradient element, what a dense all-reduce message carries
+_HEADER = 2  # int64 values per rank: non-finite count, words
+EXCHANGES = ("auto", "alltoall", "allgather")
+# Dense fallback: enter when the sparse exchange would move more bytes than a dense fp32 ring
+# all-reduce, leave again when it moves less than half of them.
+FALLBACK_ENTER, FALLBACK_EXIT = 1.0, 0.5
+_NONE = ()
+
+
+def allreduce_bytes(numel: int, world_size: int, element_bytes: int = 4) -> int:
+    """Bytes one rank sends (and receives) in a ring all-reduce of ``numel`` elements:
+    ``2 (W-1)/W * element_bytes * numel`` (fp32: 4 bytes, bf16: 2)."""
+    return 2 * (world_size - 1) * element_bytes * numel // world_size if world_size > 1 else 0
 
 
 @dataclass
 class StepStats:
     """What one optimizer step's exchange did on this rank.
 
+    Bytes are counted as the collectives put them on the wire per rank: a ring all-gather or a
+    pairwise all-to-all sends each rank's message to the ``W - 1`` others; a ring all-reduce sends
+    ``2 (W-1)/W`` of the buffer. They are compared with what a dense ring all-reduce of the same
+    gradient would send, in fp32 and in bf16 (the stronger dense baseline).
+
     Attributes:
         step: 1-based count of synchronising backward passes, i.e. optimizer steps.
-        dense: True for a warmup step (dense all-reduce, no compression).
-        skipped: True when a non-finite gradient made every rank skip this update.
-        bad_ranks: ranks that reported a non-finite gradient (empty when unknown: dense steps).
+        mode: ``"sparse"`` (words exchanged), ``"dense"`` (fallback: residual + gradient
+            all-reduced, residuals reset), ``"warmup"`` (DDP's dense all-reduce), or
+            ``"skipped"`` (a non-finite value on some rank: nothing exchanged but the header).
+        skipped: True when the update is dropped on every rank (also a warmup step whose averaged
+            gradient is non-finite).
+        bad_ranks: ranks that reported a non-finite value (empty for warmup steps).
         numel: gradient elements in all buckets.
-        words: words this rank sent (a dense step counts one per element).
-        words_all: words all ranks sent together.
-        bytes_sent: bytes this rank put into the collectives (header + padded words; for a dense
-            step, its fp32 message).
-        dense_bytes: the fp32 bytes a dense all-reduce message would carry (``4 * numel``).
-        compress_s: seconds spent in ``compress`` (device-synchronised).
-        decompress_s: seconds spent in ``decompress`` (device-synchronised).
+        world_size: ranks in the exchange.
+        words: words this rank emitted (0 unless sparse).
+        words_all: words of all ranks together.
+        bytes_sent: bytes this rank sent (header, words or the dense all-reduce).
+        bytes_received: bytes this rank received.
+        compress_s: seconds spent thresholding (all buckets).
+        exchange_s: seconds spent in the collectives (host wall time).
+        decompress_s: seconds spent decoding into the buckets.
     """
 
     step: int
-    dense: bool
+    mode: str
     skipped: bool
     bad_ranks: list
     numel: int
+    world_size: int
     words: int
     words_all: int
     bytes_sent: int
-    dense_bytes: int
+    bytes_received: int
     compress_s: float
+    exchange_s: float
     decompress_s: float
 
     @property
-    def ratio(self) -> float:
-        """Dense fp32 bytes replaced per byte sent (1.0 for dense steps)."""
-        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
+    def dense(self) -> bool:
+        return self.mode in ("dense", "warmup")
+
+    @property
+    def allreduce_fp32_bytes(self) -> int:
+        """What a dense fp32 ring all-reduce of the gradient sends per rank."""
+        return allreduce_bytes(self.numel, self.world_size, 4)
+
+    @property
+    def allreduce_bf16_bytes(self) -> int:
+        """What a dense bf16 ring all-reduce of the gradient sends per rank."""
+        return allreduce_bytes(self.numel, self.world_size, 2)
+
+    @property
+    def ratio_fp32(self) -> float:
+        """fp32 all-reduce bytes per byte sent (inf when nothing was sent: one rank)."""
+        return self.allreduce_fp32_bytes / self.bytes_sent if self.bytes_sent else math.inf
+
+    @property
+    def ratio_bf16(self) -> float:
+        """bf16 all-reduce bytes per byte sent."""
+        return self.allreduce_bf16_bytes / self.bytes_sent if self.bytes_sent else math.inf
+
+    @property
+    def density(self) -> float:
+        """Words this rank emitted per gradient element."""
+        return self.words / self.numel if self.numel else 0.0
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        for key in ("allreduce_fp32_bytes", "allreduce_bf16_bytes", "ratio_fp32", "ratio_bf16", "density"):
+            out[key] = getattr(self, key)
+        return out
 
 
 _TOTAL_KEYS = (
     "steps",
+    "sparse_steps",
     "dense_steps",
+    "warmup_steps",
     "skips",
     "consecutive_skips",
+    "overflows",
     "words",
     "words_all",
     "bytes_sent",
-    "dense_bytes",
+    "bytes_received",
+    "allreduce_fp32_bytes",
+    "allreduce_bf16_bytes",
     "compress_s",
+    "exchange_s",
     "decompress_s",
 )
 
@@ -112,6 +177,11 @@ class GTCState:
         tau: the threshold; each word moves one element by ``tau / world_size``.
         warmup_steps: optimizer steps of dense all-reduce before compression starts.
         max_consecutive_skips: raise after this many consecutive skipped steps; ``None``: never.
+        dense_fallback: fall back to a dense all-reduce on steps where the sparse exchange would
+            move more bytes (see :data:`FALLBACK_ENTER`).
+        exchange: ``"alltoall"`` (uneven messages), ``"allgather"`` (padded to the longest) or
+            ``"auto"`` (all-to-all on gloo, all-gather otherwise).
+        backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
     """
 
     def __init__(
@@ -121,6 +191,9 @@ class GTCState:
         tau: float,
         warmup_steps: int = 0,
         max_consecutive_skips: int | None = 10,
+        dense_fallback: bool = True,
+        exchange: str = "auto",
+        backend: str = "auto",
     ) -> None:
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
             raise ValueError(
@@ -139,40 +212,72 @@ class GTCState:
             raise ValueError(
                 f"Expect max_consecutive_skips to be an int >= 1 or None (never raise), got {max_consecutive_skips!r}"
             )
+        if exchange not in EXCHANGES:
+            raise ValueError(f"Expect exchange in {EXCHANGES}, got {exchange!r}")
         # The hyper-parameters.
         self.process_group = process_group
         self.tau = float(tau)
+        self.tau32 = float(np.float32(tau))
         self.warmup_steps = warmup_steps
         self.max_consecutive_skips = max_consecutive_skips
+        self.dense_fallback = bool(dense_fallback)
+        self.exchange = exchange
+        self.backend = backend
+        # Gradient clipping of each rank's local gradient, set by the strategy from the Trainer:
+        # ("norm" | "value", threshold) or None.
+        self.clip: tuple[str, float] | None = None
+        # Loss scale of the gradients DDP hands over (AMP's GradScaler; 1.0 without one): the
+        # residuals hold unscaled gradients and the decoded estimate is scaled back.
+        self.grad_scale = 1.0
         # The internal state.
         self.param_names: list[str] = []
         self.numels: list[int] = []
         self._name_of: dict[int, str] = {}
         self.bind(named_parameters)
-        self.residuals: dict[
-            str, torch.Tensor
-        ] = {}  # name -> [numel] float32 view into a bucket's flat tensor
-        self._flats: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # bucket index -> (names, [n] flat)
-        self._pending: list[tuple[dist.GradBucket, torch.futures.Future]] = []
         self.step = 0
-        # Loss scale of the gradients DDP hands over (AMP's GradScaler; 1.0 without one): the
-        # residuals hold unscaled gradients and the decoded estimate is scaled back.
-        self.grad_scale = 1.0
+        self._reset_buffers()
+        self._used: set[int] | None = None  # ids of parameters that got a gradient (when tracked)
+        self._usage_handles: list = []
+        self._dense_mode = False
+        self._warned_fallback = False
         self.last: StepStats | None = None  # the newest exchange, read by the strategy
         self._last_consumed = True
         # The statistics.
         self.totals: dict[str, float] = {key: 0 for key in _TOTAL_KEYS}
         if self.rank == 0:
             log.info(
-                "GTC config: tau=%g, warmup_steps=%d, max_consecutive_skips=%s, world_size=%d, "
-                "parameters=%d (%d elements)",
+                "GTC config: tau=%g, warmup_steps=%d, max_consecutive_skips=%s, dense_fallback=%s, "
+                "exchange=%s, world_size=%d, parameters=%d (%d elements)",
                 self.tau,
                 self.warmup_steps,
                 self.max_consecutive_skips,
+                self.dense_fallback,
+                self.exchange,
                 self.world_size,
                 len(self.param_names),
                 sum(self.numels),
             )
+
+    def _reset_buffers(self) -> None:
+        # Flat buffers in bucket order: the committed residual and the next one being written.
+        self._residual: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None
+        self._keys: list[tuple[int, ...]] = []  # per bucket index: ids of its parameters
+        self._offsets: list[int] = []  # per bucket index: its first element in the flat space
+        self._slots: dict[str, tuple[int, int]] = {}  # parameter name -> (offset, numel)
+        self._loaded: dict[str, torch.Tensor] = {}  # residuals waiting for the first layout
+        self._building: dict | None = None  # a new layout being assembled during one step
+        self._counts: torch.Tensor | None = None  # [capacity] int32, all zero between steps
+        self._message: torch.Tensor | None = None  # [capacity] int32: this rank's words
+        self._scratch: torch.Tensor | None = None  # [capacity] int32, for half-precision buckets
+        self._pending: list[tuple[dist.GradBucket, torch.futures.Future, int]] = []
+        self._deferred: list = []  # buckets waiting for the gradient norm (norm clipping)
+        self._unused: list[tuple[int, int]] = []  # flat ranges of parameters unused this step
+        self._norm_sq: torch.Tensor | None = None
+        self._step_offset = 0
+        self._compress_marks: list = []
+        self._unsettled: list = []  # (stats, field, start, end) timings still to read
+        self._clock = _Clock(torch.device("cpu"))
 
     def bind(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
         """(Re)build the parameter -> name map, e.g. after unpickling the state."""
@@ -180,6 +285,11 @@ class GTCState:
         self.param_names = [name for name, _ in pairs]
         self.numels = [p.numel() for _, p in pairs]
         self._name_of = {id(p): name for name, p in pairs}
+        if sum(self.numels) > MAX_NUMEL:
+            raise ValueError(
+                f"the model has {sum(self.numels)} trainable elements, more than the 2**31-1 a word's 31-bit "
+                "index can address in one step"
+            )
 
     @property
     def world_size(self) -> int:
@@ -190,63 +300,60 @@ class GTCState:
         return dist.get_rank(self.process_group)
 
     def __getstate__(self) -> dict:
-        """Everything but the process group, the pending buckets and the id-based parameter map."""
+        """Hyper-parameters, counters and the residuals (as one vector); no group, no buffers."""
         log.warning("GTCState: the process group is not picklable and is dropped; call bind() after loading")
-        state = dict(self.__dict__)
-        for key in ("process_group", "_pending", "_name_of", "_flats"):
-            state.pop(key)
+        keep = (
+            "tau", "tau32", "warmup_steps", "max_consecutive_skips", "dense_fallback", "exchange", "backend",
+            "clip", "grad_scale", "param_names", "numels", "step", "totals", "last", "_dense_mode",
+        )  # fmt: skip
+        state = {key: self.__dict__[key] for key in keep}
+        state["residuals"] = self.residual_vector(torch.device("cpu"))
         return state
 
     def __setstate__(self, state: dict) -> None:
         """Restore with the default process group; ``bind(named_parameters)`` must follow."""
+        residuals = state.pop("residuals")
         self.__dict__.update(state)
         self.process_group = None
-        self._pending = []
         self._name_of = {}
-        self._flats = {}
+        self._used, self._usage_handles = None, []
+        self._warned_fallback, self._last_consumed = False, True
+        self._reset_buffers()
+        self.load_residual_vector(residuals)
         log.warning("GTCState: process group set to the default group after loading")
 
+    # ---- which parameters a backward pass used ---------------------------------------------
+
+    def track_usage(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Record which parameters get a gradient in each backward pass (needed when some may be
+        unused: ``find_unused_parameters`` or ``static_graph``)."""
+        self.untrack_usage()
+        self._used = set()
+        used = self._used
+        for p in parameters:
+            if p.requires_grad:
+                self._usage_handles.append(p.register_post_accumulate_grad_hook(lambda q: used.add(id(q))))
+
+    def untrack_usage(self) -> None:
+        for handle in self._usage_handles:
+            handle.remove()
+        self._usage_handles, self._used = [], None
+
     # ---- residuals, per parameter ----------------------------------------------------------
-
-    def bucket_residual(self, bucket: dist.GradBucket) -> torch.Tensor:
-        """The ``[bucket numel]`` float32 residual laid out like ``bucket.buffer()``.
-
-        Re-assembled from the per-parameter residuals whenever the bucket's parameters changed
-        (DDP's bucket rebuild), so residuals follow their parameters, not bucket indices.
-        """
-        params = bucket.parameters()
-        names = tuple(self._name_of[id(p)] for p in params)
-        cached = self._flats.get(bucket.index())
-        if cached is not None and cached[0] == names:
-            return cached[1]
-        device = bucket.buffer().device
-        parts = [
-            self.residuals[name].to(device)
-            if name in self.residuals
-            else torch.zeros(p.numel(), device=device)
-            for name, p in zip(names, params)
-        ]
-        flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
-        if flat.numel() != bucket.buffer().numel():
-            raise RuntimeError(
-                f"bucket {bucket.index()} holds {bucket.buffer().numel()} gradient elements but its parameters "
-                f"have {flat.numel()}; GTC assumes DDP lays parameters out back to back in a dense bucket"
-            )
-        offset = 0
-        for name, p in zip(names, params):
-            self.residuals[name] = flat[offset : offset + p.numel()]
-            offset += p.numel()
-        self._flats[bucket.index()] = (names, flat)
-        return flat
 
     def residual_vector(self, device: torch.device | None = None) -> torch.Tensor:
         """All residuals, ``[sum(numels)]`` float32 in ``param_names`` order (zeros where none yet)."""
         if device is None:
-            device = next(iter(self.residuals.values())).device if self.residuals else torch.device("cpu")
-        parts = [
-            self.residuals[name].to(device) if name in self.residuals else torch.zeros(n, device=device)
-            for name, n in zip(self.param_names, self.numels)
-        ]
+            device = self._residual.device if self._residual is not None else torch.device("cpu")
+        parts = []
+        for name, n in zip(self.param_names, self.numels):
+            if name in self._slots:
+                offset, _ = self._slots[name]
+                parts.append(self._residual[offset : offset + n].to(device))
+            elif name in self._loaded:
+                parts.append(self._loaded[name].to(device))
+            else:
+                parts.append(torch.zeros(n, device=device))
         return torch.cat(parts) if parts else torch.zeros(0, device=device)
 
     def load_residual_vector(self, vector: torch.Tensor) -> None:
@@ -255,40 +362,114 @@ class GTCState:
             raise ValueError(
                 f"residual vector has {vector.numel()} elements, the model has {sum(self.numels)}"
             )
-        self._flats = {}
-        self.residuals = {}
         for name, part in zip(self.param_names, vector.to(torch.float32).split(self.numels)):
-            self.residuals[name] = part.clone()
+            if name in self._slots:
+                offset, n = self._slots[name]
+                self._residual[offset : offset + n].copy_(part)
+            else:
+                self._loaded[name] = part.clone()
 
     def reset_residuals(self) -> None:
         """Forget all residuals (they restart from zero)."""
-        self._flats = {}
-        self.residuals = {}
+        self._loaded = {}
+        if self._residual is not None:
+            self._residual.zero_()
 
     def counters(self) -> dict:
         """Step counter and statistics totals, for checkpoints."""
-        return {"step": self.step, "totals": dict(self.totals)}
+        return {"step": self.step, "totals": dict(self.totals), "dense_mode": self._dense_mode}
 
     def load_counters(self, saved: dict) -> None:
         self.step = int(saved["step"])
         self.totals.update(saved["totals"])
+        self._dense_mode = bool(saved.get("dense_mode", False))
+
+    # ---- the flat layout -------------------------------------------------------------------
+
+    def _bucket_offset(self, bucket: dist.GradBucket, params: list) -> int:
+        """Offset of ``bucket`` in the flat space; lays the space out anew when DDP rebuilt its
+        buckets (or on the first step), moving each parameter's residual by name."""
+        index = bucket.index()
+        key = tuple(id(p) for p in params)
+        if self._building is None and (index >= len(self._keys) or self._keys[index] != key):
+            self._start_layout(bucket.buffer().device)
+        offset = self._step_offset
+        building = self._building
+        if building is None:
+            return self._offsets[index]
+        for p in params:
+            name = self._name_of.get(id(p))
+            if name is None:
+                raise RuntimeError(
+                    f"DDP's bucket {index} holds a parameter of shape {tuple(p.shape)} that GTC does not know; "
+                    "the model's parameters changed after the strategy was set up"
+                )
+            n = p.numel()
+            where = building["residual"][offset : offset + n]
+            if name in self._slots:
+                old, _ = self._slots[name]
+                where.copy_(self._residual[old : old + n])
+            elif name in self._loaded:
+                where.copy_(self._loaded[name])
+            building["slots"][name] = (offset, n)
+            offset += n
+        building["keys"].append(key)
+        building["offsets"].append(self._step_offset)
+        return self._step_offset
+
+    def _start_layout(self, device: torch.device) -> None:
+        capacity = sum(self.numels)
+        prefix = self._step_offset  # buckets already done this step keep their place
+        residual = torch.zeros(capacity, dtype=torch.float32, device=device)
+        spare = torch.empty(capacity, dtype=torch.float32, device=device)
+        done = len(self._pending)
+        if prefix:
+            residual[:prefix].copy_(self._residual[:prefix])
+            spare[:prefix].copy_(self._spare[:prefix])
+        slots = {name: slot for name, slot in self._slots.items() if slot[0] < prefix}
+        self._building = {
+            "residual": residual,
+            "spare": spare,
+            "keys": self._keys[:done],
+            "offsets": self._offsets[:done],
+            "slots": slots,
+        }
+        if self._counts is None or self._counts.device != device:
+            self._counts = torch.zeros(capacity, dtype=torch.int32, device=device)
+            self._message = torch.empty(capacity, dtype=torch.int32, device=device)
+
+    def _finish_layout(self) -> None:
+        building, self._building = self._building, None
+        if building is None:
+            return
+        self._residual, self._spare = building["residual"], building["spare"]
+        self._keys, self._offsets, self._slots = building["keys"], building["offsets"], building["slots"]
+        self._loaded = {}
+        log.debug("GTC: flat layout of %d buckets, %d elements", len(self._keys), self._step_offset)
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(committed residual, next residual) flat buffers of the step in progress."""
+        if self._building is not None:
+            return self._building["residual"], self._building["spare"]
+        return self._residual, self._spare
 
     # ---- the step outcome, consumed once by the strategy -------------------------------------
 
     def finish_step(
-        self, parameters: Iterable[torch.nn.Parameter], poison_skipped: bool = False
+        self, parameters: Iterable[torch.nn.Parameter], loss_scaler: bool = False
     ) -> StepStats | None:
         """Apply the outcome of the newest exchange once, after backward and before the update.
 
-        Skipped steps (a non-finite gradient on some rank; for dense warmup steps, in the averaged
+        Skipped steps (a non-finite value on some rank; for dense warmup steps, in the averaged
         gradient every rank holds) leave every ``param.grad`` as ``None``, so torch optimizers skip
-        the update without touching their state. Counts skips, warns, and raises after too many in
-        a row.
+        the update without touching their state, are counted, warned about, and raise after too
+        many in a row. With an AMP loss scaler the overflow belongs to the scaler: the gradients
+        are filled with NaN so that it skips the step and lowers its scale, counted as
+        ``overflows``, without warning and without the consecutive-skip limit.
 
         Args:
             parameters: the parameters the optimizer updates.
-            poison_skipped: fill the gradients of a skipped step with NaN instead of dropping them,
-                so that an AMP GradScaler sees the overflow, skips the step and lowers its scale.
+            loss_scaler: an AMP GradScaler scales the loss.
 
         Returns:
             the newest :class:`StepStats`, or ``None`` if no exchange happened since the last call.
@@ -301,55 +482,71 @@ class GTCState:
         self._last_consumed = True
         stats = self.last
         parameters = list(parameters)
-        if stats.dense and not stats.skipped:
+        if stats.mode == "warmup" and not stats.skipped:
             grads = [p.grad for p in parameters if p.grad is not None]
-            stats.skipped = bool(grads) and not bool(
-                torch.stack([torch.isfinite(g).all() for g in grads]).all()
-            )
-        if stats.skipped:
-            for p in parameters:
-                if not poison_skipped:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.fill_(math.nan)
-            self.totals["skips"] += 1
-            self.totals["consecutive_skips"] += 1
-            where = f"on rank(s) {stats.bad_ranks}" if stats.bad_ranks else "in the averaged dense gradient"
-            limit = self.max_consecutive_skips
-            message = (
-                f"GTC: non-finite gradient {where} at optimizer step {stats.step}: update skipped on every "
-                f"rank, residuals unchanged ({self.totals['skips']} skips so far, "
-                f"{self.totals['consecutive_skips']} in a row, limit {limit})"
-            )
-            if limit is not None and self.totals["consecutive_skips"] >= limit:
-                raise RuntimeError(
-                    message
-                    + f"; {limit} consecutive skipped steps: training diverged. Lower the learning rate, "
-                    "check the data for NaN/Inf, or raise max_consecutive_skips"
-                )
-            if self.rank == 0:
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-        else:
+            stats.skipped = not all(_all_finite(g) for g in grads)
+        if not stats.skipped:
             self.totals["consecutive_skips"] = 0
+            return stats
+        for p in parameters:
+            if not loss_scaler:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.fill_(math.nan)
+        if loss_scaler:
+            self.totals["overflows"] += 1
+            return stats
+        self.totals["skips"] += 1
+        self.totals["consecutive_skips"] += 1
+        where = f"on rank(s) {stats.bad_ranks}" if stats.bad_ranks else "in the averaged dense gradient"
+        limit = self.max_consecutive_skips
+        message = (
+            f"GTC: non-finite gradient {where} at optimizer step {stats.step}: update skipped on every "
+            f"rank, residuals unchanged ({self.totals['skips']} skips so far, "
+            f"{self.totals['consecutive_skips']} in a row, limit {limit})"
+        )
+        if limit is not None and self.totals["consecutive_skips"] >= limit:
+            raise RuntimeError(
+                message
+                + f"; {limit} consecutive skipped steps: training diverged. Lower the learning rate, "
+                "check the data for NaN/Inf, or raise max_consecutive_skips"
+            )
+        if self.rank == 0:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         return stats
 
     def _record(self, stats: StepStats) -> None:
         self.last = stats
         self._last_consumed = False
         self.totals["steps"] += 1
-        self.totals["dense_steps"] += int(stats.dense)
-        for key in ("words", "words_all", "bytes_sent", "dense_bytes", "compress_s", "decompress_s"):
+        if stats.mode in ("sparse", "dense", "warmup"):
+            self.totals[f"{stats.mode}_steps"] += 1
+        for key in ("words", "words_all", "bytes_sent", "bytes_received", "compress_s"):
             self.totals[key] += getattr(stats, key)
+        self.totals["allreduce_fp32_bytes"] += stats.allreduce_fp32_bytes
+        self.totals["allreduce_bf16_bytes"] += stats.allreduce_bf16_bytes
+
+    def settle(self, block: bool = True) -> None:
+        """Fill in the exchange and decode times of recent steps once their CUDA events completed
+        (on CPU they are known at once); ``block=False`` leaves pending ones for later."""
+        keep = []
+        for stats, field, start, end in self._unsettled:
+            seconds = self._clock.seconds(start, end, block)
+            if seconds is None:
+                keep.append((stats, field, start, end))
+                continue
+            setattr(stats, field, seconds)
+            self.totals[field] += seconds
+        self._unsettled = keep
 
     def stats(self) -> dict:
         """The newest step's statistics and the running totals, as plain numbers."""
-        last = None
-        if self.last is not None:
-            last = asdict(self.last)
-            last["ratio"] = self.last.ratio
+        self.settle(block=False)
         total = dict(self.totals)
-        total["ratio"] = total["dense_bytes"] / total["bytes_sent"] if total["bytes_sent"] else math.inf
-        return {"step": self.step, "last": last, "total": total}
+        sent = total["bytes_sent"]
+        total["ratio_fp32"] = total["allreduce_fp32_bytes"] / sent if sent else math.inf
+        total["ratio_bf16"] = total["allreduce_bf16_bytes"] / sent if sent else math.inf
+        return {"step": self.step, "last": self.last.as_dict() if self.last else None, "total": total}
 
 
 def parameter_checksums(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -375,20 +572,37 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
-def _unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
-    """``[n]`` float32 ``grad / scale`` (a new tensor unless nothing changes)."""
-    grad = grad if grad.dtype == torch.float32 else grad.float()
-    return grad if scale == 1.0 else grad / scale
-
-
 def _new_future(device: torch.device) -> torch.futures.Future:
     # A Future holding CUDA tensors must be told its devices, so that it can synchronise streams.
     return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+class _Clock:
+    """Host wall time on CPU; CUDA events on GPU, read only once they have completed, so that
+    timing never adds a host synchronisation of its own."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end, block: bool = True) -> float | None:
+        """Seconds from ``start`` to ``end``; None when not ``block`` and ``end`` is still pending."""
+        if not self.cuda:
+            return end - start
+        if not block and not end.query():
+            return None
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
 
 
 def gtc_hook(state: GTCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -410,127 +624,234 @@ def gtc_hook(state: GTCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if state.step < state.warmup_steps:
         if bucket.is_last():
             state.step += 1
+            if state._used is not None:
+                state._used.clear()
             numel = sum(state.numels)
-            dense = numel * _DENSE_BYTES
+            world = state.world_size
+            dense = allreduce_bytes(numel, world)
             state._record(
                 StepStats(
-                    state.step,
-                    True,
-                    False,
-                    [],
-                    numel,
-                    numel,
-                    numel * state.world_size,
-                    dense,
-                    dense,
-                    0.0,
-                    0.0,
+                    step=state.step, mode="warmup", skipped=False, bad_ranks=[], numel=numel, world_size=world,
+                    words=0, words_all=0, bytes_sent=dense, bytes_received=dense,
+                    compress_s=0.0, exchange_s=0.0, decompress_s=0.0,
                 )
-            )
+            )  # fmt: skip
         return allreduce_hook(state.process_group, bucket)
 
-    # 2. Stash until the last bucket; a new step starting at bucket 0 drops leftovers of a
-    # backward pass that failed half-way.
+    # 2. Threshold this bucket now (or keep it for the norm), then wait for the last one.
     if bucket.index() == 0:
-        state._pending = []
-    future = _new_future(bucket.buffer().device)
-    state._pending.append((bucket, future))
+        _begin_step(state, bucket.buffer().device)
+    buffer = bucket.buffer()
+    future = _new_future(buffer.device)
+    params = bucket.parameters()
+    offset = state._bucket_offset(bucket, params)
+    state._step_offset = offset + buffer.numel()
+    runs = _used_runs(state, params, buffer.numel())
+    state._pending.append((bucket, future, offset))
+    if state.clip is not None and state.clip[0] == "norm":
+        state._deferred.append((buffer, offset, runs))
+        norm = torch.linalg.vector_norm(buffer, dtype=torch.float32)
+        state._norm_sq = norm * norm if state._norm_sq is None else state._norm_sq + norm * norm
+    else:
+        _threshold_bucket(state, buffer, offset, runs, alpha=1.0 / state.grad_scale)
     if bucket.is_last():
-        pending, state._pending = state._pending, []
-        _exchange(state, pending)
+        _exchange(state)
     return future
 
 
-def _exchange(state: GTCState, pending: list[tuple[dist.GradBucket, torch.futures.Future]]) -> None:
-    """Steps 3-6 of the algorithm for all buckets of one step; completes every Future."""
+def _begin_step(state: GTCState, device: torch.device) -> None:
+    # A new step starting at bucket 0 drops leftovers of a backward pass that failed half-way.
+    state._pending, state._deferred, state._unused = [], [], []
+    state._building, state._norm_sq, state._step_offset = None, None, 0
+    if state._counts is None:
+        state._start_layout(device)
+    state._ops = step_ops(device, state.backend)
+    state._clock = _Clock(device)
+    state._cursor = torch.zeros(1, dtype=torch.int64, device=device)
+    state._bad = torch.zeros(1, dtype=torch.int32, device=device)
+    state._compress_marks = []
+    state.settle()
+
+
+def _used_runs(state: GTCState, params: list, numel: int) -> list[tuple[int, int, bool]]:
+    """``(start, end, used)`` element ranges of a bucket, merged where neighbours agree."""
+    if state._used is None:
+        return [(0, numel, True)]
+    runs: list[list] = []
+    start = 0
+    for p in params:
+        used = id(p) in state._used
+        if runs and runs[-1][2] == used:
+            runs[-1][1] += p.numel()
+        else:
+            runs.append([start, start + p.numel(), used])
+        start += p.numel()
+    return [tuple(r) for r in runs]
+
+
+def _threshold_bucket(
+    state: GTCState, buffer: torch.Tensor, offset: int, runs: list, alpha: float
+) -> None:
+    """Step 2 for one bucket: the new residual into the spare buffer, words into the message."""
+    start = state._clock.now()
+    residual, spare = state._buffers()
+    clip = None
+    if state.clip is not None and state.clip[0] == "value":
+        clip = state.clip[1] * state.grad_scale  # the bucket holds loss-scaled gradients
+    scratch = None
+    if buffer.dtype != torch.float32:
+        if state._scratch is None:
+            state._scratch = torch.empty(sum(state.numels), dtype=torch.int32, device=buffer.device)
+        scratch = state._scratch
+    for lo, hi, used in runs:
+        a, b = offset + lo, offset + hi
+        if not used:
+            spare[a:b].copy_(residual[a:b])
+            state._unused.append((a, b))
+            continue
+        state._ops.threshold_(
+            buffer[lo:hi], residual[a:b], spare[a:b], state.tau32, state._message, state._cursor, state._bad,
+            offset=a, alpha=alpha, clip=clip, scratch=None if scratch is None else scratch[a:b],
+        )  # fmt: skip
+    state._compress_marks.append((start, state._clock.now()))
+
+
+def _exchange(state: GTCState) -> None:
+    """Steps 3-6 for all buckets of one step; completes every Future."""
     state.step += 1
-    group, world, tau = state.process_group, state.world_size, state.tau
-    buckets = [bucket for bucket, _ in pending]
-    # Forget flat residuals of bucket indices that no longer exist after DDP's rebuild.
-    live = {bucket.index() for bucket in buckets}
-    state._flats = {index: entry for index, entry in state._flats.items() if index in live}
-    buffers = [bucket.buffer() for bucket in buckets]
-    device = buffers[0].device
-    numel = sum(b.numel() for b in buffers)
+    group, world, rank = state.process_group, state.world_size, state.rank
+    if state._deferred:
+        # Norm clipping: one coefficient for the whole local gradient, unscaled (as
+        # clip_grad_norm_), folded into the gradient's factor.
+        norm = float(state._norm_sq.sqrt()) / state.grad_scale
+        limit = state.clip[1]
+        coef = min(1.0, limit / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+        for buffer, offset, runs in state._deferred:
+            _threshold_bucket(state, buffer, offset, runs, alpha=coef / state.grad_scale)
+        state._deferred = []
+    state._finish_layout()
+    numel = state._step_offset
+    residual, spare = state._residual, state._spare
+    pending, state._pending = state._pending, []
+    used, state._unused = state._unused, []
+    if state._used is not None:
+        state._used.clear()
+    clock = state._clock
 
-    # 3. Compress, unless a local gradient is non-finite; back up residuals for an exact undo.
-    finite = all(_all_finite(b) for b in buffers)
-    start = time.perf_counter()
-    residuals = [state.bucket_residual(bucket) for bucket in buckets]
-    backups: list[torch.Tensor] = []
-    if finite:
-        backups = [r.clone() for r in residuals]
-        words = [compress(_unscaled(b, state.grad_scale), r, tau) for b, r in zip(buffers, residuals)]
+    # 3. One header exchange: non-finite count and words of every rank; the step's host sync.
+    start = clock.now()
+    header = torch.cat([state._bad.to(torch.int64), state._cursor])
+    if world > 1:
+        headers = torch.empty(world * _HEADER, dtype=torch.int64, device=header.device)
+        all_gather_equal(headers, header, group=group)
     else:
-        words = [torch.empty(0, dtype=torch.int32, device=device) for _ in buffers]
-    _synchronize(device)
-    compress_s = time.perf_counter() - start
+        headers = header
+    headers = headers.view(world, _HEADER).tolist()
+    header_bytes = (world - 1) * _HEADER * 8
+    bad_ranks = [r for r, (bad, _) in enumerate(headers) if bad]
+    counts = [words for _, words in headers]
+    own = counts[rank]
+    fp32_bytes = allreduce_bytes(numel, world)
 
-    # 4. One header exchange: the non-finite flag travels with the word counts.
-    header = torch.tensor(
-        [0 if finite else 1] + [w.numel() for w in words], dtype=_HEADER_DTYPE, device=device
-    )
-    headers = torch.empty(world * header.numel(), dtype=_HEADER_DTYPE, device=device)
-    all_gather_equal(headers, header, group=group)
-    headers = headers.view(world, -1).cpu()
-    bytes_sent = header.numel() * header.element_size()
-    bad_ranks = [int(r) for r in torch.nonzero(headers[:, 0]).flatten()]
-    counts = headers[:, 1:]  # [world, buckets]
-    own_words = sum(w.numel() for w in words)
+    compress_s = sum(clock.seconds(a, b) for a, b in state._compress_marks)  # complete: synced above
+
+    def record(mode: str, sent: int, received: int, exchanged, end) -> None:
+        sparse = mode == "sparse"
+        stats = StepStats(
+            step=state.step, mode=mode, skipped=mode == "skipped", bad_ranks=bad_ranks, numel=numel,
+            world_size=world, words=own if sparse else 0, words_all=sum(counts) if sparse else 0,
+            bytes_sent=header_bytes + sent, bytes_received=header_bytes + received,
+            compress_s=compress_s, exchange_s=0.0, decompress_s=0.0,
+        )  # fmt: skip
+        state._record(stats)
+        state._unsettled += [(stats, "exchange_s", start, exchanged), (stats, "decompress_s", exchanged, end)]
+        if not clock.cuda:
+            state.settle()
+
+    # 4. Decide, on every rank from the same headers.
     if bad_ranks:
-        for r, backup in zip(residuals, backups):
-            r.copy_(backup)
-        for buffer, (_, future) in zip(buffers, pending):
-            future.set_result(buffer.zero_())
-        state._record(
-            StepStats(
-                state.step,
-                False,
-                True,
-                bad_ranks,
-                numel,
-                0,
-                0,
-                bytes_sent,
-                numel * _DENSE_BYTES,
-                compress_s,
-                0.0,
+        for bucket, future, _ in pending:
+            future.set_result(bucket.buffer().zero_())
+        now = clock.now()
+        record("skipped", 0, 0, now, now)
+        return
+    dense = False
+    if state.dense_fallback and world > 1:
+        share = (world - 1) * _WORD_BYTES * max(counts) / fp32_bytes if fp32_bytes else 0.0
+        was_dense = state._dense_mode
+        state._dense_mode = share > (FALLBACK_EXIT if was_dense else FALLBACK_ENTER)
+        if state._dense_mode and not state._warned_fallback and rank == 0:
+            state._warned_fallback = True
+            warnings.warn(
+                f"GTC: at optimizer step {state.step} the sparse exchange would send {share:.2f}x the bytes of a "
+                f"dense fp32 all-reduce (up to {max(counts)} words of {numel} elements, density "
+                f"{max(counts) / max(numel, 1):.2%}, tau={state.tau:g}); falling back to dense all-reduce until it "
+                f"drops below {FALLBACK_EXIT}x. A larger tau keeps the exchange sparse",
+                RuntimeWarning,
+                stacklevel=3,
             )
-        )
+        dense = state._dense_mode
+    if dense:
+        _dense_step(state, pending, used, numel, start, record)
         return
 
-    # 5. One word exchange, every message padded to the longest.
-    width = int(counts.sum(dim=1).max())
-    gathered = torch.empty((world, width), dtype=torch.int32, device=device)
-    if width:
-        message = torch.zeros(width, dtype=torch.int32, device=device)
-        torch.cat(words, out=message[:own_words])
-        all_gather_equal(gathered.view(-1), message, group=group)
-        bytes_sent += width * _WORD_BYTES
+    # 5. One word exchange.
+    scale = _f32(_f32(state.tau32 / world) * state.grad_scale)
+    message = state._message
+    if world == 1 or not sum(counts):
+        words, lengths, sent, received = message[:own], None, 0, 0
+    elif _exchange_kind(state) == "alltoall":
+        words = torch.empty(sum(counts), dtype=torch.int32, device=message.device)
+        dist.all_to_all_single(
+            words, message[:own].repeat(world), output_split_sizes=counts, input_split_sizes=[own] * world,
+            group=group,
+        )  # fmt: skip
+        lengths, sent, received = None, (world - 1) * own * _WORD_BYTES, (sum(counts) - own) * _WORD_BYTES
+    else:
+        width = max(counts)
+        words = torch.empty(world * width, dtype=torch.int32, device=message.device)
+        if width:
+            all_gather_equal(words, message[:width], group=group)
+        lengths, sent = counts, (world - 1) * width * _WORD_BYTES
+        received = sent
+    exchanged = clock.now()
+    state._ops.apply_words_(spare, message[:own], state.tau32)
+    state._residual, state._spare = spare, residual
 
-    # 6. Decode every bucket from all ranks' words into the bucket buffer.
-    start = time.perf_counter()
-    starts = torch.cumsum(counts, dim=1) - counts  # [world, buckets] offset of each bucket's words
-    for b, (buffer, (_, future)) in enumerate(zip(buffers, pending)):
-        pieces = [gathered[r, int(starts[r, b]) : int(starts[r, b] + counts[r, b])] for r in range(world)]
-        all_words = torch.cat(pieces) if width else gathered.view(-1)
-        decoded = decompress(all_words, buffer.numel(), tau, divisor=world)
-        buffer.copy_(decoded if state.grad_scale == 1.0 else decoded.mul_(state.grad_scale))
+    # 6. Decode every bucket from all ranks' words at once.
+    state._ops.decode_(words, lengths, state._counts, [(o, b.buffer()) for b, _, o in pending], scale)
+    for bucket, future, _ in pending:
+        future.set_result(bucket.buffer())
+    record("sparse", sent, received, exchanged, clock.now())
+
+
+def _exchange_kind(state: GTCState) -> str:
+    if state.exchange != "auto":
+        return state.exchange
+    return "alltoall" if dist.get_backend(state.process_group) == "gloo" else "allgather"
+
+
+def _dense_step(state: GTCState, pending: list, unused: list, numel: int, start, record) -> None:
+    """Step 4's fallback: all-reduce every rank's residual + gradient; residuals restart at zero.
+
+    A parameter this rank did not use sends zeros and keeps its residual, so that nothing is
+    applied to a parameter no rank used (DDP would drop it) and nothing is lost.
+    """
+    world, clock = state.world_size, state._clock
+    residual, spare = state._residual, state._spare
+    for a, b in unused:
+        spare[a:b].zero_()
+    dist.all_reduce(spare[:numel], group=state.process_group)
+    exchanged = clock.now()
+    for bucket, future, offset in pending:
+        buffer = bucket.buffer()
+        torch.div(spare[offset : offset + buffer.numel()], world, out=buffer)
+        if state.grad_scale != 1.0:
+            buffer.mul_(state.grad_scale)
         future.set_result(buffer)
-    _synchronize(device)
-    decompress_s = time.perf_counter() - start
-    state._record(
-        StepStats(
-            state.step,
-            False,
-            False,
-            [],
-            numel,
-            own_words,
-            int(counts.sum()),
-            bytes_sent,
-            numel * _DENSE_BYTES,
-            compress_s,
-            decompress_s,
-        )
-    )
+    kept = [(a, b, residual[a:b].clone()) for a, b in unused]
+    residual.zero_()
+    for a, b, values in kept:
+        residual[a:b].copy_(values)
+    sent = allreduce_bytes(numel, world)
+    record("dense", sent, sent, exchanged, clock.now())

@@ -2,14 +2,16 @@
 
 The strategy only wires things together: it builds the :class:`~gtc_lightning.hook.GTCState`,
 registers :func:`~gtc_lightning.hook.gtc_hook` on the DDP model (on CPU/gloo as on CUDA/NCCL),
-applies each step's skip decision before the optimizer runs, checks that the replicas agree,
-saves and restores the residuals of every rank in checkpoints, and logs statistics.
+hands it the Trainer's gradient clipping and AMP's loss scale, applies each step's skip decision
+before the optimizer runs, checks that the replicas agree, saves and restores every rank's
+residuals in checkpoints (one shard per rank), and logs statistics.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -19,28 +21,52 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from gtc_lightning.hook import GTCState, all_gather_equal, gtc_hook, parameter_checksums
+from gtc_lightning.hook import EXCHANGES, GTCState, all_gather_equal, gtc_hook, parameter_checksums
+from gtc_lightning.ops import BACKENDS
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KEY = "gtc"  # the checkpoint entry holding every rank's residuals and the counters
+CHECKPOINT_KEY = "gtc"  # the checkpoint entry: counters, layout, where the residual shards are
+SHARD_SUFFIX = ".gtc"  # residual shards live in "<checkpoint>.gtc/rank<r>.pt"
 _HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
 def _check_int(name: str, value: Any, low: int, meaning: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"Expect {name} to be an int >= {low} ({meaning}), got {value!r}")
+
+
+def shard_path(checkpoint_path: _PATH, rank: int) -> str:
+    """Where global rank ``rank`` keeps its residuals for the checkpoint ``checkpoint_path``."""
+    return os.path.join(f"{checkpoint_path}{SHARD_SUFFIX}", f"rank{rank}.pt")
+
+
+def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of trainable parameters that get sparse gradients (``nn.Embedding(sparse=True)``,
+    ``nn.EmbeddingBag(sparse=True)``): GTC compresses dense gradient buckets only."""
+    names = []
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse:
+            names += [
+                f"{prefix}.{name}" if prefix else name
+                for name, p in sub.named_parameters(recurse=False)
+                if p.requires_grad
+            ]
+    return names
 
 
 class GTCStrategy(DDPStrategy):
@@ -55,11 +81,33 @@ class GTCStrategy(DDPStrategy):
         check_replicas_every: every this many optimizer steps, compare a parameter checksum
             across ranks and raise ``RuntimeError`` if the replicas differ; 0 turns it off.
         max_consecutive_skips: raise ``RuntimeError`` after this many consecutive steps skipped
-            for a non-finite gradient; ``None`` never raises.
+            for a non-finite gradient; ``None`` never raises. (With an AMP loss scaler its
+            overflows are the scaler's business and never count.)
+        dense_fallback: on a step where the sparse exchange would send more bytes than a dense
+            fp32 all-reduce (tau too small, a dense outlier gradient, many ranks), all-reduce every
+            rank's residual + gradient instead and restart the residuals from zero; back to sparse
+            once it would send less than half. Counted as ``dense_steps``, warned about once.
+        exchange: ``"alltoall"`` (each rank's words as they are), ``"allgather"`` (padded to the
+            longest message) or ``"auto"`` (all-to-all on gloo, where it was measured faster;
+            all-gather on NCCL).
+        backend: the compression kernels: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"``,
+            or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests).
+        restore_residuals: restore the residuals of a resumed checkpoint (every rank reads its own
+            shard). ``False`` restarts them from zero: the pending update is lost.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for ``DDPStrategy``.
         **kwargs: passed to ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``,
-            ``find_unused_parameters``, ``static_graph``).
+            ``find_unused_parameters``, ``static_graph``, ``process_group``: the exchange runs in
+            that group). DDP's own communication-hook arguments may only be ``None``.
+
+    Gradient clipping: with the Trainer's ``gradient_clip_val`` set, each rank's *local* gradient
+    is clipped before it enters the residual, by norm over the whole model (as
+    ``clip_grad_norm_``) or by value, with the Trainer's threshold ``c`` unchanged: every rank's
+    contribution to the averaged update is then at most ``c`` per step, and since the residuals
+    apply exactly what went into them, a gradient spike never reaches the model beyond ``c``.
+    (DDP clips the averaged gradient instead; where ranks' gradients disagree that one is
+    smaller than each rank's, so GTC clips somewhat earlier.) The decoded update is not clipped a
+    second time; dense warmup steps are clipped by Lightning as under DDP.
     """
 
     def __init__(
@@ -68,6 +116,10 @@ class GTCStrategy(DDPStrategy):
         warmup_steps: int = 0,
         check_replicas_every: int = 0,
         max_consecutive_skips: int | None = 10,
+        dense_fallback: bool = True,
+        exchange: Literal["auto", "alltoall", "allgather"] = "auto",
+        backend: Literal["auto", "torch", "triton"] = "auto",
+        restore_residuals: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -91,12 +143,19 @@ class GTCStrategy(DDPStrategy):
         )
         if max_consecutive_skips is not None:
             _check_int("max_consecutive_skips", max_consecutive_skips, 1, "or None to never raise")
-        clashing = sorted(set(kwargs) & set(_HOOK_ARGS))
+        if exchange not in EXCHANGES:
+            raise ValueError(f"Expect exchange in {EXCHANGES}, got {exchange!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"Expect backend in {BACKENDS}, got {backend!r}")
+        # LightningCLI passes every DDPStrategy argument explicitly, the hook ones as None.
+        clashing = sorted(key for key in _HOOK_ARGS if kwargs.get(key) is not None)
         if clashing:
             raise ValueError(
                 f"GTCStrategy registers its own DDP communication hook; remove {clashing} "
                 "(or use DDPStrategy for another hook)"
             )
+        for key in _HOOK_ARGS:
+            kwargs.pop(key, None)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"Expect start_method in popen/spawn/fork/forkserver, got {start_method!r}")
         super().__init__(
@@ -114,9 +173,14 @@ class GTCStrategy(DDPStrategy):
         self._warmup_steps = warmup_steps
         self._check_replicas_every = check_replicas_every
         self._max_consecutive_skips = max_consecutive_skips
+        self._dense_fallback = bool(dense_fallback)
+        self._exchange = exchange
+        self._backend = backend
+        self._restore_residuals = bool(restore_residuals)
         self._gtc_state: GTCState | None = None
-        self._saved_gtc: dict | None = None  # checkpoint entry waiting for the state to exist
+        self._saved_gtc: tuple[dict, _PATH] | None = None  # checkpoint entry waiting for the state
         self._checked_step = 0
+        self._clip: tuple[str, float] | None = None  # the Trainer's clipping, applied per rank
 
     @property
     def tau(self) -> float:
@@ -132,18 +196,41 @@ class GTCStrategy(DDPStrategy):
     def gtc_stats(self) -> dict:
         """This rank's statistics: ``{"step", "last": {...} or None, "total": {...}}``.
 
-        ``last`` holds the newest step's words, words_all, bytes_sent, dense_bytes, ratio,
-        compress_s, decompress_s, skipped, dense; ``total`` the sums since the start (restored
-        from checkpoints) plus ``skips`` and ``consecutive_skips``.
+        ``last`` holds the newest step's mode, words, words_all, bytes_sent, bytes_received, the
+        dense ring all-reduce's bytes in fp32 and bf16 and the ratios to them, density,
+        compress_s, exchange_s, decompress_s; ``total`` the sums since the start (restored from
+        checkpoints) with ``sparse_steps``, ``dense_steps``, ``skips``, ``overflows``.
         """
         if self._gtc_state is None:
             return {"step": 0, "last": None, "total": None}
         return self._gtc_state.stats()
 
+    @property
+    def _process_group(self) -> dist.ProcessGroup | None:
+        return self._ddp_kwargs.get("process_group")
+
     # ---- wiring into DDP ---------------------------------------------------------------------
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            sparse = sparse_gradient_parameters(self.model)
+            if sparse:
+                raise ValueError(
+                    f"GTCStrategy compresses dense gradients, but {sparse} get sparse gradients "
+                    "(nn.Embedding/EmbeddingBag with sparse=True). Use sparse=False (GTC then compresses "
+                    "their dense gradients), or freeze them (requires_grad=False), or train with strategy='ddp'"
+                )
+            self._clip = None
+            clip_val = trainer.gradient_clip_val
+            if clip_val is not None and clip_val > 0:
+                algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
+                self._clip = (str(algorithm or "norm"), float(clip_val))
+                log.info(
+                    "GTC: gradient clipping by %s at %g applies to each rank's local gradient before compression",
+                    *self._clip,
+                )
         super().setup(trainer)
         if not any(isinstance(cb, _GTCStatsLogger) for cb in trainer.callbacks):
             # Before the checkpoint callbacks, so that they can monitor the GTC metrics.
@@ -156,18 +243,28 @@ class GTCStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy only registers hooks on CUDA; GTC needs its hook on every device.
         assert isinstance(self.model, DistributedDataParallel)
-        self._gtc_state = GTCState(
-            process_group=None,
-            named_parameters=self.model.module.named_parameters(),
+        module = self.model.module
+        self._gtc_state = state = GTCState(
+            process_group=self._process_group,
+            named_parameters=module.named_parameters(),
             tau=self._tau,
             warmup_steps=self._warmup_steps,
             max_consecutive_skips=self._max_consecutive_skips,
+            dense_fallback=self._dense_fallback,
+            exchange=self._exchange,
+            backend=self._backend,
         )
+        state.clip = self._clip
+        scaler = self._grad_scaler()
+        state.grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        if self._ddp_kwargs.get("find_unused_parameters") or self._ddp_kwargs.get("static_graph"):
+            state.track_usage(module.parameters())
         self._checked_step = 0
         if self._saved_gtc is not None:
-            self._restore_gtc(self._saved_gtc)
+            entry, path = self._saved_gtc
             self._saved_gtc = None
-        self.model.register_comm_hook(self._gtc_state, gtc_hook)
+            self._restore_gtc(entry, path)
+        self.model.register_comm_hook(state, gtc_hook)
 
     @override
     def optimizer_step(
@@ -179,22 +276,25 @@ class GTCStrategy(DDPStrategy):
     ) -> Any:
         def closure_then_apply_skip() -> Any:
             result = closure()
-            if self._gtc_state is not None:
+            state = self._gtc_state
+            if state is not None:
                 assert self.lightning_module is not None
-                poison = self._grad_scaler() is not None  # let AMP's scaler see the skip
-                self._gtc_state.finish_step(self.lightning_module.parameters(), poison_skipped=poison)
+                scaler = self._grad_scaler() is not None  # let AMP's scaler see the skip
+                stats = state.finish_step(self.lightning_module.parameters(), loss_scaler=scaler)
+                if self._clip is not None and stats is not None:
+                    # The hook clipped each rank's gradient; Lightning clips what follows the
+                    # closure, so it may only act on dense warmup steps (as under DDP).
+                    trainer = self.lightning_module.trainer
+                    trainer.gradient_clip_val = self._clip[1] if stats.mode == "warmup" else None
             return result
 
         output = super().optimizer_step(optimizer, closure_then_apply_skip, model, **kwargs)
-        self._maybe_check_replicas()
-        return output
-
-    @override
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        super().pre_backward(closure_loss)
         if self._gtc_state is not None:
             scaler = self._grad_scaler()
-            self._gtc_state.grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+            if scaler is not None:  # the scale the next backward will use
+                self._gtc_state.grad_scale = float(scaler.get_scale())
+        self._maybe_check_replicas()
+        return output
 
     def _grad_scaler(self) -> Any:
         """AMP's GradScaler when the precision plugin scales the loss (fp16 mixed), else None."""
@@ -210,9 +310,10 @@ class GTCStrategy(DDPStrategy):
         assert self.lightning_module is not None
         named = [(n, p) for n, p in self.lightning_module.named_parameters()]
         sums = parameter_checksums([p for _, p in named])
-        everyone = torch.empty(self.world_size * sums.numel(), dtype=sums.dtype, device=sums.device)
-        all_gather_equal(everyone, sums)
-        everyone = everyone.view(self.world_size, -1).cpu()
+        world = dist.get_world_size(self._process_group)
+        everyone = torch.empty(world * sums.numel(), dtype=sums.dtype, device=sums.device)
+        all_gather_equal(everyone, sums, group=self._process_group)
+        everyone = everyone.view(world, -1).cpu()
         differs = everyone != everyone[0]
         if differs.any():
             ranks = [int(r) for r in torch.nonzero(differs.any(dim=1)).flatten()]
@@ -224,73 +325,142 @@ class GTCStrategy(DDPStrategy):
                 "non-deterministic optimizer kernels"
             )
 
-    # ---- checkpoints ---------------------------------------------------------------------------
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        _augment_message(
+            exception,
+            pattern=".*Expected to have finished reduction in the prior iteration.*",
+            new_message=(
+                "It looks like your LightningModule has parameters that were not used in producing the loss returned"
+                " by training_step. If this is intentional, enable the detection of unused parameters, either with"
+                " `strategy='gtc_find_unused_parameters_true'` or with"
+                " `strategy=GTCStrategy(find_unused_parameters=True)`. GTC then leaves a parameter a rank did not"
+                " use out of that rank's message and keeps its residual."
+            ),
+        )
+
+    @override
+    def teardown(self) -> None:
+        if self._gtc_state is not None:
+            self._gtc_state.untrack_usage()
+        if self._clip is not None and self.lightning_module is not None and self.lightning_module._trainer:
+            self.lightning_module.trainer.gradient_clip_val = self._clip[1]
+        self._saved_gtc = None
+        super().teardown()
+
+    # ---- checkpoints: the counters in the checkpoint, each rank's residuals in its own shard --
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
-        # Trainer.save_checkpoint calls this on every rank, so the residuals can be gathered here.
-        if self._gtc_state is not None:
-            checkpoint[CHECKPOINT_KEY] = self._gather_gtc()
+        # Trainer.save_checkpoint calls this on every rank: each writes its own residual shard.
+        state = self._gtc_state
+        if state is not None:
+            checkpoint[CHECKPOINT_KEY] = {
+                "format": 2,
+                "world_size": self.world_size,
+                "tau": state.tau,
+                "names": list(state.param_names),
+                "numels": list(state.numels),
+                **state.counters(),
+            }
+            shard = {
+                "rank": self.global_rank,
+                "world_size": self.world_size,
+                "step": state.step,
+                "residual": state.residual_vector(torch.device("cpu")),
+            }
+            self.checkpoint_io.save_checkpoint(shard, shard_path(filepath, self.global_rank))
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            shards = f"{filepath}{SHARD_SUFFIX}"
+            fs = get_filesystem(shards)
+            if fs.exists(shards):
+                fs.rm(shards, recursive=True)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning loads the checkpoint of a fit before it configures DDP (and a new GTCState):
-        # keep the entry until _register_ddp_hooks applies it.
+        # keep the entry until _register_ddp_hooks applies it. Only a fit resumes GTC's state;
+        # validate/test/predict with a checkpoint must not leave it for a later fit().
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._saved_gtc = checkpoint.get(CHECKPOINT_KEY)
+        module = self.lightning_module
+        fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        self._saved_gtc = (entry, checkpoint_path) if fitting and entry is not None else None
         return checkpoint
 
-    def _gather_gtc(self) -> dict:
-        """Every rank's residual vector gathered on rank 0 (``[world, n]`` on CPU there)."""
-        state = self._gtc_state
-        assert state is not None
-        vector = state.residual_vector(self.root_device)
-        rows = [torch.empty_like(vector) for _ in range(self.world_size)] if self.global_rank == 0 else None
-        dist.gather(vector, rows, dst=0)
-        return {
-            "world_size": self.world_size,
-            "tau": state.tau,
-            "names": list(state.param_names),
-            "numels": list(state.numels),
-            "residuals": torch.stack(rows).cpu() if rows is not None else None,
-            **state.counters(),
-        }
-
-    def _restore_gtc(self, saved: dict) -> None:
+    def _restore_gtc(self, saved: dict, path: _PATH) -> None:
         state = self._gtc_state
         assert state is not None
         state.load_counters(saved)
+        if not self._restore_residuals:
+            log.info("GTC: restore_residuals=False: residuals restart from zero at step %d", state.step)
+            return
         if saved["names"] != state.param_names or saved["numels"] != state.numels:
-            state.reset_residuals()
             rank_zero_warn(
                 "GTC: the checkpoint's parameters differ from the model's; residuals restart from zero"
             )
-        elif saved["world_size"] != self.world_size:
-            state.reset_residuals()
-            rank_zero_warn(
-                f"GTC: the checkpoint holds residuals of {saved['world_size']} ranks but this run has "
-                f"{self.world_size}; residuals restart from zero (the unsent gradient, at most tau per element "
-                "and rank, is dropped)"
-            )
+            return
+        old_world, rank = saved["world_size"], self.global_rank
+        if "residuals" in saved:  # format 1: every rank's residuals in the checkpoint itself
+            rows = saved["residuals"]
+            load = lambda r: rows[r]
         else:
-            state.load_residual_vector(saved["residuals"][self.global_rank].to(self.root_device))
-            log.info("GTC: restored rank %d's residuals at step %d", self.global_rank, state.step)
+            load = lambda r: self._load_shard(path, r, old_world)["residual"]
+        if old_world == self.world_size:
+            state.load_residual_vector(load(rank).to(self.root_device))
+            log.info("GTC: restored rank %d's residuals at step %d", rank, state.step)
+            return
+        # Another world size: every rank takes the mean of the old residuals, so the pending
+        # update, (1/W) * sum of the residuals, is the same (one shard in memory at a time).
+        total = torch.zeros(sum(state.numels), dtype=torch.float64)
+        for r in range(old_world):
+            total += load(r).double()
+        state.load_residual_vector((total / old_world).float().to(self.root_device))
+        rank_zero_warn(
+            f"GTC: the checkpoint holds residuals of {old_world} ranks but this run has {self.world_size}; every rank "
+            f"starts from their mean, which keeps the pending update (the mean residual) unchanged"
+        )
+
+    def _load_shard(self, path: _PATH, rank: int, world: int) -> dict:
+        where = shard_path(path, rank)
+        if not get_filesystem(where).exists(where):
+            raise RuntimeError(
+                f"GTC: the checkpoint {path} was saved by {world} ranks, but the residual shard of rank {rank} is "
+                f"missing: {where}. Each rank writes its shard beside the checkpoint; copy it there from the "
+                f"machine that ran rank {rank}, or resume with GTCStrategy(restore_residuals=False) to restart the "
+                "residuals from zero (their pending update is lost)"
+            )
+        return self.checkpoint_io.load_checkpoint(where)
 
     # ---- registration --------------------------------------------------------------------------
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, start_method in (("gtc", "popen"), ("gtc_spawn", "spawn"), ("gtc_fork", "fork")):
+        launchers = (("gtc", "popen"), ("gtc_spawn", "spawn"), ("gtc_fork", "fork"), ("gtc_notebook", "fork"))
+        for name, start_method in launchers:
             strategy_registry.register(
                 name,
                 cls,
                 description=f"DDP with gradient threshold compression, start_method '{start_method}'",
                 start_method=start_method,
             )
+            for unused in (True, False):
+                strategy_registry.register(
+                    f"{name}_find_unused_parameters_{str(unused).lower()}",
+                    cls,
+                    description=f"DDP with gradient threshold compression, find_unused_parameters={unused}, "
+                    f"start_method '{start_method}'",
+                    start_method=start_method,
+                    find_unused_parameters=unused,
+                )
 
 
 class _GTCStatsLogger(Callback):
@@ -307,21 +477,28 @@ class _GTCStatsLogger(Callback):
         state = self._strategy.gtc_state
         if state is None or state.last is None or state.last.step == self._logged_step:
             return  # no exchange since the last log: a gradient-accumulation micro-step
+        state.settle(block=False)
         last = state.last
         self._logged_step = last.step
-        ratio = last.ratio if math.isfinite(last.ratio) else 0.0
+
+        def finite(x: float) -> float:
+            return x if math.isfinite(x) else 0.0
+
         values = {
             "gtc/words": float(last.words),
             "gtc/words_all": float(last.words_all),
             "gtc/bytes_sent": float(last.bytes_sent),
-            "gtc/dense_bytes": float(last.dense_bytes),
-            "gtc/ratio": ratio,
+            "gtc/bytes_received": float(last.bytes_received),
+            "gtc/allreduce_fp32_bytes": float(last.allreduce_fp32_bytes),
+            "gtc/ratio_fp32": finite(last.ratio_fp32),
+            "gtc/ratio_bf16": finite(last.ratio_bf16),
             "gtc/compress_s": last.compress_s,
+            "gtc/exchange_s": last.exchange_s,
             "gtc/decompress_s": last.decompress_s,
             "gtc/skips": float(state.totals["skips"]),
+            "gtc/overflows": float(state.totals["overflows"]),
             "gtc/dense": float(last.dense),
         }
         pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
-        pl_module.log(
-            "gtc_ratio", ratio, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1
-        )
+        bar = {"gtc_vs_fp32": finite(last.ratio_fp32), "gtc_vs_bf16": finite(last.ratio_bf16)}
+        pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)

@@ -339,9 +339,9 @@ def test_kernel_launcher_errors(monkeypatch):
 
 
 def test_kernel_table_matches_kernel_arguments():
-    for name, (kernel, signature, config) in tk.KERNELS.items():
+    for name, (kernel, signature, config, flags) in tk.KERNELS.items():
         args = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
-        assert args == [*signature, "BLOCK"], name
+        assert args == [*signature, "BLOCK", *flags], name
         assert config in tk.CUDA_CONFIG
     block, warps = tk.CUDA_CONFIG["compress"]
     assert tk.compress_warps(block) == warps

@@ -184,6 +184,7 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
     for row in report["runs"]:
         assert row["dev_frame_acc"] is not None, "no dev frame accuracy: the corpus has no aligned dev utterances"
         assert 0 <= row["test_wer"] and 0 <= row["dev_frame_acc"] <= 1
-    assert report["runs"][1]["compression_ratio"] > 1 and base["world_size"] == 1 and gtc["world_size"] == 2
+    assert report["runs"][1]["ratio_fp32"] > 1 and report["runs"][1]["ratio_bf16"] * 2 == pytest.approx(report["runs"][1]["ratio_fp32"])
+    assert base["world_size"] == 1 and gtc["world_size"] == 2
     assert (tmp_path / "cmp" / "dev_frame_acc.png").stat().st_size > 0
     assert list((tmp_path / "baseline" / "decode").glob("errs-test*"))

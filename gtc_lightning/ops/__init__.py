@@ -1,8 +1,11 @@
-"""Public ops: ``compress`` and ``decompress``, one dispatch point for both backends.
+"""Public ops: ``compress`` and ``decompress``, and the one dispatch point for both backends.
 
 CUDA tensors run the Triton kernels (``triton_kernels.py``); CPU tensors run the pure-torch
 reference (``reference.py``). Both give bit-identical results. Argument validation lives here;
 the non-finite check of ``grad`` lives in each backend (the Triton one fuses it on the GPU).
+
+The DDP hook uses the step primitives ``threshold_``, ``apply_words_`` and ``decode_`` over kept
+buffers instead (``torch_ops.py`` and their Triton twins); :func:`step_ops` picks the backend.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from gtc_lightning.ops.reference import compress_reference, decompress_reference
 
 MAX_NUMEL = (1 << 31) - 1  # a word holds a 31-bit index
 
-__all__ = ["MAX_NUMEL", "compress", "compress_torch", "decompress", "use_triton"]
+__all__ = ["BACKENDS", "MAX_NUMEL", "compress", "compress_torch", "decompress", "step_ops", "use_triton"]
+
+BACKENDS = ("auto", "torch", "triton")
 
 
 def _fp32(value: float) -> float:
@@ -36,6 +41,33 @@ def _check_tau(tau: float) -> float:
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` goes to the Triton backend (CUDA tensors do, CPU tensors don't)."""
     return tensor.is_cuda
+
+
+def step_ops(device: torch.device, backend: str = "auto"):
+    """The module holding the step primitives for ``device``: Triton on CUDA, torch elsewhere.
+
+    Args:
+        device: where the gradients live.
+        backend: ``"auto"``, or force ``"torch"`` or ``"triton"`` (on CPU only under
+            ``TRITON_INTERPRET=1``, for tests).
+
+    Returns:
+        ``gtc_lightning.ops.torch_ops`` or ``gtc_lightning.ops.triton_kernels``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"Expect backend in {BACKENDS}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        from gtc_lightning.ops import torch_ops
+
+        return torch_ops
+    from gtc_lightning.ops import triton_kernels
+
+    if device.type != "cuda" and not triton_kernels.INTERPRETED:
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, got {device}; on CPU the Triton kernels run only "
+            "under TRITON_INTERPRET=1 (set before triton is imported), for tests"
+        )
+    return triton_kernels
 
 
 def _check_vector(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:

@@ -1,37 +1,33 @@
-"""Triton backend of ``compress`` / ``decompress`` (CUDA tensors; CPU under ``TRITON_INTERPRET=1``).
+"""Triton backend (CUDA tensors; CPU under ``TRITON_INTERPRET=1``): the public ``compress`` /
+``decompress`` and the DDP hook's step primitives ``threshold_``, ``apply_words_``, ``decode_``.
 
-Bit-identical to ``reference.py``: the same float32 operations in the same order
-(``r = residual + grad``; ``r > tau``; ``r - tau``), words in ascending index order, decoded
-values from exact int32 counts times one float32 scale.
+Bit-identical to ``reference.py`` and ``torch_ops.py``: the same float32 operations in the same
+order (``r = residual + grad``; ``r > tau``; ``r - tau``), words in ascending index order,
+decoded values from exact int32 counts times one float32 scale.
 
-Compress, n elements, m words, B elements per block (bytes moved in global memory):
+Threshold, n elements, m words, B elements per block (bytes moved in global memory):
 
-1. ``_count_nonfinite_kernel``: read grad (4n), one int32 atomic per block. The residual must
-   stay untouched when grad has a NaN/Inf, and no block knows about the others, so this pass
-   runs first; it costs less than re-reading grad *and* residual in a counting pass.
-2. ``_compress_blocks_kernel``: read grad and residual, write the new residual (12n); compact
-   each block's words in ascending order with an in-block exclusive scan (``tl.cumsum``) into
-   the block's own slice of a scratch buffer (4m), store the block's count. If pass 1 found a
-   non-finite element every access is masked off, so the residual keeps its exact bits.
-3. ``torch.cumsum`` over the block counts (n/B elements) and one host sync that reads the
-   word total and the non-finite count together (the output size must be known on the host).
-4. ``_gather_words_kernel``: copy each block's words to its offset in the output (8m).
+1. ``_threshold_kernel``: read grad and residual, write the new residual (12n); compact each
+   block's words in ascending order with an in-block exclusive scan (``tl.cumsum``) into the
+   block's own slice of a scratch buffer (4m), store the block's count, count non-finite values.
+2. ``torch.cumsum`` over the block counts (n/B elements).
+3. ``_gather_words_kernel``: copy each block's words to ``message[cursor + block start]`` (8m);
+   the cursor is a device tensor advanced on the device, so the hook needs no host sync until
+   its one header exchange per step.
 
-In all 16n + 12m bytes (the minimum for the in-place update is 12n + 4m), one host sync,
-deterministic: no atomics decide any word's position.
+The public ``compress`` must leave the residual untouched when grad holds a NaN/Inf, and no block
+knows about the others, so it runs ``_count_nonfinite_kernel`` over grad first (4n) and the
+threshold kernel in its guarded, in-place mode; then one host sync sizes the output.
 
-Decompress: zero the float32 output (4n), then three passes over the words only:
-``_count_words_kernel`` adds +1/-1 per word into the output's int32 view (integer atomics,
-exact in any order); ``_gather_counts_kernel`` reads each word's final count and stores
-``float32(count) * scale`` per word; ``_scatter_values_kernel`` writes those values back to the
-output. Every word of one index writes the same bits, so the result does not depend on the
-order; elements without words keep int32 0, which is +0.0, as ``0 * scale`` is. In all
-4n + ~36m bytes instead of 12n for a count-buffer-then-scale design.
+Decode (the hook): ``_count_words_kernel`` adds +1/-1 per valid word of a ``[W, width]`` exchange
+buffer (rank r's first ``lengths[r]`` words) into an all-zero int32 ``counts`` (integer atomics:
+exact in any order); ``_counts_to_values_kernel`` writes ``float32(count) * scale`` per output
+element and clears ``counts`` in the same pass. Public ``decompress``: zero the output, count
+into its int32 view, then ``_gather_counts_kernel`` / ``_scatter_values_kernel`` touch only the
+words' elements (4n + ~36m bytes).
 
-Threads: the interpreter (``TRITON_INTERPRET=1``) is not thread-safe, and DDP runs ``.then``
-callbacks of a communication hook on another thread. The public dispatch in
-``gtc_lightning.ops`` sends CPU tensors to the torch reference, so only code that calls these
-functions directly on CPU tensors from several threads has to serialise the calls.
+Threads: the interpreter is not thread-safe; the hook runs every kernel on the thread that calls
+it (never in ``Future.then`` callbacks).
 """
 
 from __future__ import annotations
@@ -44,15 +40,16 @@ import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Elements (or words) per program and warps on CUDA. Not tuned on a GPU yet (the benchmark's
-# --blocks sweeps the compress block). Compress runs 4 elements per thread, one 16-byte
-# vector per tensor: compiled for sm_90 that needs 32 registers with triton 3.9 and 63 with
-# 3.6 (2048 elements at 8 warps needed 64 and 115, halving the warps an SM can hold).
-CUDA_CONFIG = {"compress": (1024, 8), "nonfinite": (4096, 8), "words": (1024, 4)}
+# --blocks sweeps the threshold block). The threshold kernel runs 4 elements per thread, one
+# 16-byte vector per tensor: compiled for sm_90 that needs 32 registers with triton 3.9 and 63
+# with 3.6 (2048 elements at 8 warps needed 64 and 115, halving the warps an SM can hold).
+CUDA_CONFIG = {"compress": (1024, 8), "nonfinite": (4096, 8), "words": (1024, 4), "values": (2048, 8)}
 # The interpreter costs ~1.4 ms per program, so it gets few large blocks.
 INTERPRETER_BLOCK = 65536
 COMPRESS_BLOCK = INTERPRETER_BLOCK if INTERPRETED else CUDA_CONFIG["compress"][0]
 NONFINITE_BLOCK = INTERPRETER_BLOCK if INTERPRETED else CUDA_CONFIG["nonfinite"][0]
 WORDS_BLOCK = INTERPRETER_BLOCK if INTERPRETED else CUDA_CONFIG["words"][0]
+VALUES_BLOCK = INTERPRETER_BLOCK if INTERPRETED else CUDA_CONFIG["values"][0]
 # Bit-exact with the reference: never contract a multiply and an add into an FMA.
 FP_OPTIONS = {"enable_fp_fusion": False}
 MAX_NUMEL = (1 << 31) - 1
@@ -76,63 +73,120 @@ def _count_nonfinite_kernel(
 
 
 @triton.jit
-def _compress_blocks_kernel(
-    grad_ptr,  # *fp32 [n]: gradient, read once
-    residual_ptr,  # *fp32 [n]: residual, updated in place (untouched if bad_ptr holds > 0)
+def _threshold_kernel(
+    grad_ptr,  # *fp32/bf16/fp16 [n]: gradient, read once
+    residual_ptr,  # *fp32 [n]: residual, read
+    out_ptr,  # *fp32 [n]: new residual (may be residual_ptr: in place)
     scratch_ptr,  # *i32 [n]: block b writes its words, in order, from scratch[b * BLOCK]
     block_counts_ptr,  # *i32 [n_blocks]: number of words of each block
-    bad_ptr,  # *i32 [1]: non-finite count from _count_nonfinite_kernel; > 0 means do nothing
+    bad_ptr,  # *i32 [1]: GUARD: > 0 means do nothing; else receives the non-finite count of out
     n,  # number of elements
+    offset,  # index of element 0 in the words' index space
     tau,  # fp32 threshold, > 0
+    alpha,  # fp32 factor on the gradient (used when ALPHA)
+    clip,  # fp32 clamp bound on the gradient (used when CLIP)
     BLOCK: tl.constexpr,  # elements per program
+    GUARD: tl.constexpr,  # public compress: skip everything when bad_ptr holds > 0
+    SUBTRACT: tl.constexpr,  # subtract +-tau at emitted elements (public compress)
+    ALPHA: tl.constexpr,  # multiply the gradient by alpha
+    CLIP: tl.constexpr,  # clamp the gradient to [-clip, clip] first
 ):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    # A non-finite grad anywhere masks every access off: the residual keeps its bits.
-    n_active = n - n * tl.minimum(tl.load(bad_ptr), 1)
+    if GUARD:
+        # A non-finite grad anywhere masks every access off: the residual keeps its bits.
+        n_active = n - n * tl.minimum(tl.load(bad_ptr), 1)
+    else:
+        n_active = n
     active = offs < n_active
     r = tl.load(residual_ptr + offs, mask=active, other=0.0)
-    g = tl.load(grad_ptr + offs, mask=active, other=0.0)
+    g = tl.load(grad_ptr + offs, mask=active, other=0.0).to(tl.float32)
+    if CLIP:
+        # As torch.clamp: NaN stays NaN (comparisons with NaN are false), +-Inf becomes +-clip.
+        g = tl.where(g > clip, clip, tl.where(g < -clip, -clip, g))
+    if ALPHA:
+        g = g * alpha
     r = r + g
     plus = r > tau
     minus = r < -tau
     emit = (plus | minus).to(tl.int32)
     rank = tl.cumsum(emit, axis=0) - emit  # exclusive scan: position among the block's words
-    word = (offs | (minus.to(tl.int64) << 31)).to(tl.int32)  # index | sign bit, as int32
+    word = ((offs + offset) | (minus.to(tl.int64) << 31)).to(tl.int32)  # index | sign bit, as int32
     tl.store(scratch_ptr + pid * BLOCK + rank, word, mask=active & (emit != 0))
-    tl.store(residual_ptr + offs, tl.where(plus, r - tau, tl.where(minus, r + tau, r)), mask=active)
+    if SUBTRACT:
+        r = tl.where(plus, r - tau, tl.where(minus, r + tau, r))
+    tl.store(out_ptr + offs, r, mask=active)
     tl.store(block_counts_ptr + pid, tl.sum(emit, axis=0))
+    if not GUARD:
+        nonfinite = tl.sum((active & ~(tl.abs(r) <= _FLT_MAX)).to(tl.int32), axis=0)
+        tl.atomic_add(bad_ptr, nonfinite, mask=nonfinite > 0, sem="relaxed")
 
 
 @triton.jit
 def _gather_words_kernel(
-    scratch_ptr,  # *i32 [n]: per-block words from _compress_blocks_kernel
+    scratch_ptr,  # *i32 [n]: per-block words from _threshold_kernel
     block_counts_ptr,  # *i32 [n_blocks]: words per block
     block_ends_ptr,  # *i64 [n_blocks]: inclusive prefix sum of block_counts
-    words_ptr,  # *i32 [m]: output, words in ascending index order
-    BLOCK: tl.constexpr,  # same block size as the compress pass
+    message_ptr,  # *i32 [capacity]: output, words in ascending index order from message[cursor]
+    cursor_ptr,  # *i64 [1]: where this call's words start in message
+    BLOCK: tl.constexpr,  # same block size as the threshold pass
 ):
     pid = tl.program_id(0).to(tl.int64)
     count = tl.load(block_counts_ptr + pid)
-    start = tl.load(block_ends_ptr + pid) - count
+    start = tl.load(cursor_ptr) + tl.load(block_ends_ptr + pid) - count
     lanes = tl.arange(0, BLOCK)
     keep = lanes < count
     w = tl.load(scratch_ptr + pid * BLOCK + lanes, mask=keep)
-    tl.store(words_ptr + start + lanes, w, mask=keep)
+    tl.store(message_ptr + start + lanes, w, mask=keep)
 
 
 @triton.jit
-def _count_words_kernel(
-    words_ptr,  # *i32 [m]: index | sign bit per word
-    counts_ptr,  # *i32 [numel]: zeroed by the caller; receives #plus - #minus per index
+def _apply_words_kernel(
+    words_ptr,  # *i32 [m]: this rank's words, at most one per index
+    residual_ptr,  # *fp32 [N]: residual, -tau at a plus word, +tau at a minus word
     m,  # number of words
+    tau,  # fp32 threshold
     BLOCK: tl.constexpr,  # words per program
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < m
     w = tl.load(words_ptr + offs, mask=valid, other=0)
+    index = (w & 0x7FFFFFFF).to(tl.int64)
+    r = tl.load(residual_ptr + index, mask=valid, other=0.0)
+    tl.store(residual_ptr + index, tl.where(w < 0, r + tau, r - tau), mask=valid)
+
+
+@triton.jit
+def _count_words_kernel(
+    words_ptr,  # *i32 [rows * width]: index | sign bit per word, row r valid up to lengths[r]
+    lengths_ptr,  # *i64 [rows]: valid words per row
+    counts_ptr,  # *i32 [N]: receives #plus - #minus per index
+    total,  # rows * width
+    width,  # words per row (>= 1)
+    BLOCK: tl.constexpr,  # words per program
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < total
+    row = offs // width
+    valid = valid & (offs - row * width < tl.load(lengths_ptr + row, mask=valid, other=0))
+    w = tl.load(words_ptr + offs, mask=valid, other=0)
     vote = tl.where(w < 0, -1, 1).to(tl.int32)
     tl.atomic_add(counts_ptr + (w & 0x7FFFFFFF).to(tl.int64), vote, mask=valid, sem="relaxed")
+
+
+@triton.jit
+def _counts_to_values_kernel(
+    counts_ptr,  # *i32 [n]: vote counts; zeroed after reading
+    out_ptr,  # *fp32/bf16/fp16 [n]: receives float32(count) * scale
+    n,  # number of elements
+    scale,  # fp32 tau / divisor (times a loss scale)
+    BLOCK: tl.constexpr,  # elements per program
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    c = tl.load(counts_ptr + offs, mask=valid, other=0)
+    tl.store(out_ptr + offs, (c.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=valid)
+    tl.store(counts_ptr + offs, tl.zeros_like(c), mask=valid)
 
 
 @triton.jit
@@ -166,7 +220,7 @@ def _scatter_values_kernel(
 
 
 def compress_warps(block: int) -> int:
-    """Warps for a compress block: 4 elements per thread, 1 to 16 warps."""
+    """Warps for a threshold block: 4 elements per thread, 1 to 16 warps."""
     return max(1, min(16, block // 128))
 
 
@@ -189,6 +243,32 @@ def _check_vector(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
 def _check_block(block: int) -> None:
     if block < 16 or block & (block - 1):
         raise ValueError(f"block size must be a power of two >= 16, got {block}")
+
+
+def _threshold_launch(
+    grad: torch.Tensor,
+    residual: torch.Tensor,
+    out: torch.Tensor,
+    tau32: float,
+    bad: torch.Tensor,
+    block: int,
+    guard: bool,
+    offset: int = 0,
+    alpha: float = 1.0,
+    clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Runs the threshold pass; returns (scratch, block_counts, block_ends, launch options)."""
+    n = grad.numel()
+    n_blocks = triton.cdiv(n, block)
+    scratch = torch.empty(n, dtype=torch.int32, device=grad.device)
+    block_counts = torch.empty(n_blocks, dtype=torch.int32, device=grad.device)
+    launch = {"BLOCK": block, "num_warps": compress_warps(block), **FP_OPTIONS}
+    _threshold_kernel[(n_blocks,)](
+        grad, residual, out, scratch, block_counts, bad, n, offset, tau32, alpha,
+        0.0 if clip is None else clip,
+        GUARD=guard, SUBTRACT=guard, ALPHA=alpha != 1.0, CLIP=clip is not None, **launch,
+    )  # fmt: skip
+    return scratch, block_counts, torch.cumsum(block_counts, 0), launch
 
 
 def _launch_compress(
@@ -217,17 +297,15 @@ def _launch_compress(
     _count_nonfinite_kernel[(triton.cdiv(n, check_block),)](
         grad, bad, n, BLOCK=check_block, num_warps=check_warps, **FP_OPTIONS
     )
-    n_blocks = triton.cdiv(n, block)
-    scratch = torch.empty(n, dtype=torch.int32, device=grad.device)
-    block_counts = torch.empty(n_blocks, dtype=torch.int32, device=grad.device)
-    launch = {"BLOCK": block, "num_warps": compress_warps(block), **FP_OPTIONS}
-    _compress_blocks_kernel[(n_blocks,)](grad, residual, scratch, block_counts, bad, n, tau32, **launch)
-    block_ends = torch.cumsum(block_counts, 0)  # int64
+    scratch, block_counts, block_ends, launch = _threshold_launch(
+        grad, residual, residual, tau32, bad, block, guard=True
+    )
     total, n_bad = torch.stack([block_ends[-1], bad[0].to(torch.int64)]).tolist()
     if n_bad or total == 0:
         return words, n_bad
     words = torch.empty(total, dtype=torch.int32, device=grad.device)
-    _gather_words_kernel[(n_blocks,)](scratch, block_counts, block_ends, words, **launch)
+    cursor = torch.zeros(1, dtype=torch.int64, device=grad.device)
+    _gather_words_kernel[(block_counts.numel(),)](scratch, block_counts, block_ends, words, cursor, **launch)
     return words, 0
 
 
@@ -255,6 +333,16 @@ def compress_triton(
     return words
 
 
+def _launch_count(words: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor, width: int) -> None:
+    total = words.numel()
+    if total == 0 or width == 0:
+        return
+    block = WORDS_BLOCK
+    _count_words_kernel[(triton.cdiv(total, block),)](
+        words, lengths, counts, total, width, BLOCK=block, num_warps=CUDA_CONFIG["words"][1], **FP_OPTIONS
+    )
+
+
 def _launch_decompress(words: torch.Tensor, numel: int, scale: float, block: int) -> torch.Tensor:
     """Checks, allocates and launches the decompress passes."""
     _check_vector("words", words, torch.int32)
@@ -270,7 +358,8 @@ def _launch_decompress(words: torch.Tensor, numel: int, scale: float, block: int
     counts = out.view(torch.int32)
     values = torch.empty(m, dtype=torch.float32, device=words.device)
     launch = {"BLOCK": block, "num_warps": CUDA_CONFIG["words"][1], **FP_OPTIONS}
-    _count_words_kernel[grid](words, counts, m, **launch)
+    lengths = torch.full((1,), m, dtype=torch.int64, device=words.device)
+    _count_words_kernel[grid](words, lengths, counts, m, m, **launch)
     _gather_counts_kernel[grid](words, counts, values, scale, m, **launch)
     _scatter_values_kernel[grid](words, values, out, m, **launch)
     return out
@@ -294,41 +383,143 @@ def decompress_triton(
     return _launch_decompress(words, numel, scale, block)
 
 
-# Every kernel with its argument types (triton signature strings, BLOCK excluded) and its
-# CUDA_CONFIG entry: what an ahead-of-time compile needs (``python -m gtc_lightning.bench --compile-only``).
+# ---- the hook's step primitives: same signatures as gtc_lightning.ops.torch_ops -----------------
+
+
+def threshold_(
+    grad: torch.Tensor,
+    residual: torch.Tensor,
+    out: torch.Tensor,
+    tau32: float,
+    message: torch.Tensor,
+    cursor: torch.Tensor,
+    bad: torch.Tensor,
+    offset: int = 0,
+    alpha: float = 1.0,
+    clip: float | None = None,
+    scratch: torch.Tensor | None = None,
+    block: int = COMPRESS_BLOCK,
+) -> None:
+    """Triton twin of ``torch_ops.threshold_`` (``grad`` is only read; ``scratch`` is unused).
+
+    No host sync: the words go to ``message[cursor:]`` and ``cursor`` advances on the device.
+    """
+    _check_runnable(grad)
+    n = grad.numel()
+    if n == 0:
+        return
+    words, block_counts, block_ends, launch = _threshold_launch(
+        grad, residual, out, tau32, bad, block, guard=False, offset=offset, alpha=alpha, clip=clip
+    )
+    _gather_words_kernel[(block_counts.numel(),)](words, block_counts, block_ends, message, cursor, **launch)
+    cursor += block_ends[-1:]
+
+
+def apply_words_(residual: torch.Tensor, words: torch.Tensor, tau32: float) -> None:
+    """Triton twin of ``torch_ops.apply_words_``."""
+    m = words.numel()
+    if m == 0:
+        return
+    _check_runnable(words)
+    block = WORDS_BLOCK
+    _apply_words_kernel[(triton.cdiv(m, block),)](
+        words, residual, m, tau32, BLOCK=block, num_warps=CUDA_CONFIG["words"][1], **FP_OPTIONS
+    )
+
+
+def decode_(
+    words: torch.Tensor,
+    lengths: list[int] | None,
+    counts: torch.Tensor,
+    outputs: list[tuple[int, torch.Tensor]],
+    scale: float,
+) -> None:
+    """Triton twin of ``torch_ops.decode_``: atomics count the valid words, one pass per output
+    writes ``float32(count) * scale`` and clears ``counts``."""
+    _check_runnable(counts)
+    if lengths is None:
+        lengths, width = [words.numel()], words.numel()
+    else:
+        width = words.numel() // max(len(lengths), 1)
+    lens = torch.tensor(lengths, dtype=torch.int64).to(words.device, non_blocking=True)
+    _launch_count(words, lens, counts, width)
+    block, warps = VALUES_BLOCK, CUDA_CONFIG["values"][1]
+    for offset, out in outputs:
+        n = out.numel()
+        if n:
+            _counts_to_values_kernel[(triton.cdiv(n, block),)](
+                counts[offset : offset + n], out, n, scale, BLOCK=block, num_warps=warps, **FP_OPTIONS
+            )
+
+
+# Every kernel with its argument types (triton signature strings, constexprs excluded), its
+# CUDA_CONFIG entry and the constexprs a compile needs besides BLOCK: what an ahead-of-time compile
+# needs (``python -m gtc_lightning.bench --compile-only``).
 KERNELS = {
     "count_nonfinite": (
         _count_nonfinite_kernel,
         {"grad_ptr": "*fp32", "bad_ptr": "*i32", "n": "i32"},
         "nonfinite",
+        {},
     ),
-    "compress_blocks": (
-        _compress_blocks_kernel,
+    "threshold": (
+        _threshold_kernel,
         {
             "grad_ptr": "*fp32",
             "residual_ptr": "*fp32",
+            "out_ptr": "*fp32",
             "scratch_ptr": "*i32",
             "block_counts_ptr": "*i32",
             "bad_ptr": "*i32",
             "n": "i32",
+            "offset": "i32",
             "tau": "fp32",
+            "alpha": "fp32",
+            "clip": "fp32",
         },
         "compress",
+        {"GUARD": False, "SUBTRACT": False, "ALPHA": True, "CLIP": False},
     ),
     "gather_words": (
         _gather_words_kernel,
-        {"scratch_ptr": "*i32", "block_counts_ptr": "*i32", "block_ends_ptr": "*i64", "words_ptr": "*i32"},
+        {
+            "scratch_ptr": "*i32",
+            "block_counts_ptr": "*i32",
+            "block_ends_ptr": "*i64",
+            "message_ptr": "*i32",
+            "cursor_ptr": "*i64",
+        },
         "compress",
+        {},
     ),
-    "count_words": (_count_words_kernel, {"words_ptr": "*i32", "counts_ptr": "*i32", "m": "i32"}, "words"),
+    "apply_words": (
+        _apply_words_kernel,
+        {"words_ptr": "*i32", "residual_ptr": "*fp32", "m": "i32", "tau": "fp32"},
+        "words",
+        {},
+    ),
+    "count_words": (
+        _count_words_kernel,
+        {"words_ptr": "*i32", "lengths_ptr": "*i64", "counts_ptr": "*i32", "total": "i32", "width": "i32"},
+        "words",
+        {},
+    ),
+    "counts_to_values": (
+        _counts_to_values_kernel,
+        {"counts_ptr": "*i32", "out_ptr": "*fp32", "n": "i32", "scale": "fp32"},
+        "values",
+        {},
+    ),
     "gather_counts": (
         _gather_counts_kernel,
         {"words_ptr": "*i32", "counts_ptr": "*i32", "values_ptr": "*fp32", "scale": "fp32", "m": "i32"},
         "words",
+        {},
     ),
     "scatter_values": (
         _scatter_values_kernel,
         {"words_ptr": "*i32", "values_ptr": "*fp32", "out_ptr": "*fp32", "m": "i32"},
         "words",
+        {},
     ),
 }

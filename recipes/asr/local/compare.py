@@ -42,12 +42,16 @@ def run_row(run_dir: Path | str) -> dict:
     world = int(summary["world_size"])
     gtc = (summary.get("gtc") or {}).get("total")
     steps = (summary.get("gtc") or {}).get("step") or 0
+    # What a dense ring all-reduce sends per worker and step: 2 (W-1)/W of the gradient.
+    fp32 = 2.0 * (world - 1) / world * 4 * summary["num_weights"]
     if gtc and steps:
-        bytes_per_step, ratio = gtc["bytes_sent"] / steps, gtc["dense_bytes"] / max(gtc["bytes_sent"], 1)
-    elif world > 1:  # dense all-reduce: the fp32 gradient of every weight
-        bytes_per_step, ratio = 4.0 * summary["num_weights"], 1.0
+        bytes_per_step = gtc["bytes_sent"] / steps
+    elif world > 1:  # DDP: the fp32 ring all-reduce itself
+        bytes_per_step = fp32
     else:
-        bytes_per_step, ratio = 0.0, None
+        bytes_per_step = 0.0
+    ratio_fp32 = fp32 / bytes_per_step if bytes_per_step else None
+    ratio_bf16 = fp32 / 2 / bytes_per_step if bytes_per_step else None
     accs = summary.get("dev_frame_acc") or []
     return {
         "run": summary.get("run_name", run_dir.name),
@@ -62,8 +66,9 @@ def run_row(run_dir: Path | str) -> dict:
         "test_wer": decoded.get("test", {}).get("wer"),
         "acoustic_scale": decoded.get("acoustic_scale"),
         "bytes_per_step": bytes_per_step,
-        "dense_bytes_per_step": 4.0 * summary["num_weights"] if world > 1 else 0.0,
-        "compression_ratio": ratio,
+        "allreduce_fp32_bytes_per_step": fp32,
+        "ratio_fp32": ratio_fp32,
+        "ratio_bf16": ratio_bf16,
         "frames_per_sec": means.get("frames_per_sec"),
         "train_seconds": summary.get("train_seconds"),
     }
@@ -90,7 +95,7 @@ def _fmt(value, spec: str, unit: str = "") -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| run | strategy | workers | τ | epochs | dev frame acc. | dev WER | test WER | rel. WER change "
-            "| bytes / step / worker | compression | frames / s | train time |")
+            "| bytes sent / step / worker | vs fp32 all-reduce | vs bf16 all-reduce | frames / s | train time |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         lines.append(" | ".join([
@@ -98,7 +103,7 @@ def markdown_table(rows: list[dict]) -> str:
             _fmt(100 * r["dev_frame_acc"] if r["dev_frame_acc"] is not None else None, ".2f", " %"),
             _fmt(r["dev_wer"], ".2f", " %"), _fmt(r["test_wer"], ".2f", " %"),
             _fmt(r["rel_wer_change_pct"], "+.1f", " %"), _fmt(r["bytes_per_step"], ",.0f"),
-            _fmt(r["compression_ratio"], ",.0f", "×"),
+            _fmt(r["ratio_fp32"], ",.1f", "×"), _fmt(r["ratio_bf16"], ",.1f", "×"),
             _fmt(r["frames_per_sec"], ",.0f"), _fmt(r["train_seconds"], ".0f", " s") + " |",
         ]))
     return "\n".join(lines)
@@ -134,8 +139,9 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
     rows = [run_row(d) for d in run_dirs]
     base = add_relative_wer(rows, baseline)
     table = markdown_table(rows)
-    note = (f"Relative WER change against `{base['run']}`; bytes per step: what one worker sends per "
-            "optimizer step (dense fp32 for DDP); compression: dense fp32 bytes / bytes sent.") if base else \
+    note = (f"Relative WER change against `{base['run']}`; bytes sent: what one worker puts on the wire per "
+            "optimizer step (for DDP its fp32 ring all-reduce, 2 (W-1)/W x 4 bytes per weight); vs fp32 / bf16 "
+            "all-reduce: the bytes such an all-reduce sends per worker, divided by the bytes sent.") if base else \
         "No single-worker baseline among the runs: relative WER change not computed."
     (out_dir / "comparison.md").write_text(table + "\n\n" + note + "\n")
     (out_dir / "comparison.json").write_text(json.dumps({"baseline": base and base["run"], "runs": rows}, indent=1))

@@ -1,0 +1,247 @@
+"""``python -m gtc_lightning.bench_step``: training-step time of each strategy, side by side.
+
+Runs real Lightning training steps of an acoustic DNN (17 x 40 fbank windows in, sigmoid hidden
+layers, softmax over pdf-ids) on random data with every strategy in turn, in the same processes
+and the same run, round after round (``ddp``, ``gtc``, ... ``ddp``, ``gtc``, ...), so that a slow
+moment of a noisy machine hits all of them. Per round and strategy it takes the median step time
+(after warm-up steps); the table gives the median over rounds and each strategy's ratio to
+``ddp`` computed round by round (median, min-max).
+
+Strategies: ``ddp`` (fp32 all-reduce), ``ddp_bf16`` (bf16 all-reduce), ``gtc`` and ``nocomm``
+(DDP sending nothing: the compute-only step GTC should come close to).
+
+Models: ``recipe`` (5 x 512, 150 outputs: 1.48 M weights, the recipe's CPU model) and ``strom``
+(5 x 1536, 2700 outputs: 14.6 M weights, Strom 2015's DNN), or ``LxH:K``.
+
+On one machine it forks ``--world`` ranks (gloo on loopback). Under a launcher that sets
+``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` (e.g.
+``python -m gtc_lightning.cluster``) it runs as one of those ranks with ``--num-nodes``.
+
+Example::
+
+    python -m gtc_lightning.bench_step --models recipe strom --rounds 3 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import socket
+import statistics
+import time
+from pathlib import Path
+
+STRATEGIES = ("ddp", "ddp_bf16", "gtc", "nocomm")
+MODELS = {"recipe": (5, 512, 150), "strom": (5, 1536, 2700)}
+INPUT_DIM = 17 * 40
+
+
+def parse_model(text: str) -> tuple[int, int, int]:
+    """``recipe``, ``strom`` or ``LxH:K`` -> (layers, hidden units, outputs)."""
+    if text in MODELS:
+        return MODELS[text]
+    match = re.fullmatch(r"(\d+)x(\d+):(\d+)", text)
+    if not match:
+        raise ValueError(f"model {text!r}: use recipe, strom or LAYERSxHIDDEN:OUTPUTS such as 5x1024:2000")
+    return tuple(int(x) for x in match.groups())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_strategy(name: str, tau: float, exchange: str):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from gtc_lightning import GTCStrategy
+    from gtc_lightning.baselines import BF16AllReduceStrategy, NoCommStrategy
+
+    if name == "ddp":
+        return DDPStrategy()
+    if name == "ddp_bf16":
+        return BF16AllReduceStrategy()
+    if name == "nocomm":
+        return NoCommStrategy()
+    if name == "gtc":
+        return GTCStrategy(tau=tau, exchange=exchange)
+    raise ValueError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
+
+
+def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int, seed: int) -> dict:
+    """One ``fit`` of ``warmup + steps`` steps; returns per-step seconds and GTC statistics."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    layers, hidden, outputs = model_spec
+    total = args.warmup + args.steps
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(total * args.batch, INPUT_DIM, generator=g)
+    y = torch.randint(0, outputs, (total * args.batch,), generator=g)
+
+    class DNN(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            dims = [INPUT_DIM] + [hidden] * layers
+            body = []
+            for a, b in itertools.pairwise(dims):
+                body += [torch.nn.Linear(a, b), torch.nn.Sigmoid()]
+            self.net = torch.nn.Sequential(*body, torch.nn.Linear(hidden, outputs))
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=args.lr)
+
+    class Clock(L.Callback):
+        def __init__(self):
+            self.marks: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.marks.append(time.perf_counter())
+
+    clock = Clock()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=_make_strategy(strategy_name, args.tau, args.exchange),
+        max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[clock], use_distributed_sampler=False,
+    )  # fmt: skip
+    data = DataLoader(TensorDataset(x, y), batch_size=args.batch, shuffle=False)
+    trainer.fit(DNN(), data)
+    steps = [b - a for a, b in zip(clock.marks[args.warmup - 1 :], clock.marks[args.warmup :])]
+    out = {"step_s": statistics.median(steps), "steps": steps}
+    stats = getattr(trainer.strategy, "gtc_stats", None)
+    if stats and stats["total"]:
+        total_stats, n = stats["total"], max(stats["step"], 1)
+        out["gtc"] = {key: total_stats[key] / n for key in ("compress_s", "exchange_s", "decompress_s", "bytes_sent", "words")}
+        out["gtc"]["modes"] = {k: total_stats[f"{k}_steps"] for k in ("sparse", "dense")}
+        out["gtc"]["ratio_fp32"], out["gtc"]["ratio_bf16"] = total_stats["ratio_fp32"], total_stats["ratio_bf16"]
+    return out
+
+
+def worker(args, devices: int, num_nodes: int) -> None:
+    """One rank: every round runs every strategy on every model; rank 0 writes the results."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("gtc_lightning").setLevel(logging.WARNING)
+    results: dict = {}
+    for model in args.models:
+        spec = parse_model(model)
+        for r in range(args.rounds):
+            for name in args.strategies:
+                seg = _segment(args, spec, name, devices, num_nodes, seed=r)
+                results.setdefault(model, {}).setdefault(name, []).append(seg)
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _local_rank_main(local_rank: int, args, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(args.world),
+    )  # fmt: skip
+    worker(args, devices=args.world, num_nodes=1)
+
+
+def summarize(data: dict) -> str:
+    """The side-by-side table: median step time, ratio to ddp round by round, GTC's breakdown."""
+    args, results = data["args"], data["results"]
+    world = args["world"] if args.get("num_nodes", 1) == 1 else args["num_nodes"]
+    lines = [
+        (f"{world} ranks, {args['batch']} frames per rank and step, {args['rounds']} rounds x {args['steps']} steps "
+        f"(after {args['warmup']} warm-up steps), {args['threads']} thread(s) per rank, tau={args['tau']:g}"),
+        "",
+        ("| model | weights | strategy | step ms | frames/s | x ddp (median, min-max) | compress / exchange / decode ms "
+        "| bytes sent/step | vs fp32 / bf16 all-reduce |"),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model, per_strategy in results.items():
+        layers, hidden, outputs = parse_model(model)
+        weights = (INPUT_DIM + 1) * hidden + (layers - 1) * (hidden + 1) * hidden + (hidden + 1) * outputs
+        base = [seg["step_s"] for seg in per_strategy.get("ddp", [])]
+        for name, segs in per_strategy.items():
+            step = statistics.median(seg["step_s"] for seg in segs)
+            ratios = [seg["step_s"] / b for seg, b in zip(segs, base)] if base else []
+            ratio = f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
+            breakdown, sent, vs = "-", "-", "-"
+            fp32 = 2 * (world - 1) / world * 4 * weights
+            if name in ("ddp", "ddp_bf16"):
+                sent_bytes = fp32 if name == "ddp" else fp32 / 2
+                sent, vs = f"{sent_bytes:,.0f}", f"{fp32 / sent_bytes:.1f}x / {fp32 / 2 / sent_bytes:.1f}x"
+            gtc = [seg["gtc"] for seg in segs if "gtc" in seg]
+            if gtc:
+                mean = {k: statistics.mean(g[k] for g in gtc) for k in ("compress_s", "exchange_s", "decompress_s", "bytes_sent")}
+                breakdown = " / ".join(f"{1e3 * mean[k]:.1f}" for k in ("compress_s", "exchange_s", "decompress_s"))
+                sent = f"{mean['bytes_sent']:,.0f}"
+                vs = f"{fp32 / mean['bytes_sent']:.0f}x / {fp32 / 2 / mean['bytes_sent']:.0f}x"
+                dense = sum(g["modes"]["dense"] for g in gtc)
+                if dense:
+                    vs += f" ({dense} dense steps)"
+            frames = args["batch"] * world / step
+            lines.append(
+                f"| {model} | {weights / 1e6:.2f} M | {name} | {1e3 * step:.1f} | {frames:,.0f} | {ratio} | {breakdown} "
+                f"| {sent} | {vs} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["recipe", "strom"], help="recipe, strom or LxH:K")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--world", type=int, default=2, help="ranks to fork on this machine")
+    parser.add_argument("--num-nodes", type=int, default=1,
+                        help="under an external launcher: nodes (one rank per node); the environment gives the rank")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over all strategies")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round and strategy")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--batch", type=int, default=256, help="frames per rank and step")
+    parser.add_argument("--tau", type=float, default=5e-3, help="GTC's threshold")
+    parser.add_argument("--exchange", default="auto", choices=["auto", "alltoall", "allgather"])
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank; 0: cores / ranks on this node")
+    parser.add_argument("--out", default="exp/bench_step/results.json")
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 2 or args.rounds < 1:
+        parser.error(f"need --warmup >= 1, --steps >= 2, --rounds >= 1; got {args.warmup}, {args.steps}, {args.rounds}")
+    for model in args.models:
+        parse_model(model)
+    external = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    per_node = 1 if external else args.world
+    if not args.threads:
+        args.threads = max(1, (os.cpu_count() or 1) // per_node)
+    print(
+        f"bench_step: {args.world if not external else os.environ['WORLD_SIZE']} ranks, models {args.models}, "
+        f"strategies {args.strategies}, {args.rounds} rounds x ({args.warmup} + {args.steps}) steps -> {args.out}",
+        flush=True,
+    )
+    if external:
+        worker(args, devices=1, num_nodes=args.num_nodes)
+        if os.environ.get("NODE_RANK", "0") != "0":
+            return
+    else:
+        import torch.multiprocessing as mp
+
+        mp.start_processes(_local_rank_main, args=(args, _free_port()), nprocs=args.world, start_method="fork")
+    print(summarize(json.loads(Path(args.out).read_text())))
+
+
+if __name__ == "__main__":
+    main()
