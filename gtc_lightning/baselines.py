@@ -11,7 +11,6 @@ apart. It is a measuring stick only, the step time of a step that communicates n
 not registered by name.
 """
 
-from __future__ import annotations
 
 from typing import Any
 

@@ -68,7 +68,12 @@ def _make_strategy(name: str, tau: float, exchange: str):
     if name == "nocomm":
         return NoCommStrategy()
     if name == "gtc":
-        return GTCStrategy(tau=tau, exchange=exchange)
+        import inspect
+
+        # (``exchange`` is passed only where the strategy has it, so that the same command can time
+        # an older GTCStrategy for a before/after comparison.)
+        known = inspect.signature(GTCStrategy).parameters
+        return GTCStrategy(tau=tau, **({"exchange": exchange} if "exchange" in known else {}))
     raise ValueError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
 
 
@@ -120,9 +125,9 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
     stats = getattr(trainer.strategy, "gtc_stats", None)
     if stats and stats["total"]:
         total_stats, n = stats["total"], max(stats["step"], 1)
-        out["gtc"] = {key: total_stats[key] / n for key in ("compress_s", "exchange_s", "decompress_s", "bytes_sent", "words")}
-        out["gtc"]["modes"] = {k: total_stats[f"{k}_steps"] for k in ("sparse", "dense")}
-        out["gtc"]["ratio_fp32"], out["gtc"]["ratio_bf16"] = total_stats["ratio_fp32"], total_stats["ratio_bf16"]
+        keys = ("compress_s", "exchange_s", "decompress_s", "bytes_sent", "words")
+        out["gtc"] = {key: total_stats.get(key, 0.0) / n for key in keys}
+        out["gtc"]["modes"] = {k: total_stats.get(f"{k}_steps", 0) for k in ("sparse", "dense")}
     return out
 
 

@@ -6,9 +6,9 @@ The algorithm, per optimizer step and per rank (Strom 2015, sections 2.3-2.6):
    all-reduce hook, bit for bit as DDP.
 2. Threshold, bucket by bucket as DDP hands them over, while backward goes on: ``out = residual +
    g`` (``g`` unscaled from AMP's loss scale and clipped as the Trainer asks) into a second
-   residual buffer, and the words ``index | sign << 31`` of every element with ``|out| > tau``
-   appended to this step's message. ``tau`` is not subtracted yet and the old residual is kept,
-   so the step can still be skipped or go dense without any undo. Parameters this rank did not use
+   residual buffer, the words ``index | sign << 31`` of every element with ``|out| > tau``
+   appended to this step's message and ``±tau`` subtracted there. The old residual is kept, so a
+   step skipped because of any rank needs no undo. Parameters this rank did not use
    in the backward (``find_unused_parameters``) are left out: DDP never applies an update to a
    parameter no rank used, so a word for one would be lost; their residual is carried over.
    Norm clipping needs every gradient first, so with it all buckets wait for the last one.
@@ -20,8 +20,8 @@ The algorithm, per optimizer step and per rank (Strom 2015, sections 2.3-2.6):
    residuals restart from zero, so nothing is lost; hysteresis keeps it from flapping), or
    *sparse*.
 5. Sparse: one word exchange (all-to-all of uneven messages where the backend is gloo, measured
-   faster than padding to the longest; padded all-gather on NCCL); this rank's words subtract
-   ``±tau`` from the new residual, which then becomes the residual (buffer swap).
+   faster than padding to the longest; padded all-gather on NCCL); the new residual becomes the
+   residual (buffer swap).
 6. Decode every rank's words at once into the bucket buffers: exact int32 vote counts, then one
    float32 scale ``tau / world_size``, so every rank computes bit-identical gradients whatever the
    order of words, and the replicas stay identical forever without a broadcast ("dead reckoning").
@@ -267,9 +267,8 @@ class GTCState:
         self._slots: dict[str, tuple[int, int]] = {}  # parameter name -> (offset, numel)
         self._loaded: dict[str, torch.Tensor] = {}  # residuals waiting for the first layout
         self._building: dict | None = None  # a new layout being assembled during one step
-        self._counts: torch.Tensor | None = None  # [capacity] int32, all zero between steps
+        self._counts: torch.Tensor | None = None  # [capacity] vote counts, all zero between steps
         self._message: torch.Tensor | None = None  # [capacity] int32: this rank's words
-        self._scratch: torch.Tensor | None = None  # [capacity] int32, for half-precision buckets
         self._pending: list[tuple[dist.GradBucket, torch.futures.Future, int]] = []
         self._deferred: list = []  # buckets waiting for the gradient norm (norm clipping)
         self._unused: list[tuple[int, int]] = []  # flat ranges of parameters unused this step
@@ -434,8 +433,9 @@ class GTCState:
             "offsets": self._offsets[:done],
             "slots": slots,
         }
-        if self._counts is None or self._counts.device != device:
-            self._counts = torch.zeros(capacity, dtype=torch.int32, device=device)
+        counts_dtype = step_ops(device, self.backend).COUNTS_DTYPE
+        if self._counts is None or self._counts.device != device or self._counts.dtype != counts_dtype:
+            self._counts = torch.zeros(capacity, dtype=counts_dtype, device=device)
             self._message = torch.empty(capacity, dtype=torch.int32, device=device)
 
     def _finish_layout(self) -> None:
@@ -698,11 +698,6 @@ def _threshold_bucket(
     clip = None
     if state.clip is not None and state.clip[0] == "value":
         clip = state.clip[1] * state.grad_scale  # the bucket holds loss-scaled gradients
-    scratch = None
-    if buffer.dtype != torch.float32:
-        if state._scratch is None:
-            state._scratch = torch.empty(sum(state.numels), dtype=torch.int32, device=buffer.device)
-        scratch = state._scratch
     for lo, hi, used in runs:
         a, b = offset + lo, offset + hi
         if not used:
@@ -711,7 +706,7 @@ def _threshold_bucket(
             continue
         state._ops.threshold_(
             buffer[lo:hi], residual[a:b], spare[a:b], state.tau32, state._message, state._cursor, state._bad,
-            offset=a, alpha=alpha, clip=clip, scratch=None if scratch is None else scratch[a:b],
+            offset=a, alpha=alpha, clip=clip,
         )  # fmt: skip
     state._compress_marks.append((start, state._clock.now()))
 
@@ -792,7 +787,7 @@ def _exchange(state: GTCState) -> None:
             )
         dense = state._dense_mode
     if dense:
-        _dense_step(state, pending, used, numel, start, record)
+        _dense_step(state, pending, used, own, numel, start, record)
         return
 
     # 5. One word exchange.
@@ -815,7 +810,6 @@ def _exchange(state: GTCState) -> None:
         lengths, sent = counts, (world - 1) * width * _WORD_BYTES
         received = sent
     exchanged = clock.now()
-    state._ops.apply_words_(spare, message[:own], state.tau32)
     state._residual, state._spare = spare, residual
 
     # 6. Decode every bucket from all ranks' words at once.
@@ -831,7 +825,7 @@ def _exchange_kind(state: GTCState) -> str:
     return "alltoall" if dist.get_backend(state.process_group) == "gloo" else "allgather"
 
 
-def _dense_step(state: GTCState, pending: list, unused: list, numel: int, start, record) -> None:
+def _dense_step(state: GTCState, pending: list, unused: list, own: int, numel: int, start, record) -> None:
     """Step 4's fallback: all-reduce every rank's residual + gradient; residuals restart at zero.
 
     A parameter this rank did not use sends zeros and keeps its residual, so that nothing is
@@ -839,6 +833,8 @@ def _dense_step(state: GTCState, pending: list, unused: list, numel: int, start,
     """
     world, clock = state.world_size, state._clock
     residual, spare = state._residual, state._spare
+    # Take back the tau the threshold pass subtracted at this rank's words (exact up to one rounding).
+    state._ops.apply_words_(spare, state._message[:own], -state.tau32)
     for a, b in unused:
         spare[a:b].zero_()
     dist.all_reduce(spare[:numel], group=state.process_group)

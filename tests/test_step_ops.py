@@ -42,20 +42,23 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("offset", [0, 1000, (1 << 31) - 70_001])
-def test_threshold_is_compress_without_the_subtraction(name, offset):
+def test_threshold_is_compress_out_of_place(name, offset):
+    """Words (shifted by the offset) and new residual as the reference compress, bit for bit; the
+    old residual is untouched; apply_words_ with -tau takes the subtraction back."""
     grad, residual = CASES[name]
     ref_residual = residual.clone()
     ref_words = compress_reference(grad, ref_residual, TAU)
     index = ref_words & ((1 << 31) - 1)
     expected = (index + offset).to(torch.int32) | (ref_words & torch.tensor(-(1 << 31), dtype=torch.int32))
+    before = residual.clone()
     for name_b, ops in BACKENDS.items():
         out, words, bad, _ = run_threshold(ops, grad, residual, offset=offset, cursor0=3)
         assert bad == 0
         assert torch.equal(words, expected), name_b
-        assert torch.equal(out, residual + grad), name_b
-        # apply_words_ finishes the step: the reference's residual, bit for bit.
-        ops.apply_words_(out, ref_words, TAU)  # local indices into this chunk
         assert torch.equal(out.view(torch.int32), ref_residual.view(torch.int32)), name_b
+        assert torch.equal(residual, before), name_b
+        ops.apply_words_(out, ref_words, -TAU)  # local indices into this chunk
+        assert torch.allclose(out, residual + grad, rtol=0, atol=1e-6), name_b
 
 
 @pytest.mark.parametrize("clip", [None, 0.3])
@@ -67,7 +70,9 @@ def test_alpha_and_clip_fold_into_the_gradient(clip):
     (out_t, words_t, _, _), (out_k, words_k, _, _) = results
     assert torch.equal(out_t, out_k) and torch.equal(words_t, words_k)
     g = grad.clamp(-clip * 1024, clip * 1024) if clip else grad
-    assert torch.equal(out_t, residual + g / 1024)
+    expected = residual.clone()
+    assert torch.equal(words_t, compress_reference(g / 1024, expected, TAU))
+    assert torch.equal(out_t, expected)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -83,16 +88,20 @@ def test_non_finite_values_are_counted(backend, bad_value):
     assert bad == 1
 
 
-def test_torch_backend_uses_grad_as_scratch_unless_given_scratch():
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_grad_is_only_read_and_may_be_half_precision(backend):
+    ops = BACKENDS[backend]
     grad, residual = CASES["tiny"]
     g = grad.clone()
     message, cursor, bad = torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
-    torch_ops.threshold_(g, residual, torch.empty(3), TAU, message, cursor, bad, scratch=torch.empty(3, dtype=torch.int32))
-    assert torch.equal(g, grad)
+    ops.threshold_(g, residual, torch.empty(3), TAU, message, cursor, bad)
+    assert torch.equal(g, grad) and int(cursor) == 2
     half = grad.to(torch.bfloat16)
     out = torch.empty(3)
-    torch_ops.threshold_(half, residual, out, TAU, message, cursor, bad, scratch=torch.empty(3, dtype=torch.int32))
-    assert torch.equal(out, residual + half.float()) and int(cursor) == 2 * 2
+    ops.threshold_(half, residual, out, TAU, message, cursor, bad)
+    expected = residual.clone()
+    compress_reference(half.float(), expected, TAU)
+    assert torch.equal(out, expected) and int(cursor) == 2 * 2
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -112,7 +121,7 @@ def test_decode_matches_reference_and_clears_counts(padded):
     else:
         words, lengths = torch.cat(messages), None
     for name, ops in BACKENDS.items():
-        counts = torch.zeros(n, dtype=torch.int32)
+        counts = torch.zeros(n, dtype=ops.COUNTS_DTYPE)
         outs = [torch.full((7000,), 5.0), torch.full((n - 7000,), 5.0)]
         ops.decode_(words, lengths, counts, [(0, outs[0]), (7000, outs[1])], scale)
         assert torch.equal(torch.cat(outs).view(torch.int32), reference.view(torch.int32)), name
@@ -124,7 +133,7 @@ def test_decode_into_half_precision_buckets():
     outs = []
     for ops in BACKENDS.values():
         out = torch.zeros(6, dtype=torch.bfloat16)
-        ops.decode_(words, None, torch.zeros(6, dtype=torch.int32), [(0, out)], 0.375)
+        ops.decode_(words, None, torch.zeros(6, dtype=ops.COUNTS_DTYPE), [(0, out)], 0.375)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert outs[0].float().tolist() == [0.375, 0, 0.75, 0, 0, -0.375]

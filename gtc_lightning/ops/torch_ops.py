@@ -3,21 +3,22 @@
 The DDP hook does not call ``compress`` / ``decompress``: those allocate and run a pass per
 operation, which on this project's CPUs costs far more than the arithmetic (a fresh 58 MB tensor
 faults in its pages; ``isfinite(x).all()`` alone is slower than the whole compression). A step is
-instead three primitives over kept buffers, each as few passes over the n elements as torch allows:
+instead two primitives over kept buffers, with as few passes over the n elements as torch allows:
 
-1. ``threshold_``: ``out = residual + grad`` (loss scale and value clipping folded in), then the
-   words of the elements with ``|out| > tau``, appended to a message at a cursor. The search runs
-   on the float bits: ``bits & 0x7fffffff`` orders like ``|x|`` and puts NaN/Inf above every finite
-   tau, so non-finite elements are always among the candidates and are counted there, at O(words)
-   cost. Candidates are found per chunk of 32 with an integer ``amax`` (one read pass), and only
-   chunks above tau are searched element by element: ~2.5x faster than ``nonzero`` over the mask.
-   ``tau`` is *not* subtracted yet: the step may still be skipped or go dense.
-2. ``apply_words_``: subtract ``±tau`` where this rank's words were emitted (O(words)).
-3. ``decode_``: integer votes of all ranks' words into a kept all-zero ``counts`` buffer, each
-   output written as ``float(count) * scale``, then ``counts`` cleared at the words (O(words)):
-   exact in any word order, so every rank decodes bit-identical values.
+1. ``threshold_``: ``out = residual + grad`` into a second buffer (loss scale and value clipping
+   folded in; the old residual stays intact, so a skipped step needs no undo); then per row of
+   32 elements an ``amax`` and an ``amin`` (two read passes, no n-sized writes) find the rows that
+   hold an element beyond ``±tau`` or a NaN/Inf; only those rows are gathered and searched, and
+   ``±tau`` is subtracted by one scattered add at the words. On the float bits,
+   ``bits & 0x7fffffff`` orders like ``|x|`` and puts NaN/Inf above every finite tau, so
+   non-finite values are counted among the candidates at O(rows hit) cost.
+2. ``decode_``: votes of all ranks' words into a kept all-zero float32 ``counts`` buffer (+-1
+   adds exactly in any order), each output written as ``count * scale`` in one pass, then
+   ``counts`` cleared: every rank decodes bit-identical values.
 
-The Triton twins in ``triton_kernels.py`` have the same signatures and bit-identical results.
+``apply_words_`` adds or takes back ``±tau`` at this rank's words (the dense fallback undoes the
+subtraction with it). The Triton twins in ``triton_kernels.py`` have the same signatures and
+bit-identical results.
 """
 
 from __future__ import annotations
@@ -36,22 +37,26 @@ def tau_bits(tau32: float) -> int:
     return int(torch.tensor(tau32, dtype=torch.float32).view(torch.int32))
 
 
-def _above(bits: torch.Tensor, limit: int) -> torch.Tensor:
-    """``[m]`` int64 ascending positions where ``bits > limit`` (``bits``: ``[n]`` int32)."""
-    n = bits.numel()
-    full = n // CHUNK * CHUNK
-    parts = []
-    if full:
-        rows = bits[:full].view(-1, CHUNK)
-        hit = torch.nonzero(rows.amax(dim=1) > limit).squeeze(1)
-        if hit.numel():
-            row, col = torch.nonzero(rows.index_select(0, hit) > limit, as_tuple=True)
-            parts.append(hit[row] * CHUNK + col)
-    if full < n:
-        parts.append(torch.nonzero(bits[full:] > limit).squeeze(1) + full)
-    if not parts:
-        return torch.zeros(0, dtype=torch.int64, device=bits.device)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _emit(block: torch.Tensor, first: torch.Tensor, width: int, tau32: float) -> tuple:
+    """Words of the candidate rows gathered in ``block``.
+
+    Args:
+        block: ``[h * width]`` float32, ``h`` rows of the new residual (a copy).
+        first: ``[h]`` int64 flat index of each row's first element.
+        width: elements per row.
+        tau32: the threshold.
+
+    Returns:
+        ``(index, negative, words, non-finite count)``: ``[m]`` int64 ascending flat indices, their
+        signs, ``[m]`` int32 words without offset.
+    """
+    bits = block.view(torch.int32) & ABS_MASK  # orders like |x|; NaN/Inf above every finite tau
+    pos = torch.nonzero(bits > tau_bits(tau32)).squeeze(1)
+    nonfinite = int((bits[pos] >= INF_BITS).sum()) if pos.numel() else 0
+    negative = block[pos] < 0
+    index = first[pos // width] + pos % width
+    words = torch.where(negative, index.to(torch.int32) | SIGN_BIT, index.to(torch.int32))
+    return index, negative, words, nonfinite
 
 
 def threshold_(
@@ -65,15 +70,14 @@ def threshold_(
     offset: int = 0,
     alpha: float = 1.0,
     clip: float | None = None,
-    scratch: torch.Tensor | None = None,
 ) -> None:
-    """``out = residual + alpha * clamp(grad, -clip, clip)``; append the words of ``|out| > tau``.
+    """``out = residual + alpha * clamp(grad, -clip, clip)``; emit the words of ``|out| > tau``
+    and subtract ``±tau`` there.
 
     Args:
-        grad: ``[n]`` float32 (or half; then ``scratch`` is needed); clamped in place when
-            ``clip`` is set, and overwritten as scratch when float32 and ``scratch`` is None.
-        residual: ``[n]`` float32, read only.
-        out: ``[n]`` float32, receives the new residual *before* tau is subtracted.
+        grad: ``[n]`` float32 or half; clamped in place when ``clip`` is set, else only read.
+        residual: ``[n]`` float32, read only (so that a skipped step needs no undo).
+        out: ``[n]`` float32, receives the new residual.
         tau32: threshold, a float32 value > 0.
         message: ``[capacity]`` int32; the words go to ``message[cursor:]`` in ascending order,
             ``(offset + i) | sign << 31``.
@@ -82,7 +86,6 @@ def threshold_(
         offset: index of element 0 in the step's flat index space.
         alpha: factor on the gradient (1 / loss scale, times a norm-clipping coefficient).
         clip: clamp the gradient to ``[-clip, clip]`` first (in the gradient's own scale).
-        scratch: ``[n]`` int32 to use instead of ``grad``'s memory.
     """
     if clip is not None:
         grad.clamp_(-clip, clip)
@@ -90,25 +93,38 @@ def threshold_(
         torch.add(residual, grad, out=out)
     else:
         torch.add(residual, grad, alpha=alpha, out=out)
-    if scratch is None:
-        scratch = grad.view(torch.int32)
-    bits = torch.bitwise_and(out.view(torch.int32), ABS_MASK, out=scratch)
-    index = _above(bits, tau_bits(tau32))
-    m = index.numel()
-    if not m:
+    n = out.numel()
+    full = n // CHUNK * CHUNK
+    found = []
+    if full:
+        rows = out[:full].view(-1, CHUNK)
+        # A row holds a word (or a NaN/Inf) unless every element is within [-tau, tau]: two read
+        # passes of reductions, cheaper than writing |x| or a mask of n elements.
+        hit = torch.nonzero(~((rows.amax(dim=1) <= tau32) & (rows.amin(dim=1) >= -tau32))).squeeze(1)
+        if hit.numel():
+            found.append(_emit(rows.index_select(0, hit).view(-1), hit * CHUNK, CHUNK, tau32))
+    if full < n:
+        first = torch.full((1,), full, dtype=torch.int64, device=out.device)
+        found.append(_emit(out[full:], first, n - full, tau32))
+    if not found:
         return
-    nonfinite = int((bits[index] >= INF_BITS).sum())
+    columns = list(zip(*found))  # the rows' results, then the tail's
+    index, negative, words = (c[0] if len(c) == 1 else torch.cat(c) for c in columns[:3])
+    nonfinite = sum(columns[3])
     if nonfinite:
         bad += nonfinite
-    words = (index + offset).to(torch.int32)
-    words = torch.where(out[index] < 0, words | SIGN_BIT, words)
-    start = int(cursor)
-    message[start : start + m] = words
-    cursor += m
+    m = words.numel()
+    if m:
+        # r + (-tau) is r - tau to the bit: one scattered add over the words' elements only.
+        out.index_add_(0, index, torch.where(negative, tau32, -tau32).to(out.dtype))
+        start = int(cursor)
+        message[start : start + m] = words + offset if offset else words
+        cursor += m
 
 
 def apply_words_(residual: torch.Tensor, words: torch.Tensor, tau32: float) -> None:
-    """``residual[i] -= tau`` for a word ``i``, ``+= tau`` for ``i | 1 << 31`` (one word per index).
+    """``residual[i] -= tau`` for a word ``i``, ``+= tau`` for ``i | 1 << 31`` (one word per index);
+    a negative ``tau32`` undoes what ``threshold_`` subtracted (up to rounding).
 
     Args:
         residual: ``[N]`` float32, the step's flat residual; updated in place.
@@ -118,8 +134,10 @@ def apply_words_(residual: torch.Tensor, words: torch.Tensor, tau32: float) -> N
     if not words.numel():
         return
     index = (words & INDEX_MASK).long()
-    values = residual[index]
-    residual[index] = torch.where(words < 0, values + tau32, values - tau32)
+    residual.index_add_(0, index, torch.where(words < 0, tau32, -tau32).to(residual.dtype))
+
+
+COUNTS_DTYPE = torch.float32  # vote counts as float32: exact integers (|count| < 2**24)
 
 
 def decode_(
@@ -136,7 +154,9 @@ def decode_(
         words: ``[W * width]`` int32 (rank r's words in row r, ``lengths[r]`` valid) or, with
             ``lengths=None``, ``[m]`` int32 words, all valid.
         lengths: valid words per row, or None.
-        counts: ``[N]`` int32, all zero on entry and on return (cleared at the words).
+        counts: ``[N]`` :data:`COUNTS_DTYPE`, all zero on entry and on return. Votes of +-1 add
+            up exactly in float32 in any order, and ``float32(count) * scale`` is then one
+            multiplication, as in the int32 counts of the reference and the Triton kernels.
         outputs: ``(offset, [n] float tensor)`` pairs, written entirely.
         scale: ``tau / world_size`` (times a loss scale), as a float32 value.
     """
@@ -145,8 +165,10 @@ def decode_(
         rows = words.view(len(lengths), width) if width else words.view(len(lengths), 0)
         words = torch.cat([rows[r, :n] for r, n in enumerate(lengths)])
     index = (words & INDEX_MASK).long()
-    counts.index_add_(0, index, torch.where(words < 0, -1, 1).to(torch.int32))
+    counts.index_add_(0, index, torch.where(words < 0, -1.0, 1.0).to(counts.dtype))
     for offset, out in outputs:
-        out.copy_(counts[offset : offset + out.numel()])
-        out.mul_(scale)
-    counts.index_fill_(0, index, 0)
+        torch.mul(counts[offset : offset + out.numel()], scale, out=out)
+    if index.numel() * 8 > counts.numel():
+        counts.zero_()  # a memset beats scattered writes when the words are dense
+    else:
+        counts.index_fill_(0, index, 0)

@@ -7,9 +7,10 @@ decoded values from exact int32 counts times one float32 scale.
 
 Threshold, n elements, m words, B elements per block (bytes moved in global memory):
 
-1. ``_threshold_kernel``: read grad and residual, write the new residual (12n); compact each
-   block's words in ascending order with an in-block exclusive scan (``tl.cumsum``) into the
-   block's own slice of a scratch buffer (4m), store the block's count, count non-finite values.
+1. ``_threshold_kernel``: read grad and residual, write the new residual, ``±tau`` subtracted
+   (12n); compact each block's words in ascending order with an in-block exclusive scan
+   (``tl.cumsum``) into the block's own slice of a scratch buffer (4m), store the block's count,
+   count non-finite values.
 2. ``torch.cumsum`` over the block counts (n/B elements).
 3. ``_gather_words_kernel``: copy each block's words to ``message[cursor + block start]`` (8m);
    the cursor is a device tensor advanced on the device, so the hook needs no host sync until
@@ -87,7 +88,6 @@ def _threshold_kernel(
     clip,  # fp32 clamp bound on the gradient (used when CLIP)
     BLOCK: tl.constexpr,  # elements per program
     GUARD: tl.constexpr,  # public compress: skip everything when bad_ptr holds > 0
-    SUBTRACT: tl.constexpr,  # subtract +-tau at emitted elements (public compress)
     ALPHA: tl.constexpr,  # multiply the gradient by alpha
     CLIP: tl.constexpr,  # clamp the gradient to [-clip, clip] first
 ):
@@ -113,8 +113,7 @@ def _threshold_kernel(
     rank = tl.cumsum(emit, axis=0) - emit  # exclusive scan: position among the block's words
     word = ((offs + offset) | (minus.to(tl.int64) << 31)).to(tl.int32)  # index | sign bit, as int32
     tl.store(scratch_ptr + pid * BLOCK + rank, word, mask=active & (emit != 0))
-    if SUBTRACT:
-        r = tl.where(plus, r - tau, tl.where(minus, r + tau, r))
+    r = tl.where(plus, r - tau, tl.where(minus, r + tau, r))
     tl.store(out_ptr + offs, r, mask=active)
     tl.store(block_counts_ptr + pid, tl.sum(emit, axis=0))
     if not GUARD:
@@ -266,7 +265,7 @@ def _threshold_launch(
     _threshold_kernel[(n_blocks,)](
         grad, residual, out, scratch, block_counts, bad, n, offset, tau32, alpha,
         0.0 if clip is None else clip,
-        GUARD=guard, SUBTRACT=guard, ALPHA=alpha != 1.0, CLIP=clip is not None, **launch,
+        GUARD=guard, ALPHA=alpha != 1.0, CLIP=clip is not None, **launch,
     )  # fmt: skip
     return scratch, block_counts, torch.cumsum(block_counts, 0), launch
 
@@ -397,10 +396,9 @@ def threshold_(
     offset: int = 0,
     alpha: float = 1.0,
     clip: float | None = None,
-    scratch: torch.Tensor | None = None,
     block: int = COMPRESS_BLOCK,
 ) -> None:
-    """Triton twin of ``torch_ops.threshold_`` (``grad`` is only read; ``scratch`` is unused).
+    """Triton twin of ``torch_ops.threshold_`` (``grad`` is only read, also when clipping).
 
     No host sync: the words go to ``message[cursor:]`` and ``cursor`` advances on the device.
     """
@@ -413,6 +411,9 @@ def threshold_(
     )
     _gather_words_kernel[(block_counts.numel(),)](words, block_counts, block_ends, message, cursor, **launch)
     cursor += block_ends[-1:]
+
+
+COUNTS_DTYPE = torch.int32  # vote counts for the integer atomics
 
 
 def apply_words_(residual: torch.Tensor, words: torch.Tensor, tau32: float) -> None:
@@ -478,7 +479,7 @@ KERNELS = {
             "clip": "fp32",
         },
         "compress",
-        {"GUARD": False, "SUBTRACT": False, "ALPHA": True, "CLIP": False},
+        {"GUARD": False, "ALPHA": True, "CLIP": False},
     ),
     "gather_words": (
         _gather_words_kernel,
