@@ -110,6 +110,35 @@ def test_every_config_parses(config, aligned, tmp_path):
         assert cli.config.trainer.strategy.init_args.tau > 0 and cli.config.run_name == "gtc"
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_config_builds_the_trainer(config, aligned, tmp_path):
+    """Instantiates model, data and trainer (strategy included), as train.py does before fitting;
+    conf/strom2015.yaml asks for GPUs, so it is built on CPU here."""
+    from lightning.pytorch import Trainer
+
+    import gtc_lightning
+
+    cpu = ["--trainer.accelerator", "cpu"] if config.name == "strom2015.yaml" else []
+    cli = train.build_cli(["--config", str(config), "--data.data_dir", str(aligned),
+                           "--exp_dir", str(tmp_path), "--num_threads", "1", *cpu])
+    assert isinstance(cli.trainer, Trainer) and cli.model.hparams.num_pdfs == NUM_PDFS
+    if config.name == "gtc.yaml":
+        assert isinstance(cli.trainer.strategy, gtc_lightning.GTCStrategy)
+        assert cli.trainer.strategy.tau == 0.01 and cli.trainer.num_devices == 2
+
+
+def test_gtc_config_trains_on_the_tiny_corpus(tiny_aligned, tmp_path):
+    """``train.py --config conf/tiny.yaml --config conf/gtc.yaml`` (the class path with its init_args,
+    every DDP argument passed by LightningCLI), started by fork instead of popen inside pytest."""
+    summary = _run(["--config", str(ROOT / "conf" / "tiny.yaml"), "--config", str(ROOT / "conf" / "gtc.yaml"),
+                    "--trainer.strategy.init_args.start_method", "fork", "--data.data_dir", str(tiny_aligned),
+                    "--exp_dir", str(tmp_path), "--trainer.max_epochs", "1", "--num_threads", "1"])
+    assert summary["strategy_class"] == "GTCStrategy" and summary["run_name"] == "gtc"
+    assert summary["world_size"] == 2 and summary["tau"] == 0.01
+    assert summary["global_steps"] == 4 and summary["gtc"]["step"] == 4
+    assert summary["gtc"]["total"]["bytes_sent"] > 0 and len(summary["dev_frame_acc"]) == 1
+
+
 def test_gtc_shortcut_builds_a_two_process_cpu_trainer(aligned, tmp_path):
     import gtc_lightning
 

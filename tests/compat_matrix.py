@@ -1,0 +1,213 @@
+"""The compatibility matrix, declared: Lightning feature x strategy -> the promised outcome.
+
+``tests/test_compat.py`` runs every cell on 2 CPU ranks started by fork and checks it against this
+table; the README's table is rendered from it. A new strategy of the family joins by adding one
+entry to ``STRATEGIES`` and its outcome to every row of ``MATRIX``.
+
+Run ``python tests/compat_matrix.py`` to rewrite the README's table after changing the matrix.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BEGIN = "<!-- compat-matrix: begin (generated from tests/compat_matrix.py; do not edit by hand) -->"
+END = "<!-- compat-matrix: end -->"
+REGENERATE = "python tests/compat_matrix.py"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A strategy of the family, as the matrix builds it.
+
+    Args:
+        class_path: the class, importable (also what LightningCLI's ``class_path`` gets).
+        init_args: its arguments in every cell (besides ``start_method="fork"`` and a timeout).
+        fork_name: its registered name with ``start_method="fork"``.
+        identical_replicas: whether it promises bit-identical parameters on every rank.
+    """
+
+    class_path: str
+    init_args: dict = field(default_factory=dict)
+    fork_name: str = ""
+    identical_replicas: bool = True
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a cell promises: it works (``text`` is an optional note), or it is refused (``text``
+    is the reason shown in the README, ``error`` a regex the error message must match, ``at`` when
+    the error comes: ``"setup"``, before any batch, or ``"batch N"``, during the N-th batch)."""
+
+    works: bool
+    text: str = ""
+    error: str = ""
+    at: str = "setup"
+
+
+def works(note: str = "") -> Outcome:
+    return Outcome(works=True, text=note)
+
+
+def refused(reason: str, error: str, at: str = "setup") -> Outcome:
+    return Outcome(works=False, text=reason, error=error, at=at)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "ddp": Strategy("lightning.pytorch.strategies.DDPStrategy", {}, "ddp_fork"),
+    "gtc": Strategy("gtc_lightning.GTCStrategy", {"tau": 0.01}, "gtc_fork"),
+}
+
+_UNUSED = "Lightning's unused-parameter error, pointing at `strategy='{}_find_unused_parameters_true'`"
+
+# feature id -> (what the README calls it, {strategy: outcome}); test_compat.py has one runner per id.
+MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
+    "sgd": ("SGD with momentum (the reference run of the other rows)", {"ddp": works(), "gtc": works()}),
+    "adam_steplr": ("Adam + `StepLR` stepping every batch", {"ddp": works(), "gtc": works()}),
+    "accumulate_grad_batches": (
+        "`accumulate_grad_batches=2`",
+        {
+            "ddp": works(),
+            "gtc": works("exchanges only on the steps that step the optimizer"),
+        },
+    ),
+    "bf16_mixed": ('`precision="bf16-mixed"` (CPU)', {"ddp": works(), "gtc": works()}),
+    "fp16_mixed": (
+        (
+            '16-mixed with its `GradScaler`: `plugins=[MixedPrecision("16-mixed", "cpu")]` '
+            '(`precision="16-mixed"` turns into bf16 on CPU)'
+        ),
+        {"ddp": works(), "gtc": works("thresholds the unscaled gradient: the loss scale is divided out")},
+    ),
+    "manual_two_optimizers": (
+        "manual optimization, two optimizers, `toggle_optimizer` (`find_unused_parameters=True`)",
+        {"ddp": works(), "gtc": works()},
+    ),
+    "unused_find_unused": (
+        "a never used branch, `find_unused_parameters=True`",
+        {
+            "ddp": works(),
+            "gtc": works("a parameter a rank did not use keeps its residual"),
+        },
+    ),
+    "unused_by_name": (
+        "the same by name: `<name>_fork_find_unused_parameters_true`",
+        {
+            "ddp": works(),
+            "gtc": works(),
+        },
+    ),
+    "unused_without_flag": (
+        "a never used branch without `find_unused_parameters`",
+        {
+            "ddp": refused(_UNUSED.format("ddp"), "strategy='ddp_find_unused_parameters_true'", at="batch 2"),
+            "gtc": refused(_UNUSED.format("gtc"), "strategy='gtc_find_unused_parameters_true'", at="batch 2"),
+        },
+    ),
+    "frozen_layers": ("frozen layers (`requires_grad=False`)", {"ddp": works(), "gtc": works()}),
+    "tied_weights": ("tied weights (one parameter in two layers)", {"ddp": works(), "gtc": works()}),
+    "batchnorm": ("`BatchNorm1d`", {"ddp": works(), "gtc": works()}),
+    "static_graph": ("`static_graph=True`", {"ddp": works(), "gtc": works()}),
+    "checkpoint_resume": (
+        "`ModelCheckpoint(every_n_train_steps=2)`, then `fit(ckpt_path=...)`",
+        {
+            "ddp": works("bit-identical to the uninterrupted run"),
+            "gtc": works(
+                "bit-identical to the uninterrupted run; each rank's residuals in `<ckpt>.gtc/rank<r>.pt`"
+            ),
+        },
+    ),
+    "validate_test_after_fit": ("`validate` and `test` after `fit`", {"ddp": works(), "gtc": works()}),
+    "validation_in_fit": ("validation inside `fit`", {"ddp": works(), "gtc": works()}),
+    "compiled": (
+        '`torch.compile` in `configure_model` (`backend="eager"`)',
+        {"ddp": works(), "gtc": works()},
+    ),
+    "clip_norm": (
+        "`gradient_clip_val`, by norm",
+        {
+            "ddp": works("clips the averaged gradient"),
+            "gtc": works("clips each rank's local gradient before it enters the residual"),
+        },
+    ),
+    "clip_value": (
+        '`gradient_clip_val`, `gradient_clip_algorithm="value"`',
+        {
+            "ddp": works("clips the averaged gradient"),
+            "gtc": works("clips each rank's local gradient before it enters the residual"),
+        },
+    ),
+    "sparse_embedding": (
+        "`nn.Embedding(sparse=True)`",
+        {
+            "ddp": works(),
+            "gtc": refused(
+                "GTC compresses dense gradients; the error names the parameter and the fixes "
+                "(`sparse=False`, freeze it, or `ddp`)",
+                r"\['embedding\.weight'\] get sparse gradients.*sparse=False",
+            ),
+        },
+    ),
+    "cli_class_path_yaml": (
+        "`LightningCLI`: `class_path` + `init_args` in a YAML file",
+        {
+            "ddp": works(),
+            "gtc": works(),
+        },
+    ),
+    "cli_class_path_args": (
+        "`LightningCLI`: `--trainer.strategy <class path> --trainer.strategy.<arg> ...`",
+        {
+            "ddp": works(),
+            "gtc": works(),
+        },
+    ),
+    "cli_by_name": ("`LightningCLI`: `--trainer.strategy <name>_fork`", {"ddp": works(), "gtc": works()}),
+}
+
+
+def cell_text(outcome: Outcome) -> str:
+    if outcome.works:
+        return f"works: {outcome.text}" if outcome.text else "works"
+    when = "at setup" if outcome.at == "setup" else f"at {outcome.at}"
+    return f"**refused** {when}: {outcome.text}"
+
+
+def render_table() -> str:
+    """The README's table: one row per feature, one column per strategy."""
+    names = list(STRATEGIES)
+    lines = [
+        "| Lightning feature | " + " | ".join(f"`{name}`" for name in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for title, outcomes in MATRIX.values():
+        lines.append(f"| {title} | " + " | ".join(cell_text(outcomes[name]) for name in names) + " |")
+    return "\n".join(lines)
+
+
+def readme_table(text: str) -> str:
+    """What the README holds between the markers."""
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"README.md lacks the markers {BEGIN!r} and {END!r} around the compatibility table")
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def update_readme(path: Path = README) -> bool:
+    """Rewrite the table between the markers; returns whether the file changed."""
+    text = path.read_text()
+    old = readme_table(text)
+    new = render_table()
+    if old == new:
+        return False
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    path.write_text(f"{head}{BEGIN}\n{new}\n{END}{tail}")
+    return True
+
+
+if __name__ == "__main__":
+    changed = update_readme(Path(sys.argv[1]) if len(sys.argv) > 1 else README)
+    print(f"{README}: compatibility table {'rewritten' if changed else 'already up to date'}")
