@@ -5,11 +5,13 @@ Usage:
   python recipes/asr/train.py                          # single device (the baseline)
   python recipes/asr/train.py --strategy gtc           # gradient threshold compression, 2 CPU processes
   python recipes/asr/train.py --strategy ddp           # dense all-reduce, 2 CPU processes
+  python recipes/asr/train.py --strategy ddp_bf16      # dense all-reduce in bf16, 2 CPU processes
   python recipes/asr/train.py --config conf/strom2015.yaml --strategy gtc   # 5 x 1536, all GPUs
   python recipes/asr/train.py --strategy gtc --trainer.devices 4 --trainer.max_epochs 6 --model.lr 0.5
 
-``--strategy {single,ddp,gtc}`` is a shortcut, expanded where it stands into ``--trainer.strategy``
-and ``--trainer.devices`` (CPU: 1 process for single, 2 for ddp/gtc; GPU: 1 or all GPUs); a later
+``--strategy {single,ddp,ddp_bf16,gtc}`` is a shortcut, expanded where it stands into
+``--trainer.strategy`` and ``--trainer.devices`` (CPU: 1 process for single, 2 for the others;
+GPU: 1 or all GPUs); a later
 ``--trainer.devices N`` or ``--config`` wins. ``conf/default.yaml`` is always read first; any
 ``--trainer.* / --model.* / --data.*`` overrides it (``--help`` lists them all).
 
@@ -24,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -45,7 +48,7 @@ log = logging.getLogger("train")
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "conf" / "default.yaml"
-SHORTCUTS = {"single": "auto", "ddp": "ddp", "gtc": "gtc"}
+SHORTCUTS = {"single": "auto", "ddp": "ddp", "ddp_bf16": "ddp_bf16", "gtc": "gtc"}
 ALI_FILES = ("ali/train_cuts.jsonl.gz", "ali/dev_cuts.jsonl.gz", "ali/info.json", "features/cmvn.json")
 
 
@@ -81,7 +84,7 @@ def expand_strategy_shortcut(argv: list[str], cuda: bool | None = None) -> list[
 def run_name_for(strategy, devices) -> str:
     """``baseline`` for one device, else the strategy's name (``gtc``, ``ddp``, ...)."""
     if isinstance(strategy, str):
-        name = strategy.removesuffix("_fork").removesuffix("_spawn").removesuffix("_find_unused_parameters_true")
+        name = re.sub(r"(_spawn|_fork|_notebook)?(_find_unused_parameters_(true|false))?$", "", strategy)
     else:
         class_path = strategy.get("class_path", "") if isinstance(strategy, (dict, Namespace)) else ""
         name = class_path.rsplit(".", 1)[-1].lower().removesuffix("strategy") or type(strategy).__name__.lower()
