@@ -464,7 +464,8 @@ class GTCStrategy(DDPStrategy):
 
 
 class _GTCStatsLogger(Callback):
-    """Logs the newest GTC step's statistics through ``LightningModule.log`` (added by the strategy)."""
+    """Logs the newest GTC step's statistics through ``LightningModule.log`` on the steps the Trainer
+    logs (``log_every_n_steps``); added by the strategy. ``gtc_stats`` has every step's."""
 
     def __init__(self, strategy: GTCStrategy) -> None:
         self._strategy = strategy
@@ -477,6 +478,11 @@ class _GTCStatsLogger(Callback):
         state = self._strategy.gtc_state
         if state is None or state.last is None or state.last.step == self._logged_step:
             return  # no exchange since the last log: a gradient-accumulation micro-step
+        # Only on the steps the Trainer sends to its loggers (log_every_n_steps): LightningModule.log
+        # costs ~1 ms a value, as much as the whole exchange of a small model.
+        connector = getattr(trainer, "_logger_connector", None)
+        if connector is not None and not connector.should_update_logs:
+            return
         state.settle(block=False)
         last = state.last
         self._logged_step = last.step
