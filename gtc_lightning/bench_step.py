@@ -7,8 +7,10 @@ moment of a noisy machine hits all of them. Per round and strategy it takes the 
 (after warm-up steps); the table gives the median over rounds and each strategy's ratio to
 ``ddp`` computed round by round (median, min-max).
 
-Strategies: ``ddp`` (fp32 all-reduce), ``ddp_bf16`` (bf16 all-reduce), ``gtc`` and ``nocomm``
-(DDP sending nothing: the compute-only step GTC should come close to).
+Strategies: ``ddp`` (fp32 all-reduce), ``ddp_bf16`` (bf16 all-reduce), ``gtc`` (its exchange as
+``--exchange`` says), ``gtc_alltoall`` / ``gtc_allgather`` (the two word exchanges, uneven messages
+or padded to the longest) and ``nocomm`` (DDP sending nothing: the compute-only step GTC should
+come close to).
 
 Models: ``recipe`` (5 x 512, 150 outputs: 1.48 M weights, the recipe's CPU model) and ``strom``
 (5 x 1536, 2700 outputs: 14.6 M weights, Strom 2015's DNN), or ``LxH:K``.
@@ -34,7 +36,7 @@ import statistics
 import time
 from pathlib import Path
 
-STRATEGIES = ("ddp", "ddp_bf16", "gtc", "nocomm")
+STRATEGIES = ("ddp", "ddp_bf16", "gtc", "gtc_alltoall", "gtc_allgather", "nocomm")
 MODELS = {"recipe": (5, 512, 150), "strom": (5, 1536, 2700)}
 INPUT_DIM = 17 * 40
 
@@ -67,6 +69,8 @@ def _make_strategy(name: str, tau: float, exchange: str):
         return BF16AllReduceStrategy()
     if name == "nocomm":
         return NoCommStrategy()
+    if name in ("gtc_alltoall", "gtc_allgather"):
+        return GTCStrategy(tau=tau, exchange=name.removeprefix("gtc_"))
     if name == "gtc":
         import inspect
 
@@ -210,7 +214,9 @@ def summarize(data: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["recipe", "strom"], help="recipe, strom or LxH:K")
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument(
+        "--strategies", nargs="+", default=["ddp", "ddp_bf16", "gtc", "nocomm"], choices=STRATEGIES
+    )
     parser.add_argument("--world", type=int, default=2, help="ranks to fork on this machine")
     parser.add_argument("--num-nodes", type=int, default=1,
                         help="under an external launcher: nodes (one rank per node); the environment gives the rank")
