@@ -95,6 +95,9 @@ class StepStats:
         compress_s: seconds spent thresholding (all buckets).
         exchange_s: seconds spent in the collectives (host wall time).
         decompress_s: seconds spent decoding into the buckets.
+        applied: the optimizer step whose decoded update this step hands the optimizer: this step
+            itself, or with ``stale=True`` the step before (an earlier one after a skip); ``None``
+            when nothing is applied (a skip, or the first stale step: nothing in flight yet).
     """
 
     step: int
@@ -110,6 +113,7 @@ class StepStats:
     compress_s: float
     exchange_s: float
     decompress_s: float
+    applied: int | None = None
 
     @property
     def dense(self) -> bool:
@@ -182,6 +186,8 @@ class GTCState:
         exchange: ``"alltoall"`` (uneven messages), ``"allgather"`` (padded to the longest) or
             ``"auto"`` (all-to-all on gloo, all-gather otherwise).
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
+        stale: one-step-stale mode (:mod:`gtc_lightning.stale`): each step's exchange runs while
+            the next step computes, and its update is applied one step late.
     """
 
     def __init__(
@@ -194,6 +200,7 @@ class GTCState:
         dense_fallback: bool = True,
         exchange: str = "auto",
         backend: str = "auto",
+        stale: bool = False,
     ) -> None:
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
             raise ValueError(
@@ -223,6 +230,7 @@ class GTCState:
         self.dense_fallback = bool(dense_fallback)
         self.exchange = exchange
         self.backend = backend
+        self.stale = bool(stale)
         # Gradient clipping of each rank's local gradient, set by the strategy from the Trainer:
         # ("norm" | "value", threshold) or None.
         self.clip: tuple[str, float] | None = None
@@ -247,12 +255,13 @@ class GTCState:
         if self.rank == 0:
             log.info(
                 "GTC config: tau=%g, warmup_steps=%d, max_consecutive_skips=%s, dense_fallback=%s, "
-                "exchange=%s, world_size=%d, parameters=%d (%d elements)",
+                "exchange=%s, stale=%s, world_size=%d, parameters=%d (%d elements)",
                 self.tau,
                 self.warmup_steps,
                 self.max_consecutive_skips,
                 self.dense_fallback,
                 self.exchange,
+                self.stale,
                 self.world_size,
                 len(self.param_names),
                 sum(self.numels),
@@ -277,6 +286,12 @@ class GTCState:
         self._compress_marks: list = []
         self._unsettled: list = []  # (stats, field, start, end) timings still to read
         self._clock = _Clock(torch.device("cpu"))
+        # stale=True: the exchange in flight (a stale.InFlight), and the second message and sum
+        # buffers that step t+1 writes while step t's are still being sent.
+        self._in_flight = None
+        self._spare_message: torch.Tensor | None = None
+        self._spare_sum: torch.Tensor | None = None
+        self._applied: list[tuple[int, torch.Tensor]] = []  # (offset, bucket buffer) of the last decode
 
     def bind(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
         """(Re)build the parameter -> name map, e.g. after unpickling the state."""
@@ -303,7 +318,7 @@ class GTCState:
         log.warning("GTCState: the process group is not picklable and is dropped; call bind() after loading")
         keep = (
             "tau", "tau32", "warmup_steps", "max_consecutive_skips", "dense_fallback", "exchange", "backend",
-            "clip", "grad_scale", "param_names", "numels", "step", "totals", "last", "_dense_mode",
+            "stale", "clip", "grad_scale", "param_names", "numels", "step", "totals", "last", "_dense_mode",
         )  # fmt: skip
         state = {key: self.__dict__[key] for key in keep}
         state["residuals"] = self.residual_vector(torch.device("cpu"))
@@ -465,7 +480,8 @@ class GTCState:
         the update without touching their state, are counted, warned about, and raise after too
         many in a row. With an AMP loss scaler the overflow belongs to the scaler: the gradients
         are filled with NaN so that it skips the step and lowers its scale, counted as
-        ``overflows``, without warning and without the consecutive-skip limit.
+        ``overflows``, without warning and without the consecutive-skip limit. With ``stale=True``
+        see :func:`gtc_lightning.stale.finish_stale` for the steps that apply nothing.
 
         Args:
             parameters: the parameters the optimizer updates.
@@ -487,6 +503,10 @@ class GTCState:
             stats.skipped = not all(_all_finite(g) for g in grads)
         if not stats.skipped:
             self.totals["consecutive_skips"] = 0
+            if self.stale:
+                from gtc_lightning.stale import finish_stale
+
+                finish_stale(self, parameters, stats, loss_scaler)
             return stats
         for p in parameters:
             if not loss_scaler:
@@ -750,13 +770,13 @@ def _exchange(state: GTCState) -> None:
 
     compress_s = sum(clock.seconds(a, b) for a, b in state._compress_marks)  # complete: synced above
 
-    def record(mode: str, sent: int, received: int, exchanged, end) -> None:
+    def record(mode: str, sent: int, received: int, exchanged, end, applied: int | None = state.step) -> None:
         sparse = mode == "sparse"
         stats = StepStats(
             step=state.step, mode=mode, skipped=mode == "skipped", bad_ranks=bad_ranks, numel=numel,
             world_size=world, words=own if sparse else 0, words_all=sum(counts) if sparse else 0,
             bytes_sent=header_bytes + sent, bytes_received=header_bytes + received,
-            compress_s=compress_s, exchange_s=0.0, decompress_s=0.0,
+            compress_s=compress_s, exchange_s=0.0, decompress_s=0.0, applied=None if mode == "skipped" else applied,
         )  # fmt: skip
         state._record(stats)
         state._unsettled += [(stats, "exchange_s", start, exchanged), (stats, "decompress_s", exchanged, end)]
@@ -786,37 +806,63 @@ def _exchange(state: GTCState) -> None:
                 stacklevel=3,
             )
         dense = state._dense_mode
+    if state.stale:
+        from gtc_lightning.stale import exchange_stale  # (it imports this module)
+
+        exchange_stale(state, pending, used, counts, numel, record, dense)
+        return
     if dense:
         _dense_step(state, pending, used, own, numel, start, record)
         return
 
     # 5. One word exchange.
-    scale = _f32(_f32(state.tau32 / world) * state.grad_scale)
-    message = state._message
-    if world == 1 or not sum(counts):
-        words, lengths, sent, received = message[:own], None, 0, 0
-    elif _exchange_kind(state) == "alltoall":
-        words = torch.empty(sum(counts), dtype=torch.int32, device=message.device)
-        dist.all_to_all_single(
-            words, message[:own].repeat(world), output_split_sizes=counts, input_split_sizes=[own] * world,
-            group=group,
-        )  # fmt: skip
-        lengths, sent, received = None, (world - 1) * own * _WORD_BYTES, (sum(counts) - own) * _WORD_BYTES
-    else:
-        width = max(counts)
-        words = torch.empty(world * width, dtype=torch.int32, device=message.device)
-        if width:
-            all_gather_equal(words, message[:width], group=group)
-        lengths, sent = counts, (world - 1) * width * _WORD_BYTES
-        received = sent
+    words, lengths, sent, received, _ = _send_words(state, counts)
     exchanged = clock.now()
     state._residual, state._spare = spare, residual
 
     # 6. Decode every bucket from all ranks' words at once.
-    state._ops.decode_(words, lengths, state._counts, [(o, b.buffer()) for b, _, o in pending], scale)
+    outputs = [(o, b.buffer()) for b, _, o in pending]
+    state._ops.decode_(words, lengths, state._counts, outputs, word_scale(state, world))
     for bucket, future, _ in pending:
         future.set_result(bucket.buffer())
     record("sparse", sent, received, exchanged, clock.now())
+
+
+def word_scale(state: GTCState, world: int) -> float:
+    """What one vote is worth in the bucket: ``tau / world`` in float32, times the loss scale."""
+    return _f32(_f32(state.tau32 / world) * state.grad_scale)
+
+
+def _send_words(state: GTCState, counts: list[int], async_op: bool = False) -> tuple:
+    """Step 5's collective: every rank's words to every rank (all-to-all of uneven messages, or an
+    all-gather padded to the longest).
+
+    Args:
+        state: the state; its message holds this rank's ``counts[rank]`` words.
+        counts: words of every rank, from the headers.
+        async_op: launch and return the handle instead of waiting (``stale=True``).
+
+    Returns:
+        ``(words, lengths, bytes sent, bytes received, work)``: ``words`` ``[sum(counts)]`` all valid
+        (``lengths`` None) or ``[W * max(counts)]`` with ``lengths = counts`` valid per row; ``work``
+        the collective's handle when ``async_op`` (None when nothing had to be sent).
+    """
+    group, world, rank = state.process_group, state.world_size, state.rank
+    own, message = counts[rank], state._message
+    if world == 1 or not sum(counts):
+        return message[:own], None, 0, 0, None
+    if _exchange_kind(state) == "alltoall":
+        words = torch.empty(sum(counts), dtype=torch.int32, device=message.device)
+        work = dist.all_to_all_single(
+            words, message[:own].repeat(world), output_split_sizes=counts, input_split_sizes=[own] * world,
+            group=group, async_op=async_op,
+        )  # fmt: skip
+        return words, None, (world - 1) * own * _WORD_BYTES, (sum(counts) - own) * _WORD_BYTES, work
+    width = max(counts)
+    words = torch.empty(world * width, dtype=torch.int32, device=message.device)
+    work = all_gather_equal(words, message[:width], group=group, async_op=async_op)
+    sent = (world - 1) * width * _WORD_BYTES
+    return words, counts, sent, sent, work
 
 
 def _exchange_kind(state: GTCState) -> str:
@@ -831,23 +877,39 @@ def _dense_step(state: GTCState, pending: list, unused: list, own: int, numel: i
     A parameter this rank did not use sends zeros and keeps its residual, so that nothing is
     applied to a parameter no rank used (DDP would drop it) and nothing is lost.
     """
-    world, clock = state.world_size, state._clock
+    world, clock, sums = state.world_size, state._clock, state._spare
+    reduce_dense(state, unused, own, numel)
+    exchanged = clock.now()
+    decode_dense(sums, world, state.grad_scale, [(o, b.buffer()) for b, _, o in pending])
+    for bucket, future, _ in pending:
+        future.set_result(bucket.buffer())
+    sent = allreduce_bytes(numel, world)
+    record("dense", sent, sent, exchanged, clock.now())
+
+
+def reduce_dense(state: GTCState, unused: list, own: int, numel: int, async_op: bool = False):
+    """The fallback's collective: sum every rank's residual + gradient (the spare buffer) over the
+    ranks, and restart the residuals at zero (those of parameters this rank did not use excepted).
+
+    Returns:
+        the all-reduce's handle when ``async_op``, else None.
+    """
     residual, spare = state._residual, state._spare
     # Take back the tau the threshold pass subtracted at this rank's words (exact up to one rounding).
     state._ops.apply_words_(spare, state._message[:own], -state.tau32)
     for a, b in unused:
         spare[a:b].zero_()
-    dist.all_reduce(spare[:numel], group=state.process_group)
-    exchanged = clock.now()
-    for bucket, future, offset in pending:
-        buffer = bucket.buffer()
-        torch.div(spare[offset : offset + buffer.numel()], world, out=buffer)
-        if state.grad_scale != 1.0:
-            buffer.mul_(state.grad_scale)
-        future.set_result(buffer)
+    work = dist.all_reduce(spare[:numel], group=state.process_group, async_op=async_op)
     kept = [(a, b, residual[a:b].clone()) for a, b in unused]
     residual.zero_()
     for a, b, values in kept:
         residual[a:b].copy_(values)
-    sent = allreduce_bytes(numel, world)
-    record("dense", sent, sent, exchanged, clock.now())
+    return work
+
+
+def decode_dense(sums: torch.Tensor, world: int, grad_scale: float, outputs: list) -> None:
+    """Write ``sums / world`` (times the loss scale) into each ``(offset, [n] buffer)`` of ``outputs``."""
+    for offset, buffer in outputs:
+        torch.div(sums[offset : offset + buffer.numel()], world, out=buffer)
+        if grad_scale != 1.0:
+            buffer.mul_(grad_scale)

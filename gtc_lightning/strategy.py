@@ -9,6 +9,7 @@ residuals in checkpoints (one shard per rank), and logs statistics.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -35,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from gtc_lightning import stale as one_step_stale
 from gtc_lightning.hook import EXCHANGES, GTCState, all_gather_equal, gtc_hook, parameter_checksums
 from gtc_lightning.ops import BACKENDS
 
@@ -94,6 +96,12 @@ class GTCStrategy(DDPStrategy):
             or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests).
         restore_residuals: restore the residuals of a resumed checkpoint (every rank reads its own
             shard). ``False`` restarts them from zero: the pending update is lost.
+        stale: one-step-stale GTC (also registered as ``"gtc_stale"``): each step's word exchange
+            runs while the next step computes and its update is applied one step late; the replicas
+            stay bit-identical. The first compressed step applies nothing, and the last step's
+            update is not applied at the end of fit (it is kept for a resume). See
+            :mod:`gtc_lightning.stale` for skips, checkpoints and the rest. Refused with several
+            optimizers.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for ``DDPStrategy``.
         **kwargs: passed to ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``,
@@ -120,6 +128,7 @@ class GTCStrategy(DDPStrategy):
         exchange: Literal["auto", "alltoall", "allgather"] = "auto",
         backend: Literal["auto", "torch", "triton"] = "auto",
         restore_residuals: bool = True,
+        stale: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -147,6 +156,8 @@ class GTCStrategy(DDPStrategy):
             raise ValueError(f"Expect exchange in {EXCHANGES}, got {exchange!r}")
         if backend not in BACKENDS:
             raise ValueError(f"Expect backend in {BACKENDS}, got {backend!r}")
+        if not isinstance(stale, bool):
+            raise ValueError(f"Expect stale to be True or False, got {stale!r}")  # noqa: TRY004
         # LightningCLI passes every DDPStrategy argument explicitly, the hook ones as None.
         clashing = sorted(key for key in _HOOK_ARGS if kwargs.get(key) is not None)
         if clashing:
@@ -177,6 +188,7 @@ class GTCStrategy(DDPStrategy):
         self._exchange = exchange
         self._backend = backend
         self._restore_residuals = bool(restore_residuals)
+        self._stale = stale
         self._gtc_state: GTCState | None = None
         self._saved_gtc: tuple[dict, _PATH] | None = None  # checkpoint entry waiting for the state
         self._checked_step = 0
@@ -186,6 +198,11 @@ class GTCStrategy(DDPStrategy):
     def tau(self) -> float:
         """The compression threshold."""
         return self._tau
+
+    @property
+    def stale(self) -> bool:
+        """Whether each step's update is applied one step late (the exchange overlaps the next step)."""
+        return self._stale
 
     @property
     def gtc_state(self) -> GTCState | None:
@@ -232,6 +249,12 @@ class GTCStrategy(DDPStrategy):
                     *self._clip,
                 )
         super().setup(trainer)
+        if self._stale and trainer.state.fn == TrainerFn.FITTING and len(self.optimizers) > 1:
+            raise ValueError(
+                f"GTCStrategy(stale=True) applies each exchange's update at the next backward pass, which with "
+                f"{len(self.optimizers)} optimizers may belong to another optimizer than the one whose parameters "
+                "it moves; use one optimizer, or stale=False"
+            )
         if not any(isinstance(cb, _GTCStatsLogger) for cb in trainer.callbacks):
             # Before the checkpoint callbacks, so that they can monitor the GTC metrics.
             where = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), None)
@@ -253,6 +276,7 @@ class GTCStrategy(DDPStrategy):
             dense_fallback=self._dense_fallback,
             exchange=self._exchange,
             backend=self._backend,
+            stale=self._stale,
         )
         state.clip = self._clip
         scaler = self._grad_scaler()
@@ -340,8 +364,19 @@ class GTCStrategy(DDPStrategy):
         )
 
     @override
+    def on_train_end(self) -> None:
+        # stale=True: the last step's exchange is waited for, and stays pending (not applied).
+        if self._gtc_state is not None:
+            one_step_stale.drain(self._gtc_state)
+
+    @override
     def teardown(self) -> None:
         if self._gtc_state is not None:
+            try:
+                one_step_stale.drain(self._gtc_state)
+            except RuntimeError as error:  # a peer that failed: nothing left to wait for
+                log.warning("GTC: the exchange in flight did not complete (%s); dropped", error)
+                self._gtc_state._in_flight = None
             self._gtc_state.untrack_usage()
         if self._clip is not None and self.lightning_module is not None and self.lightning_module._trainer:
             self.lightning_module.trainer.gradient_clip_val = self._clip[1]
@@ -364,6 +399,7 @@ class GTCStrategy(DDPStrategy):
                 "names": list(state.param_names),
                 "numels": list(state.numels),
                 **state.counters(),
+                "pending": one_step_stale.pending_entry(state),
             }
             shard = {
                 "rank": self.global_rank,
@@ -399,6 +435,8 @@ class GTCStrategy(DDPStrategy):
         state = self._gtc_state
         assert state is not None
         state.load_counters(saved)
+        if saved.get("pending") is not None and saved["names"] == state.param_names:
+            one_step_stale.load_pending(state, saved["pending"], self.root_device)
         if not self._restore_residuals:
             log.info("GTC: restore_residuals=False: residuals restart from zero at step %d", state.step)
             return
@@ -444,22 +482,26 @@ class GTCStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        launchers = (("gtc", "popen"), ("gtc_spawn", "spawn"), ("gtc_fork", "fork"), ("gtc_notebook", "fork"))
-        for name, start_method in launchers:
+        launchers = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
+        for (suffix, start_method), stale in itertools.product(launchers, (False, True)):
+            name = f"gtc_stale{suffix}" if stale else f"gtc{suffix}"
+            what = f"DDP with {'one-step-stale ' if stale else ''}gradient threshold compression"
+            extra = {"stale": True} if stale else {}
             strategy_registry.register(
                 name,
                 cls,
-                description=f"DDP with gradient threshold compression, start_method '{start_method}'",
+                description=f"{what}, start_method '{start_method}'",
                 start_method=start_method,
+                **extra,
             )
             for unused in (True, False):
                 strategy_registry.register(
                     f"{name}_find_unused_parameters_{str(unused).lower()}",
                     cls,
-                    description=f"DDP with gradient threshold compression, find_unused_parameters={unused}, "
-                    f"start_method '{start_method}'",
+                    description=f"{what}, find_unused_parameters={unused}, start_method '{start_method}'",
                     start_method=start_method,
                     find_unused_parameters=unused,
+                    **extra,
                 )
 
 

@@ -1,0 +1,263 @@
+"""One-step-stale GTC (``GTCStrategy(stale=True)``, ``"gtc_stale"``): the exchange of step t runs while
+step t+1 computes, and its decoded update is applied one step late.
+
+Strom's asynchronous mode within a synchronous frame, IBM's HYBRID (``003_…``: the all-reduce "runs
+concurrently with gradient calculation" and each step applies the previous one's result). Every rank
+still applies the same update at the same step, so the replicas stay bit-identical; the update the
+optimizer applies at step t is computed from the gradients of step t-1 (staleness 1).
+
+Per optimizer step t, at the hook's last bucket, after thresholding, the header exchange and the
+skip / dense decision of :func:`gtc_lightning.hook.gtc_hook` (steps 2-4 there, unchanged, with the
+step's one host synchronisation):
+
+1. Skip (a non-finite value on some rank): nothing is sent and nothing applied at step t, the
+   residuals stay as they were, and the exchange in flight stays pending: it is applied at the next
+   step that is not skipped. With an AMP loss scaler the optimizer sees NaN gradients, as without
+   ``stale``, so that the scaler backs off at the step that overflowed.
+2. Complete the exchange in flight (launched by the last step that was not skipped): wait for it
+   and decode it into step t's bucket buffers, which DDP hands to the optimizer. At the first
+   compressed step of a fit nothing is in flight: the optimizer gets no gradient (``None``, or
+   zeros under an AMP loss scaler, which refuses a step without gradients) and does not move.
+3. Launch step t's exchange with ``async_op=True``: the words, or on a dense-fallback step the
+   all-reduce of every rank's residual + gradient (the residuals restart from zero). The new
+   residual is committed at once. Step t+1 thresholds into a second message buffer (and a second
+   sums buffer) while this step's are still on the wire.
+
+Decoding uses the synchronous mode's kernels and float32 arithmetic, times the loss scale of the
+applying step's backward (which the scaler divides out at that step). DDP rebuilds its buckets after
+the first step, under an exchange in flight: that update then goes through a vector in parameter
+order, placed by name.
+
+Where the exchange in flight goes:
+
+- Gradient accumulation: it stays in flight through the next step's accumulation micro-batches.
+- Validation between steps sees the parameters without it.
+- Checkpoints: it is drained (waited for) and its update saved in the checkpoint's ``"gtc"`` entry as
+  a vector in parameter order (vote counts, or the dense sums): the same on every rank, like the
+  parameters. A fit that resumes applies it at its first step, bit for bit as the uninterrupted
+  run; a fit without ``stale`` that resumes it adds it to every rank's residual, which keeps it.
+- End of fit (``on_train_end``, or ``teardown`` after an error): it is drained and **not applied**.
+  The parameters after the last step hold every update but the last step's, which stays pending in
+  the state and in any checkpoint saved after the fit, and is applied first by a fit that resumes.
+- Parameters no rank used in the applying step's backward (``find_unused_parameters``) get no
+  gradient from DDP: :func:`finish_stale` hands them their part of the update.
+- Several optimizers are refused by the strategy: the update would reach whichever optimizer
+  steps after the next backward pass.
+
+Statistics of step t describe step t's own exchange (its bytes, counted as the collectives send
+them when it is launched); ``exchange_s`` is the host time spent in the header and in waiting for
+the exchange in flight (what the overlap did not hide); ``applied`` names the step whose update was
+handed to the optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gtc_lightning.hook import (
+    GTCState,
+    StepStats,
+    _send_words,
+    allreduce_bytes,
+    decode_dense,
+    reduce_dense,
+    word_scale,
+)
+from gtc_lightning.ops.torch_ops import INDEX_MASK
+
+
+@dataclass
+class InFlight:
+    """An exchange launched at one step, applied at a later one.
+
+    Attributes:
+        step: the optimizer step that launched it.
+        kind: ``"sparse"`` (words: vote counts times ``tau / world``) or ``"dense"`` (sums of the ranks'
+            residual + gradient, divided by ``world``).
+        world: the ranks that took part.
+        work: the collective's handle until it was waited for.
+        words: sparse: the received words, ``[m]`` or ``[W * width]`` with ``lengths``.
+        lengths: valid words per row of a padded all-gather, else None.
+        sums: dense: ``[capacity]`` float32 sums, laid out as ``slots``.
+        slots: the flat layout it was launched in (parameter name -> (offset, numel)).
+        vector: ``[sum(numels)]`` float32 in parameter order (vote counts or sums), when restored
+            from a checkpoint.
+    """
+
+    step: int
+    kind: str
+    world: int
+    work: Any = None
+    words: torch.Tensor | None = None
+    lengths: list[int] | None = None
+    sums: torch.Tensor | None = None
+    slots: dict | None = None
+    vector: torch.Tensor | None = None
+
+
+def exchange_stale(
+    state: GTCState, pending: list, unused: list, counts: list[int], numel: int, record, dense: bool
+) -> None:
+    """Steps 2-3 for one optimizer step; completes every Future of ``pending``."""
+    clock = state._clock
+    outputs = [(offset, bucket.buffer()) for bucket, _, offset in pending]
+    previous, state._in_flight = state._in_flight, None
+    if previous is not None and previous.work is not None:
+        previous.work.wait()
+    exchanged = clock.now()
+    if previous is None:
+        for _, buffer in outputs:
+            buffer.zero_()
+    else:
+        _apply(state, previous, outputs)
+    state._applied = outputs if previous is not None else []
+    if dense:
+        state._in_flight, sent, received = _launch_dense(state, unused, counts[state.rank], numel)
+    else:
+        state._in_flight, sent, received = _launch_sparse(state, counts)
+    for bucket, future, _ in pending:
+        future.set_result(bucket.buffer())
+    applied = previous.step if previous is not None else None
+    record("dense" if dense else "sparse", sent, received, exchanged, clock.now(), applied=applied)
+
+
+def _launch_sparse(state: GTCState, counts: list[int]) -> tuple[InFlight, int, int]:
+    words, lengths, sent, received, work = _send_words(state, counts, async_op=True)
+    state._residual, state._spare = state._spare, state._residual
+    message = state._spare_message
+    if message is None or message.shape != state._message.shape or message.device != state._message.device:
+        message = torch.empty_like(state._message)
+    state._message, state._spare_message = message, state._message
+    flight = InFlight(
+        step=state.step, kind="sparse", world=state.world_size, work=work, words=words, lengths=lengths,
+        slots=state._slots,
+    )  # fmt: skip
+    return flight, sent, received
+
+
+def _launch_dense(state: GTCState, unused: list, own: int, numel: int) -> tuple[InFlight, int, int]:
+    sums = state._spare
+    work = reduce_dense(state, unused, own, numel, async_op=True)
+    spare = state._spare_sum
+    if spare is None or spare.shape != sums.shape or spare.device != sums.device:
+        spare = torch.empty_like(sums)
+    state._spare, state._spare_sum = spare, None
+    flight = InFlight(
+        step=state.step, kind="dense", world=state.world_size, work=work, sums=sums, slots=state._slots
+    )
+    sent = allreduce_bytes(numel, state.world_size)
+    return flight, sent, sent
+
+
+def _apply(state: GTCState, flight: InFlight, outputs: list) -> None:
+    """Decode ``flight`` into the bucket buffers of the step in progress."""
+    if flight.slots is state._slots:  # the layout it was launched in: decode as the synchronous mode
+        if flight.kind == "sparse":
+            state._ops.decode_(
+                flight.words, flight.lengths, state._counts, outputs, word_scale(state, flight.world)
+            )
+        else:
+            decode_dense(flight.sums, flight.world, state.grad_scale, outputs)
+            state._spare_sum = flight.sums
+        return
+    flat = torch.zeros(sum(state.numels), dtype=torch.float32, device=state._counts.device)
+    for name, n, part in zip(
+        state.param_names, state.numels, pending_vector(state, flight).split(state.numels)
+    ):
+        if name in state._slots:
+            offset, _ = state._slots[name]
+            flat[offset : offset + n].copy_(part)
+    if flight.kind == "sparse":
+        scale = word_scale(state, flight.world)
+        for offset, buffer in outputs:
+            torch.mul(flat[offset : offset + buffer.numel()], scale, out=buffer)
+    else:
+        decode_dense(flat, flight.world, state.grad_scale, outputs)
+
+
+def pending_vector(state: GTCState, flight: InFlight) -> torch.Tensor:
+    """``flight``'s update as ``[sum(numels)]`` float32 in parameter order: vote counts (sparse) or
+    sums (dense), zero for parameters outside its layout. Waits for it first."""
+    if flight.vector is not None:
+        return flight.vector
+    if flight.work is not None:
+        flight.work.wait()
+        flight.work = None
+    if flight.kind == "sparse":
+        words = flight.words
+        if flight.lengths is not None:
+            rows = words.view(len(flight.lengths), -1)
+            words = torch.cat([rows[r, :n] for r, n in enumerate(flight.lengths)])
+        flat = torch.zeros(sum(state.numels), dtype=torch.float32, device=words.device)
+        flat.index_add_(0, (words & INDEX_MASK).long(), torch.where(words < 0, -1.0, 1.0).to(torch.float32))
+    else:
+        flat = flight.sums
+    parts = []
+    for name, n in zip(state.param_names, state.numels):
+        offset, _ = flight.slots.get(name, (None, n))
+        parts.append(flat[offset : offset + n] if offset is not None else flat.new_zeros(n))
+    return torch.cat(parts) if parts else flat.new_zeros(0)
+
+
+def drain(state: GTCState) -> InFlight | None:
+    """Wait for the exchange in flight, if any (checkpoints, end of fit); it stays pending."""
+    flight = state._in_flight
+    if flight is not None and flight.work is not None:
+        flight.work.wait()
+        flight.work = None
+    return flight
+
+
+def pending_entry(state: GTCState) -> dict | None:
+    """The exchange in flight, drained, for a checkpoint: ``{"step", "kind", "world", "vector"}``."""
+    flight = drain(state)
+    if flight is None:
+        return None
+    vector = pending_vector(state, flight).to("cpu", copy=True)
+    return {"step": flight.step, "kind": flight.kind, "world": flight.world, "vector": vector}
+
+
+def load_pending(state: GTCState, entry: dict, device: torch.device) -> None:
+    """Restore a checkpoint's pending update: applied at the next step (``stale``), or added to every
+    rank's residual otherwise (the mean residual is the update still to come, so nothing is lost)."""
+    vector = entry["vector"].to(device=device, dtype=torch.float32)
+    if state.stale:
+        state._in_flight = InFlight(
+            step=entry["step"], kind=entry["kind"], world=entry["world"], vector=vector
+        )
+        return
+    update = vector * state.tau32 / entry["world"] if entry["kind"] == "sparse" else vector / entry["world"]
+    state.load_residual_vector(state.residual_vector(device) + update)
+
+
+def finish_stale(state: GTCState, parameters: list, stats: StepStats, loss_scaler: bool) -> None:
+    """The optimizer's view of a stale step that was not skipped (called by ``finish_step``).
+
+    Nothing applied (the first compressed step): no gradients, so that the optimizer does not move
+    (zeros stay under a loss scaler). Parameters that no rank used in this backward keep
+    ``grad = None`` under DDP, although the update being applied, an earlier step's, may move them:
+    they get their part of it from the bucket buffers (checked only for them).
+    """
+    if stats.mode not in ("sparse", "dense"):
+        return
+    if stats.applied is None:
+        if not loss_scaler:
+            for p in parameters:
+                p.grad = None
+        return
+    if state._used is None or not state._applied:
+        return
+    for p in parameters:
+        name = state._name_of.get(id(p))
+        if p.grad is not None or name not in state._slots:
+            continue
+        offset, n = state._slots[name]
+        for start, buffer in state._applied:
+            if start <= offset < start + buffer.numel():
+                values = buffer[offset - start : offset - start + n]
+                if bool(values.any()):
+                    p.grad = values.view_as(p).clone()
+                break
