@@ -26,15 +26,23 @@ import logging
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from gtc_lightning.averaging import AveragingState, ModelAveragingStrategy, SyncStats
 from gtc_lightning.baselines import BF16AllReduceStrategy, bf16_allreduce_hook
+from gtc_lightning.bmuf import BMUFGTCStrategy, BMUFState, BMUFStrategy
 from gtc_lightning.hook import GTCState, StepStats, gtc_hook, parameter_checksums
 from gtc_lightning.strategy import GTCStrategy
 
 __all__ = [
+    "AveragingState",
     "BF16AllReduceStrategy",
+    "BMUFGTCStrategy",
+    "BMUFState",
+    "BMUFStrategy",
     "GTCState",
     "GTCStrategy",
+    "ModelAveragingStrategy",
     "StepStats",
+    "SyncStats",
     "bf16_allreduce_hook",
     "gtc_hook",
     "parameter_checksums",
@@ -53,3 +61,6 @@ if "gtc" not in StrategyRegistry:
     GTCStrategy.register_strategies(StrategyRegistry)
 if "ddp_bf16" not in StrategyRegistry:
     BF16AllReduceStrategy.register_strategies(StrategyRegistry)
+for _cls in (ModelAveragingStrategy, BMUFStrategy, BMUFGTCStrategy):
+    if _cls.name not in StrategyRegistry:
+        _cls.register_strategies(StrategyRegistry)

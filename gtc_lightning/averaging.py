@@ -1,0 +1,683 @@
+"""Periodic model averaging (``"ma"``): local optimizer steps, and every K of them the ranks'
+parameters averaged (Su, Chen & Xu, "Experiments on Parallel Training of Deep Neural Network using
+Model Averaging", 2015; ``seeds/001_…``).
+
+One state class, one DDP hook and the strategy that wires them, as for GTC. Per optimizer step and
+per rank:
+
+1. Dense warmup: for the first ``warmup_steps`` steps :func:`local_hook` averages the gradients as
+   DDP's default hook does, so that the replicas stay identical while the model moves fastest.
+2. Local steps: afterwards the hook sends nothing; each rank's optimizer steps on its own gradient
+   and the replicas drift apart.
+3. Exchange, after every ``period``-th local step: one all-reduce of a flat copy of the trainable
+   parameters (``2 (W-1)/W`` of it sent per rank in a ring) and the mean written back, identical
+   on every rank. The optimizer state is then kept, reset or averaged (``optimizer_state``).
+
+:mod:`gtc_lightning.bmuf` builds BMUF and the BMUF-GTC hybrid from the same pieces: the state's
+:meth:`AveragingState.update` turns the ranks' mean into the model the next period starts from, and
+:class:`RankShards` keeps every rank's own parameters and optimizer state beside a checkpoint, since
+between syncs they differ from rank 0's (the only ones Lightning saves).
+
+Bytes are counted as the collectives put them on the wire per rank, as for GTC's
+:class:`~gtc_lightning.hook.StepStats`; DDP's own buffer broadcast (``broadcast_buffers``) and
+unused-parameter bitmap are not counted, as for GTC.
+"""
+
+import functools
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import _augment_message
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from gtc_lightning.baselines import no_comm_hook
+from gtc_lightning.hook import all_gather_equal, allreduce_bytes
+from gtc_lightning.strategy import _HOOK_ARGS, _check_int
+
+log = logging.getLogger(__name__)
+
+OPTIMIZER_STATES = ("keep", "reset", "average")
+_LAUNCHERS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
+_TOTAL_KEYS = (
+    "steps",
+    "syncs",
+    "warmup_steps",
+    "bytes_sent",
+    "bytes_received",
+    "allreduce_fp32_bytes",
+    "exchange_s",
+)
+
+
+# ---- flat copies and the collectives on them -------------------------------------------------------
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``[sum of numels]``: the tensors back to back in their common dtype (one collective for all)."""
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+
+
+def unflatten_(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy ``flat`` back into ``tensors`` (each in its own dtype)."""
+    with torch.no_grad():
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(part.view_as(t))
+
+
+def all_mean(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> tuple[torch.Tensor, int]:
+    """The mean over ``group`` of ``tensors``, flat (divided before the sum, as torch's model
+    averager does, so that low-precision sums do not overflow), and the bytes this rank sent (as
+    many as it received) in a ring all-reduce."""
+    flat = flatten(tensors)
+    size = dist.get_world_size(group)
+    flat.div_(size)
+    dist.all_reduce(flat, group=group)
+    return flat, allreduce_bytes(flat.numel(), size, flat.element_size())
+
+
+def broadcast_(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """Overwrite ``tensors`` with global rank ``src``'s, within ``group``; returns (sent, received)
+    bytes: the source sends the flat copy to each of the others (gloo's one-to-all; NCCL's ring
+    pipelines it, each rank forwarding it once: the same total)."""
+    flat = flatten(tensors)
+    dist.broadcast(flat, src=src, group=group)
+    unflatten_(flat, tensors)
+    size = flat.numel() * flat.element_size()
+    if dist.get_rank() == src:
+        return (dist.get_world_size(group) - 1) * size, 0
+    return 0, size
+
+
+def optimizer_moments(optimizers: Iterable[Optimizer]) -> list[torch.Tensor]:
+    """The optimizers' per-element state (momentum buffers, Adam's moments: floating tensors shaped
+    like their parameter), in parameter order; scalars such as step counts are left out."""
+    out = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                out += [
+                    state[key]
+                    for key in sorted(state)
+                    if torch.is_tensor(state[key])
+                    and state[key].is_floating_point()
+                    and state[key].shape == p.shape
+                ]
+    return out
+
+
+# ---- statistics -------------------------------------------------------------------------------------
+
+
+@dataclass
+class SyncStats:
+    """What one optimizer step communicated on this rank, counted as the collectives send it.
+
+    Attributes:
+        step: 1-based optimizer step.
+        mode: ``"warmup"`` (DDP's dense gradient all-reduce), ``"local"`` (nothing sent) or
+            ``"sync"`` (parameters averaged, or BMUF's block update).
+        numel: trainable parameter elements of the model.
+        world_size: ranks training the model (what a dense all-reduce would span).
+        bytes_sent: bytes this rank sent (the all-reduces of the sync, a broadcast, a header).
+        bytes_received: bytes this rank received.
+        exchange_s: host seconds in the sync (on CUDA the collectives may still run after it).
+    """
+
+    step: int
+    mode: str
+    numel: int
+    world_size: int
+    bytes_sent: int
+    bytes_received: int
+    exchange_s: float
+
+    @property
+    def allreduce_fp32_bytes(self) -> int:
+        """What DDP's fp32 ring all-reduce of the gradient sends per rank on every step."""
+        return allreduce_bytes(self.numel, self.world_size, 4)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "allreduce_fp32_bytes": self.allreduce_fp32_bytes}
+
+
+# ---- the state and the hook -------------------------------------------------------------------------
+
+
+class AveragingState:
+    """State of periodic model averaging: hyper-parameters, the step counter and statistics.
+
+    Args:
+        period: K, local optimizer steps between two syncs.
+        warmup_steps: optimizer steps of dense gradient all-reduce before the local steps start.
+        optimizer_state: at a sync, ``"keep"`` each rank's optimizer state, ``"reset"`` it (momentum
+            and Adam's moments restart from zero) or ``"average"`` its per-element tensors too.
+        process_group: the group the parameters are averaged over (``None``: all ranks).
+        member: whether this rank takes part in the averaging (BMUF-GTC: the representatives).
+        spread: ``(source global rank, group)``: after the averaging the source broadcasts the model
+            within that group (BMUF-GTC: the representative to its group); ``None``: no broadcast.
+        world_size: ranks training the model, for the dense baseline; ``None``: the default group's.
+    """
+
+    def __init__(
+        self,
+        period: int,
+        warmup_steps: int = 0,
+        optimizer_state: str = "keep",
+        process_group: dist.ProcessGroup | None = None,
+        member: bool = True,
+        spread: tuple[int, dist.ProcessGroup] | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        _check_int("period", period, 1, "local optimizer steps between two syncs")
+        _check_int("warmup_steps", warmup_steps, 0, "dense gradient all-reduce steps; 0 starts local at once")
+        if optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"Expect optimizer_state in {OPTIMIZER_STATES}, got {optimizer_state!r}")
+        # The hyper-parameters.
+        self.period = period
+        self.warmup_steps = warmup_steps
+        self.optimizer_state = optimizer_state
+        self.process_group = process_group
+        self.member = member
+        self.spread = spread
+        self.world_size = world_size if world_size is not None else dist.get_world_size()
+        # The internal state.
+        self.step = 0
+        # The statistics.
+        self.last: SyncStats | None = None
+        self.totals: dict[str, float] = {key: 0 for key in _TOTAL_KEYS}
+
+    def begin(self, parameters: list[torch.Tensor]) -> None:
+        """The replicas are identical and the first period starts from ``parameters`` (at setup, or
+        after the dense warmup). Model averaging keeps nothing of it; BMUF keeps it as W_global."""
+
+    def update(self, mean: torch.Tensor) -> torch.Tensor:
+        """The flat model the next period starts from, given the flat mean of the ranks' models:
+        for model averaging, the mean itself."""
+        return mean
+
+    def after_step(self, parameters: Iterable[torch.Tensor], optimizers: list[Optimizer]) -> SyncStats:
+        """Count one optimizer step (call it after the step on every rank); sync when it ends a period."""
+        self.step += 1
+        params = [p for p in parameters if p.requires_grad]
+        numel = sum(p.numel() for p in params)
+        record = functools.partial(SyncStats, step=self.step, numel=numel, world_size=self.world_size)
+        if self.step <= self.warmup_steps:
+            dense = allreduce_bytes(numel, self.world_size)
+            stats = record(mode="warmup", bytes_sent=dense, bytes_received=dense, exchange_s=0.0)
+            if self.step == self.warmup_steps:
+                self.begin(params)
+        elif (self.step - self.warmup_steps) % self.period:
+            stats = record(mode="local", bytes_sent=0, bytes_received=0, exchange_s=0.0)
+        else:
+            start = time.perf_counter()
+            sent, received = self.exchange(params, optimizers)
+            stats = record(
+                mode="sync", bytes_sent=sent, bytes_received=received, exchange_s=time.perf_counter() - start
+            )
+        self._record(stats)
+        return stats
+
+    def exchange(self, params: list[torch.Tensor], optimizers: list[Optimizer]) -> tuple[int, int]:
+        """Step 3: average (and update) the model, then the optimizer state; returns (sent, received)."""
+        sent = received = 0
+        moments = optimizer_moments(optimizers) if self.optimizer_state == "average" else []
+        if self.member:
+            mean, n = all_mean(params, self.process_group)
+            unflatten_(self.update(mean), params)
+            sent, received = n, n
+            if self.optimizer_state == "average":
+                n = self._check_moments(moments, params[0].device)
+                sent, received = sent + n, received + n
+                if moments:
+                    mean, n = all_mean(moments, self.process_group)
+                    unflatten_(mean, moments)
+                    sent, received = sent + n, received + n
+        if self.spread is not None:
+            n_sent, n_received = broadcast_(params + moments, *self.spread)
+            sent, received = sent + n_sent, received + n_received
+        if self.optimizer_state == "reset":
+            for optimizer in optimizers:
+                optimizer.state.clear()
+        return sent, received
+
+    def _check_moments(self, moments: list[torch.Tensor], device: torch.device) -> int:
+        """A header of every rank's moment count, so that ranks whose optimizers hold different
+        state (one has not stepped yet) raise instead of hanging in the all-reduce."""
+        size = dist.get_world_size(self.process_group)
+        mine = torch.tensor([sum(m.numel() for m in moments)], dtype=torch.int64, device=device)
+        everyone = torch.empty(size, dtype=torch.int64, device=mine.device)
+        all_gather_equal(everyone, mine, group=self.process_group)
+        counts = everyone.tolist()
+        if len(set(counts)) > 1:
+            raise RuntimeError(
+                f"optimizer_state='average' at step {self.step}: the ranks' optimizers hold {counts} state elements; "
+                "they must hold the same state (has one rank's optimizer not stepped yet, e.g. a skipped fp16 step?). "
+                "Use optimizer_state='keep' or 'reset'"
+            )
+        return (size - 1) * 8
+
+    def _record(self, stats: SyncStats) -> None:
+        self.last = stats
+        self.totals["steps"] += 1
+        self.totals["syncs"] += stats.mode == "sync"
+        self.totals["warmup_steps"] += stats.mode == "warmup"
+        for key in ("bytes_sent", "bytes_received", "exchange_s", "allreduce_fp32_bytes"):
+            self.totals[key] += getattr(stats, key)
+
+    def stats(self) -> dict:
+        """``{"step", "last": {...} or None, "total": {...}}``; ``total["ratio_fp32"]``: what DDP's fp32
+        all-reduce would have sent over the same steps, per byte sent."""
+        total = dict(self.totals)
+        total["ratio_fp32"] = (
+            total["allreduce_fp32_bytes"] / total["bytes_sent"] if total["bytes_sent"] else math.inf
+        )
+        return {"step": self.step, "last": self.last.as_dict() if self.last else None, "total": total}
+
+    def state_dict(self) -> dict:
+        """The step counter and statistics, for this rank's checkpoint shard."""
+        return {"step": self.step, "totals": dict(self.totals)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.step = int(saved["step"])
+        self.totals.update(saved["totals"])
+
+
+def local_hook(state: AveragingState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook of the local steps: DDP's dense all-reduce during the warmup (step 1),
+    then nothing at all (step 2: each rank keeps its own gradient)."""
+    if state.step < state.warmup_steps:
+        return allreduce_hook(state.process_group, bucket)
+    return no_comm_hook(None, bucket)
+
+
+# ---- every rank's own state beside a checkpoint -----------------------------------------------------
+
+
+class RankShards:
+    """Every rank's own training state in ``<checkpoint>.<name>/rank<r>.pt``: its parameters and
+    buffers, its optimizers' and AMP scaler's state and its averaging state. Between syncs these
+    differ from rank 0's, the only ones in Lightning's checkpoint, so a resume needs them to be
+    bit-exact. The checkpoint gets an entry ``name`` with the world size and counters.
+
+    Args:
+        name: the strategy's name: the checkpoint entry and the shard folder's suffix.
+        restore: restore every rank's shard on resume; ``False`` starts every rank from the
+            checkpoint (rank 0's model and optimizer state) and a new period from there.
+    """
+
+    def __init__(self, name: str, restore: bool = True) -> None:
+        self.name = name
+        self.restore = bool(restore)
+        self._pending: tuple[dict, _PATH] | None = None  # a fit's checkpoint entry, waiting for setup
+
+    def path(self, checkpoint_path: _PATH, rank: int) -> str:
+        return os.path.join(f"{checkpoint_path}.{self.name}", f"rank{rank}.pt")
+
+    def save(self, strategy: Strategy, state: AveragingState, checkpoint: dict, filepath: _PATH) -> None:
+        """On every rank (Lightning saves the checkpoint itself on rank 0 only)."""
+        checkpoint[self.name] = {"format": 1, "world_size": strategy.world_size, **state.state_dict()}
+        shard = {
+            "rank": strategy.global_rank,
+            "world_size": strategy.world_size,
+            "state_dict": strategy.lightning_module.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in strategy.optimizers],
+            "precision": strategy.precision_plugin.state_dict(),
+            "averaging": state.state_dict(),
+        }
+        strategy.checkpoint_io.save_checkpoint(shard, self.path(filepath, strategy.global_rank))
+
+    def remove(self, strategy: Strategy, filepath: _PATH) -> None:
+        folder = f"{filepath}.{self.name}"
+        fs = get_filesystem(folder)
+        if strategy.is_global_zero and fs.exists(folder):
+            fs.rm(folder, recursive=True)
+
+    def remember(self, strategy: Strategy, checkpoint: dict, path: _PATH) -> None:
+        """From ``load_checkpoint``: only a fit resumes the ranks' state (a validate/test with a
+        checkpoint must not leave it for a later fit)."""
+        module = strategy.lightning_module
+        fitting = (
+            module is not None
+            and module._trainer is not None
+            and module.trainer.state.fn == TrainerFn.FITTING
+        )
+        entry = checkpoint.get(self.name)
+        self._pending = (entry, path) if fitting and entry is not None else None
+
+    def restore_into(self, strategy: Strategy, state: AveragingState) -> None:
+        """After Lightning restored rank 0's optimizer state: this rank's own state replaces it."""
+        if self._pending is None:
+            return
+        entry, path = self._pending
+        self._pending = None
+        rank, old_world = strategy.global_rank, entry["world_size"]
+        params = [p for p in strategy.lightning_module.parameters() if p.requires_grad]
+        if not self.restore:
+            state.load_state_dict(entry)
+            if state.step >= state.warmup_steps:
+                state.begin(params)
+            log.info(
+                "%s: restore_shards=False: every rank starts from the checkpoint at step %d",
+                self.name,
+                state.step,
+            )
+            return
+        if old_world != strategy.world_size:
+            raise RuntimeError(
+                f"{self.name}: the checkpoint {path} was saved by {old_world} ranks but this run has "
+                f"{strategy.world_size}; every rank's own model and optimizer state cannot be mapped onto another number "
+                f"of ranks. Resume with {old_world} ranks, or with restore_shards=False to start every rank from the "
+                "checkpoint's (rank 0's) model and optimizer state"
+            )
+        where = self.path(path, rank)
+        if not get_filesystem(where).exists(where):
+            raise RuntimeError(
+                f"{self.name}: the checkpoint {path} was saved by {old_world} ranks, but the shard of rank {rank} is "
+                f"missing: {where}. Each rank writes its shard beside the checkpoint; copy it there from the machine "
+                f"that ran rank {rank}, or resume with restore_shards=False to start every rank from the checkpoint's "
+                "(rank 0's) model and optimizer state"
+            )
+        shard = strategy.checkpoint_io.load_checkpoint(where)
+        strategy.lightning_module.load_state_dict(shard["state_dict"])
+        for optimizer, saved in zip(strategy.optimizers, shard["optimizers"]):
+            optimizer.load_state_dict(saved)
+        if shard["precision"]:
+            strategy.precision_plugin.load_state_dict(shard["precision"])
+        state.load_state_dict(shard["averaging"])
+        log.info(
+            "%s: restored rank %d's model, optimizer and averaging state at step %d",
+            self.name,
+            rank,
+            state.step,
+        )
+
+
+# ---- pieces every strategy of the family wires the same way ------------------------------------------
+
+
+def drop_hook_args(kwargs: dict, who: str) -> None:
+    """Refuse DDP's own communication-hook arguments (LightningCLI passes them all, as ``None``)."""
+    clashing = sorted(key for key in _HOOK_ARGS if kwargs.get(key) is not None)
+    if clashing:
+        raise ValueError(
+            f"{who} registers its own DDP communication hook; remove {clashing} (or use DDPStrategy)"
+        )
+    for key in _HOOK_ARGS:
+        kwargs.pop(key, None)
+
+
+def add_callback(trainer: Trainer, callback: Callback) -> None:
+    """Once, before the checkpoint callbacks (so that they can monitor the logged statistics)."""
+    if any(type(cb) is type(callback) and getattr(cb, "prefix", None) == getattr(callback, "prefix", None)
+           for cb in trainer.callbacks):  # fmt: skip
+        return
+    where = next(
+        (i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks)
+    )
+    trainer.callbacks.insert(where, callback)
+
+
+def hint_unused_parameters(exception: BaseException, name: str) -> None:
+    _augment_message(
+        exception,
+        pattern=".*Expected to have finished reduction in the prior iteration.*",
+        new_message=(
+            "It looks like your LightningModule has parameters that were not used in producing the loss returned"
+            " by training_step. If this is intentional, enable the detection of unused parameters, either with"
+            f" `strategy='{name}_find_unused_parameters_true'` or with `find_unused_parameters=True`."
+        ),
+    )
+
+
+def register_names(registry: _StrategyRegistry, cls: type, name: str, description: str) -> None:
+    """``name``, ``name_spawn``, ``name_fork``, ``name_notebook``, each also with
+    ``_find_unused_parameters_true`` / ``_false``, as Lightning names its DDP variants."""
+    for suffix, start_method in _LAUNCHERS:
+        registry.register(
+            f"{name}{suffix}",
+            cls,
+            description=f"{description}, start_method '{start_method}'",
+            start_method=start_method,
+        )
+        for unused in (True, False):
+            registry.register(
+                f"{name}{suffix}_find_unused_parameters_{str(unused).lower()}",
+                cls,
+                description=f"{description}, find_unused_parameters={unused}, start_method '{start_method}'",
+                start_method=start_method,
+                find_unused_parameters=unused,
+            )
+
+
+def scale_learning_rates(strategy: Strategy, factor: float) -> None:
+    """Multiply every parameter group's learning rate and the schedulers' base rates by ``factor``."""
+    for optimizer in strategy.optimizers:
+        for group in optimizer.param_groups:
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    group[key] = group[key] * factor
+    for config in strategy.lr_scheduler_configs:
+        scheduler = config.scheduler
+        for key in ("base_lrs", "_last_lr"):
+            if isinstance(getattr(scheduler, key, None), list):
+                setattr(scheduler, key, [lr * factor for lr in getattr(scheduler, key)])
+
+
+class SyncStatsLogger(Callback):
+    """Logs the newest step's statistics under ``prefix/`` through ``LightningModule.log`` on the
+    steps the Trainer logs (``log_every_n_steps``; ``log`` costs ~1 ms a value), and the ratio to
+    DDP's bytes and the sync count in the progress bar; the strategy's ``sync_stats`` has every step's."""
+
+    def __init__(self, state_of: Callable[[], AveragingState | None], prefix: str) -> None:
+        self._state_of = state_of
+        self.prefix = prefix
+        self._logged_step = -1
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        state = self._state_of()
+        if state is None or state.last is None or state.last.step == self._logged_step:
+            return  # no optimizer step since the last log: a gradient-accumulation micro-step
+        connector = getattr(trainer, "_logger_connector", None)
+        if connector is not None and not connector.should_update_logs:
+            return
+        last, total, p = state.last, state.stats()["total"], self.prefix
+        self._logged_step = last.step
+        ratio = total["ratio_fp32"] if math.isfinite(total["ratio_fp32"]) else 0.0
+        values = {
+            f"{p}/bytes_sent": float(last.bytes_sent),
+            f"{p}/bytes_received": float(last.bytes_received),
+            f"{p}/sync": float(last.mode == "sync"),
+            f"{p}/exchange_s": last.exchange_s,
+            f"{p}/syncs": float(total["syncs"]),
+            f"{p}/bytes_sent_total": float(total["bytes_sent"]),
+            f"{p}/ratio_fp32": ratio,
+        }
+        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+        bar = {f"{p}_vs_fp32": ratio, f"{p}_syncs": float(total["syncs"])}
+        pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
+
+
+# ---- the strategy -----------------------------------------------------------------------------------
+
+
+class ModelAveragingStrategy(DDPStrategy):
+    """DDP whose ranks take local optimizer steps and average their parameters every ``period`` steps.
+
+    Args:
+        period: K, local optimizer steps between two averagings. Su et al. compare 10 and 20
+            minibatches of 1024 frames on 16 GPUs: 10 gave the better WER (15.1 vs 15.8 on SWB).
+        warmup_steps: optimizer steps of dense gradient averaging (DDP's all-reduce) before the local
+            steps start (Su et al. start local at once, and note a warmup might help).
+        scale_lr: multiply every learning rate (and the schedulers' base rates) by the number of
+            ranks W when fit starts. Su et al. (section 5.6) raise the initial learning rate in
+            proportion to the number of workers: each of the W models takes 1/W of the updates a
+            single model would, and averaging aggregates what they learnt rather than summing it,
+            so "the absolute change of model shall be compensated by m times". Off by default: it
+            is a learning-rate choice (it also scales the dense warmup steps, like the linear
+            scaling rule of large-batch training).
+        optimizer_state: at a sync, ``"keep"`` each rank's optimizer state (momentum, Adam's moments:
+            they go on describing the rank's own trajectory; torch's PostLocalSGD does this), ``"reset"``
+            it (they restart from zero, as for a new optimizer: Adam's bias correction starts again) or
+            ``"average"`` its per-element tensors over the ranks as well (one more all-reduce of their
+            size, counted), so that every rank continues from the same state.
+        restore_shards: on resume, restore every rank's own model and optimizer state from
+            ``<checkpoint>.ma/rank<r>.pt``; ``False`` starts every rank from the checkpoint's (rank
+            0's) and a new period from there (also the way to resume on another number of ranks).
+        **kwargs: as for ``DDPStrategy`` (``accelerator``, ``cluster_environment``, ``precision_plugin``,
+            ``process_group_backend``, ``timeout``, ``start_method``, ...) and for
+            ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``,
+            ``process_group``: the averaging runs in that group). DDP's own communication-hook
+            arguments may only be ``None``.
+
+    Gradient clipping acts on each rank's local gradient (on warmup steps on the averaged one, as
+    under DDP). The replicas are identical after every sync and differ between syncs; the model
+    Lightning validates and checkpoints between syncs is each rank's own (rank 0's in the checkpoint
+    itself, every rank's in its shard).
+    """
+
+    name = "ma"  # registered name, statistics prefix and shard suffix
+
+    def __init__(
+        self,
+        period: int = 10,
+        warmup_steps: int = 0,
+        scale_lr: bool = False,
+        optimizer_state: Literal["keep", "reset", "average"] = "keep",
+        restore_shards: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        _check_int("period", period, 1, "local optimizer steps between two syncs")
+        _check_int("warmup_steps", warmup_steps, 0, "dense gradient all-reduce steps; 0 starts local at once")
+        if optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"Expect optimizer_state in {OPTIMIZER_STATES}, got {optimizer_state!r}")
+        drop_hook_args(kwargs, type(self).__name__)
+        super().__init__(**kwargs)
+        self._period = period
+        self._warmup_steps = warmup_steps
+        self._scale_lr = bool(scale_lr)
+        self._optimizer_state = optimizer_state
+        self._state: AveragingState | None = None
+        self._shards = RankShards(self.name, restore_shards)
+
+    @property
+    def period(self) -> int:
+        return self._period
+
+    @property
+    def warmup_steps(self) -> int:
+        return self._warmup_steps
+
+    @property
+    def scale_lr(self) -> bool:
+        return self._scale_lr
+
+    @property
+    def averaging_state(self) -> AveragingState | None:
+        """The step counter and statistics; ``None`` before ``fit`` configured DDP."""
+        return self._state
+
+    @property
+    def sync_stats(self) -> dict:
+        """This rank's statistics: ``{"step", "last": {...} or None, "total": {...}}`` (:class:`SyncStats`)."""
+        return self._state.stats() if self._state is not None else {"step": 0, "last": None, "total": None}
+
+    def _new_state(self) -> AveragingState:
+        return AveragingState(
+            period=self._period, warmup_steps=self._warmup_steps, optimizer_state=self._optimizer_state,
+            process_group=self._ddp_kwargs.get("process_group"),
+        )  # fmt: skip
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self._scale_lr:  # a resumed fit then loads the scaled rates saved in the checkpoint
+                scale_learning_rates(self, self.world_size)
+                log.info("%s: learning rates x%d (scale_lr)", self.name, self.world_size)
+            add_callback(trainer, SyncStatsLogger(lambda: self._state, self.name))
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # DDPStrategy registers hooks on CUDA only; the local steps need theirs on every device.
+        assert isinstance(self.model, DistributedDataParallel)
+        self._state = state = self._new_state()
+        if state.warmup_steps == 0:
+            state.begin([p for p in self.model.module.parameters() if p.requires_grad])
+        if self.global_rank == 0:
+            log.info("%s config: %s", self.name, self._describe())
+        self.model.register_comm_hook(state, local_hook)
+
+    def _describe(self) -> str:
+        return (
+            f"period={self._period}, warmup_steps={self._warmup_steps}, "
+            f"optimizer_state={self._optimizer_state}, scale_lr={self._scale_lr}, world_size={self.world_size}"
+        )
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self._state is not None and self.lightning_module is not None
+        self._state.after_step(self.lightning_module.parameters(), self.optimizers)
+        return output
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if self._state is not None:
+            self._shards.save(self, self._state, checkpoint, filepath)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        self._shards.remove(self, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._shards.remember(self, checkpoint, checkpoint_path)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        assert self._state is not None
+        self._shards.restore_into(self, self._state)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        hint_unused_parameters(exception, self.name)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_names(strategy_registry, cls, cls.name, "DDP with local steps and periodic model averaging")

@@ -1,0 +1,447 @@
+"""Blockwise model-update filtering (``"bmuf"``) and its two-tier hybrid with GTC (``"bmuf_gtc"``).
+
+BMUF (K. Chen and Q. Huo, "Scalable training of deep learning machines by incremental block
+training with intra-block parallel optimization and blockwise model-update filtering", ICASSP
+2016): N learners take K local optimizer steps from the same start point W_g(t-1) (a block), then,
+on every learner from the same all-reduced mean,
+
+1. G(t) = mean of the learners' models - W_g(t-1)    (the block's model update)
+2. Δ(t) = η Δ(t-1) + ζ G(t)                          (filtered: block momentum η, block learning rate ζ)
+3. W(t) = W(t-1) + Δ(t)                              (the global model, ``global_params``)
+4. the next block starts from W_g(t) = W(t) (classical block momentum, ``nesterov=False``) or
+   W_g(t) = W(t) + η Δ(t) (Nesterov block momentum, ``nesterov=True``).
+
+G is measured from the point the block started from, as in the paper; without Nesterov that is
+W(t-1) itself. Chen & Huo recommend ζ = 1 and η = 1 - 1/N (the block momentum that keeps the
+filtered step about as large as a single learner's), with Nesterov block momentum performing at
+least as well as the classical one; CNTK's BMUF, by the same authors, defaults to it.
+
+DiLoCo (Douillard et al., 2023) is BMUF with Nesterov block momentum under other names: its outer
+gradient is θ - mean (θ = W_g, the model the workers start from: DiLoCo's global parameters), its
+outer optimizer SGD with Nesterov momentum, so the **outer learning rate is ζ** and the **outer
+momentum is η** (DiLoCo: 0.7 and 0.9 over H = 500 inner AdamW steps, i.e.
+``BMUFStrategy(period=500, block_lr=0.7, block_momentum=0.9, nesterov=True)`` with AdamW in
+``configure_optimizers``). With torch's ``SGD(nesterov=True)`` as the outer optimizer, its momentum
+buffer is -Δ/ζ and its parameters W_g, step for step (tests/test_bmuf.py checks it on numbers
+computed by hand).
+
+BMUF-GTC (Ladkat, Strom et al., Interspeech 2019; ``seeds/004_…``): the ranks form groups of
+``group_size`` consecutive ranks; GTC runs within each group every step (the GTC hook on the group's
+process group), BMUF across the groups every K steps through one representative per group (its first
+rank), which then broadcasts the new start point within its group. GTC's residuals carry over a block
+sync: their pending update is applied from the new start point.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from gtc_lightning.averaging import (
+    OPTIMIZER_STATES,
+    AveragingState,
+    ModelAveragingStrategy,
+    RankShards,
+    SyncStatsLogger,
+    add_callback,
+    broadcast_,
+    flatten,
+    hint_unused_parameters,
+    register_names,
+)
+from gtc_lightning.strategy import GTCStrategy, _check_int
+
+log = logging.getLogger(__name__)
+
+
+def check_block_args(block_momentum: float | None, block_lr: float) -> None:
+    """η in [0, 1) (or None for 1 - 1/N) and ζ > 0, with the reasons."""
+    if block_momentum is not None and (
+        isinstance(block_momentum, bool)
+        or not isinstance(block_momentum, (int, float))
+        or not 0 <= block_momentum < 1
+    ):
+        raise ValueError(
+            f"Expect block_momentum (η) in [0, 1) or None for Chen & Huo's 1 - 1/N, got {block_momentum!r}: Δ keeps "
+            "η^k of the update k blocks back, which never fades at η >= 1"
+        )
+    if (
+        isinstance(block_lr, bool)
+        or not isinstance(block_lr, (int, float))
+        or not math.isfinite(block_lr)
+        or block_lr <= 0
+    ):
+        raise ValueError(
+            f"Expect block_lr (ζ) to be a finite number > 0, got {block_lr!r}: it scales each block's model update "
+            "(Chen & Huo use 1)"
+        )
+
+
+def default_block_momentum(learners: int) -> float:
+    """Chen & Huo's η = 1 - 1/N for N learners (0 for one)."""
+    return 1.0 - 1.0 / learners
+
+
+def block_update_(
+    global_params: torch.Tensor,
+    delta: torch.Tensor,
+    mean: torch.Tensor,
+    block_momentum: float,
+    block_lr: float,
+    nesterov: bool,
+) -> torch.Tensor:
+    """One BMUF block update (steps 1-4 of the module docstring), in place on W and Δ.
+
+    Args:
+        global_params: ``[n]`` W(t-1), the global model; becomes W(t).
+        delta: ``[n]`` Δ(t-1), the filtered update; becomes Δ(t).
+        mean: ``[n]`` the mean of the learners' models after the block, in W's dtype; overwritten.
+        block_momentum: η.
+        block_lr: ζ.
+        nesterov: Nesterov block momentum (the block started from W + ηΔ, the next starts from there).
+
+    Returns:
+        ``[n]`` the model the next block starts from (W(t) itself without Nesterov).
+    """
+    start = torch.add(global_params, delta, alpha=block_momentum) if nesterov else global_params
+    update = mean.sub_(start)
+    delta.mul_(block_momentum).add_(update, alpha=block_lr)
+    global_params.add_(delta)
+    return torch.add(global_params, delta, alpha=block_momentum) if nesterov else global_params
+
+
+class BMUFState(AveragingState):
+    """State of BMUF: the averaging state plus the global model W and the filtered update Δ.
+
+    Args:
+        period: K, local optimizer steps in a block.
+        block_momentum: η in [0, 1).
+        block_lr: ζ > 0.
+        nesterov: Nesterov block momentum.
+        **kwargs: as for :class:`AveragingState` (warmup, optimizer state, groups).
+    """
+
+    def __init__(
+        self, period: int, block_momentum: float, block_lr: float = 1.0, nesterov: bool = True, **kwargs: Any
+    ) -> None:
+        check_block_args(block_momentum, block_lr)
+        super().__init__(period, **kwargs)
+        # The hyper-parameters.
+        self.block_momentum = float(block_momentum)
+        self.block_lr = float(block_lr)
+        self.nesterov = bool(nesterov)
+        # The internal state: flat, float32 (float64 when the model is), on the model's device;
+        # None on ranks that take no part in the block update (BMUF-GTC's non-representatives).
+        self.global_params: torch.Tensor | None = None  # [n] W(t)
+        self.delta: torch.Tensor | None = None  # [n] Δ(t)
+
+    @override
+    def begin(self, parameters: list[torch.Tensor]) -> None:
+        if not self.member:
+            return
+        flat = flatten(parameters)
+        self.global_params = flat.to(torch.promote_types(flat.dtype, torch.float32))
+        self.delta = torch.zeros_like(self.global_params)
+
+    @override
+    def update(self, mean: torch.Tensor) -> torch.Tensor:
+        assert self.global_params is not None and self.delta is not None, (
+            "begin() sets W before the first block"
+        )
+        return block_update_(
+            self.global_params, self.delta, mean.to(self.global_params.dtype),
+            self.block_momentum, self.block_lr, self.nesterov,
+        )  # fmt: skip
+
+    @override
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "global_params": self.global_params, "delta": self.delta}
+
+    @override
+    def load_state_dict(self, saved: dict) -> None:
+        super().load_state_dict(saved)
+        if "global_params" in saved:
+            self.global_params, self.delta = saved["global_params"], saved["delta"]
+
+
+class BMUFStrategy(ModelAveragingStrategy):
+    """DDP whose ranks take K local optimizer steps (any torch optimizer), then a BMUF block update.
+
+    Args:
+        period: K, local optimizer steps in a block. The BMUF-GTC paper's example is 50 minibatches.
+        block_momentum: η in [0, 1); ``None``: Chen & Huo's 1 - 1/N for N ranks (0.5 at 2, 0.75 at 4).
+        block_lr: ζ > 0; Chen & Huo use 1. (DiLoCo's outer learning rate.)
+        nesterov: Nesterov block momentum (the default, as in CNTK's BMUF and in DiLoCo).
+        warmup_steps, optimizer_state, scale_lr, restore_shards, **kwargs: as for
+            :class:`~gtc_lightning.averaging.ModelAveragingStrategy`; the first block starts after
+            the warmup. Every rank's checkpoint shard (``<checkpoint>.bmuf/rank<r>.pt``) holds its
+            model, optimizer state, W and Δ.
+    """
+
+    name = "bmuf"
+
+    def __init__(
+        self,
+        period: int = 50,
+        block_momentum: float | None = None,
+        block_lr: float = 1.0,
+        nesterov: bool = True,
+        warmup_steps: int = 0,
+        optimizer_state: Literal["keep", "reset", "average"] = "keep",
+        **kwargs: Any,
+    ) -> None:
+        check_block_args(block_momentum, block_lr)
+        super().__init__(period=period, warmup_steps=warmup_steps, optimizer_state=optimizer_state, **kwargs)
+        self._block_momentum = block_momentum
+        self._block_lr = float(block_lr)
+        self._nesterov = bool(nesterov)
+
+    @property
+    def block_momentum(self) -> float | None:
+        """η: as given, or 1 - 1/N once fit knows N; ``None`` before."""
+        if self._block_momentum is None and isinstance(self._state, BMUFState):
+            return self._state.block_momentum
+        return self._block_momentum
+
+    @property
+    def block_lr(self) -> float:
+        return self._block_lr
+
+    @property
+    def nesterov(self) -> bool:
+        return self._nesterov
+
+    @override
+    def _new_state(self) -> BMUFState:
+        group = self._ddp_kwargs.get("process_group")
+        eta = self._block_momentum
+        eta = default_block_momentum(dist.get_world_size(group)) if eta is None else eta
+        return BMUFState(
+            period=self._period, block_momentum=eta,
+            block_lr=self._block_lr, nesterov=self._nesterov, warmup_steps=self._warmup_steps,
+            optimizer_state=self._optimizer_state, process_group=group,
+        )  # fmt: skip
+
+    @override
+    def _describe(self) -> str:
+        block = f"block_momentum={self.block_momentum}, block_lr={self._block_lr}, nesterov={self._nesterov}"
+        return f"{super()._describe()}, {block}"
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_names(
+            strategy_registry, cls, cls.name, "DDP with local steps and blockwise model-update filtering"
+        )
+
+
+def group_ranks(world_size: int, group_size: int) -> list[list[int]]:
+    """The global ranks of each group, consecutive (on a cluster with ``group_size`` = processes per
+    node, one group per node: GTC on the fast links inside it, BMUF between nodes).
+
+    Raises:
+        ValueError: ``group_size`` does not divide ``world_size``, or makes fewer than 2 groups.
+    """
+    divisors = [d for d in range(1, world_size // 2 + 1) if world_size % d == 0]
+    if world_size % group_size:
+        raise ValueError(
+            f"bmuf_gtc: group_size={group_size} does not divide the {world_size} ranks into groups of equal size; "
+            f"use one of {divisors}"
+        )
+    if world_size // group_size < 2:
+        raise ValueError(
+            f"bmuf_gtc: group_size={group_size} of {world_size} ranks makes one group, and BMUF needs at least two to "
+            f"average across (with one group and η = 1 - 1/1 = 0 it is GTC with a spare copy of the model: use "
+            f"strategy='gtc'); use group_size in {divisors}" + ("" if divisors else ", i.e. at least 2 ranks")
+        )
+    return [list(range(start, start + group_size)) for start in range(0, world_size, group_size)]
+
+
+class BMUFGTCStrategy(GTCStrategy):
+    """Two tiers: GTC within groups of ``group_size`` ranks every step, BMUF across the groups every
+    ``period`` steps through one representative per group, then a broadcast within each group.
+
+    Args:
+        group_size: ranks per group (consecutive global ranks); it must divide the world size into
+            at least 2 groups. 1 is allowed: every rank its own group, BMUF over GTC-quantised local
+            steps (the residual still holds what was not yet applied).
+        period: K, optimizer steps between two block syncs.
+        block_momentum: η in [0, 1); ``None``: 1 - 1/N for N groups (the BMUF learners).
+        block_lr: ζ > 0.
+        nesterov: Nesterov block momentum.
+        optimizer_state: at a block sync, the representatives' optimizer state is kept, reset or
+            averaged; the broadcast then gives the whole group the representative's.
+        restore_shards: restore every rank's model, optimizer state and block state from
+            ``<checkpoint>.bmuf_gtc/rank<r>.pt`` on resume (GTC's residuals: ``restore_residuals``).
+        **kwargs: as for :class:`~gtc_lightning.strategy.GTCStrategy` (``tau``, ``warmup_steps`` of
+            dense all-reduce within the groups, ``exchange``, ... and DDP's arguments); the
+            ``process_group`` is the strategy's own.
+    """
+
+    name = "bmuf_gtc"
+
+    def __init__(
+        self,
+        group_size: int = 2,
+        period: int = 50,
+        block_momentum: float | None = None,
+        block_lr: float = 1.0,
+        nesterov: bool = True,
+        optimizer_state: Literal["keep", "reset", "average"] = "keep",
+        restore_shards: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        _check_int("group_size", group_size, 1, "ranks per GTC group; it must divide the world size")
+        _check_int("period", period, 1, "optimizer steps between two block syncs")
+        check_block_args(block_momentum, block_lr)
+        if optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"Expect optimizer_state in {OPTIMIZER_STATES}, got {optimizer_state!r}")
+        if kwargs.get("process_group") is not None:
+            raise ValueError(
+                "BMUFGTCStrategy makes its own process groups (group_size); remove process_group"
+            )
+        kwargs.pop("process_group", None)
+        super().__init__(**kwargs)
+        self._group_size = group_size
+        self._period = period
+        self._block_momentum = block_momentum
+        self._block_lr = float(block_lr)
+        self._nesterov = bool(nesterov)
+        self._optimizer_state = optimizer_state
+        self._block: BMUFState | None = None
+        self._shards = RankShards(self.name, restore_shards)
+        self._groups: tuple[list[int], dist.ProcessGroup, dist.ProcessGroup] | None = (
+            None  # (my group's ranks, it, representatives)
+        )
+
+    @property
+    def group_size(self) -> int:
+        return self._group_size
+
+    @property
+    def period(self) -> int:
+        return self._period
+
+    @property
+    def block_momentum(self) -> float | None:
+        """η: as given, or 1 - 1/N once fit knows the N groups; ``None`` before."""
+        if self._block_momentum is None and self._block is not None:
+            return self._block.block_momentum
+        return self._block_momentum
+
+    @property
+    def block_lr(self) -> float:
+        return self._block_lr
+
+    @property
+    def nesterov(self) -> bool:
+        return self._nesterov
+
+    @property
+    def block_state(self) -> BMUFState | None:
+        """The block tier's state (W and Δ on representatives, counters); ``None`` before ``fit``."""
+        return self._block
+
+    @property
+    def sync_stats(self) -> dict:
+        """This rank's block-tier statistics (``gtc_stats`` has the GTC tier's)."""
+        return self._block.stats() if self._block is not None else {"step": 0, "last": None, "total": None}
+
+    @override
+    def setup_distributed(self) -> None:
+        # Checked before the process group starts, identically on every rank.
+        groups = group_ranks(self.num_nodes * self.num_processes, self._group_size)
+        super().setup_distributed()
+        # Every rank creates every group, in the same order, as torch requires.
+        handles = [dist.new_group(ranks) for ranks in groups]
+        representatives = dist.new_group([ranks[0] for ranks in groups])
+        mine = self.global_rank // self._group_size
+        self._groups = (groups[mine], handles[mine], representatives)
+        self._ddp_kwargs["process_group"] = handles[mine]
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            add_callback(trainer, SyncStatsLogger(lambda: self._block, "bmuf"))
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        super()._register_ddp_hooks()
+        assert self._groups is not None and self.model is not None
+        ranks, group, representatives = self._groups
+        module = self.model.module
+        # DDP made each group's replicas identical (from its first rank); all groups start from rank 0's.
+        broadcast_([t for t in module.state_dict().values() if t.is_floating_point()], src=0, group=None)
+        learners = self.world_size // self._group_size
+        eta = default_block_momentum(learners) if self._block_momentum is None else self._block_momentum
+        self._block = BMUFState(
+            period=self._period, block_momentum=eta, block_lr=self._block_lr, nesterov=self._nesterov,
+            optimizer_state=self._optimizer_state, process_group=representatives,
+            member=self.global_rank == ranks[0], spread=(ranks[0], group) if len(ranks) > 1 else None,
+            world_size=self.world_size,
+        )  # fmt: skip
+        self._block.begin([p for p in module.parameters() if p.requires_grad])
+        if self.global_rank == 0:
+            log.info(
+                "bmuf_gtc config: %d groups of %d ranks, period=%d, block_momentum=%g, block_lr=%g, nesterov=%s",
+                learners, self._group_size, self._period, eta, self._block_lr, self._nesterov,
+            )  # fmt: skip
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self._block is not None and self.lightning_module is not None
+        self._block.after_step(self.lightning_module.parameters(), self.optimizers)
+        return output
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if self._block is not None:
+            self._shards.save(self, self._block, checkpoint, filepath)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        self._shards.remove(self, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._shards.remember(self, checkpoint, checkpoint_path)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        assert self._block is not None
+        self._shards.restore_into(self, self._block)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        hint_unused_parameters(exception, self.name)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_names(strategy_registry, cls, cls.name, "GTC within groups of ranks, BMUF across the groups")

@@ -1,0 +1,279 @@
+"""ModelAveragingStrategy (``"ma"``) end to end: 2- and 4-process CPU/gloo runs started by fork.
+
+The ranks record their parameters, local gradients, momentum buffers and statistics per batch; the
+tests replay the run independently of the package (each rank's SGD step on its own gradient, the
+mean of the ranks' parameters every K steps) and compare bit for bit on 2 ranks.
+"""
+
+import csv
+import os
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from _averaging_helpers import LR, fit_recorded, local_step, mean
+from _strategy_helpers import TinyMLP
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from gtc_lightning import ModelAveragingStrategy
+from gtc_lightning.hook import allreduce_bytes
+
+K = 3  # syncs after steps 3 and 6 of 8 (2 epochs x 4 batches per rank)
+STEPS = 8
+NUMEL = sum(p.numel() for p in TinyMLP().parameters())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _keep_master_port():
+    # The fork launcher writes MASTER_PORT into the parent's environment; don't leak it.
+    before = os.environ.get("MASTER_PORT")
+    yield
+    if before is None:
+        os.environ.pop("MASTER_PORT", None)
+    else:
+        os.environ["MASTER_PORT"] = before
+
+
+@pytest.fixture(scope="module")
+def ma_run(tmp_path_factory):
+    """Plain SGD (no momentum), so that each local step is exactly ``p - lr * g``."""
+    out = tmp_path_factory.mktemp("ma")
+    logger = CSVLogger(save_dir=out, name="csv")
+    return fit_recorded(out, ModelAveragingStrategy, period=K, model_kwargs={"momentum": 0.0},
+                        trainer_kwargs={"logger": logger})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def momentum_run(tmp_path_factory):
+    """SGD with momentum 0.9 (optimizer state that differs between ranks), optimizer_state="keep"."""
+    return fit_recorded(tmp_path_factory.mktemp("momentum"), ModelAveragingStrategy, period=K)
+
+
+def replay(ranks: list[dict], period: int, warmup: int = 0) -> list[list[torch.Tensor]]:
+    """Every rank's parameters after every step, recomputed from the recorded local gradients:
+    warmup steps apply the ranks' mean gradient, local steps each rank's own, and every
+    ``period``-th step after the warmup replaces each rank's parameters by the ranks' mean."""
+    params = [rank["start"]["params"] for rank in ranks]
+    out = []
+    for t in range(1, len(ranks[0]["records"]) + 1):
+        grads = [rank["records"][t - 1]["local_grad"] for rank in ranks]
+        if t <= warmup:
+            params = [local_step(p, mean(grads)) for p in params]
+        else:
+            params = [local_step(p, g) for p, g in zip(params, grads)]
+            if (t - warmup) % period == 0:
+                params = [mean(params)] * len(ranks)
+        out.append(params)
+    return out
+
+
+def check_replay(ranks: list[dict], period: int, warmup: int = 0, exact: bool = True) -> None:
+    for t, expected in enumerate(replay(ranks, period, warmup), start=1):
+        for r, rank in enumerate(ranks):
+            got = rank["records"][t - 1]["params"]
+            if exact:
+                assert torch.equal(got, expected[r]), f"rank {r}: parameters differ after step {t}"
+            else:
+                assert torch.allclose(got, expected[r], atol=1e-6), f"rank {r}, step {t}"
+
+
+def check_identical_exactly_after_syncs(ranks: list[dict], sync_steps: set[int]) -> None:
+    for t in range(1, len(ranks[0]["records"]) + 1):
+        first = ranks[0]["records"][t - 1]["params"]
+        same = [torch.equal(first, rank["records"][t - 1]["params"]) for rank in ranks[1:]]
+        if t in sync_steps:
+            assert all(same), f"replicas differ right after the sync of step {t}"
+        else:
+            assert not any(same), (
+                f"replicas identical after the local step {t}: did a rank send its gradient?"
+            )
+
+
+def test_replicas_identical_right_after_a_sync_and_different_between(ma_run):
+    _, ranks, syncs = ma_run
+    assert len(ranks[0]["records"]) == STEPS
+    check_identical_exactly_after_syncs(ranks, {3, 6})
+    assert [rec["last"]["mode"] for rec in syncs[0]] == ["local", "local", "sync"] * 2 + ["local"] * 2
+
+
+def test_synced_parameters_are_the_mean_computed_independently(ma_run):
+    """Every step of both ranks, bit for bit: local SGD steps, and at steps 3 and 6 the mean."""
+    _, ranks, _ = ma_run
+    check_replay(ranks, K)
+    losses = torch.tensor([[rec["loss"] for rec in rank["records"]] for rank in ranks])
+    assert losses[:, STEPS // 2 :].mean() < 0.9 * losses[:, : STEPS // 2].mean()
+
+
+def test_four_ranks(tmp_path):
+    _, ranks, syncs = fit_recorded(tmp_path, ModelAveragingStrategy, devices=4, max_epochs=1, period=2,
+                                   model_kwargs={"momentum": 0.0, "samples": 128})  # fmt: skip
+    check_identical_exactly_after_syncs(ranks, {2, 4})
+    check_replay(ranks, 2, exact=False)  # a 4-rank all-reduce sums in its own order
+    assert syncs[3][1]["last"]["bytes_sent"] == allreduce_bytes(NUMEL, 4) == 2 * 3 * 4 * NUMEL // 4
+
+
+def test_dense_warmup_then_local_steps(tmp_path):
+    """Steps 1-2 average the gradients (identical replicas), the periods count from step 3."""
+    _, ranks, syncs = fit_recorded(tmp_path, ModelAveragingStrategy, period=K, warmup_steps=2,
+                                   model_kwargs={"momentum": 0.0})  # fmt: skip
+    check_replay(ranks, K, warmup=2)
+    check_identical_exactly_after_syncs(ranks, {1, 2, 5, 8})
+    assert [rec["last"]["mode"] for rec in syncs[0]] == ["warmup"] * 2 + ["local", "local", "sync"] * 2
+    assert syncs[0][0]["last"]["bytes_sent"] == allreduce_bytes(NUMEL, 2)
+
+
+def test_bytes_are_counted_and_logged_on_logging_steps(ma_run):
+    """A sync sends (and receives) a ring all-reduce of the parameters, a local step nothing."""
+    trainer, _, syncs = ma_run
+    dense = allreduce_bytes(NUMEL, 2)
+    for rank in syncs:
+        for t, rec in enumerate(rank, start=1):
+            sent = dense if t % K == 0 else 0
+            assert rec["last"]["bytes_sent"] == rec["last"]["bytes_received"] == sent, f"step {t}"
+            assert rec["last"]["allreduce_fp32_bytes"] == dense
+        total = rank[-1]["total"]
+        assert total["syncs"] == 2 and total["bytes_sent"] == 2 * dense
+        assert total["ratio_fp32"] == STEPS * dense / (2 * dense) == 4.0
+    (metrics,) = Path(trainer.default_root_dir).rglob("metrics.csv")
+    rows = [row for row in csv.DictReader(metrics.read_text().splitlines()) if row.get("ma/bytes_sent")]
+    assert [float(row["ma/bytes_sent"]) for row in rows] == [0, 0, dense, 0, 0, dense, 0, 0]
+    assert float(rows[-1]["ma/syncs"]) == 2 and float(rows[-1]["ma/ratio_fp32"]) == 4.0
+    assert {"ma_vs_fp32", "ma_syncs"} <= set(trainer.callback_metrics)  # the progress bar's, rank 0's
+
+
+def momentum_buffers(syncs, t):
+    return [rank[t - 1]["momentum"] for rank in syncs]
+
+
+def test_optimizer_state_keep(momentum_run):
+    """Each rank keeps its momentum across a sync: the buffers differ although the models agree."""
+    _, ranks, syncs = momentum_run
+    check_identical_exactly_after_syncs(ranks, {3, 6})
+    first, second = momentum_buffers(syncs, 3)
+    assert not torch.equal(first, second)
+
+
+def test_optimizer_state_reset(momentum_run, tmp_path):
+    _, ranks, syncs = fit_recorded(tmp_path, ModelAveragingStrategy, period=K, optimizer_state="reset")
+    for rank in syncs:
+        assert [rec["momentum"] is None for rec in rank] == [False, False, True] * 2 + [False] * 2
+    # The step after a reset starts a new momentum buffer from the gradient alone.
+    for r, rank in enumerate(ranks):
+        assert torch.equal(syncs[r][3]["momentum"], rank["records"][3]["local_grad"])
+    assert not torch.equal(ranks[0]["records"][-1]["params"], momentum_run[1][0]["records"][-1]["params"])
+
+
+def test_optimizer_state_average(tmp_path):
+    """At a sync the momentum buffers become the ranks' mean of what each rank's SGD made of them."""
+    _, ranks, syncs = fit_recorded(tmp_path, ModelAveragingStrategy, period=K, optimizer_state="average")
+    check_identical_exactly_after_syncs(ranks, {3, 6})
+    for t in (3, 6):
+        before = [0.9 * rank[t - 2]["momentum"] + ranks[r]["records"][t - 1]["local_grad"]
+                  for r, rank in enumerate(syncs)]  # fmt: skip
+        for buffer in momentum_buffers(syncs, t):
+            assert torch.allclose(buffer, mean(before), atol=1e-6)
+        assert torch.equal(*momentum_buffers(syncs, t))
+    assert syncs[0][2]["last"]["bytes_sent"] == 2 * allreduce_bytes(NUMEL, 2) + 8  # + the count header
+
+
+def test_scale_lr_multiplies_the_learning_rate_by_the_world_size(tmp_path):
+    _, ranks, syncs = fit_recorded(tmp_path, ModelAveragingStrategy, period=K, scale_lr=True, max_epochs=1,
+                                   model_kwargs={"momentum": 0.0})  # fmt: skip
+    for r, rank in enumerate(ranks):
+        assert syncs[r][0]["lr"] == 2 * LR
+        first = rank["records"][0]
+        assert torch.equal(
+            first["params"], local_step(rank["start"]["params"], first["local_grad"], lr=2 * LR)
+        )
+
+
+@pytest.fixture(scope="module")
+def checkpoint_at_step_4(tmp_path_factory):
+    """The first epoch of ``momentum_run`` with a checkpoint at its end, one local step after the
+    sync of step 3: the ranks' parameters and momentum differ there."""
+    out = tmp_path_factory.mktemp("part1")
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_last=True)
+    fit_recorded(out, ModelAveragingStrategy, period=K, max_epochs=1,
+                 trainer_kwargs={"enable_checkpointing": True, "callbacks": [checkpoint]})  # fmt: skip
+    return out / "ckpt" / "last.ckpt"
+
+
+def test_resume_is_bit_exact_with_every_ranks_own_state(momentum_run, checkpoint_at_step_4, tmp_path):
+    _, full, full_syncs = momentum_run
+    saved = torch.load(checkpoint_at_step_4, weights_only=False)
+    assert saved["ma"]["world_size"] == 2 and saved["ma"]["step"] == 4 and saved["ma"]["totals"]["syncs"] == 1
+    shards = [torch.load(f"{checkpoint_at_step_4}.ma/rank{r}.pt", weights_only=False) for r in range(2)]
+    assert not torch.equal(shards[0]["state_dict"]["net.0.weight"], shards[1]["state_dict"]["net.0.weight"])
+
+    _, resumed, syncs = fit_recorded(
+        tmp_path, ModelAveragingStrategy, period=K, ckpt_path=str(checkpoint_at_step_4)
+    )
+    for r in range(2):
+        assert torch.equal(resumed[r]["start"]["params"], full[r]["records"][3]["params"])
+        assert [rec["global_step"] for rec in resumed[r]["records"]] == [5, 6, 7, 8]
+        for t, (a, b) in enumerate(zip(resumed[r]["records"], full[r]["records"][4:]), start=5):
+            assert torch.equal(a["params"], b["params"]), (
+                f"rank {r}: step {t} differs from the uninterrupted run"
+            )
+        assert syncs[r][-1]["total"] == full_syncs[r][-1]["total"] | {
+            "exchange_s": syncs[r][-1]["total"]["exchange_s"]
+        }
+
+
+def test_missing_shard_is_a_clear_error_and_restore_shards_false_starts_from_rank_0(
+    checkpoint_at_step_4, tmp_path
+):
+    import shutil
+
+    copy = tmp_path / "copy.ckpt"
+    shutil.copy(checkpoint_at_step_4, copy)
+    (tmp_path / "copy.ckpt.ma").mkdir()
+    shutil.copy(f"{checkpoint_at_step_4}.ma/rank0.pt", tmp_path / "copy.ckpt.ma" / "rank0.pt")
+    with pytest.raises(
+        Exception, match=r"shard of rank 1 is missing: .*copy.ckpt.ma/rank1.pt.*restore_shards=False"
+    ):
+        fit_recorded(tmp_path / "run", ModelAveragingStrategy, period=K, ckpt_path=str(copy))
+    _, ranks, syncs = fit_recorded(tmp_path / "run2", ModelAveragingStrategy, period=K, restore_shards=False,
+                                   ckpt_path=str(copy))  # fmt: skip
+    assert torch.equal(ranks[0]["start"]["params"], ranks[1]["start"]["params"])
+    assert [rec["last"]["mode"] for rec in syncs[0]] == [
+        "local",
+        "sync",
+        "local",
+        "local",
+    ]  # the count goes on
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"period": 0}, "period"),
+        ({"period": -1}, "period"),
+        ({"period": 1.5}, "period"),
+        ({"period": True}, "period"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"optimizer_state": "mean"}, "optimizer_state"),
+        ({"ddp_comm_hook": lambda state, bucket: None}, "own DDP communication hook"),
+        ({"model_averaging_period": 4}, "own DDP communication hook"),
+    ],
+)
+def test_bad_settings_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ModelAveragingStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "start_method", "unused"),
+    [
+        ("ma", "popen", False),
+        ("ma_fork", "fork", False),
+        ("ma_spawn_find_unused_parameters_true", "spawn", True),
+    ],
+)
+def test_registered_names_resolve(name, start_method, unused):
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    assert type(trainer.strategy) is ModelAveragingStrategy and trainer.strategy._start_method == start_method
+    assert trainer.strategy._ddp_kwargs.get("find_unused_parameters", False) is unused
+    assert trainer.strategy.period == 10  # Su et al.'s better averaging frequency
