@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from gtc_lightning.averaging import AveragingState, ModelAveragingStrategy, SyncStats
 from gtc_lightning.baselines import BF16AllReduceStrategy, bf16_allreduce_hook
 from gtc_lightning.bmuf import BMUFGTCStrategy, BMUFState, BMUFStrategy
+from gtc_lightning.dpsgd import DPSGDState, DPSGDStrategy
 from gtc_lightning.hook import GTCState, StepStats, gtc_hook, parameter_checksums
 from gtc_lightning.strategy import GTCStrategy
 
@@ -38,6 +39,8 @@ __all__ = [
     "BMUFGTCStrategy",
     "BMUFState",
     "BMUFStrategy",
+    "DPSGDState",
+    "DPSGDStrategy",
     "GTCState",
     "GTCStrategy",
     "ModelAveragingStrategy",
@@ -61,6 +64,6 @@ if "gtc" not in StrategyRegistry:
     GTCStrategy.register_strategies(StrategyRegistry)
 if "ddp_bf16" not in StrategyRegistry:
     BF16AllReduceStrategy.register_strategies(StrategyRegistry)
-for _cls in (ModelAveragingStrategy, BMUFStrategy, BMUFGTCStrategy):
+for _cls in (ModelAveragingStrategy, BMUFStrategy, BMUFGTCStrategy, DPSGDStrategy):
     if _cls.name not in StrategyRegistry:
         _cls.register_strategies(StrategyRegistry)

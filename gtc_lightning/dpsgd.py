@@ -1,0 +1,467 @@
+"""Decentralised parallel SGD (``"dpsgd"``): every step, each rank averages its parameters with its
+ring neighbours instead of all-reducing gradients (Lian et al., "Can Decentralized Algorithms
+Outperform Centralized Algorithms?", NeurIPS 2017; the synchronous form of IBM's ADPSGD, ``seeds/003_…``).
+
+Per optimizer step k and per rank i, as in the paper's Algorithm 1 (the update is applied to the
+neighbour average, with the gradient computed at the rank's own model, *instead of* a local step
+followed by an averaging):
+
+1. Dense warmup: for the first ``warmup_steps`` steps DDP's all-reduce averages the gradients (the
+   replicas stay identical) and nothing else is sent.
+2. Exchange: before the forward pass, send a flat copy of x_i(k) (the parameters the optimizer
+   updates) to the ring neighbours ``i - 1`` and ``i + 1`` and receive theirs (``batch_isend_irecv``,
+   asynchronous: it runs while the forward and backward passes compute the gradient at x_i(k)).
+3. Average, after the backward pass: x_i ← x_i + ((x_{i-1} - x_i) + (x_{i+1} - x_i)) / 3 in the
+   parameters' dtype, i.e. weights 1/3 for self, left and right (a symmetric, doubly stochastic
+   mixing matrix); a rank that agrees with its neighbours keeps its parameters bit for bit.
+   With 2 ranks the one neighbour is both left and right: x_i ← x_i + (x_j - x_i) / 2, weights 1/2
+   and 1/2 (the 2-ring's mixing matrix; 1/3 and 2/3 would swing past the mean).
+4. Local step: the optimizer applies the rank's own gradient (DDP sends none: its hook is
+   ``no_comm_hook`` after the warmup) to the averaged parameters:
+   x_i(k+1) = Σ_j W_ij x_j(k) - lr · g_i(x_i(k)).
+
+Each rank sends and receives 2 copies of the model per step (1 with 2 ranks), against a ring
+all-reduce's 2 (W-1)/W: D-PSGD's gain is not bytes but a fixed, small number of neighbours (no
+global synchronisation; latency independent of W), which pays off on slow or uneven networks.
+
+The replicas differ by design. Their spread, the RMS distance of each rank's parameters from the
+mean over ranks, is measured on the Trainer's logging steps (one all-reduce of the parameters, its
+bytes counted apart as ``spread_bytes``) and logged as ``dpsgd/spread`` (over all ranks) and
+``dpsgd/distance`` (this rank). Validation, test and predict loops evaluate the average of all
+ranks' parameters (``average_eval``; each rank's own come back afterwards), and at the end of fit
+every rank's parameters become that average (``average_at_end``), so that the trained model is the
+consensus one. Checkpoints keep every rank's own parameters and optimizer state in
+``<checkpoint>.dpsgd/rank<r>.pt`` (:class:`~gtc_lightning.averaging.RankShards`) for a bit-exact
+resume; the checkpoint itself holds the average (one all-reduce per save): the model that
+validation evaluates and ``load_from_checkpoint`` gives, and where every rank starts from when a fit
+resumes with ``restore_shards=False``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from gtc_lightning.averaging import (
+    RankShards,
+    SyncStats,
+    SyncStatsLogger,
+    add_callback,
+    all_mean,
+    drop_hook_args,
+    flatten,
+    hint_unused_parameters,
+    local_hook,
+    register_names,
+    unflatten_,
+)
+from gtc_lightning.hook import allreduce_bytes
+from gtc_lightning.strategy import _check_int
+
+log = logging.getLogger(__name__)
+
+_TOTAL_KEYS = ("steps", "syncs", "warmup_steps", "bytes_sent", "bytes_received", "allreduce_fp32_bytes", "exchange_s")
+
+
+def ring_neighbours(rank: int, world: int) -> list[int]:
+    """The ring neighbours of ``rank`` among ``world`` ranks: ``[left, right]``, or the one other
+    rank when ``world == 2``."""
+    if world < 2:
+        raise ValueError(f"a ring needs at least 2 ranks, got {world}")
+    left, right = (rank - 1) % world, (rank + 1) % world
+    return [left] if left == right else [left, right]
+
+
+class DPSGDState:
+    """State of D-PSGD: hyper-parameters, the ring, the exchange in flight and statistics.
+
+    Args:
+        warmup_steps: optimizer steps of dense gradient all-reduce before the neighbour averaging starts.
+        process_group: the ring's ranks (``None``: all ranks), at least 2.
+    """
+
+    def __init__(self, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
+        _check_int("warmup_steps", warmup_steps, 0, "dense gradient all-reduce steps; 0 averages from the start")
+        world = dist.get_world_size(process_group)
+        if world < 2:
+            raise ValueError(
+                f"dpsgd averages each rank with its ring neighbours, so it needs at least 2 ranks; got {world}. "
+                "Train with more devices (or num_nodes), or with a single-device strategy"
+            )
+        # The hyper-parameters.
+        self.warmup_steps = warmup_steps
+        self.process_group = process_group
+        self.world_size = world
+        rank = dist.get_rank(process_group)
+        to_global = (lambda r: r) if process_group is None else (lambda r: dist.get_global_rank(process_group, r))
+        self.neighbours = [to_global(r) for r in ring_neighbours(rank, world)]
+        # The internal state.
+        self.step = 0
+        self._works: list = []
+        self._buffers: dict[tuple, list[torch.Tensor]] = {}  # (numel, dtype, device) -> [sent, received...]
+        self._started = 0.0
+        self._current: tuple | None = None  # (parameters, sent, received) of the exchange in flight
+        # The statistics.
+        self.last: SyncStats | None = None
+        self.totals: dict[str, float] = {key: 0 for key in (*_TOTAL_KEYS, "spread_bytes")}
+        self.spread: dict | None = None  # the newest measurement: {"step", "spread", "distance"}
+
+    @property
+    def averaging(self) -> bool:
+        """Whether the step about to run averages with the neighbours (the warmup is over)."""
+        return self.step >= self.warmup_steps
+
+    def launch(self, params: list[torch.Tensor]) -> None:
+        """Step 2: send a flat copy of ``params`` to the neighbours and receive theirs, asynchronously."""
+        self._started = time.perf_counter()
+        numel = sum(p.numel() for p in params)
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in params))
+        key = (numel, dtype, params[0].device)
+        buffers = self._buffers.get(key)
+        if buffers is None:
+            buffers = [torch.empty(numel, dtype=dtype, device=params[0].device) for _ in range(1 + len(self.neighbours))]
+            self._buffers = {key: buffers}
+        sent, received = buffers[0], buffers[1:]
+        with torch.no_grad():
+            torch.cat([p.detach().reshape(-1).to(dtype) for p in params], out=sent)
+        ops = [dist.P2POp(dist.isend, sent, peer, self.process_group) for peer in self.neighbours]
+        ops += [dist.P2POp(dist.irecv, buf, peer, self.process_group) for peer, buf in zip(self.neighbours, received)]
+        self._works = dist.batch_isend_irecv(ops)
+        self._current = (params, sent, received)
+
+    def complete(self) -> None:
+        """Step 3: wait for the neighbours' copies and write the neighbour average into the parameters."""
+        params, sent, received = self._current
+        self._current = None
+        for work in self._works:
+            work.wait()
+        self._works = []
+        # x + ((l - x) + (r - x)) / 3: differences first, so that agreeing ranks keep their bits.
+        for buf in received:
+            buf.sub_(sent)
+        for buf in received[1:]:
+            received[0].add_(buf)
+        sent.add_(received[0].div_(len(received) + 1))
+        unflatten_(sent, params)
+        size = sent.numel() * sent.element_size() * len(self.neighbours)
+        self._record("sync", params, size, time.perf_counter() - self._started)
+
+    def after_step(self, params: list[torch.Tensor]) -> None:
+        """Count a warmup step (the averaging steps are counted by :meth:`complete`)."""
+        numel = sum(p.numel() for p in params)
+        dense = allreduce_bytes(numel, self.world_size)
+        self._record("warmup", params, dense, 0.0)
+
+    def _record(self, mode: str, params: list[torch.Tensor], size: int, seconds: float) -> None:
+        self.step += 1
+        numel = sum(p.numel() for p in params)
+        stats = SyncStats(
+            step=self.step, mode=mode, numel=numel, world_size=self.world_size, bytes_sent=size,
+            bytes_received=size, exchange_s=seconds,
+        )  # fmt: skip
+        self.last = stats
+        self.totals["steps"] += 1
+        self.totals["syncs"] += mode == "sync"
+        self.totals["warmup_steps"] += mode == "warmup"
+        for key in ("bytes_sent", "bytes_received", "exchange_s", "allreduce_fp32_bytes"):
+            self.totals[key] += getattr(stats, key)
+
+    def measure_spread(self, params: list[torch.Tensor]) -> dict:
+        """The RMS distance of each rank's ``params`` from their mean over the ranks (a collective:
+        call it on every rank). Returns ``{"step", "spread" (all ranks), "distance" (this rank)}``."""
+        with torch.no_grad():
+            mean, size = all_mean(params, self.process_group)
+            squared = (flatten(params).to(mean.dtype) - mean).double().pow(2).mean().reshape(1)
+            distance = math.sqrt(float(squared))
+            dist.all_reduce(squared, group=self.process_group)
+        self.totals["spread_bytes"] += size + allreduce_bytes(1, self.world_size, 8)
+        self.spread = {"step": self.step, "spread": math.sqrt(float(squared) / self.world_size), "distance": distance}
+        return self.spread
+
+    def average_(self, params: list[torch.Tensor]) -> None:
+        """Overwrite every rank's ``params`` with their mean over the ranks (a collective)."""
+        with torch.no_grad():
+            mean, _ = all_mean(params, self.process_group)
+            unflatten_(mean, params)
+
+    def begin(self, params: list[torch.Tensor]) -> None:
+        """Nothing to remember when a period starts (``RankShards`` calls it on a fresh restore)."""
+
+    def stats(self) -> dict:
+        """``{"step", "last", "total", "spread"}``; ``total["ratio_fp32"]``: DDP's fp32 all-reduce bytes
+        over the same steps per byte sent (below 1 for W < 4: D-PSGD sends more, to fewer peers)."""
+        total = dict(self.totals)
+        total["ratio_fp32"] = total["allreduce_fp32_bytes"] / total["bytes_sent"] if total["bytes_sent"] else math.inf
+        last = self.last.as_dict() if self.last else None
+        return {"step": self.step, "last": last, "total": total, "spread": self.spread}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "totals": dict(self.totals)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.step = int(saved["step"])
+        self.totals.update(saved["totals"])
+
+
+class _SpreadLogger(SyncStatsLogger):
+    """:class:`SyncStatsLogger`, plus the replicas' spread measured and logged on the same steps."""
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        state = self._state_of()
+        connector = getattr(trainer, "_logger_connector", None)
+        due = (
+            state is not None
+            and state.last is not None
+            and state.last.step != self._logged_step
+            and (connector is None or connector.should_update_logs)
+        )
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if not due:
+            return
+        spread = state.measure_spread([p for p in pl_module.parameters() if p.requires_grad])
+        values = {f"{self.prefix}/spread": spread["spread"], f"{self.prefix}/distance": spread["distance"]}
+        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+        bar = {f"{self.prefix}_spread": spread["spread"]}
+        pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
+
+
+class DPSGDStrategy(DDPStrategy):
+    """DDP whose ranks average their parameters with their ring neighbours every optimizer step
+    (synchronous D-PSGD) instead of all-reducing their gradients.
+
+    Args:
+        warmup_steps: optimizer steps of dense gradient averaging (DDP's all-reduce) before the
+            neighbour averaging starts.
+        average_eval: validation, test and predict loops evaluate the mean of all ranks' parameters
+            (one all-reduce as the loop starts; each rank's own parameters come back as it ends);
+            ``False``: each rank evaluates its own.
+        average_at_end: at the end of fit, every rank's parameters become the mean over the ranks
+            (the consensus model is what fit returns); ``False`` keeps each rank's own.
+        restore_shards: on resume, restore every rank's own parameters and optimizer state from
+            ``<checkpoint>.dpsgd/rank<r>.pt``; ``False`` starts every rank from the checkpoint's
+            (the average, with rank 0's optimizer state), also on another number of ranks.
+        **kwargs: as for ``DDPStrategy`` (``accelerator``, ``precision_plugin``, ``timeout``,
+            ``start_method``, ...) and for ``DistributedDataParallel`` (``find_unused_parameters``,
+            ``static_graph``, ``process_group``: the ring is that group's ranks). DDP's own
+            communication-hook arguments may only be ``None``.
+
+    Each optimizer step averages the parameters that optimizer updates (manual optimization with
+    several optimizers: each of its steps). Gradient clipping acts on each rank's local gradient.
+    A world of 1 rank is refused at setup: there are no neighbours.
+    """
+
+    name = "dpsgd"  # registered name, statistics prefix and shard suffix
+
+    def __init__(
+        self,
+        warmup_steps: int = 0,
+        average_eval: bool = True,
+        average_at_end: bool = True,
+        restore_shards: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        _check_int("warmup_steps", warmup_steps, 0, "dense gradient all-reduce steps; 0 averages from the start")
+        drop_hook_args(kwargs, type(self).__name__)
+        super().__init__(**kwargs)
+        self._warmup_steps = warmup_steps
+        self._average_eval = bool(average_eval)
+        self._average_at_end = bool(average_at_end)
+        self._state: DPSGDState | None = None
+        self._shards = RankShards(self.name, restore_shards)
+        self._own: torch.Tensor | None = None  # this rank's parameters while the average is evaluated
+
+    @property
+    def warmup_steps(self) -> int:
+        return self._warmup_steps
+
+    @property
+    def average_eval(self) -> bool:
+        return self._average_eval
+
+    @property
+    def average_at_end(self) -> bool:
+        return self._average_at_end
+
+    @property
+    def dpsgd_state(self) -> DPSGDState | None:
+        """The ring, step counter and statistics; ``None`` before ``fit`` configured DDP."""
+        return self._state
+
+    @property
+    def sync_stats(self) -> dict:
+        """This rank's statistics: ``{"step", "last", "total", "spread"}`` (see :meth:`DPSGDState.stats`)."""
+        if self._state is None:
+            return {"step": 0, "last": None, "total": None, "spread": None}
+        return self._state.stats()
+
+    def _trainable(self) -> list[torch.Tensor]:
+        assert self.lightning_module is not None
+        return [p for p in self.lightning_module.parameters() if p.requires_grad]
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            add_callback(trainer, _SpreadLogger(lambda: self._state, self.name))
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # DDPStrategy registers hooks on CUDA only; D-PSGD needs its own on every device.
+        assert isinstance(self.model, DistributedDataParallel)
+        self._state = state = DPSGDState(self._warmup_steps, self._ddp_kwargs.get("process_group"))
+        if self.global_rank == 0:
+            log.info(
+                "%s config: warmup_steps=%d, average_eval=%s, average_at_end=%s, world_size=%d",
+                self.name, self._warmup_steps, self._average_eval, self._average_at_end, state.world_size,
+            )  # fmt: skip
+        self.model.register_comm_hook(state, local_hook)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        state = self._state
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if state is None or not params or not state.averaging:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if state is not None:
+                state.after_step(params)
+            return output
+        state.launch(params)  # x(k) travels while the forward and backward passes run
+
+        def closure_then_average() -> Any:
+            result = closure()
+            if state._current is not None:  # (once, should an optimizer call the closure again)
+                state.complete()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+
+    # ---- evaluating the average ---------------------------------------------------------------
+
+    def _evaluate_average(self) -> None:
+        if not self._average_eval or self._own is not None or self.world_size < 2:
+            return
+        params = self._trainable()
+        self._own = flatten(params)
+        with torch.no_grad():
+            mean, _ = all_mean(params, self._ddp_kwargs.get("process_group"))
+            unflatten_(mean, params)
+
+    def _restore_own(self) -> None:
+        if self._own is not None:
+            unflatten_(self._own, self._trainable())
+            self._own = None
+
+    def _averaged_state_dict(self) -> dict[str, Any]:
+        """The module's state dict with the mean over the ranks in place of each trainable parameter."""
+        assert self.lightning_module is not None
+        params = self._trainable()
+        with torch.no_grad():
+            mean, _ = all_mean(params, self._ddp_kwargs.get("process_group"))
+        averaged = {id(p): part.view_as(p) for p, part in zip(params, mean.split([p.numel() for p in params]))}
+        state = self.lightning_module.state_dict(keep_vars=True)  # tied weights: one tensor under two keys
+        return {key: averaged.get(id(value), value).detach() for key, value in state.items()}
+
+    @contextlib.contextmanager
+    def _own_parameters(self) -> Iterator[None]:
+        """This rank's own parameters in place for the duration (inside an evaluation loop)."""
+        if self._own is None:
+            yield
+            return
+        params = self._trainable()
+        mean = flatten(params)
+        unflatten_(self._own, params)
+        try:
+            yield
+        finally:
+            unflatten_(mean, params)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._evaluate_average()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._restore_own()
+
+    @override
+    def on_test_start(self) -> None:
+        self._evaluate_average()
+
+    @override
+    def on_test_end(self) -> None:
+        self._restore_own()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._evaluate_average()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._restore_own()
+
+    @override
+    def on_train_end(self) -> None:
+        if self._average_at_end and self._state is not None:
+            self._state.average_(self._trainable())
+
+    # ---- checkpoints: every rank's own parameters and optimizer state in its shard --------------
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._state is not None:
+            with self._own_parameters():
+                self._shards.save(self, self._state, checkpoint, filepath)
+            if "state_dict" in checkpoint and self._own is None:  # (inside evaluation it is the average already)
+                checkpoint["state_dict"] = self._averaged_state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        self._shards.remove(self, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._shards.remember(self, checkpoint, checkpoint_path)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        assert self._state is not None
+        self._shards.restore_into(self, self._state)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        hint_unused_parameters(exception, self.name)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_names(strategy_registry, cls, cls.name, "decentralised parallel SGD (ring-neighbour averaging)")
