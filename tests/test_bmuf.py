@@ -11,7 +11,7 @@ import os
 import lightning as L
 import pytest
 import torch
-from _averaging_helpers import LR, fit_recorded, local_step, mean
+from _averaging_helpers import fit_recorded, local_step, mean
 from _strategy_helpers import TinyMLP, expected_sparse_step
 from lightning.pytorch.callbacks import ModelCheckpoint
 
