@@ -24,12 +24,14 @@ so they know the names too. Use it in a Lightning project like this::
 
 import logging
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from gtc_lightning.averaging import AveragingState, ModelAveragingStrategy, SyncStats
 from gtc_lightning.baselines import BF16AllReduceStrategy, bf16_allreduce_hook
 from gtc_lightning.bmuf import BMUFGTCStrategy, BMUFState, BMUFStrategy
 from gtc_lightning.dpsgd import DPSGDState, DPSGDStrategy
+from gtc_lightning.fabric import GTCFabricStrategy
 from gtc_lightning.hook import GTCState, StepStats, gtc_hook, parameter_checksums
 from gtc_lightning.strategy import GTCStrategy
 
@@ -41,6 +43,7 @@ __all__ = [
     "BMUFStrategy",
     "DPSGDState",
     "DPSGDStrategy",
+    "GTCFabricStrategy",
     "GTCState",
     "GTCStrategy",
     "ModelAveragingStrategy",
@@ -67,3 +70,5 @@ if "ddp_bf16" not in StrategyRegistry:
 for _cls in (ModelAveragingStrategy, BMUFStrategy, BMUFGTCStrategy, DPSGDStrategy):
     if _cls.name not in StrategyRegistry:
         _cls.register_strategies(StrategyRegistry)
+if "gtc" not in FABRIC_STRATEGY_REGISTRY:  # Lightning Fabric has a registry of its own
+    GTCFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)

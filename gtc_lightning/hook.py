@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from gtc_lightning.ops import MAX_NUMEL, step_ops
+from gtc_lightning.ops import BACKENDS, MAX_NUMEL, step_ops
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,38 @@ _TOTAL_KEYS = (
 )
 
 
+def check_options(
+    tau: float, warmup_steps: int, max_consecutive_skips: int | None, exchange: str, backend: str
+) -> None:
+    """Validate GTC's hyper-parameters, with messages that say what each one means.
+
+    Raises:
+        ValueError: naming the bad value and what it should be.
+    """
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
+        raise ValueError(
+            f"Expect tau to be a finite number > 0, got {tau!r}: it is the threshold a residual must pass to "
+            "emit a word; start near 15x the per-rank gradient RMS (e.g. tau=1e-2)"
+        )
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(
+            f"Expect warmup_steps to be an int >= 0 (dense steps before compression; 0 compresses from the "
+            f"start), got {warmup_steps!r}"
+        )
+    if max_consecutive_skips is not None and (
+        isinstance(max_consecutive_skips, bool)
+        or not isinstance(max_consecutive_skips, int)
+        or max_consecutive_skips < 1
+    ):
+        raise ValueError(
+            f"Expect max_consecutive_skips to be an int >= 1 or None (never raise), got {max_consecutive_skips!r}"
+        )
+    if exchange not in EXCHANGES:
+        raise ValueError(f"Expect exchange in {EXCHANGES}, got {exchange!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"Expect backend in {BACKENDS}, got {backend!r}")
+
+
 class GTCState:
     """State of :func:`gtc_hook`: hyper-parameters, per-element residuals and statistics.
 
@@ -202,25 +234,7 @@ class GTCState:
         backend: str = "auto",
         stale: bool = False,
     ) -> None:
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
-            raise ValueError(
-                f"Expect tau to be a finite number > 0, got {tau!r}: it is the threshold a residual must "
-                "pass to emit a word (about 15x the per-worker gradient RMS, e.g. 1e-2)"
-            )
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(
-                f"Expect warmup_steps to be an int >= 0 (0 = compress from the start), got {warmup_steps!r}"
-            )
-        if max_consecutive_skips is not None and (
-            isinstance(max_consecutive_skips, bool)
-            or not isinstance(max_consecutive_skips, int)
-            or max_consecutive_skips < 1
-        ):
-            raise ValueError(
-                f"Expect max_consecutive_skips to be an int >= 1 or None (never raise), got {max_consecutive_skips!r}"
-            )
-        if exchange not in EXCHANGES:
-            raise ValueError(f"Expect exchange in {EXCHANGES}, got {exchange!r}")
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend)
         # The hyper-parameters.
         self.process_group = process_group
         self.tau = float(tau)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -22,7 +21,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -31,30 +29,23 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _augment_message
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from gtc_lightning import checkpoint as gtc_checkpoint
 from gtc_lightning import stale as one_step_stale
-from gtc_lightning.hook import EXCHANGES, GTCState, all_gather_equal, gtc_hook, parameter_checksums
-from gtc_lightning.ops import BACKENDS
+from gtc_lightning.checkpoint import CHECKPOINT_KEY, SHARD_SUFFIX, shard_path  # noqa: F401  (re-exported)
+from gtc_lightning.hook import GTCState, all_gather_equal, check_options, gtc_hook, parameter_checksums
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KEY = "gtc"  # the checkpoint entry: counters, layout, where the residual shards are
-SHARD_SUFFIX = ".gtc"  # residual shards live in "<checkpoint>.gtc/rank<r>.pt"
 _HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
 def _check_int(name: str, value: Any, low: int, meaning: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"Expect {name} to be an int >= {low} ({meaning}), got {value!r}")
-
-
-def shard_path(checkpoint_path: _PATH, rank: int) -> str:
-    """Where global rank ``rank`` keeps its residuals for the checkpoint ``checkpoint_path``."""
-    return os.path.join(f"{checkpoint_path}{SHARD_SUFFIX}", f"rank{rank}.pt")
 
 
 def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
@@ -139,25 +130,12 @@ class GTCStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
-            raise ValueError(
-                f"Expect tau to be a finite number > 0, got {tau!r}: it is the threshold a residual must pass "
-                "to emit a word; start near 15x the per-rank gradient RMS (e.g. tau=1e-2)"
-            )
-        _check_int(
-            "warmup_steps", warmup_steps, 0, "dense steps before compression; 0 compresses from the start"
-        )
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend)
+        if not isinstance(stale, bool):
+            raise ValueError(f"Expect stale to be True or False, got {stale!r}")  # noqa: TRY004
         _check_int(
             "check_replicas_every", check_replicas_every, 0, "steps between replica checks; 0 turns it off"
         )
-        if max_consecutive_skips is not None:
-            _check_int("max_consecutive_skips", max_consecutive_skips, 1, "or None to never raise")
-        if exchange not in EXCHANGES:
-            raise ValueError(f"Expect exchange in {EXCHANGES}, got {exchange!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"Expect backend in {BACKENDS}, got {backend!r}")
-        if not isinstance(stale, bool):
-            raise ValueError(f"Expect stale to be True or False, got {stale!r}")  # noqa: TRY004
         # LightningCLI passes every DDPStrategy argument explicitly, the hook ones as None.
         clashing = sorted(key for key in _HOOK_ARGS if kwargs.get(key) is not None)
         if clashing:
@@ -357,7 +335,7 @@ class GTCStrategy(DDPStrategy):
             new_message=(
                 "It looks like your LightningModule has parameters that were not used in producing the loss returned"
                 " by training_step. If this is intentional, enable the detection of unused parameters, either with"
-                " `strategy='gtc_find_unused_parameters_true'` or with"
+                f" `strategy='{'gtc_stale' if self._stale else 'gtc'}_find_unused_parameters_true'` or with"
                 " `strategy=GTCStrategy(find_unused_parameters=True)`. GTC then leaves a parameter a rank did not"
                 " use out of that rank's message and keeps its residual."
             ),
@@ -393,31 +371,17 @@ class GTCStrategy(DDPStrategy):
         state = self._gtc_state
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = {
-                "format": 2,
-                "world_size": self.world_size,
-                "tau": state.tau,
-                "names": list(state.param_names),
-                "numels": list(state.numels),
-                **state.counters(),
+                **gtc_checkpoint.checkpoint_entry(state, self.world_size),
                 "pending": one_step_stale.pending_entry(state),
             }
-            shard = {
-                "rank": self.global_rank,
-                "world_size": self.world_size,
-                "step": state.step,
-                "residual": state.residual_vector(torch.device("cpu")),
-            }
-            self.checkpoint_io.save_checkpoint(shard, shard_path(filepath, self.global_rank))
+            gtc_checkpoint.save_shard(state, self.checkpoint_io, filepath, self.global_rank, self.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
-            shards = f"{filepath}{SHARD_SUFFIX}"
-            fs = get_filesystem(shards)
-            if fs.exists(shards):
-                fs.rm(shards, recursive=True)
+            gtc_checkpoint.remove_shards(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -434,48 +398,13 @@ class GTCStrategy(DDPStrategy):
     def _restore_gtc(self, saved: dict, path: _PATH) -> None:
         state = self._gtc_state
         assert state is not None
-        state.load_counters(saved)
+        gtc_checkpoint.restore(
+            state, saved, path, self.global_rank, self.world_size, self.checkpoint_io, self.root_device,
+            residuals=self._restore_residuals,
+        )  # fmt: skip
+        # After the residuals: without the stale option the pending update is added to them.
         if saved.get("pending") is not None and saved["names"] == state.param_names:
             one_step_stale.load_pending(state, saved["pending"], self.root_device)
-        if not self._restore_residuals:
-            log.info("GTC: restore_residuals=False: residuals restart from zero at step %d", state.step)
-            return
-        if saved["names"] != state.param_names or saved["numels"] != state.numels:
-            rank_zero_warn(
-                "GTC: the checkpoint's parameters differ from the model's; residuals restart from zero"
-            )
-            return
-        old_world, rank = saved["world_size"], self.global_rank
-        if "residuals" in saved:  # format 1: every rank's residuals in the checkpoint itself
-            rows = saved["residuals"]
-            load = lambda r: rows[r]
-        else:
-            load = lambda r: self._load_shard(path, r, old_world)["residual"]
-        if old_world == self.world_size:
-            state.load_residual_vector(load(rank).to(self.root_device))
-            log.info("GTC: restored rank %d's residuals at step %d", rank, state.step)
-            return
-        # Another world size: every rank takes the mean of the old residuals, so the pending
-        # update, (1/W) * sum of the residuals, is the same (one shard in memory at a time).
-        total = torch.zeros(sum(state.numels), dtype=torch.float64)
-        for r in range(old_world):
-            total += load(r).double()
-        state.load_residual_vector((total / old_world).float().to(self.root_device))
-        rank_zero_warn(
-            f"GTC: the checkpoint holds residuals of {old_world} ranks but this run has {self.world_size}; every rank "
-            f"starts from their mean, which keeps the pending update (the mean residual) unchanged"
-        )
-
-    def _load_shard(self, path: _PATH, rank: int, world: int) -> dict:
-        where = shard_path(path, rank)
-        if not get_filesystem(where).exists(where):
-            raise RuntimeError(
-                f"GTC: the checkpoint {path} was saved by {world} ranks, but the residual shard of rank {rank} is "
-                f"missing: {where}. Each rank writes its shard beside the checkpoint; copy it there from the "
-                f"machine that ran rank {rank}, or resume with GTCStrategy(restore_residuals=False) to restart the "
-                "residuals from zero (their pending update is lost)"
-            )
-        return self.checkpoint_io.load_checkpoint(where)
 
     # ---- registration --------------------------------------------------------------------------
 

@@ -1,0 +1,197 @@
+"""GTC for Lightning Fabric: ``Fabric(strategy="gtc")``.
+
+Fabric's ``DDPStrategy`` registers no communication hook; :class:`GTCFabricStrategy` wraps the
+module in DDP with :func:`~gtc_lightning.hook.gtc_hook` on CPU/gloo and CUDA/NCCL alike, applies
+each step's skip decision in ``optimizer.step()``, and keeps every rank's residuals in
+``fabric.save`` / ``fabric.load`` checkpoints (shards beside the file, as the Lightning strategy
+does)::
+
+    import lightning as L
+    import gtc_lightning  # registers "gtc" for Fabric too
+
+    fabric = L.Fabric(accelerator="cuda", devices=8, strategy="gtc")  # or GTCFabricStrategy(tau=...)
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    for batch in loader:
+        loss = model(batch).mean()
+        fabric.backward(loss)      # compressed, exchanged and decoded here
+        optimizer.step()           # skipped on every rank when a rank's gradient was non-finite
+        optimizer.zero_grad()
+    print(fabric.strategy.gtc_stats["total"]["ratio_bf16"])
+
+One module per strategy (set up one model; use the Lightning Trainer's ``GTCStrategy`` or several
+Fabric instances for more). Gradient clipping with ``fabric.clip_gradients`` acts on the decoded
+update, which is already bounded by tau per element: clip before compression by clipping the
+loss or the gradients inside the model if you need it. The one-step-stale exchange is an option of
+the Lightning strategy only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import DDPStrategy, _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from gtc_lightning import checkpoint
+from gtc_lightning.hook import GTCState, check_options, gtc_hook
+
+
+class GTCFabricStrategy(DDPStrategy):
+    """Fabric's DDP with Strom's gradient threshold compression instead of dense all-reduce.
+
+    Args:
+        tau, warmup_steps, max_consecutive_skips, dense_fallback, exchange, backend,
+        restore_residuals: as for :class:`gtc_lightning.GTCStrategy`.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
+        process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
+        **kwargs: passed to ``DistributedDataParallel`` (``process_group`` is honoured by the
+            exchange; ``find_unused_parameters`` and ``static_graph`` are tracked as in the
+            Lightning strategy).
+    """
+
+    def __init__(
+        self,
+        tau: float = 1e-2,
+        warmup_steps: int = 0,
+        max_consecutive_skips: int | None = 10,
+        dense_fallback: bool = True,
+        exchange: Literal["auto", "alltoall", "allgather"] = "auto",
+        backend: Literal["auto", "torch", "triton"] = "auto",
+        restore_residuals: bool = True,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self._options = {
+            "tau": float(tau),
+            "warmup_steps": warmup_steps,
+            "max_consecutive_skips": max_consecutive_skips,
+            "dense_fallback": bool(dense_fallback),
+            "exchange": exchange,
+            "backend": backend,
+        }
+        self._restore_residuals = bool(restore_residuals)
+        self._gtc_state: GTCState | None = None
+        self._module: Module | None = None
+
+    @property
+    def gtc_state(self) -> GTCState | None:
+        """The hook's state; ``None`` before ``fabric.setup(model)``."""
+        return self._gtc_state
+
+    @property
+    def gtc_stats(self) -> dict:
+        """This rank's statistics, as ``GTCStrategy.gtc_stats``."""
+        if self._gtc_state is None:
+            return {"step": 0, "last": None, "total": None}
+        return self._gtc_state.stats()
+
+    def _grad_scaler(self) -> Any:
+        scaler = getattr(self.precision, "scaler", None)
+        return scaler if scaler is not None and scaler.is_enabled() else None
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        if self._gtc_state is not None:
+            raise ValueError(
+                "GTCFabricStrategy compresses the gradients of one module, and one was set up already; set up "
+                "a single model (wrap several in one nn.Module) or use another Fabric instance"
+            )
+        ddp = super().setup_module(module)
+        self._gtc_state = state = GTCState(
+            process_group=self._ddp_kwargs.get("process_group"),
+            named_parameters=module.named_parameters(),
+            **self._options,
+        )
+        scaler = self._grad_scaler()
+        state.grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        if self._ddp_kwargs.get("find_unused_parameters") or self._ddp_kwargs.get("static_graph"):
+            state.track_usage(module.parameters())
+        self._module = module
+        ddp.register_comm_hook(state, gtc_hook)
+        return ddp
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        state = self._gtc_state
+        if state is not None and self._module is not None:
+            state.finish_step(self._module.parameters(), loss_scaler=self._grad_scaler() is not None)
+        output = super().optimizer_step(optimizer, **kwargs)
+        scaler = self._grad_scaler()
+        if state is not None and scaler is not None:
+            state.grad_scale = float(scaler.get_scale())
+        return output
+
+    @override
+    def save_checkpoint(
+        self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None, filter: Any = None
+    ) -> None:
+        # fabric.save calls this on every rank: each writes its own residual shard.
+        if self._gtc_state is not None:
+            state = {**state, checkpoint.CHECKPOINT_KEY: checkpoint.checkpoint_entry(self._gtc_state, self.world_size)}
+            checkpoint.save_shard(self._gtc_state, self.checkpoint_io, path, self.global_rank, self.world_size)
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        rest = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        entry = rest.pop(checkpoint.CHECKPOINT_KEY, None) if isinstance(rest, dict) else None
+        if entry is not None and self._gtc_state is not None:
+            checkpoint.restore(
+                self._gtc_state, entry, path, self.global_rank, self.world_size, self.checkpoint_io,
+                self.root_device, residuals=self._restore_residuals,
+                hint="GTCFabricStrategy(restore_residuals=False)",
+            )  # fmt: skip
+        return rest
+
+    @override
+    def teardown(self) -> None:
+        if self._gtc_state is not None:
+            self._gtc_state.untrack_usage()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        launchers = (("gtc", "popen"), ("gtc_spawn", "spawn"), ("gtc_fork", "fork"), ("gtc_notebook", "fork"))
+        for (name, start_method), unused in itertools.product(launchers, (None, True, False)):
+            extra = {} if unused is None else {"find_unused_parameters": unused}
+            suffix = "" if unused is None else f"_find_unused_parameters_{str(unused).lower()}"
+            strategy_registry.register(
+                name + suffix,
+                cls,
+                description=f"Fabric DDP with gradient threshold compression, start_method '{start_method}'",
+                start_method=start_method,
+                **extra,
+            )

@@ -1,0 +1,125 @@
+"""GTC for Lightning Fabric: 2 CPU ranks started by fork train a tiny MLP; every step is
+recomputed independently (as in test_strategy.py), the skip decision, and fabric.save/load of the
+residuals."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from _strategy_helpers import CLASSES, FEATURES, HIDDEN, dataset, expected_sparse_step
+
+from gtc_lightning.fabric import GTCFabricStrategy
+
+TAU, LR, STEPS, WORLD = 0.05, 0.5, 4, 2
+
+
+@pytest.fixture(autouse=True)
+def _keep_master_port():
+    before = os.environ.get("MASTER_PORT")
+    yield
+    if before is None:
+        os.environ.pop("MASTER_PORT", None)
+    else:
+        os.environ["MASTER_PORT"] = before
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def train(fabric: L.Fabric, out: Path, nan_at: int | None = None, load: str | None = None, save: str | None = None):
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model, optimizer = fabric.setup(model, optimizer)
+    if load:
+        fabric.load(load, {"model": model, "optimizer": optimizer})
+    state = fabric.strategy.gtc_state
+    params = list(model.parameters())
+    local: dict[int, torch.Tensor] = {}
+    for i, p in enumerate(params):
+        p.register_hook(lambda g, i=i: local.__setitem__(i, g.detach().clone()))
+    x, y = dataset().tensors
+    records = [{"params": torch.cat([p.detach().reshape(-1) for p in params]).clone(),
+                "residual": state.residual_vector().clone()}]
+    for step in range(STEPS):
+        rows = slice((step * WORLD + fabric.global_rank) * 8, (step * WORLD + fabric.global_rank + 1) * 8)
+        loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows])
+        if step == nan_at and fabric.global_rank == 1:
+            loss = loss * float("nan")
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        records.append({
+            "params": torch.cat([p.detach().reshape(-1) for p in params]).clone(),
+            "residual": state.residual_vector().clone(),
+            "local_grad": torch.cat([local[i].reshape(-1) for i in range(len(params))]),
+            "stats": fabric.strategy.gtc_stats,
+        })
+    if save:
+        fabric.save(save, {"model": model, "optimizer": optimizer})
+    torch.save(records, out / f"rank{fabric.global_rank}.pt")
+
+
+def run(tmp_path: Path, **kwargs) -> list[list[dict]]:
+    strategy = GTCFabricStrategy(tau=TAU, start_method="fork", timeout=timedelta(seconds=60))
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch(train, tmp_path, **kwargs)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def test_every_step_is_strom_step_and_replicas_agree(tmp_path):
+    ranks = run(tmp_path)
+    params, residuals = ranks[0][0]["params"], [rank[0]["residual"] for rank in ranks]
+    for t in range(1, STEPS + 1):
+        recs = [rank[t] for rank in ranks]
+        update, new, words = expected_sparse_step(residuals, [rec["local_grad"] for rec in recs], TAU)
+        params = params.add(update, alpha=-LR)
+        for r, rec in enumerate(recs):
+            assert torch.equal(rec["params"], params), f"rank {r}, step {t}"
+            assert torch.equal(rec["residual"], new[r])
+            assert rec["stats"]["last"]["words"] == words[r]
+        residuals = new
+    assert ranks[0][-1]["stats"]["total"]["ratio_fp32"] > 1
+
+
+def test_non_finite_gradient_skips_the_step_everywhere(tmp_path):
+    ranks = run(tmp_path, nan_at=1)
+    for rank in ranks:
+        assert rank[2]["stats"]["last"]["skipped"]
+        assert torch.equal(rank[2]["params"], rank[1]["params"])
+        assert torch.equal(rank[2]["residual"], rank[1]["residual"])
+        assert not torch.equal(rank[3]["params"], rank[2]["params"])
+
+
+def test_save_and_load_keep_every_ranks_residuals(tmp_path):
+    ckpt = str(tmp_path / "fabric.ckpt")
+    (tmp_path / "a").mkdir()
+    first = run(tmp_path / "a", save=ckpt)
+    assert sorted(os.listdir(f"{ckpt}.gtc")) == ["rank0.pt", "rank1.pt"]
+    (tmp_path / "b").mkdir()
+    second = run(tmp_path / "b", load=ckpt)
+    for r in range(WORLD):
+        assert torch.equal(second[r][0]["residual"], first[r][-1]["residual"])
+        assert torch.equal(second[r][0]["params"], first[r][-1]["params"])
+        assert second[r][-1]["stats"]["step"] == 2 * STEPS
+
+
+def test_registered_by_name_for_fabric():
+    import gtc_lightning  # noqa: F401
+
+    for name, method in (("gtc", "popen"), ("gtc_fork", "fork"), ("gtc_spawn_find_unused_parameters_true", "spawn")):
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=name)
+        assert isinstance(fabric.strategy, GTCFabricStrategy) and fabric.strategy._start_method == method
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="tau"):
+        GTCFabricStrategy(tau=0)
+    with pytest.raises(ValueError, match="exchange"):
+        GTCFabricStrategy(exchange="ring")
