@@ -77,7 +77,7 @@ def test_diloco_outer_nesterov_step_is_bmuf_with_nesterov_block_momentum_by_hand
     for m in (0.0, -2.0):
         theta.grad = theta.detach() - m
         outer.step()
-        starts.append(float(theta))
+        starts.append(float(theta.detach()))
         buffers.append(float(outer.state[theta]["momentum_buffer"]))
     assert starts == [-0.5, -3.0] and buffers == [1.0, 2.0]
     bmuf = run_blocks([0, -2], 0.5, 1.0, nesterov=True)
