@@ -59,38 +59,84 @@ def refused(reason: str, error: str, at: str = "setup") -> Outcome:
 STRATEGIES: dict[str, Strategy] = {
     "ddp": Strategy("lightning.pytorch.strategies.DDPStrategy", {}, "ddp_fork"),
     "gtc": Strategy("gtc_lightning.GTCStrategy", {"tau": 0.01}, "gtc_fork"),
+    "gtc_stale": Strategy("gtc_lightning.GTCStrategy", {"tau": 0.01, "stale": True}, "gtc_stale_fork"),
+    "dpsgd": Strategy("gtc_lightning.DPSGDStrategy", {}, "dpsgd_fork", identical_replicas=False),
 }
 
 _UNUSED = "Lightning's unused-parameter error, pointing at `strategy='{}_find_unused_parameters_true'`"
 
 # feature id -> (what the README calls it, {strategy: outcome}); test_compat.py has one runner per id.
 MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
-    "sgd": ("SGD with momentum (the reference run of the other rows)", {"ddp": works(), "gtc": works()}),
-    "adam_steplr": ("Adam + `StepLR` stepping every batch", {"ddp": works(), "gtc": works()}),
+    "sgd": (
+        "SGD with momentum (the reference run of the other rows)",
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works(),
+        },
+    ),
+    "adam_steplr": (
+        "Adam + `StepLR` stepping every batch",
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works(),
+        },
+    ),
     "accumulate_grad_batches": (
         "`accumulate_grad_batches=2`",
         {
             "ddp": works(),
             "gtc": works("exchanges only on the steps that step the optimizer"),
+            "gtc_stale": works("exchanges on optimizer steps, each in flight through the next micro-batches"),
+            "dpsgd": works("averages once per optimizer step"),
         },
     ),
-    "bf16_mixed": ('`precision="bf16-mixed"` (CPU)', {"ddp": works(), "gtc": works()}),
+    "bf16_mixed": (
+        '`precision="bf16-mixed"` (CPU)',
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works(),
+        },
+    ),
     "fp16_mixed": (
         (
             '16-mixed with its `GradScaler`: `plugins=[MixedPrecision("16-mixed", "cpu")]` '
             '(`precision="16-mixed"` turns into bf16 on CPU)'
         ),
-        {"ddp": works(), "gtc": works("thresholds the unscaled gradient: the loss scale is divided out")},
+        {
+            "ddp": works(),
+            "gtc": works("thresholds the unscaled gradient: the loss scale is divided out"),
+            "gtc_stale": works("thresholds the unscaled gradient; scaled by the applying step's loss scale"),
+            "dpsgd": works(),
+        },
     ),
     "manual_two_optimizers": (
         "manual optimization, two optimizers, `toggle_optimizer` (`find_unused_parameters=True`)",
-        {"ddp": works(), "gtc": works()},
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": refused(
+                "each update is applied at the next backward pass, which may step another optimizer",
+                r"stale=True.*2 optimizers",
+            ),
+            "dpsgd": works("each optimizer step averages the parameters it updates"),
+        },
     ),
     "unused_find_unused": (
         "a never used branch, `find_unused_parameters=True`",
         {
             "ddp": works(),
             "gtc": works("a parameter a rank did not use keeps its residual"),
+            "gtc_stale": works(
+                "a parameter a rank did not use keeps its residual; one that no rank uses when its update "
+                "lands still gets it"
+            ),
+            "dpsgd": works(),
         },
     ),
     "unused_by_name": (
@@ -98,6 +144,8 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
         {
             "ddp": works(),
             "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works(),
         },
     ),
     "unused_without_flag": (
@@ -105,12 +153,50 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
         {
             "ddp": refused(_UNUSED.format("ddp"), "strategy='ddp_find_unused_parameters_true'", at="batch 2"),
             "gtc": refused(_UNUSED.format("gtc"), "strategy='gtc_find_unused_parameters_true'", at="batch 2"),
+            "gtc_stale": refused(
+                _UNUSED.format("gtc_stale"), "strategy='gtc_stale_find_unused_parameters_true'", at="batch 2"
+            ),
+            "dpsgd": refused(
+                _UNUSED.format("dpsgd"), "strategy='dpsgd_find_unused_parameters_true'", at="batch 2"
+            ),
         },
     ),
-    "frozen_layers": ("frozen layers (`requires_grad=False`)", {"ddp": works(), "gtc": works()}),
-    "tied_weights": ("tied weights (one parameter in two layers)", {"ddp": works(), "gtc": works()}),
-    "batchnorm": ("`BatchNorm1d`", {"ddp": works(), "gtc": works()}),
-    "static_graph": ("`static_graph=True`", {"ddp": works(), "gtc": works()}),
+    "frozen_layers": (
+        "frozen layers (`requires_grad=False`)",
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works(),
+        },
+    ),
+    "tied_weights": (
+        "tied weights (one parameter in two layers)",
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works(),
+        },
+    ),
+    "batchnorm": (
+        "`BatchNorm1d`",
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works("the buffers are rank 0's: DDP broadcasts them every forward"),
+        },
+    ),
+    "static_graph": (
+        "`static_graph=True`",
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works(),
+        },
+    ),
     "checkpoint_resume": (
         "`ModelCheckpoint(every_n_train_steps=2)`, then `fit(ckpt_path=...)`",
         {
@@ -118,19 +204,50 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(
                 "bit-identical to the uninterrupted run; each rank's residuals in `<ckpt>.gtc/rank<r>.pt`"
             ),
+            "gtc_stale": works(
+                "bit-identical to the uninterrupted run; residual shards as for `gtc`, the update in flight "
+                "drained into the checkpoint"
+            ),
+            "dpsgd": works(
+                "bit-identical to the uninterrupted run; every rank's own parameters and optimizer state in "
+                "`<ckpt>.dpsgd/rank<r>.pt`, their average in the checkpoint"
+            ),
         },
     ),
-    "validate_test_after_fit": ("`validate` and `test` after `fit`", {"ddp": works(), "gtc": works()}),
-    "validation_in_fit": ("validation inside `fit`", {"ddp": works(), "gtc": works()}),
+    "validate_test_after_fit": (
+        "`validate` and `test` after `fit`",
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works("evaluates the average of the ranks' parameters"),
+        },
+    ),
+    "validation_in_fit": (
+        "validation inside `fit`",
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": works("validation sees the parameters without the update in flight"),
+            "dpsgd": works("evaluates the average; each rank's own parameters come back after"),
+        },
+    ),
     "compiled": (
         '`torch.compile` in `configure_model` (`backend="eager"`)',
-        {"ddp": works(), "gtc": works()},
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works(),
+        },
     ),
     "clip_norm": (
         "`gradient_clip_val`, by norm",
         {
             "ddp": works("clips the averaged gradient"),
             "gtc": works("clips each rank's local gradient before it enters the residual"),
+            "gtc_stale": works("clips each rank's local gradient before it enters the residual"),
+            "dpsgd": works("clips each rank's local gradient"),
         },
     ),
     "clip_value": (
@@ -138,6 +255,8 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
         {
             "ddp": works("clips the averaged gradient"),
             "gtc": works("clips each rank's local gradient before it enters the residual"),
+            "gtc_stale": works("clips each rank's local gradient before it enters the residual"),
+            "dpsgd": works("clips each rank's local gradient"),
         },
     ),
     "sparse_embedding": (
@@ -149,6 +268,12 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
                 "(`sparse=False`, freeze it, or `ddp`)",
                 r"\['embedding\.weight'\] get sparse gradients.*sparse=False",
             ),
+            "gtc_stale": refused(
+                "GTC compresses dense gradients; the error names the parameter and the fixes "
+                "(`sparse=False`, freeze it, or `ddp`)",
+                r"\['embedding\.weight'\] get sparse gradients.*sparse=False",
+            ),
+            "dpsgd": works(),
         },
     ),
     "cli_class_path_yaml": (
@@ -156,6 +281,8 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
         {
             "ddp": works(),
             "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works(),
         },
     ),
     "cli_class_path_args": (
@@ -163,9 +290,19 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
         {
             "ddp": works(),
             "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works(),
         },
     ),
-    "cli_by_name": ("`LightningCLI`: `--trainer.strategy <name>_fork`", {"ddp": works(), "gtc": works()}),
+    "cli_by_name": (
+        "`LightningCLI`: `--trainer.strategy <name>_fork`",
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_stale": works(),
+            "dpsgd": works(),
+        },
+    ),
 }
 
 
