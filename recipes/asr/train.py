@@ -6,11 +6,14 @@ Usage:
   python recipes/asr/train.py --strategy gtc           # gradient threshold compression, 2 CPU processes
   python recipes/asr/train.py --strategy ddp           # dense all-reduce, 2 CPU processes
   python recipes/asr/train.py --strategy ddp_bf16      # dense all-reduce in bf16, 2 CPU processes
+  python recipes/asr/train.py --strategy ma            # periodic model averaging, 2 CPU processes
+  python recipes/asr/train.py --strategy bmuf          # blockwise model-update filtering, 2 CPU processes
+  python recipes/asr/train.py --strategy bmuf_gtc      # GTC in 2 groups of 2, BMUF across them: 4 CPU procs
   python recipes/asr/train.py --config conf/strom2015.yaml --strategy gtc   # 5 x 1536, all GPUs
   python recipes/asr/train.py --strategy gtc --trainer.devices 4 --trainer.max_epochs 6 --model.lr 0.5
 
-``--strategy {single,ddp,ddp_bf16,gtc}`` is a shortcut, expanded where it stands into
-``--trainer.strategy`` and ``--trainer.devices`` (CPU: 1 process for single, 2 for the others;
+``--strategy {single,ddp,ddp_bf16,gtc,ma,bmuf,bmuf_gtc}`` is a shortcut, expanded where it stands into
+``--trainer.strategy`` and ``--trainer.devices`` (CPU: 1 process for single, 4 for bmuf_gtc, 2 for the others;
 GPU: 1 or all GPUs); a later
 ``--trainer.devices N`` or ``--config`` wins. ``conf/default.yaml`` is always read first; any
 ``--trainer.* / --model.* / --data.*`` overrides it (``--help`` lists them all).
@@ -48,7 +51,9 @@ log = logging.getLogger("train")
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "conf" / "default.yaml"
-SHORTCUTS = {"single": "auto", "ddp": "ddp", "ddp_bf16": "ddp_bf16", "gtc": "gtc"}
+SHORTCUTS = {"single": "auto", "ddp": "ddp", "ddp_bf16": "ddp_bf16", "gtc": "gtc", "ma": "ma", "bmuf": "bmuf",
+             "bmuf_gtc": "bmuf_gtc"}
+CPU_PROCESSES = {"bmuf_gtc": "4"}  # processes on CPU: bmuf_gtc needs two groups of 2; the others run on 2
 ALI_FILES = ("ali/train_cuts.jsonl.gz", "ali/dev_cuts.jsonl.gz", "ali/info.json", "features/cmvn.json")
 
 
@@ -73,7 +78,7 @@ def expand_strategy_shortcut(argv: list[str], cuda: bool | None = None) -> list[
             if name not in SHORTCUTS:
                 raise ValueError(f"--strategy {name!r} is not a shortcut; use one of {', '.join(SHORTCUTS)} "
                                  "or --trainer.strategy for any Lightning strategy")
-            devices = "1" if name == "single" else ("auto" if cuda else "2")
+            devices = "1" if name == "single" else ("auto" if cuda else CPU_PROCESSES.get(name, "2"))
             out += [f"--trainer.strategy={SHORTCUTS[name]}", f"--trainer.devices={devices}"]
         else:
             out.append(arg)
@@ -184,6 +189,7 @@ class RunSummary(Callback):
             "accelerator": type(trainer.accelerator).__name__,
             "tau": getattr(strategy, "tau", None),
             "gtc": getattr(strategy, "gtc_stats", None),  # rank 0's step count and byte totals
+            "sync": getattr(strategy, "sync_stats", None),  # ma, bmuf, bmuf_gtc: rank 0's syncs and bytes
             "epochs": trainer.current_epoch,
             "global_steps": trainer.global_step,
             "dev_frame_acc": list(getattr(pl_module, "dev_acc_history", [])),
