@@ -52,7 +52,7 @@ class GTCFabricStrategy(DDPStrategy):
 
     Args:
         tau, warmup_steps, max_consecutive_skips, dense_fallback, exchange, backend,
-        restore_residuals: as for :class:`gtc_lightning.GTCStrategy`.
+        restore_residuals, coding: as for :class:`gtc_lightning.GTCStrategy`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
         process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
         **kwargs: passed to ``DistributedDataParallel`` (``process_group`` is honoured by the
@@ -69,6 +69,7 @@ class GTCFabricStrategy(DDPStrategy):
         exchange: Literal["auto", "alltoall", "allgather"] = "auto",
         backend: Literal["auto", "torch", "triton"] = "auto",
         restore_residuals: bool = True,
+        coding: Literal["none", "rice"] = "none",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -79,7 +80,7 @@ class GTCFabricStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend)
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -98,6 +99,7 @@ class GTCFabricStrategy(DDPStrategy):
             "dense_fallback": bool(dense_fallback),
             "exchange": exchange,
             "backend": backend,
+            "coding": coding,
         }
         self._restore_residuals = bool(restore_residuals)
         self._gtc_state: GTCState | None = None

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from gtc_lightning.ops import BACKENDS, MAX_NUMEL, step_ops
+from gtc_lightning.ops.rice import rice_decode, rice_encode
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ log = logging.getLogger(__name__)
 all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _WORD_BYTES = 4
-_HEADER = 2  # int64 values per rank: non-finite count, words
+_HEADER = 3  # int64 values per rank: non-finite count, words, message bytes
+CODINGS = ("none", "rice")
 EXCHANGES = ("auto", "alltoall", "allgather")
 # Dense fallback: enter when the sparse exchange would move more bytes than a dense fp32 ring
 # all-reduce, leave again when it moves less than half of them.
@@ -172,7 +174,12 @@ _TOTAL_KEYS = (
 
 
 def check_options(
-    tau: float, warmup_steps: int, max_consecutive_skips: int | None, exchange: str, backend: str
+    tau: float,
+    warmup_steps: int,
+    max_consecutive_skips: int | None,
+    exchange: str,
+    backend: str,
+    coding: str = "none",
 ) -> None:
     """Validate GTC's hyper-parameters, with messages that say what each one means.
 
@@ -201,6 +208,11 @@ def check_options(
         raise ValueError(f"Expect exchange in {EXCHANGES}, got {exchange!r}")
     if backend not in BACKENDS:
         raise ValueError(f"Expect backend in {BACKENDS}, got {backend!r}")
+    if coding not in CODINGS:
+        raise ValueError(
+            f"Expect coding in {CODINGS} (rice: Golomb-Rice coded index gaps, ~10 bits a word instead of 32), "
+            f"got {coding!r}"
+        )
 
 
 class GTCState:
@@ -233,8 +245,14 @@ class GTCState:
         exchange: str = "auto",
         backend: str = "auto",
         stale: bool = False,
+        coding: str = "none",
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend)
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding)
+        if stale and coding != "none":
+            raise ValueError(
+                f"coding={coding!r} is not available with stale=True yet: the one-step-stale exchange sends "
+                "plain 32-bit words; use coding='none' or stale=False"
+            )
         # The hyper-parameters.
         self.process_group = process_group
         self.tau = float(tau)
@@ -245,6 +263,7 @@ class GTCState:
         self.exchange = exchange
         self.backend = backend
         self.stale = bool(stale)
+        self.coding = coding
         # Gradient clipping of each rank's local gradient, set by the strategy from the Trainer:
         # ("norm" | "value", threshold) or None.
         self.clip: tuple[str, float] | None = None
@@ -769,7 +788,12 @@ def _exchange(state: GTCState) -> None:
 
     # 3. One header exchange: non-finite count and words of every rank; the step's host sync.
     start = clock.now()
-    header = torch.cat([state._bad.to(torch.int64), state._cursor])
+    if state.coding == "rice":
+        state._coded = rice_encode(state._message[: int(state._cursor)])
+        size = torch.tensor([state._coded.numel()], dtype=torch.int64, device=state._cursor.device)
+    else:
+        size = state._cursor * _WORD_BYTES
+    header = torch.cat([state._bad.to(torch.int64), state._cursor, size])
     if world > 1:
         headers = torch.empty(world * _HEADER, dtype=torch.int64, device=header.device)
         all_gather_equal(headers, header, group=group)
@@ -777,8 +801,9 @@ def _exchange(state: GTCState) -> None:
         headers = header
     headers = headers.view(world, _HEADER).tolist()
     header_bytes = (world - 1) * _HEADER * 8
-    bad_ranks = [r for r, (bad, _) in enumerate(headers) if bad]
-    counts = [words for _, words in headers]
+    bad_ranks = [r for r, (bad, _, _) in enumerate(headers) if bad]
+    counts = [words for _, words, _ in headers]
+    sizes = [message_bytes for _, _, message_bytes in headers]
     own = counts[rank]
     fp32_bytes = allreduce_bytes(numel, world)
 
@@ -806,7 +831,7 @@ def _exchange(state: GTCState) -> None:
         return
     dense = False
     if state.dense_fallback and world > 1:
-        share = (world - 1) * _WORD_BYTES * max(counts) / fp32_bytes if fp32_bytes else 0.0
+        share = (world - 1) * max(sizes) / fp32_bytes if fp32_bytes else 0.0
         was_dense = state._dense_mode
         state._dense_mode = share > (FALLBACK_EXIT if was_dense else FALLBACK_ENTER)
         if state._dense_mode and not state._warned_fallback and rank == 0:
@@ -830,7 +855,10 @@ def _exchange(state: GTCState) -> None:
         return
 
     # 5. One word exchange.
-    words, lengths, sent, received, _ = _send_words(state, counts)
+    if state.coding == "rice":
+        words, lengths, sent, received = _send_coded(state, sizes)
+    else:
+        words, lengths, sent, received, _ = _send_words(state, counts)
     exchanged = clock.now()
     state._residual, state._spare = spare, residual
 
@@ -877,6 +905,31 @@ def _send_words(state: GTCState, counts: list[int], async_op: bool = False) -> t
     work = all_gather_equal(words, message[:width], group=group, async_op=async_op)
     sent = (world - 1) * width * _WORD_BYTES
     return words, counts, sent, sent, work
+
+
+def _send_coded(state: GTCState, sizes: list[int]) -> tuple:
+    """Step 5 with ``coding="rice"``: every rank's Golomb-Rice coded message (``sizes`` bytes each)
+    to every rank, decoded back into words (rank 0's first, as ``_send_words`` gives them)."""
+    group, world, rank = state.process_group, state.world_size, state.rank
+    coded, own = state._coded, sizes[rank]
+    if world == 1:
+        return rice_decode(coded), None, 0, 0
+    if _exchange_kind(state) == "alltoall":
+        data = torch.empty(sum(sizes), dtype=torch.uint8, device=coded.device)
+        dist.all_to_all_single(
+            data, coded.repeat(world), output_split_sizes=sizes, input_split_sizes=[own] * world, group=group
+        )
+        parts = data.split(sizes)
+        sent, received = (world - 1) * own, sum(sizes) - own
+    else:
+        width = max(sizes)
+        padded = torch.zeros(width, dtype=torch.uint8, device=coded.device)
+        padded[:own] = coded
+        data = torch.empty(world * width, dtype=torch.uint8, device=coded.device)
+        all_gather_equal(data, padded, group=group)
+        parts = [row[:n] for row, n in zip(data.view(world, width), sizes)]
+        sent = received = (world - 1) * width
+    return torch.cat([rice_decode(part) for part in parts]), None, sent, received
 
 
 def _exchange_kind(state: GTCState) -> str:

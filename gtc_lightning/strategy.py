@@ -85,6 +85,9 @@ class GTCStrategy(DDPStrategy):
             all-gather on NCCL).
         backend: the compression kernels: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"``,
             or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests).
+        coding: ``"rice"`` sends each message Golomb-Rice coded (the gaps between its sorted
+            indices and the signs: about 10 bits a word at the densities GTC runs at, instead of 32)
+            at the cost of encoding and decoding on every step; ``"none"`` sends 32-bit words.
         restore_residuals: restore the residuals of a resumed checkpoint (every rank reads its own
             shard). ``False`` restarts them from zero: the pending update is lost.
         stale: one-step-stale GTC (also registered as ``"gtc_stale"``): each step's word exchange
@@ -120,6 +123,7 @@ class GTCStrategy(DDPStrategy):
         backend: Literal["auto", "torch", "triton"] = "auto",
         restore_residuals: bool = True,
         stale: bool = False,
+        coding: Literal["none", "rice"] = "none",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -130,7 +134,7 @@ class GTCStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend)
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding)
         if not isinstance(stale, bool):
             raise ValueError(f"Expect stale to be True or False, got {stale!r}")  # noqa: TRY004
         _check_int(
@@ -167,6 +171,7 @@ class GTCStrategy(DDPStrategy):
         self._backend = backend
         self._restore_residuals = bool(restore_residuals)
         self._stale = stale
+        self._coding = coding
         self._gtc_state: GTCState | None = None
         self._saved_gtc: tuple[dict, _PATH] | None = None  # checkpoint entry waiting for the state
         self._checked_step = 0
@@ -255,6 +260,7 @@ class GTCStrategy(DDPStrategy):
             exchange=self._exchange,
             backend=self._backend,
             stale=self._stale,
+            coding=self._coding,
         )
         state.clip = self._clip
         scaler = self._grad_scaler()

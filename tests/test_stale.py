@@ -85,7 +85,7 @@ def test_update_is_applied_exactly_one_step_late_on_identical_replicas(stale_run
     assert sum(rec["stats"]["last"]["words_all"] for rec in ranks[0]["records"]) > 0
     for rec in ranks[0]["records"]:
         last = rec["stats"]["last"]
-        assert last["mode"] == "sparse" and last["bytes_sent"] == 16 + 4 * last["words"]
+        assert last["mode"] == "sparse" and last["bytes_sent"] == 24 + 4 * last["words"]
 
 
 def test_the_last_update_is_pending_in_checkpoints_not_applied(stale_run, tmp_path):

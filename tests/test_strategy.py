@@ -119,7 +119,7 @@ def test_replicas_stay_bit_identical_and_loss_goes_down(gtc_run):
 
 
 def test_bytes_are_counted_as_the_collectives_send_them(gtc_run):
-    """all-to-all: header (W-1)*16 bytes + own words * 4 * (W-1); received: the others' words."""
+    """all-to-all: header (W-1)*24 bytes + own words * 4 * (W-1); received: the others' words."""
     trainer, ranks = gtc_run
     numel = sum(p.numel() for p in TinyMLP().parameters())
     for rank in range(WORLD):
@@ -127,8 +127,8 @@ def test_bytes_are_counted_as_the_collectives_send_them(gtc_run):
             last = rec["stats"]["last"]
             own, everyone = last["words"], last["words_all"]
             assert last["mode"] == "sparse" and last["numel"] == numel
-            assert last["bytes_sent"] == 16 * (WORLD - 1) + 4 * (WORLD - 1) * own
-            assert last["bytes_received"] == 16 * (WORLD - 1) + 4 * (everyone - own)
+            assert last["bytes_sent"] == 24 * (WORLD - 1) + 4 * (WORLD - 1) * own
+            assert last["bytes_received"] == 24 * (WORLD - 1) + 4 * (everyone - own)
             assert last["allreduce_fp32_bytes"] == 2 * (WORLD - 1) * 4 * numel // WORLD
             assert last["allreduce_bf16_bytes"] * 2 == last["allreduce_fp32_bytes"]
     total = ranks[0]["records"][-1]["stats"]["total"]
@@ -155,7 +155,23 @@ def test_padded_allgather_gives_the_same_bits_and_counts_its_padding(gtc_run, tm
         assert torch.equal(a["params"], b["params"]) and torch.equal(a["residual"], b["residual"])
     for t, rec in enumerate(padded[0]["records"]):
         width = max(padded[r]["records"][t]["stats"]["last"]["words"] for r in range(WORLD))
-        assert rec["stats"]["last"]["bytes_sent"] == 16 * (WORLD - 1) + 4 * (WORLD - 1) * width
+        assert rec["stats"]["last"]["bytes_sent"] == 24 * (WORLD - 1) + 4 * (WORLD - 1) * width
+
+
+@pytest.mark.parametrize("exchange", ["alltoall", "allgather"])
+def test_rice_coded_exchange_gives_the_same_bits_with_fewer_bytes(gtc_run, tmp_path, exchange):
+    _, plain = gtc_run
+    _, coded = fit(tmp_path, tau=TAU, coding="rice", exchange=exchange, model_kwargs={"momentum": 0.0})
+    for rank in range(WORLD):
+        for a, b in zip(plain[rank]["records"], coded[rank]["records"]):
+            assert torch.equal(a["params"], b["params"]) and torch.equal(a["residual"], b["residual"])
+            assert a["stats"]["last"]["words"] == b["stats"]["last"]["words"]
+            assert b["stats"]["last"]["bytes_sent"] < a["stats"]["last"]["bytes_sent"]
+
+
+def test_rice_coding_refused_with_the_stale_exchange():
+    with pytest.raises(ValueError, match="coding='rice' is not available with stale=True"):
+        GTCState(None, TinyMLP().named_parameters(), tau=TAU, stale=True, coding="rice")
 
 
 def test_triton_kernels_in_the_hook_match_the_torch_backend(gtc_run, tmp_path):
@@ -474,7 +490,7 @@ def test_dense_fallback_when_sparse_would_send_more(tmp_path):
         for rec in recs:
             assert torch.allclose(rec["params"], params, atol=1e-6)
             assert rec["residual"].abs().max() == 0
-            assert rec["stats"]["last"]["bytes_sent"] == 3 * 16 + allreduce_bytes(rec["stats"]["last"]["numel"], 4)
+            assert rec["stats"]["last"]["bytes_sent"] == 3 * 24 + allreduce_bytes(rec["stats"]["last"]["numel"], 4)
         residuals = [rec["residual"] for rec in recs]
         for p in recs[1:]:
             assert torch.equal(p["params"], recs[0]["params"])
@@ -583,6 +599,7 @@ def test_registered_names_resolve_to_the_strategy(name, start_method, unused):
         ({"start_method": "thread"}, "start_method"),
         ({"exchange": "ring"}, "exchange"),
         ({"backend": "cuda"}, "backend"),
+        ({"coding": "huffman"}, "coding"),
     ],
 )
 def test_bad_configuration_raises(kwargs, message):
