@@ -9,8 +9,9 @@ moment of a noisy machine hits all of them. Per round and strategy it takes the 
 
 Strategies: ``ddp`` (fp32 all-reduce), ``ddp_bf16`` (bf16 all-reduce), ``gtc`` (its exchange as
 ``--exchange`` says), ``gtc_alltoall`` / ``gtc_allgather`` (the two word exchanges, uneven messages
-or padded to the longest) and ``nocomm`` (DDP sending nothing: the compute-only step GTC should
-come close to).
+or padded to the longest), ``gtc_stale`` (one-step-stale GTC: the word exchange overlaps the next
+step), ``dpsgd`` (ring-neighbour parameter averaging, overlapping the forward and backward passes) and
+``nocomm`` (DDP sending nothing: the compute-only step GTC should come close to).
 
 Models: ``recipe`` (5 x 512, 150 outputs: 1.48 M weights, the recipe's CPU model) and ``strom``
 (5 x 1536, 2700 outputs: 14.6 M weights, Strom 2015's DNN), or ``LxH:K``.
@@ -36,7 +37,7 @@ import statistics
 import time
 from pathlib import Path
 
-STRATEGIES = ("ddp", "ddp_bf16", "gtc", "gtc_alltoall", "gtc_allgather", "nocomm")
+STRATEGIES = ("ddp", "ddp_bf16", "gtc", "gtc_alltoall", "gtc_allgather", "gtc_stale", "dpsgd", "nocomm")
 MODELS = {"recipe": (5, 512, 150), "strom": (5, 1536, 2700)}
 INPUT_DIM = 17 * 40
 
@@ -69,6 +70,12 @@ def _make_strategy(name: str, tau: float, exchange: str):
         return BF16AllReduceStrategy()
     if name == "nocomm":
         return NoCommStrategy()
+    if name == "gtc_stale":
+        return GTCStrategy(tau=tau, exchange=exchange, stale=True)
+    if name == "dpsgd":
+        from gtc_lightning import DPSGDStrategy
+
+        return DPSGDStrategy(average_at_end=False)
     if name in ("gtc_alltoall", "gtc_allgather"):
         return GTCStrategy(tau=tau, exchange=name.removeprefix("gtc_"))
     if name == "gtc":
@@ -132,6 +139,9 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
         keys = ("compress_s", "exchange_s", "decompress_s", "bytes_sent", "words")
         out["gtc"] = {key: total_stats.get(key, 0.0) / n for key in keys}
         out["gtc"]["modes"] = {k: total_stats.get(f"{k}_steps", 0) for k in ("sparse", "dense")}
+    sync = getattr(trainer.strategy, "sync_stats", None)
+    if sync and sync["total"]:
+        out["sync"] = {key: sync["total"][key] / max(sync["step"], 1) for key in ("bytes_sent", "exchange_s")}
     return out
 
 
@@ -193,6 +203,11 @@ def summarize(data: dict) -> str:
             fp32 = 2 * (world - 1) / world * 4 * weights
             if name in ("ddp", "ddp_bf16"):
                 sent_bytes = fp32 if name == "ddp" else fp32 / 2
+                sent, vs = f"{sent_bytes:,.0f}", f"{fp32 / sent_bytes:.1f}x / {fp32 / 2 / sent_bytes:.1f}x"
+            sync = [seg["sync"] for seg in segs if "sync" in seg]
+            if sync:
+                sent_bytes = statistics.mean(s["bytes_sent"] for s in sync)
+                breakdown = f"- / {1e3 * statistics.mean(s['exchange_s'] for s in sync):.1f} / -"
                 sent, vs = f"{sent_bytes:,.0f}", f"{fp32 / sent_bytes:.1f}x / {fp32 / 2 / sent_bytes:.1f}x"
             gtc = [seg["gtc"] for seg in segs if "gtc" in seg]
             if gtc:

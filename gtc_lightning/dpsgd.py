@@ -27,7 +27,8 @@ global synchronisation; latency independent of W), which pays off on slow or une
 The replicas differ by design. Their spread, the RMS distance of each rank's parameters from the
 mean over ranks, is measured on the Trainer's logging steps (one all-reduce of the parameters, its
 bytes counted apart as ``spread_bytes``) and logged as ``dpsgd/spread`` (over all ranks) and
-``dpsgd/distance`` (this rank). Validation, test and predict loops evaluate the average of all
+``dpsgd/distance`` (this rank); ``exchange_s`` is the host time of the launch, the wait and the
+average (the transfer that overlapped the passes is not in it). Validation, test and predict loops evaluate the average of all
 ranks' parameters (``average_eval``; each rank's own come back afterwards), and at the end of fit
 every rank's parameters become that average (``average_at_end``), so that the trained model is the
 consensus one. Checkpoints keep every rank's own parameters and optimizer state in
@@ -115,7 +116,7 @@ class DPSGDState:
         self.step = 0
         self._works: list = []
         self._buffers: dict[tuple, list[torch.Tensor]] = {}  # (numel, dtype, device) -> [sent, received...]
-        self._started = 0.0
+        self._host_s = 0.0  # host seconds of the launch: with the wait and the average, the step's exchange_s
         self._current: tuple | None = None  # (parameters, sent, received) of the exchange in flight
         # The statistics.
         self.last: SyncStats | None = None
@@ -129,7 +130,7 @@ class DPSGDState:
 
     def launch(self, params: list[torch.Tensor]) -> None:
         """Step 2: send a flat copy of ``params`` to the neighbours and receive theirs, asynchronously."""
-        self._started = time.perf_counter()
+        started = time.perf_counter()
         numel = sum(p.numel() for p in params)
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in params))
         key = (numel, dtype, params[0].device)
@@ -144,9 +145,11 @@ class DPSGDState:
         ops += [dist.P2POp(dist.irecv, buf, peer, self.process_group) for peer, buf in zip(self.neighbours, received)]
         self._works = dist.batch_isend_irecv(ops)
         self._current = (params, sent, received)
+        self._host_s = time.perf_counter() - started
 
     def complete(self) -> None:
         """Step 3: wait for the neighbours' copies and write the neighbour average into the parameters."""
+        started = time.perf_counter()
         params, sent, received = self._current
         self._current = None
         for work in self._works:
@@ -160,7 +163,7 @@ class DPSGDState:
         sent.add_(received[0].div_(len(received) + 1))
         unflatten_(sent, params)
         size = sent.numel() * sent.element_size() * len(self.neighbours)
-        self._record("sync", params, size, time.perf_counter() - self._started)
+        self._record("sync", params, size, self._host_s + time.perf_counter() - started)
 
     def after_step(self, params: list[torch.Tensor]) -> None:
         """Count a warmup step (the averaging steps are counted by :meth:`complete`)."""
