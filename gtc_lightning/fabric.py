@@ -52,7 +52,7 @@ class GTCFabricStrategy(DDPStrategy):
 
     Args:
         tau, warmup_steps, max_consecutive_skips, dense_fallback, exchange, backend,
-        restore_residuals, coding: as for :class:`gtc_lightning.GTCStrategy`.
+        restore_residuals, coding, target_density: as for :class:`gtc_lightning.GTCStrategy`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
         process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
         **kwargs: passed to ``DistributedDataParallel`` (``process_group`` is honoured by the
@@ -62,7 +62,7 @@ class GTCFabricStrategy(DDPStrategy):
 
     def __init__(
         self,
-        tau: float = 1e-2,
+        tau: float | Literal["auto"] = 1e-2,
         warmup_steps: int = 0,
         max_consecutive_skips: int | None = 10,
         dense_fallback: bool = True,
@@ -70,6 +70,7 @@ class GTCFabricStrategy(DDPStrategy):
         backend: Literal["auto", "torch", "triton"] = "auto",
         restore_residuals: bool = True,
         coding: Literal["none", "rice"] = "none",
+        target_density: float | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -100,6 +101,7 @@ class GTCFabricStrategy(DDPStrategy):
             "exchange": exchange,
             "backend": backend,
             "coding": coding,
+            "target_density": target_density,
         }
         self._restore_residuals = bool(restore_residuals)
         self._gtc_state: GTCState | None = None

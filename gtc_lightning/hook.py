@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from gtc_lightning.auto_tau import TauController
 from gtc_lightning.ops import BACKENDS, MAX_NUMEL, step_ops
 from gtc_lightning.ops.rice import rice_decode, rice_encode
 
@@ -58,6 +59,7 @@ all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _WORD_BYTES = 4
 _HEADER = 3  # int64 values per rank: non-finite count, words, message bytes
 CODINGS = ("none", "rice")
+AUTO_TAU_INIT = 1e-2  # where tau="auto" starts
 EXCHANGES = ("auto", "alltoall", "allgather")
 # Dense fallback: enter when the sparse exchange would move more bytes than a dense fp32 ring
 # all-reduce, leave again when it moves less than half of them.
@@ -97,6 +99,7 @@ class StepStats:
         compress_s: seconds spent thresholding (all buckets).
         exchange_s: seconds spent in the collectives (host wall time).
         decompress_s: seconds spent decoding into the buckets.
+        tau: the threshold this step's words were emitted with.
         applied: the optimizer step whose decoded update this step hands the optimizer: this step
             itself, or with ``stale=True`` the step before (an earlier one after a skip); ``None``
             when nothing is applied (a skip, or the first stale step: nothing in flight yet).
@@ -116,6 +119,7 @@ class StepStats:
     exchange_s: float
     decompress_s: float
     applied: int | None = None
+    tau: float = 0.0
 
     @property
     def dense(self) -> bool:
@@ -186,10 +190,13 @@ def check_options(
     Raises:
         ValueError: naming the bad value and what it should be.
     """
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
+    if tau != "auto" and (
+        isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0
+    ):
         raise ValueError(
-            f"Expect tau to be a finite number > 0, got {tau!r}: it is the threshold a residual must pass to "
-            "emit a word; start near 15x the per-rank gradient RMS (e.g. tau=1e-2)"
+            f"Expect tau to be a finite number > 0 or 'auto', got {tau!r}: it is the threshold a residual must "
+            "pass to emit a word; start near 15x the per-rank gradient RMS (e.g. tau=1e-2), or let it adapt "
+            "with tau='auto', target_density=1e-3"
         )
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(
@@ -222,7 +229,10 @@ class GTCState:
         process_group: the group to exchange within; ``None`` for the default (world) group.
         named_parameters: ``(name, parameter)`` pairs of the module DDP wraps; only parameters
             with ``requires_grad`` get residuals (they are the ones DDP puts into buckets).
-        tau: the threshold; each word moves one element by ``tau / world_size``.
+        tau: the threshold; each word moves one element by ``tau / world_size``; with a
+            ``target_density`` the initial value (``"auto"``: 1e-2).
+        target_density: adapt tau after every step so that the words per rank and gradient
+            element track this (:mod:`gtc_lightning.auto_tau`); None keeps tau fixed.
         warmup_steps: optimizer steps of dense all-reduce before compression starts.
         max_consecutive_skips: raise after this many consecutive skipped steps; ``None``: never.
         dense_fallback: fall back to a dense all-reduce on steps where the sparse exchange would
@@ -246,8 +256,18 @@ class GTCState:
         backend: str = "auto",
         stale: bool = False,
         coding: str = "none",
+        target_density: float | None = None,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding)
+        if tau == "auto" and target_density is None:
+            raise ValueError("tau='auto' needs a target_density (words per rank per gradient element, e.g. 1e-3)")
+        if stale and target_density is not None:
+            raise ValueError(
+                "target_density (automatic tau) is not available with stale=True yet: an update applied one step "
+                "late would be scaled with the next step's tau; use a fixed tau or stale=False"
+            )
+        if tau == "auto":
+            tau = AUTO_TAU_INIT
         if stale and coding != "none":
             raise ValueError(
                 f"coding={coding!r} is not available with stale=True yet: the one-step-stale exchange sends "
@@ -264,6 +284,7 @@ class GTCState:
         self.backend = backend
         self.stale = bool(stale)
         self.coding = coding
+        self.controller = TauController(target_density, float(tau)) if target_density is not None else None
         # Gradient clipping of each rank's local gradient, set by the strategy from the Trainer:
         # ("norm" | "value", threshold) or None.
         self.clip: tuple[str, float] | None = None
@@ -424,12 +445,21 @@ class GTCState:
 
     def counters(self) -> dict:
         """Step counter and statistics totals, for checkpoints."""
-        return {"step": self.step, "totals": dict(self.totals), "dense_mode": self._dense_mode}
+        controller = self.controller.state_dict() if self.controller is not None else None
+        return {"step": self.step, "totals": dict(self.totals), "dense_mode": self._dense_mode, "controller": controller}
 
     def load_counters(self, saved: dict) -> None:
         self.step = int(saved["step"])
         self.totals.update(saved["totals"])
         self._dense_mode = bool(saved.get("dense_mode", False))
+        if self.controller is not None and saved.get("controller"):
+            self.controller.load_state_dict(saved["controller"])
+            self.set_tau(self.controller.tau)
+
+    def set_tau(self, tau: float) -> None:
+        """The threshold of the next steps (the automatic-tau controller's output)."""
+        self.tau = float(tau)
+        self.tau32 = _f32(tau)
 
     # ---- the flat layout -------------------------------------------------------------------
 
@@ -709,7 +739,18 @@ def gtc_hook(state: GTCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         _threshold_bucket(state, buffer, offset, runs, alpha=1.0 / state.grad_scale)
     if bucket.is_last():
         _exchange(state)
+        _adapt_tau(state)
     return future
+
+
+def _adapt_tau(state: GTCState) -> None:
+    """Automatic tau: after a compressed step that was not skipped, move tau towards the target
+    density, from the word counts every rank received in the headers (so every rank agrees)."""
+    last = state.last
+    if state.controller is None or last is None or last.skipped or last.step != state.step:
+        return
+    density = sum(state._step_counts) / max(last.world_size * last.numel, 1)
+    state.set_tau(state.controller.update(density))
 
 
 def _begin_step(state: GTCState, device: torch.device) -> None:
@@ -803,6 +844,7 @@ def _exchange(state: GTCState) -> None:
     header_bytes = (world - 1) * _HEADER * 8
     bad_ranks = [r for r, (bad, _, _) in enumerate(headers) if bad]
     counts = [words for _, words, _ in headers]
+    state._step_counts = counts
     sizes = [message_bytes for _, _, message_bytes in headers]
     own = counts[rank]
     fp32_bytes = allreduce_bytes(numel, world)
@@ -816,6 +858,7 @@ def _exchange(state: GTCState) -> None:
             world_size=world, words=own if sparse else 0, words_all=sum(counts) if sparse else 0,
             bytes_sent=header_bytes + sent, bytes_received=header_bytes + received,
             compress_s=compress_s, exchange_s=0.0, decompress_s=0.0, applied=None if mode == "skipped" else applied,
+            tau=state.tau,
         )  # fmt: skip
         state._record(stats)
         state._unsettled += [(stats, "exchange_s", start, exchanged), (stats, "decompress_s", exchanged, end)]

@@ -85,6 +85,10 @@ class GTCStrategy(DDPStrategy):
             all-gather on NCCL).
         backend: the compression kernels: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"``,
             or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests).
+        target_density: automatic tau: after every step tau moves so that the words each rank
+            sends per gradient element track this density (e.g. 1e-3), from the word counts every
+            rank receives, so all ranks agree (:mod:`gtc_lightning.auto_tau`); ``tau`` is then the
+            starting value (``"auto"``: 1e-2). None keeps tau fixed.
         coding: ``"rice"`` sends each message Golomb-Rice coded (the gaps between its sorted
             indices and the signs: about 10 bits a word at the densities GTC runs at, instead of 32)
             at the cost of encoding and decoding on every step; ``"none"`` sends 32-bit words.
@@ -114,7 +118,7 @@ class GTCStrategy(DDPStrategy):
 
     def __init__(
         self,
-        tau: float = 1e-2,
+        tau: float | Literal["auto"] = 1e-2,
         warmup_steps: int = 0,
         check_replicas_every: int = 0,
         max_consecutive_skips: int | None = 10,
@@ -124,6 +128,7 @@ class GTCStrategy(DDPStrategy):
         restore_residuals: bool = True,
         stale: bool = False,
         coding: Literal["none", "rice"] = "none",
+        target_density: float | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -162,7 +167,7 @@ class GTCStrategy(DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._tau = float(tau)
+        self._tau = tau if tau == "auto" else float(tau)
         self._warmup_steps = warmup_steps
         self._check_replicas_every = check_replicas_every
         self._max_consecutive_skips = max_consecutive_skips
@@ -172,15 +177,21 @@ class GTCStrategy(DDPStrategy):
         self._restore_residuals = bool(restore_residuals)
         self._stale = stale
         self._coding = coding
+        self._target_density = target_density
+        if tau == "auto" and target_density is None:
+            raise ValueError(
+                "tau='auto' needs a target_density: the words per rank and gradient element to aim for, e.g. 1e-3"
+            )
         self._gtc_state: GTCState | None = None
         self._saved_gtc: tuple[dict, _PATH] | None = None  # checkpoint entry waiting for the state
         self._checked_step = 0
         self._clip: tuple[str, float] | None = None  # the Trainer's clipping, applied per rank
 
     @property
-    def tau(self) -> float:
-        """The compression threshold."""
-        return self._tau
+    def tau(self) -> float | str:
+        """The compression threshold: the current one once training runs (it moves with a
+        ``target_density``), else the configured one."""
+        return self._gtc_state.tau if self._gtc_state is not None else self._tau
 
     @property
     def stale(self) -> bool:
@@ -261,6 +272,7 @@ class GTCStrategy(DDPStrategy):
             backend=self._backend,
             stale=self._stale,
             coding=self._coding,
+            target_density=self._target_density,
         )
         state.clip = self._clip
         scaler = self._grad_scaler()
@@ -481,7 +493,10 @@ class _GTCStatsLogger(Callback):
             "gtc/skips": float(state.totals["skips"]),
             "gtc/overflows": float(state.totals["overflows"]),
             "gtc/dense": float(last.dense),
+            "gtc/tau": last.tau,
         }
         pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
         bar = {"gtc_vs_fp32": finite(last.ratio_fp32), "gtc_vs_bf16": finite(last.ratio_bf16)}
+        if state.controller is not None:
+            bar["gtc_tau"] = state.tau
         pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
