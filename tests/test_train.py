@@ -74,6 +74,8 @@ def parse(args: list[str]) -> ParseOnly:
     (["--strategy", "gtc"], True, ["--trainer.strategy=gtc", "--trainer.devices=auto"]),
     (["--strategy", "single"], True, ["--trainer.strategy=auto", "--trainer.devices=1"]),
     (["--strategy", "ma"], False, ["--trainer.strategy=ma", "--trainer.devices=2"]),
+    (["--strategy", "gtc_stale"], False, ["--trainer.strategy=gtc_stale", "--trainer.devices=2"]),
+    (["--strategy", "dpsgd"], True, ["--trainer.strategy=dpsgd", "--trainer.devices=auto"]),
     (["--strategy", "bmuf_gtc"], False, ["--trainer.strategy=bmuf_gtc", "--trainer.devices=4"]),
     (["--strategy", "bmuf_gtc"], True, ["--trainer.strategy=bmuf_gtc", "--trainer.devices=auto"]),
     (["--config", "c.yaml", "--strategy", "gtc", "--trainer.devices", "4"], False,
