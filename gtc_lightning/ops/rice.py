@@ -6,23 +6,25 @@ densities GTC runs at. A gap ``d`` with Rice parameter ``k`` is the quotient ``q
 unary (``q`` ones, then a zero) and the remainder ``d & (2**k - 1)`` in ``k`` bits; each word adds
 its sign bit.
 
-Layout (one rank's message, ``uint8``)::
+Layout (one rank's message, sent as bytes; every part a whole number of little-endian int32
+words, bit ``j`` of a stream at bit ``31 - j % 32`` of word ``j // 32``)::
 
-    header   4 x int32: words m, parameter k, unary bits U, escapes E (little-endian)
-    unary    ceil(U / 8) bytes: per word min(q, QMAX) ones then a zero, MSB first
-    fixed    ceil(m * (k + 1) / 8) bytes: per word k remainder bits then the sign bit, MSB first
-    escapes  E x int32: the whole gap of each word with q >= QMAX, in word order
+    header   4 words: words m, parameter k, unary bits U, escapes E
+    unary    ceil(U / 32) words: per word min(q, QMAX) ones then a zero; padded with ones, so
+             the stream holds exactly m zeros
+    fixed    ceil(m * (k + 1) / 32) words: per word k remainder bits then the sign bit; padded
+             with zeros
+    escapes  E words: the whole gap of each word with q >= QMAX, in word order
 
 The unary parts and the fixed-width parts are kept in two streams rather than interleaved, so that
-both directions are a handful of vectorised passes (prefix sums over lengths, positions of the
-zeros) instead of a bit-serial parse; the number of bits is the same as the interleaved code's.
-A gap of up to 2**31 - 1 with a small ``k`` would need billions of unary bits: quotients of
-``QMAX`` or more are written as ``QMAX`` ones and the gap goes to the escape list.
+both directions are a few parallel passes (prefix sums over lengths, positions of the zeros) in
+torch and in Triton (``rice_kernels.py``, used for CUDA tensors), instead of a bit-serial parse;
+the number of bits is the same as the interleaved code's. A gap of up to 2**31 - 1 with a small
+``k`` would need billions of unary bits: quotients of ``QMAX`` or more are written as ``QMAX``
+ones and the gap goes to the escape list.
 
-``k`` is chosen per message as the one of ``k0 - 1, k0, k0 + 1`` (``k0 = log2`` of the mean gap)
-that gives the fewest bits, computed exactly from the gaps.
-
-Works on any device torch does (CPU and CUDA tensors alike).
+``k`` is chosen per message as the one of ``k0 - 1, k0, k0 + 1`` (``k0 = log2`` of the mean gap
+times ln 2) that gives the fewest bits, computed exactly from the gaps.
 """
 
 from __future__ import annotations
@@ -38,19 +40,20 @@ HEADER_BYTES = 16
 MAX_K = 30
 
 
-def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """``[L]`` 0/1 values -> ``[ceil(L/8)]`` uint8, MSB first (the tail padded with zeros)."""
-    pad = (-bits.numel()) % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.int32, device=bits.device)
-    return (bits.view(-1, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
+def pack_words(bits: torch.Tensor, pad: int) -> torch.Tensor:
+    """``[L]`` 0/1 values -> ``[ceil(L/32)]`` int32 words, bit ``j`` at bit ``31 - j % 32`` of word
+    ``j // 32``; the tail padded with ``pad`` bits."""
+    extra = (-bits.numel()) % 32
+    if extra:
+        bits = torch.cat([bits, bits.new_full((extra,), pad)])
+    shifts = torch.arange(31, -1, -1, device=bits.device)
+    return (bits.view(-1, 32).long() << shifts).sum(dim=1).to(torch.int32)
 
 
-def _unpack_bits(data: torch.Tensor) -> torch.Tensor:
-    """``[B]`` uint8 -> ``[8B]`` int32 0/1, MSB first."""
-    shifts = torch.arange(7, -1, -1, device=data.device, dtype=torch.int32)
-    return ((data.to(torch.int32)[:, None] >> shifts) & 1).reshape(-1)
+def unpack_words(words: torch.Tensor) -> torch.Tensor:
+    """``[W]`` int32 words -> ``[32 W]`` int64 0/1 bits, as :func:`pack_words` lays them out."""
+    shifts = torch.arange(31, -1, -1, device=words.device)
+    return ((words.long() & 0xFFFFFFFF)[:, None] >> shifts).reshape(-1) & 1
 
 
 def _bits_for(gaps: torch.Tensor, k: int) -> int:
@@ -68,13 +71,14 @@ def rice_parameter(gaps: torch.Tensor) -> int:
     return min(candidates, key=lambda k: _bits_for(gaps, k))
 
 
-def rice_encode(words: torch.Tensor, k: int | None = None) -> torch.Tensor:
+def rice_encode(words: torch.Tensor, k: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Encode one rank's message.
 
     Args:
         words: ``[m]`` int32 words ``index | sign << 31`` with strictly ascending indices (as
             ``threshold_`` writes them).
         k: the Rice parameter; None chooses it from the gaps.
+        backend: ``"auto"`` (Triton's bit packing for CUDA tensors), ``"torch"`` or ``"triton"``.
 
     Returns:
         ``[B]`` uint8, the layout of the module docstring.
@@ -95,25 +99,36 @@ def rice_encode(words: torch.Tensor, k: int | None = None) -> torch.Tensor:
         raise ValueError(f"Rice parameter k must be in [0, {MAX_K}], got {k}")
     q = gaps >> k
     escaped = q >= QMAX
-    ones = torch.clamp(q, max=QMAX)
-    ends = torch.cumsum(ones + 1, 0) - 1  # where each word's terminating zero sits
+    ends = torch.cumsum(torch.clamp(q, max=QMAX) + 1, 0) - 1  # where each word's terminating zero sits
     unary_bits = int(ends[-1]) + 1 if m else 0
-    unary = torch.ones(unary_bits, dtype=torch.int32, device=device)
-    unary[ends] = 0
     fixed_value = ((gaps & ((1 << k) - 1)) << 1) | (words < 0).long()
-    shifts = torch.arange(k, -1, -1, device=device)
-    fixed = ((fixed_value[:, None] >> shifts) & 1).reshape(-1)
+    if _triton(words, backend):
+        from gtc_lightning.ops.rice_kernels import pack_fixed, pack_unary
+
+        unary, fixed = pack_unary(ends, unary_bits), pack_fixed(fixed_value, k + 1)
+    else:
+        unary = torch.ones(unary_bits, dtype=torch.int64, device=device)
+        unary[ends] = 0
+        unary = pack_words(unary, pad=1)
+        shifts = torch.arange(k, -1, -1, device=device)
+        fixed = pack_words(((fixed_value[:, None] >> shifts) & 1).reshape(-1), pad=0)
     escapes = gaps[escaped].to(torch.int32)
     header = torch.tensor([m, k, unary_bits, escapes.numel()], dtype=torch.int32, device=device)
-    parts = [header.view(torch.uint8), _pack_bits(unary), _pack_bits(fixed), escapes.view(torch.uint8)]
-    return torch.cat(parts)
+    return torch.cat([header, unary, fixed, escapes]).view(torch.uint8)
 
 
-def rice_decode(data: torch.Tensor) -> torch.Tensor:
+def _triton(t: torch.Tensor, backend: str) -> bool:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"Expect backend in ('auto', 'torch', 'triton'), got {backend!r}")
+    return backend == "triton" or (backend == "auto" and t.is_cuda)
+
+
+def rice_decode(data: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Decode one rank's message made by :func:`rice_encode`.
 
     Args:
         data: ``[B]`` uint8.
+        backend: as for :func:`rice_encode`.
 
     Returns:
         ``[m]`` int32 words, as given to the encoder.
@@ -121,38 +136,45 @@ def rice_decode(data: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: a message too short for its header or its streams.
     """
-    if data.numel() < HEADER_BYTES:
-        raise ValueError(f"a Rice-coded message has a {HEADER_BYTES}-byte header, got {data.numel()} bytes")
-    m, k, unary_bits, num_escapes = (int(x) for x in data[:HEADER_BYTES].clone().view(torch.int32))
-    unary_bytes, fixed_bytes = (unary_bits + 7) // 8, (m * (k + 1) + 7) // 8
-    expected = HEADER_BYTES + unary_bytes + fixed_bytes + 4 * num_escapes
-    if data.numel() != expected or not 0 <= k <= MAX_K:
-        raise ValueError(f"corrupt Rice-coded message: {data.numel()} bytes, header says {expected} (m={m}, k={k})")
+    if data.numel() < HEADER_BYTES or data.numel() % 4:
+        raise ValueError(
+            f"a Rice-coded message is int32 words with a {HEADER_BYTES}-byte header, got {data.numel()} bytes"
+        )
+    words32 = data.view(torch.int32)
+    m, k, unary_bits, num_escapes = (int(x) for x in words32[:4])
+    unary_words, fixed_words = (unary_bits + 31) // 32, (m * (k + 1) + 31) // 32
+    expected = 4 + unary_words + fixed_words + num_escapes
+    if words32.numel() != expected or not 0 <= k <= MAX_K or m < 0:
+        raise ValueError(
+            f"corrupt Rice-coded message: {data.numel()} bytes, its header says {4 * expected} (m={m}, k={k})"
+        )
     if m == 0:
         return torch.zeros(0, dtype=torch.int32, device=data.device)
-    at = HEADER_BYTES
-    unary = _unpack_bits(data[at : at + unary_bytes])[:unary_bits]
-    at += unary_bytes
-    fixed = _unpack_bits(data[at : at + fixed_bytes])[: m * (k + 1)].view(m, k + 1).long()
-    at += fixed_bytes
-    escapes = data[at:].clone().view(torch.int32).long()
-    ends = torch.nonzero(unary == 0).squeeze(1)
-    if ends.numel() != m:
-        raise ValueError(f"corrupt Rice-coded message: {ends.numel()} unary codes for {m} words")
+    unary = words32[4 : 4 + unary_words]
+    fixed = words32[4 + unary_words : 4 + unary_words + fixed_words]
+    escapes = words32[4 + unary_words + fixed_words :].long()
+    if _triton(data, backend):
+        from gtc_lightning.ops.rice_kernels import unpack_fixed, zero_positions
+
+        ends, value = zero_positions(unary, m), unpack_fixed(fixed, m, k + 1)
+    else:
+        ends = torch.nonzero(unpack_words(unary) == 0).squeeze(1)
+        if ends.numel() != m:
+            raise ValueError(f"corrupt Rice-coded message: {ends.numel()} unary codes for {m} words")
+        bits = unpack_words(fixed)[: m * (k + 1)].view(m, k + 1)
+        value = (bits << torch.arange(k, -1, -1, device=data.device)).sum(dim=1)
     q = ends - torch.cat([ends.new_full((1,), -1), ends[:-1]]) - 1
-    weights = 1 << torch.arange(k, -1, -1, device=data.device)
-    value = (fixed * weights).sum(dim=1)
-    gaps = ((q << k) | (value >> 1)).long()
+    gaps = (q << k) | (value >> 1)
     escaped = q >= QMAX
     if int(escaped.sum()) != escapes.numel():
         raise ValueError("corrupt Rice-coded message: escape count does not match the quotients")
     gaps[escaped] = escapes
     index = torch.cumsum(gaps + 1, 0) - 1
-    words = index.to(torch.int32)
-    return torch.where((value & 1).bool(), words | SIGN_BIT, words)
+    out = index.to(torch.int32)
+    return torch.where((value & 1).bool(), out | SIGN_BIT, out)
 
 
 def rice_bits_per_word(data: torch.Tensor) -> float:
     """Bits of the message (header included) per word it carries."""
-    m = int(data[:HEADER_BYTES].clone().view(torch.int32)[0])
+    m = int(data.view(torch.int32)[0])
     return 8.0 * data.numel() / m if m else math.inf
