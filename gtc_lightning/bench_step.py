@@ -37,7 +37,9 @@ import statistics
 import time
 from pathlib import Path
 
-STRATEGIES = ("ddp", "ddp_bf16", "gtc", "gtc_alltoall", "gtc_allgather", "gtc_stale", "dpsgd", "nocomm")
+STRATEGIES = (
+    "ddp", "ddp_bf16", "gtc", "gtc_alltoall", "gtc_allgather", "gtc_rice", "gtc_stale", "dpsgd", "nocomm"
+)
 MODELS = {"recipe": (5, 512, 150), "strom": (5, 1536, 2700)}
 INPUT_DIM = 17 * 40
 
@@ -78,6 +80,8 @@ def _make_strategy(name: str, tau: float, exchange: str):
         return DPSGDStrategy(average_at_end=False)
     if name in ("gtc_alltoall", "gtc_allgather"):
         return GTCStrategy(tau=tau, exchange=name.removeprefix("gtc_"))
+    if name == "gtc_rice":
+        return GTCStrategy(tau=tau, exchange=exchange, coding="rice")
     if name == "gtc":
         import inspect
 
