@@ -92,8 +92,13 @@ def _make_strategy(name: str, tau: float, exchange: str):
     raise ValueError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
 
 
-def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int, seed: int) -> dict:
-    """One ``fit`` of ``warmup + steps`` steps; returns per-step seconds and GTC statistics."""
+def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int, seed: int,
+             callbacks=(), strategy=None) -> dict:
+    """One ``fit`` of ``warmup + steps`` steps; returns per-step seconds and GTC statistics.
+
+    ``callbacks`` join the Trainer's after the step clock; ``strategy`` (an instance or a registered
+    name) replaces the one ``strategy_name`` would build (``gtc_lightning.bench_cluster`` uses both).
+    """
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -129,9 +134,9 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
 
     clock = Clock()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=_make_strategy(strategy_name, args.tau, args.exchange),
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy or _make_strategy(strategy_name, args.tau, args.exchange),
         max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[clock], use_distributed_sampler=False,
+        enable_model_summary=False, callbacks=[clock, *callbacks], use_distributed_sampler=False,
     )  # fmt: skip
     data = DataLoader(TensorDataset(x, y), batch_size=args.batch, shuffle=False)
     trainer.fit(DNN(), data)
