@@ -214,10 +214,15 @@ class AveragingState:
         for model averaging, the mean itself."""
         return mean
 
-    def after_step(self, parameters: Iterable[torch.Tensor], optimizers: list[Optimizer]) -> SyncStats:
-        """Count one optimizer step (call it after the step on every rank); sync when it ends a period."""
+    def after_step(self, params: list[torch.Tensor], optimizers: list[Optimizer]) -> SyncStats:
+        """Count one optimizer step (call it after the step on every rank); sync when it ends a period.
+
+        Args:
+            params: the trainable parameters as they were at setup, the same list every step
+                (``toggle_optimizer`` turns ``requires_grad`` off for a while; the whole model is averaged).
+            optimizers: the strategy's optimizers (their state is reset or averaged at a sync).
+        """
         self.step += 1
-        params = [p for p in parameters if p.requires_grad]
         numel = sum(p.numel() for p in params)
         record = functools.partial(SyncStats, step=self.step, numel=numel, world_size=self.world_size)
         if self.step <= self.warmup_steps:
@@ -579,6 +584,7 @@ class ModelAveragingStrategy(DDPStrategy):
         self._scale_lr = bool(scale_lr)
         self._optimizer_state = optimizer_state
         self._state: AveragingState | None = None
+        self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup, averaged at each sync
         self._shards = RankShards(self.name, restore_shards)
 
     @property
@@ -623,8 +629,9 @@ class ModelAveragingStrategy(DDPStrategy):
         # DDPStrategy registers hooks on CUDA only; the local steps need theirs on every device.
         assert isinstance(self.model, DistributedDataParallel)
         self._state = state = self._new_state()
+        self._params = [p for p in self.model.module.parameters() if p.requires_grad]
         if state.warmup_steps == 0:
-            state.begin([p for p in self.model.module.parameters() if p.requires_grad])
+            state.begin(self._params)
         if self.global_rank == 0:
             log.info("%s config: %s", self.name, self._describe())
         self.model.register_comm_hook(state, local_hook)
@@ -645,7 +652,7 @@ class ModelAveragingStrategy(DDPStrategy):
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self._state is not None and self.lightning_module is not None
-        self._state.after_step(self.lightning_module.parameters(), self.optimizers)
+        self._state.after_step(self._params, self.optimizers)
         return output
 
     @override

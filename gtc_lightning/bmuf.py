@@ -320,6 +320,7 @@ class BMUFGTCStrategy(GTCStrategy):
         self._nesterov = bool(nesterov)
         self._optimizer_state = optimizer_state
         self._block: BMUFState | None = None
+        self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup, averaged at each sync
         self._shards = RankShards(self.name, restore_shards)
         self._groups: tuple[list[int], dist.ProcessGroup, dist.ProcessGroup] | None = (
             None  # (my group's ranks, it, representatives)
@@ -392,7 +393,8 @@ class BMUFGTCStrategy(GTCStrategy):
             member=self.global_rank == ranks[0], spread=(ranks[0], group) if len(ranks) > 1 else None,
             world_size=self.world_size,
         )  # fmt: skip
-        self._block.begin([p for p in module.parameters() if p.requires_grad])
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._block.begin(self._params)
         if self.global_rank == 0:
             log.info(
                 "bmuf_gtc config: %d groups of %d ranks, period=%d, block_momentum=%g, block_lr=%g, nesterov=%s",
@@ -409,7 +411,7 @@ class BMUFGTCStrategy(GTCStrategy):
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self._block is not None and self.lightning_module is not None
-        self._block.after_step(self.lightning_module.parameters(), self.optimizers)
+        self._block.after_step(self._params, self.optimizers)
         return output
 
     @override

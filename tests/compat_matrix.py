@@ -38,18 +38,21 @@ class Strategy:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a cell promises: it works (``text`` is an optional note), or it is refused (``text``
-    is the reason shown in the README, ``error`` a regex the error message must match, ``at`` when
-    the error comes: ``"setup"``, before any batch, or ``"batch N"``, during the N-th batch)."""
+    """What a cell promises: it works (``text`` is an optional note; ``learns=False`` where its
+    settings cannot make the tiny MLP's loss fall in 8 steps, which the note must say), or it is
+    refused (``text`` is the reason shown in the README, ``error`` a regex the error message must
+    match, ``at`` when the error comes: ``"setup"``, before any batch, or ``"batch N"``, during the
+    N-th batch)."""
 
     works: bool
     text: str = ""
     error: str = ""
     at: str = "setup"
+    learns: bool = True
 
 
-def works(note: str = "") -> Outcome:
-    return Outcome(works=True, text=note)
+def works(note: str = "", learns: bool = True) -> Outcome:
+    return Outcome(works=True, text=note, learns=learns)
 
 
 def refused(reason: str, error: str, at: str = "setup") -> Outcome:
@@ -61,6 +64,29 @@ STRATEGIES: dict[str, Strategy] = {
     "gtc": Strategy("gtc_lightning.GTCStrategy", {"tau": 0.01}, "gtc_fork"),
     "gtc_stale": Strategy("gtc_lightning.GTCStrategy", {"tau": 0.01, "stale": True}, "gtc_stale_fork"),
     "dpsgd": Strategy("gtc_lightning.DPSGDStrategy", {}, "dpsgd_fork", identical_replicas=False),
+    # Replicas are identical right after a sync only (tests/test_averaging.py, test_bmuf.py check that);
+    # bmuf_gtc runs here with every rank its own group (the default group_size=2 needs 4 ranks). The
+    # tiny MLP's local SGD (lr 0.5, momentum 0.9, 8-sample batches) diverges alone: a sync every 2 steps
+    # (after 1 dense one, so that the checkpoint of step 4 falls between syncs), and for bmuf ζ = 1 - η,
+    # which keeps the filtered step as large as model averaging's (ζ / (1 - η) = 1).
+    "ma": Strategy(
+        "gtc_lightning.ModelAveragingStrategy",
+        {"period": 2, "warmup_steps": 1},
+        "ma_fork",
+        identical_replicas=False,
+    ),
+    "bmuf": Strategy(
+        "gtc_lightning.BMUFStrategy",
+        {"period": 2, "warmup_steps": 1, "block_momentum": 0.5, "block_lr": 0.5},
+        "bmuf_fork",
+        identical_replicas=False,
+    ),
+    "bmuf_gtc": Strategy(
+        "gtc_lightning.BMUFGTCStrategy",
+        {"tau": 0.01, "group_size": 1, "period": 2},
+        "bmuf_gtc_fork",
+        identical_replicas=False,
+    ),
 }
 
 _UNUSED = "Lightning's unused-parameter error, pointing at `strategy='{}_find_unused_parameters_true'`"
@@ -74,6 +100,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "ma": works(),
+            "bmuf": works(),
+            "bmuf_gtc": works(),
         },
     ),
     "adam_steplr": (
@@ -83,6 +112,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "ma": works(),
+            "bmuf": works(),
+            "bmuf_gtc": works(),
         },
     ),
     "accumulate_grad_batches": (
@@ -92,6 +124,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works("exchanges only on the steps that step the optimizer"),
             "gtc_stale": works("exchanges on optimizer steps, each in flight through the next micro-batches"),
             "dpsgd": works("averages once per optimizer step"),
+            "ma": works("a period counts optimizer steps"),
+            "bmuf": works("a block counts optimizer steps"),
+            "bmuf_gtc": works("GTC exchanges on optimizer steps; a block counts them"),
         },
     ),
     "bf16_mixed": (
@@ -101,6 +136,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "ma": works(),
+            "bmuf": works(),
+            "bmuf_gtc": works(),
         },
     ),
     "fp16_mixed": (
@@ -113,6 +151,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works("thresholds the unscaled gradient: the loss scale is divided out"),
             "gtc_stale": works("thresholds the unscaled gradient; scaled by the applying step's loss scale"),
             "dpsgd": works(),
+            "ma": works("each rank's own `GradScaler`, saved in its shard"),
+            "bmuf": works("each rank's own `GradScaler`, saved in its shard"),
+            "bmuf_gtc": works("GTC thresholds the unscaled gradient"),
         },
     ),
     "manual_two_optimizers": (
@@ -125,6 +166,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
                 r"stale=True.*2 optimizers",
             ),
             "dpsgd": works("each optimizer step averages the parameters it updates"),
+            "ma": works("every optimizer step counts towards the period"),
+            "bmuf": works("every optimizer step counts towards the period"),
+            "bmuf_gtc": works("every optimizer step counts towards the period"),
         },
     ),
     "unused_find_unused": (
@@ -137,6 +181,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
                 "lands still gets it"
             ),
             "dpsgd": works(),
+            "ma": works(),
+            "bmuf": works(),
+            "bmuf_gtc": works(),
         },
     ),
     "unused_by_name": (
@@ -146,6 +193,20 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "ma": works(
+                "runs, learns nothing here: the name's period=10 syncs none of the 8 steps, and the tiny "
+                "MLP's local SGD alone diverges (loss not checked)",
+                learns=False,
+            ),
+            "bmuf": works(
+                "runs, learns nothing here: the name's period=50 syncs none of the 8 steps, and the tiny "
+                "MLP's local SGD alone diverges (loss not checked)",
+                learns=False,
+            ),
+            "bmuf_gtc": refused(
+                "the registered names use `group_size=2`, one group of these 2 ranks (runs on 4: `tests/test_bmuf.py`)",
+                "makes one group",
+            ),
         },
     ),
     "unused_without_flag": (
@@ -159,6 +220,13 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "dpsgd": refused(
                 _UNUSED.format("dpsgd"), "strategy='dpsgd_find_unused_parameters_true'", at="batch 2"
             ),
+            "ma": refused(_UNUSED.format("ma"), "strategy='ma_find_unused_parameters_true'", at="batch 2"),
+            "bmuf": refused(
+                _UNUSED.format("bmuf"), "strategy='bmuf_find_unused_parameters_true'", at="batch 2"
+            ),
+            "bmuf_gtc": refused(
+                _UNUSED.format("bmuf_gtc"), "strategy='bmuf_gtc_find_unused_parameters_true'", at="batch 2"
+            ),
         },
     ),
     "frozen_layers": (
@@ -168,6 +236,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "ma": works(),
+            "bmuf": works(),
+            "bmuf_gtc": works(),
         },
     ),
     "tied_weights": (
@@ -177,6 +248,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "ma": works(),
+            "bmuf": works(),
+            "bmuf_gtc": works(),
         },
     ),
     "batchnorm": (
@@ -186,6 +260,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works("the buffers are rank 0's: DDP broadcasts them every forward"),
+            "ma": works("the buffers are rank 0's: DDP broadcasts them every forward"),
+            "bmuf": works("the buffers are rank 0's: DDP broadcasts them every forward"),
+            "bmuf_gtc": works("the buffers are rank 0's: DDP broadcasts them every forward"),
         },
     ),
     "static_graph": (
@@ -195,6 +272,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "ma": works(),
+            "bmuf": works(),
+            "bmuf_gtc": works(),
         },
     ),
     "checkpoint_resume": (
@@ -212,6 +292,18 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
                 "bit-identical to the uninterrupted run; every rank's own parameters and optimizer state in "
                 "`<ckpt>.dpsgd/rank<r>.pt`, their average in the checkpoint"
             ),
+            "ma": works(
+                "bit-identical to the uninterrupted run; every rank's own model and optimizer state in "
+                "`<ckpt>.ma/rank<r>.pt`"
+            ),
+            "bmuf": works(
+                "bit-identical to the uninterrupted run; every rank's own model, optimizer state, W and Δ "
+                "in `<ckpt>.bmuf/rank<r>.pt`"
+            ),
+            "bmuf_gtc": works(
+                "bit-identical to the uninterrupted run; GTC's residual shards, and every rank's own "
+                "model, optimizer state, W and Δ in `<ckpt>.bmuf_gtc/rank<r>.pt`"
+            ),
         },
     ),
     "validate_test_after_fit": (
@@ -221,6 +313,15 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works("evaluates the average of the ranks' parameters"),
+            "ma": works(
+                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+            ),
+            "bmuf": works(
+                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+            ),
+            "bmuf_gtc": works(
+                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+            ),
         },
     ),
     "validation_in_fit": (
@@ -230,6 +331,15 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works("validation sees the parameters without the update in flight"),
             "dpsgd": works("evaluates the average; each rank's own parameters come back after"),
+            "ma": works(
+                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+            ),
+            "bmuf": works(
+                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+            ),
+            "bmuf_gtc": works(
+                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+            ),
         },
     ),
     "compiled": (
@@ -239,6 +349,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "ma": works(),
+            "bmuf": works(),
+            "bmuf_gtc": works(),
         },
     ),
     "clip_norm": (
@@ -248,6 +361,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works("clips each rank's local gradient before it enters the residual"),
             "gtc_stale": works("clips each rank's local gradient before it enters the residual"),
             "dpsgd": works("clips each rank's local gradient"),
+            "ma": works("clips each rank's local gradient"),
+            "bmuf": works("clips each rank's local gradient"),
+            "bmuf_gtc": works("clips each rank's local gradient"),
         },
     ),
     "clip_value": (
@@ -257,6 +373,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works("clips each rank's local gradient before it enters the residual"),
             "gtc_stale": works("clips each rank's local gradient before it enters the residual"),
             "dpsgd": works("clips each rank's local gradient"),
+            "ma": works("clips each rank's local gradient"),
+            "bmuf": works("clips each rank's local gradient"),
+            "bmuf_gtc": works("clips each rank's local gradient"),
         },
     ),
     "sparse_embedding": (
@@ -274,6 +393,13 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
                 r"\['embedding\.weight'\] get sparse gradients.*sparse=False",
             ),
             "dpsgd": works(),
+            "ma": works(),
+            "bmuf": works(),
+            "bmuf_gtc": refused(
+                "GTC compresses dense gradients; the error names the parameter and the fixes "
+                "(`sparse=False`, freeze it, or `ddp`)",
+                r"\['embedding\.weight'\] get sparse gradients.*sparse=False",
+            ),
         },
     ),
     "cli_class_path_yaml": (
@@ -283,6 +409,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "ma": works(),
+            "bmuf": works(),
+            "bmuf_gtc": works(),
         },
     ),
     "cli_class_path_args": (
@@ -292,6 +421,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "ma": works(),
+            "bmuf": works(),
+            "bmuf_gtc": works(),
         },
     ),
     "cli_by_name": (
@@ -301,6 +433,20 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "ma": works(
+                "runs, learns nothing here: the name's period=10 syncs none of the 8 steps, and the tiny "
+                "MLP's local SGD alone diverges (loss not checked)",
+                learns=False,
+            ),
+            "bmuf": works(
+                "runs, learns nothing here: the name's period=50 syncs none of the 8 steps, and the tiny "
+                "MLP's local SGD alone diverges (loss not checked)",
+                learns=False,
+            ),
+            "bmuf_gtc": refused(
+                "the registered names use `group_size=2`, one group of these 2 ranks (runs on 4: `tests/test_bmuf.py`)",
+                "makes one group",
+            ),
         },
     ),
 }

@@ -1,8 +1,8 @@
 """The compatibility matrix: every Lightning feature of ``tests/compat_matrix.py`` under every strategy
 of the family, each cell a 2-rank CPU run started by fork (a tiny MLP, 2 epochs of 4 steps).
 
-A cell that works must run, make the loss fall, and leave the replicas' parameters bit-identical
-after every batch (where the strategy promises it); each feature's runner checks what the feature
+A cell that works must run, make the loss fall (unless the matrix says why it cannot), and leave the
+replicas' parameters bit-identical after every batch (where the strategy promises it); each feature's runner checks what the feature
 itself promises (the scheduler's learning rates, the step count after resuming, frozen weights
 unchanged, ...). A cell that is refused must fail with the declared error when the matrix says: at
 setup (before any batch) or at a given batch. The README's table is checked against the matrix.
@@ -539,7 +539,8 @@ def test_cell(feature, strategy, tmp_path, reference):
     if expected.works:
         run = RUNNERS[feature](strategy, tmp_path, reference)
         assert all(len(rank["records"]) >= STEPS for rank in run.ranks)
-        check_loss_falls(run.ranks)
+        if expected.learns:
+            check_loss_falls(run.ranks)
         if STRATEGIES[strategy].identical_replicas:
             check_identical_replicas(run.ranks)
         return
