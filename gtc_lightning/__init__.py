@@ -3,6 +3,8 @@
 Importing the package registers the strategy names ``"gtc"`` (processes started by re-running
 the script, Lightning's default), ``"gtc_spawn"``, ``"gtc_fork"`` and ``"gtc_notebook"``, each
 also as ``..._find_unused_parameters_true`` / ``_false`` (as Lightning names its DDP variants).
+The other strategies of the family are registered the same way: ``"ma"`` (periodic model
+averaging, :mod:`gtc_lightning.averaging`), ``"bmuf"`` and ``"bmuf_gtc"`` (:mod:`gtc_lightning.bmuf`).
 Processes started by re-running the script import the package again through the script itself,
 so they know the names too. Use it in a Lightning project like this::
 

@@ -527,7 +527,77 @@ class SyncStatsLogger(Callback):
 # ---- the strategy -----------------------------------------------------------------------------------
 
 
-class ModelAveragingStrategy(DDPStrategy):
+class LocalStepsMixin:
+    """The wiring every strategy of the family whose ranks take local steps shares: the sync after
+    each optimizer step, every rank's own checkpoint shard (:class:`RankShards`), ``sync_stats``,
+    the unused-parameter hint and the registered names.
+
+    Mixed in before the Lightning strategy it extends (``class X(LocalStepsMixin, DDPStrategy)``);
+    the class sets ``name`` (registered name, statistics prefix, shard suffix) and ``description``,
+    and keeps its :class:`AveragingState` in ``_state``, the parameters it averages in ``_params``
+    (the trainable ones at setup) and its :class:`RankShards` in ``_shards``.
+    """
+
+    name = ""
+    description = ""
+    _state: AveragingState | None = None
+    _params: list[torch.nn.Parameter]
+    _shards: RankShards
+
+    @property
+    def sync_stats(self) -> dict:
+        """This rank's statistics: ``{"step", "last": {...} or None, "total": {...}}`` (:class:`SyncStats`)."""
+        return self._state.stats() if self._state is not None else {"step": 0, "last": None, "total": None}
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self._state is not None
+        self._state.after_step(self._params, self.optimizers)
+        return output
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if self._state is not None:
+            self._shards.save(self, self._state, checkpoint, filepath)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        self._shards.remove(self, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._shards.remember(self, checkpoint, checkpoint_path)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        assert self._state is not None
+        self._shards.restore_into(self, self._state)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        hint_unused_parameters(exception, self.name)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_names(strategy_registry, cls, cls.name, cls.description)
+
+
+class ModelAveragingStrategy(LocalStepsMixin, DDPStrategy):
     """DDP whose ranks take local optimizer steps and average their parameters every ``period`` steps.
 
     Args:
@@ -562,7 +632,8 @@ class ModelAveragingStrategy(DDPStrategy):
     itself, every rank's in its shard).
     """
 
-    name = "ma"  # registered name, statistics prefix and shard suffix
+    name = "ma"
+    description = "DDP with local steps and periodic model averaging"
 
     def __init__(
         self,
@@ -604,11 +675,6 @@ class ModelAveragingStrategy(DDPStrategy):
         """The step counter and statistics; ``None`` before ``fit`` configured DDP."""
         return self._state
 
-    @property
-    def sync_stats(self) -> dict:
-        """This rank's statistics: ``{"step", "last": {...} or None, "total": {...}}`` (:class:`SyncStats`)."""
-        return self._state.stats() if self._state is not None else {"step": 0, "last": None, "total": None}
-
     def _new_state(self) -> AveragingState:
         return AveragingState(
             period=self._period, warmup_steps=self._warmup_steps, optimizer_state=self._optimizer_state,
@@ -641,50 +707,3 @@ class ModelAveragingStrategy(DDPStrategy):
             f"period={self._period}, warmup_steps={self._warmup_steps}, "
             f"optimizer_state={self._optimizer_state}, scale_lr={self._scale_lr}, world_size={self.world_size}"
         )
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        assert self._state is not None and self.lightning_module is not None
-        self._state.after_step(self._params, self.optimizers)
-        return output
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
-        if self._state is not None:
-            self._shards.save(self, self._state, checkpoint, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        super().remove_checkpoint(filepath)
-        self._shards.remove(self, filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._shards.remember(self, checkpoint, checkpoint_path)
-        return checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        assert self._state is not None
-        self._shards.restore_into(self, self._state)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        hint_unused_parameters(exception, self.name)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_names(strategy_registry, cls, cls.name, "DDP with local steps and periodic model averaging")

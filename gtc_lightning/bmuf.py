@@ -36,29 +36,24 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from gtc_lightning.averaging import (
     OPTIMIZER_STATES,
     AveragingState,
+    LocalStepsMixin,
     ModelAveragingStrategy,
     RankShards,
     SyncStatsLogger,
     add_callback,
     broadcast_,
     flatten,
-    hint_unused_parameters,
-    register_names,
 )
 from gtc_lightning.strategy import GTCStrategy, _check_int
 
@@ -190,6 +185,7 @@ class BMUFStrategy(ModelAveragingStrategy):
     """
 
     name = "bmuf"
+    description = "DDP with local steps and blockwise model-update filtering"
 
     def __init__(
         self,
@@ -238,13 +234,6 @@ class BMUFStrategy(ModelAveragingStrategy):
         block = f"block_momentum={self.block_momentum}, block_lr={self._block_lr}, nesterov={self._nesterov}"
         return f"{super()._describe()}, {block}"
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_names(
-            strategy_registry, cls, cls.name, "DDP with local steps and blockwise model-update filtering"
-        )
-
 
 def group_ranks(world_size: int, group_size: int) -> list[list[int]]:
     """The global ranks of each group, consecutive (on a cluster with ``group_size`` = processes per
@@ -268,7 +257,7 @@ def group_ranks(world_size: int, group_size: int) -> list[list[int]]:
     return [list(range(start, start + group_size)) for start in range(0, world_size, group_size)]
 
 
-class BMUFGTCStrategy(GTCStrategy):
+class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
     """Two tiers: GTC within groups of ``group_size`` ranks every step, BMUF across the groups every
     ``period`` steps through one representative per group, then a broadcast within each group.
 
@@ -290,6 +279,7 @@ class BMUFGTCStrategy(GTCStrategy):
     """
 
     name = "bmuf_gtc"
+    description = "GTC within groups of ranks, BMUF across the groups"
 
     def __init__(
         self,
@@ -319,7 +309,7 @@ class BMUFGTCStrategy(GTCStrategy):
         self._block_lr = float(block_lr)
         self._nesterov = bool(nesterov)
         self._optimizer_state = optimizer_state
-        self._block: BMUFState | None = None
+        self._state: BMUFState | None = None  # the block tier's
         self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup, averaged at each sync
         self._shards = RankShards(self.name, restore_shards)
         self._groups: tuple[list[int], dist.ProcessGroup, dist.ProcessGroup] | None = (
@@ -337,8 +327,8 @@ class BMUFGTCStrategy(GTCStrategy):
     @property
     def block_momentum(self) -> float | None:
         """η: as given, or 1 - 1/N once fit knows the N groups; ``None`` before."""
-        if self._block_momentum is None and self._block is not None:
-            return self._block.block_momentum
+        if self._block_momentum is None and self._state is not None:
+            return self._state.block_momentum
         return self._block_momentum
 
     @property
@@ -352,12 +342,7 @@ class BMUFGTCStrategy(GTCStrategy):
     @property
     def block_state(self) -> BMUFState | None:
         """The block tier's state (W and Δ on representatives, counters); ``None`` before ``fit``."""
-        return self._block
-
-    @property
-    def sync_stats(self) -> dict:
-        """This rank's block-tier statistics (``gtc_stats`` has the GTC tier's)."""
-        return self._block.stats() if self._block is not None else {"step": 0, "last": None, "total": None}
+        return self._state
 
     @override
     def setup_distributed(self) -> None:
@@ -375,7 +360,7 @@ class BMUFGTCStrategy(GTCStrategy):
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            add_callback(trainer, SyncStatsLogger(lambda: self._block, "bmuf"))
+            add_callback(trainer, SyncStatsLogger(lambda: self._state, "bmuf"))
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -387,63 +372,16 @@ class BMUFGTCStrategy(GTCStrategy):
         broadcast_([t for t in module.state_dict().values() if t.is_floating_point()], src=0, group=None)
         learners = self.world_size // self._group_size
         eta = default_block_momentum(learners) if self._block_momentum is None else self._block_momentum
-        self._block = BMUFState(
+        self._state = BMUFState(
             period=self._period, block_momentum=eta, block_lr=self._block_lr, nesterov=self._nesterov,
             optimizer_state=self._optimizer_state, process_group=representatives,
             member=self.global_rank == ranks[0], spread=(ranks[0], group) if len(ranks) > 1 else None,
             world_size=self.world_size,
         )  # fmt: skip
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._block.begin(self._params)
+        self._state.begin(self._params)
         if self.global_rank == 0:
             log.info(
                 "bmuf_gtc config: %d groups of %d ranks, period=%d, block_momentum=%g, block_lr=%g, nesterov=%s",
                 learners, self._group_size, self._period, eta, self._block_lr, self._nesterov,
             )  # fmt: skip
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        assert self._block is not None and self.lightning_module is not None
-        self._block.after_step(self._params, self.optimizers)
-        return output
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
-        if self._block is not None:
-            self._shards.save(self, self._block, checkpoint, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        super().remove_checkpoint(filepath)
-        self._shards.remove(self, filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._shards.remember(self, checkpoint, checkpoint_path)
-        return checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        assert self._block is not None
-        self._shards.restore_into(self, self._block)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        hint_unused_parameters(exception, self.name)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_names(strategy_registry, cls, cls.name, "GTC within groups of ranks, BMUF across the groups")
