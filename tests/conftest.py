@@ -32,7 +32,7 @@ def tiny_aligned(tiny_corpus, tmp_path_factory) -> Path:  # noqa: F811
 
     data_dir = tmp_path_factory.mktemp("tiny_aligned")
     shutil.copytree(tiny_corpus, data_dir, dirs_exist_ok=True)
-    prepare(corpus="synthetic", size="tiny", data_dir=data_dir, stage=1, stop_stage=7, num_jobs=1)
+    prepare(corpus="synthetic", size="tiny", data_dir=data_dir, stage=1, stop_stage=8, num_jobs=1)
     return data_dir
 
 

@@ -3,6 +3,7 @@ synthetic aligned data dir (random fbank, pdf-ids that depend on it), single dev
 with 2 forked ranks. The end-to-end run with decoding uses the ``tiny_aligned`` corpus fixture."""
 
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ NUM_PDFS, FEAT_DIM = 6, 5
 
 def write_aligned_dir(data_dir: Path, utts: dict[str, int], seed: int = 0) -> Path:
     """A data dir with what the DNN stage reads: ``ali/{train,dev}_cuts.jsonl.gz`` (fbank features and
-    ``pdf_ali``), ``ali/info.json``, ``ali/priors.npy`` and ``features/cmvn.json``.
+    ``pdf_ali``), ``ali/info.json``, ``ali/priors.npy``, ``features/cmvn.json`` and ``adapt/fbank_trans.pkl``.
 
     Each frame's pdf-id is the argmax of its first ``NUM_PDFS`` feature bins, so it can be learnt.
     """
@@ -48,6 +49,10 @@ def write_aligned_dir(data_dir: Path, utts: dict[str, int], seed: int = 0) -> Pa
     np.save(data_dir / "ali" / "priors.npy", np.full(NUM_PDFS, 1 / NUM_PDFS, dtype=np.float32))
     zero = {"mean": [0.0] * FEAT_DIM, "std": [1.0] * FEAT_DIM, "frames": 1}
     (data_dir / "features" / "cmvn.json").write_text(json.dumps({"global": zero, "speakers": {"spk0": zero}}))
+    (data_dir / "adapt").mkdir()  # the speakers' fbank transforms (stage 7): identity
+    identity = np.hstack([np.eye(FEAT_DIM), np.zeros((FEAT_DIM, 1))])
+    with open(data_dir / "adapt" / "fbank_trans.pkl", "wb") as f:
+        pickle.dump({"spk0": identity, "spk1": identity}, f)
     return data_dir
 
 

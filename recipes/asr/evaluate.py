@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from local.compare import compare_runs
 from local.datamodule import splice
+from local.front_end import FrontEnd
 from local.model import AcousticModel
 
 log = logging.getLogger("evaluate")
@@ -37,15 +39,16 @@ log = logging.getLogger("evaluate")
 DEFAULT_SCALES = (0.1, 0.125, 0.167, 0.2, 0.25, 0.333)  # 1 / LM weight for LM weights 10 .. 3; smaller scales decode far slower (flatter scores fill the beam)
 
 
-def load_checkpoint(path: Path | str) -> tuple[AcousticModel, int]:
-    """The model in eval mode on CPU, and the context width it was trained with."""
+def load_checkpoint(path: Path | str) -> tuple[AcousticModel, int, str]:
+    """The model in eval mode on CPU, the context width and the front end it was trained with
+    (``fbank`` for checkpoints older than the front-end choice)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"No such checkpoint: {path}; train with recipes/asr/train.py first")
     blob = torch.load(path, map_location="cpu", weights_only=False)
-    context = int(blob.get("datamodule_hyper_parameters", {}).get("context", 8))
+    data_hp = blob.get("datamodule_hyper_parameters", {})
     model = AcousticModel.load_from_checkpoint(path, map_location="cpu")
-    return model.eval(), context
+    return model.eval(), int(data_hp.get("context", 8)), str(data_hp.get("features", "fbank"))
 
 
 @torch.no_grad()
@@ -56,12 +59,11 @@ def pseudo_loglik(model: AcousticModel, feats: np.ndarray, context: int, log_pri
     return logpost - log_prior[None, :]
 
 
-def utterance_logliks(model, context, log_prior, cuts, cmvn: dict) -> Iterator[tuple[str, np.ndarray]]:
-    from local.features import apply_cmvn
-
-    for cut in cuts:
-        speaker = cut.supervisions[0].speaker if cut.supervisions else None
-        feats = np.asarray(apply_cmvn(cut.load_features(), speaker, cmvn), dtype=np.float32)
+def utterance_logliks(model, context, log_prior, cuts, front_end: FrontEnd,
+                      split: str) -> Iterator[tuple[str, np.ndarray]]:
+    """``(cut id, [T, num_pdfs] pseudo log-likelihoods)`` of the cuts of one split, through the
+    front end the model was trained with (speaker normalisation and transforms)."""
+    for cut, feats in front_end(cuts, split):
         yield cut.id, pseudo_loglik(model, feats, context, log_prior)
 
 
@@ -70,19 +72,26 @@ def references(cuts) -> dict[str, str]:
 
 
 class Decoder:
-    """The HCLG, transition model and word table of a data directory (recipe stages 2 and 4)."""
+    """The HCLG, transition model and word table of the GMM system whose alignments the DNN was
+    trained on (``ali/info.json``: ``exp/sat`` by default, ``exp/tri`` for older data dirs)."""
 
     def __init__(self, data_dir: Path, beam: float = 13.0, max_active: int = 7000) -> None:
         from local.gmm_common import GmmSystem
         from local.kaldi import kaldifst
         from local.lang import read_symbols
 
-        graph = data_dir / "exp" / "tri" / "graph" / "HCLG.fst"
+        info_path = data_dir / "ali" / "info.json"
+        info = json.loads(info_path.read_text()) if info_path.exists() else {}
+        graph = data_dir / info.get("graph", "exp/tri/graph/HCLG.fst")
+        model = data_dir / info.get("model", "exp/tri/final.pkl")
         if not graph.exists():
             raise ValueError(f"No such file: {graph}; run `python recipes/asr/prepare.py --data-dir {data_dir}` "
-                             "(stage 4 builds the graph)")
-        self.hclg = kaldifst.StdVectorFst.read(str(graph))
-        self.trans_model = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl", check_front_end=False).tm
+                             "(the GMM stages build the graph)")
+        self.hclg, self.graph = kaldifst.StdVectorFst.read(str(graph)), graph
+        self.trans_model = GmmSystem.load(model, check_front_end=False).tm
+        if "num_pdfs" in info and self.trans_model.num_pdfs != info["num_pdfs"]:
+            raise ValueError(f"{model} has {self.trans_model.num_pdfs} pdfs but {info_path} {info['num_pdfs']}; "
+                             f"re-run the align stage: python recipes/asr/prepare.py --data-dir {data_dir} --stage 6")
         self.id2word = {i: w for w, i in read_symbols(data_dir / "lang" / "words.txt").items()}
         self.beam, self.max_active = beam, max_active
 
@@ -100,31 +109,41 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     from lhotse import CutSet
     from local.decode import score
 
+    start = time.perf_counter()
     summary = json.loads((run_dir / "train_summary.json").read_text())
     data_dir = Path(data_dir or summary["data_dir"])
-    model, context = load_checkpoint(summary.get("checkpoint") or run_dir / "checkpoints" / "last.ckpt")
+    model, context, features = load_checkpoint(summary.get("checkpoint") or run_dir / "checkpoints" / "last.ckpt")
     log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)
-    cmvn = json.loads((data_dir / "features" / "cmvn.json").read_text())
+    front_end = FrontEnd(data_dir, features)
     decoder, out = Decoder(data_dir, beam, max_active), run_dir / "decode"
     # all dev utterances (also those the GMM could not align, e.g. with OOV words), like test
     dev_cuts = CutSet.from_file(data_dir / "features" / "dev_cuts.jsonl.gz")
-    dev = list(utterance_logliks(model, context, log_prior, dev_cuts, cmvn))
+    dev = list(utterance_logliks(model, context, log_prior, dev_cuts, front_end, "dev"))
     sweep = {}
     for scale in scales:
         sweep[scale] = score(references(dev_cuts), decoder.decode(dev, scale), out, f"dev-acwt{scale:g}")
     best = min(scales, key=lambda s: (sweep[s]["wer"], abs(s - 0.1)))
     test_cuts = CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz")
-    test = utterance_logliks(model, context, log_prior, test_cuts, cmvn)
+    test = utterance_logliks(model, context, log_prior, test_cuts, front_end, "test")
     result = {
+        "features": features,
+        "graph": str(decoder.graph),
         "acoustic_scale": best,
         "dev": sweep[best],
         "dev_sweep": {f"{s:g}": sweep[s]["wer"] for s in scales},
         "test": score(references(test_cuts), decoder.decode(test, best), out, "test"),
+        "decode_seconds": round(time.perf_counter() - start, 1),
     }
     (out / "results.json").write_text(json.dumps(result, indent=1))
     log.info("%s: acoustic scale %g (dev WER %.2f %%), test WER %.2f %%", run_dir, best, result["dev"]["wer"],
              result["test"]["wer"])
     return result
+
+
+def decoded(run_dir: Path) -> bool:
+    """True when ``run_dir/decode/results.json`` is newer than the run's last checkpoint."""
+    results, ckpt = run_dir / "decode" / "results.json", run_dir / "checkpoints" / "last.ckpt"
+    return results.exists() and ckpt.exists() and results.stat().st_mtime > ckpt.stat().st_mtime
 
 
 def load_test_set(test_set: Path, work_dir: Path, train_cmvn: dict):
@@ -157,11 +176,13 @@ def decode_test_set(checkpoint: Path, test_set: Path, data_dir: Path, scale: flo
     """WER of ``checkpoint`` on any test set; words outside the lexicon count as errors."""
     from local.decode import score
 
-    model, context = load_checkpoint(checkpoint)
+    model, context, features = load_checkpoint(checkpoint)
     log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)
-    train_cmvn = json.loads((data_dir / "features" / "cmvn.json").read_text())
-    cuts, cmvn = load_test_set(test_set, out_dir / "features", train_cmvn)
-    hyps = Decoder(data_dir, beam, max_active).decode(utterance_logliks(model, context, log_prior, cuts, cmvn), scale)
+    front_end = FrontEnd(data_dir, features)
+    cuts, cmvn = load_test_set(test_set, out_dir / "features", front_end.cmvn)
+    front_end.add_speakers(cuts, cmvn)  # the set's own CMVN statistics and speaker transforms, no transcripts
+    logliks = utterance_logliks(model, context, log_prior, cuts, front_end, test_set.name)
+    hyps = Decoder(data_dir, beam, max_active).decode(logliks, scale)
     name = test_set.name.removesuffix(".jsonl.gz")
     result = score(references(cuts), hyps, out_dir, name)
     (out_dir / f"results-{name}.json").write_text(json.dumps(result, indent=1))
@@ -179,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="exp/dnn/compare", help="where the comparison report goes")
     p.add_argument("--baseline", default=None, help="run name of the baseline (default: the single-worker run)")
     p.add_argument("--compare-only", action="store_true", help="only rebuild the report from decoded runs")
+    p.add_argument("--skip-decoded", action="store_true",
+                   help="do not decode again a run whose decode/results.json is newer than its checkpoint")
     p.add_argument("--checkpoint", default=None, help="decode --test-set with this checkpoint")
     p.add_argument("--test-set", default=None, help="Kaldi data dir or Lhotse cuts manifest (with --checkpoint)")
     p.add_argument("--acoustic-scale", type=float, default=0.1, help="acoustic scale for --test-set")
@@ -195,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
             p.error("give --runs (and/or --checkpoint with --test-set)")
         return
     for run in a.runs:
+        if a.skip_decoded and decoded(Path(run)):
+            log.info("%s: decoded already (decode/results.json newer than the checkpoint), not decoding again", run)
+            continue
         if not a.compare_only:
             evaluate_run(Path(run), Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales), a.beam,
                          a.max_active)

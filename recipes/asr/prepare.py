@@ -9,8 +9,10 @@ Stages (each skipped when it has already completed; ``--stage`` / ``--stop-stage
   3  mono      monophone GMM-HMM: flat start, Viterbi training; decode dev/test
   4  tri       triphone GMM-HMM on a phonetic decision tree; decode dev/test
   5  sat       speaker-adaptive triphone GMM-HMM (per-speaker fMLLR); decode dev/test with fMLLR
-  6  align     final pdf-id alignments on the cuts, pdf priors, agreement with TTS gold timings
-  7  report    report.json and a readable summary
+  6  align     DNN targets: fMLLR alignments with the SAT system (align_fmllr.sh), pdf priors,
+               agreement with TTS gold timings
+  7  adapt     DNN speaker adaptation: fbank UBM, per-speaker fbank fMLLR of every split (no transcripts)
+  8  report    report.json and a readable summary
 
 Usage:
   python recipes/asr/prepare.py                                  # embedded corpus, default size
@@ -34,7 +36,7 @@ from local.drops import clear_drops
 
 log = logging.getLogger("prepare")
 
-STAGES = ["corpus", "features", "lang", "mono", "tri", "sat", "align", "report"]
+STAGES = ["corpus", "features", "lang", "mono", "tri", "sat", "align", "adapt", "report"]
 CORPORA = ["synthetic", "mini_librispeech", "librispeech", "timit", "yesno", "kaldi"]
 
 
@@ -86,6 +88,10 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
         from local.align import align
 
         return _summary(align(data_dir))
+    if name == "adapt":
+        from local.adapt import adapt
+
+        return _summary(adapt(data_dir))
     if name == "report":
         from local.report import make_report
 
@@ -133,6 +139,10 @@ def prepare(
     args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs)
     settings = data_dir / "settings.json"
     wanted = {"corpus": corpus, "corpus_dir": str(corpus_dir) if corpus_dir else None, "size": size, "seed": seed}
+    if corpus == "synthetic":
+        from local.corpus_synthetic import VERSION
+
+        wanted["version"] = VERSION  # an embedded corpus built by an older recipe is not silently reused
     if settings.exists() and json.loads(settings.read_text()) != wanted and stage == 0 and not force:
         raise SystemExit(
             f"{data_dir} was prepared with {settings.read_text().strip()}, not {wanted}; "

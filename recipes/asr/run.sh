@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The main job, Kaldi run.sh style: embedded TTS corpus -> features, lang, GMM-HMM alignments ->
-# DNN baseline (1 worker) and GTC (2 workers) -> HCLG decoding -> comparison table and plot.
+# The main job, Kaldi run.sh style: embedded TTS corpus -> features, lang, GMM-HMM (mono, tri,
+# SAT), fMLLR alignments, fbank speaker transforms -> DNN baseline (1 worker) and GTC (2 workers)
+# -> HCLG decoding -> comparison table (WERs with 95 % intervals) and plot.
 #
-#   bash recipes/asr/run.sh                        # everything, skipping what is already done
-#   stage=2 bash recipes/asr/run.sh                # from the GTC training on
+#   bash recipes/asr/run.sh                        # everything, data stages skipped once done
+#   stage=1 bash recipes/asr/run.sh                # from the baseline training on
+#   seeds="1 2" stage=1 bash recipes/asr/run.sh    # two more seeds, then the comparison over all
 #   data=data/mini_librispeech bash recipes/asr/run.sh   # after prepare.py --corpus ... (see README)
+#
+# Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 3 decodes
+# the runs not decoded yet and compares every run found for seeds 0 1 2.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -12,20 +17,34 @@ python=${python:-.venv/bin/python}
 data=${data:-data/synthetic-default}
 exp=${exp:-exp/dnn}
 stage=${stage:-0}
+seeds=${seeds:-0}
+
+run_dir() { if [ "$1" = 0 ]; then echo "$exp"; else echo "$exp/seed$1"; fi; }
 
 if [ "$stage" -le 0 ]; then
-  echo "== stage 0: data pipeline (corpus, features, lang, GMM-HMM, alignments) -> $data"
+  echo "== stage 0: data pipeline (corpus, features, lang, GMM-HMM, alignments, adaptation) -> $data"
   $python recipes/asr/prepare.py --data-dir "$data"
 fi
-if [ "$stage" -le 1 ]; then
-  echo "== stage 1: single-device baseline (global batch of the 2-worker runs) -> $exp/baseline"
-  $python recipes/asr/train.py --config conf/baseline.yaml --data.data_dir "$data" --exp_dir "$exp"
-fi
-if [ "$stage" -le 2 ]; then
-  echo "== stage 2: GTC, 2 workers -> $exp/gtc"
-  $python recipes/asr/train.py --strategy gtc --data.data_dir "$data" --exp_dir "$exp" --run_name gtc
-fi
+for seed in $seeds; do
+  dir=$(run_dir "$seed")
+  if [ "$stage" -le 1 ]; then
+    echo "== stage 1: single-device baseline, seed $seed (global batch of the 2-worker runs) -> $dir/baseline"
+    $python recipes/asr/train.py --config conf/baseline.yaml --data.data_dir "$data" --exp_dir "$dir" \
+      --seed_everything "$seed" --data.seed "$seed"
+  fi
+  if [ "$stage" -le 2 ]; then
+    echo "== stage 2: GTC, 2 workers, seed $seed -> $dir/gtc"
+    $python recipes/asr/train.py --strategy gtc --data.data_dir "$data" --exp_dir "$dir" --run_name gtc \
+      --seed_everything "$seed" --data.seed "$seed"
+  fi
+done
 if [ "$stage" -le 3 ]; then
-  echo "== stage 3: decode dev/test, compare -> $exp/compare"
-  $python recipes/asr/evaluate.py --runs "$exp/baseline" "$exp/gtc" --out "$exp/compare"
+  runs=()
+  for seed in 0 1 2; do
+    for name in baseline gtc; do
+      [ -f "$(run_dir "$seed")/$name/train_summary.json" ] && runs+=("$(run_dir "$seed")/$name")
+    done
+  done
+  echo "== stage 3: decode dev/test, compare ${#runs[@]} runs -> $exp/compare"
+  $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded
 fi

@@ -56,7 +56,8 @@ DEFAULT_CONFIG = REPO / "conf" / "default.yaml"
 SHORTCUTS = {"single": "auto", "ddp": "ddp", "ddp_bf16": "ddp_bf16", "gtc": "gtc", "gtc_stale": "gtc_stale",
              "ma": "ma", "bmuf": "bmuf", "bmuf_gtc": "bmuf_gtc", "dpsgd": "dpsgd"}
 CPU_PROCESSES = {"bmuf_gtc": "4"}  # processes on CPU: bmuf_gtc needs two groups of 2; the others run on 2
-ALI_FILES = ("ali/train_cuts.jsonl.gz", "ali/dev_cuts.jsonl.gz", "ali/info.json", "features/cmvn.json")
+ALI_FILES = ("ali/train_cuts.jsonl.gz", "ali/dev_cuts.jsonl.gz", "ali/info.json", "features/cmvn.json",
+             "adapt/fbank_trans.pkl")
 
 
 def expand_strategy_shortcut(argv: list[str], cuda: bool | None = None) -> list[str]:

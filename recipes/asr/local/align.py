@@ -1,5 +1,12 @@
-"""Stage 6: final alignments with the triphone GMM, as DNN targets, plus pdf priors and the
+"""Stage 6: the DNN targets: fMLLR alignments of train and dev with the speaker-adaptive (SAT)
+system, as Kaldi's ``steps/align_fmllr.sh`` makes them for nnet1, plus pdf priors and the
 agreement of the alignments with the TTS engines' own phone timings.
+
+``align_fmllr.sh`` per split: (1) align with the speaker-independent model (here ``exp/tri``),
+(2) estimate each speaker's fMLLR transform from that alignment with the SAT model (silence
+frames weigh 0), (3) align the adapted features with the SAT model. The DNN then decodes with
+the SAT system's tree and graph (``exp/sat/graph/HCLG.fst``). ``system="tri"`` keeps the older
+speaker-independent targets (the triphone system, no transforms) for comparison.
 
 Writes under ``<data_dir>/ali/``:
 
@@ -7,8 +14,13 @@ Writes under ``<data_dir>/ali/``:
   ``TemporalArray`` of pdf-ids (int32, frame shift 0.01 s, exactly one per fbank frame),
   stored losslessly with ``NumpyFilesWriter`` under ``ali/{split}_pdf_ali/``. Train holds the
   clean utterances and their augmented copies (each aligned on its own audio).
-- ``priors.npy``: ``[num_pdfs]`` float32, (training frames per pdf + 1) normalised to sum 1.
-- ``info.json``: pdfs, frames and utterances per split, drops, phone agreement.
+- ``priors.npy``: ``[num_pdfs]`` float32 pdf priors: training frames per pdf / all frames,
+  floored at ``PRIOR_FLOOR`` / num_pdfs (rare pdfs would otherwise get huge pseudo-likelihoods
+  from ``log p(pdf|x) - log p(pdf)``), renormalised.
+- ``trans_{train,dev}.pkl``: the speakers' fMLLR transforms of the GMM features (SAT only;
+  ``{speaker: W [39, 40]}``), which the classic nnet1 input (``features="mfcc_fmllr"``) uses.
+- ``info.json``: the system (``system``, ``model``, ``graph``), pdfs, frames and utterances per
+  split, drops, phone agreement.
 
 Utterances with an OOV word (dev), too few frames for their HMM sequence, or no Viterbi path
 even at the retry beam are dropped and recorded (stage ``align``).
@@ -27,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 from local.drops import clear_drops, record_drop
+from local.features import gmm_cmvn_key
 from local.gmm_common import (
     GmmSystem,
     compile_graphs,
@@ -41,6 +54,7 @@ from local.tree_stats import TidTables
 log = logging.getLogger(__name__)
 
 FRAME_SHIFT = 0.01
+PRIOR_FLOOR = 0.1  # a pdf's prior is at least a tenth of the uniform prior (pdf_priors)
 
 
 # ---------------------------------------------------------------- agreement with gold timings
@@ -115,10 +129,12 @@ def phone_agreement(cuts, alis: dict[str, np.ndarray], tables: TidTables, id2pho
 
 # ---------------------------------------------------------------- the stage
 def align_cuts(
-    system: GmmSystem, lang, cuts, data_dir: Path | None, split: str, beam: float = 10.0, retry_beam: float = 40.0
+    system: GmmSystem, lang, cuts, data_dir: Path | None, split: str, beam: float = 10.0, retry_beam: float = 40.0,
+    feats: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Viterbi transition-id alignments ``{cut id: [T]}`` of ``cuts``; failures are recorded
-    (reasons ``oov``, ``too_short_for_hmm``, ``alignment_failed``) and left out."""
+    (reasons ``oov``, ``too_short_for_hmm``, ``alignment_failed``; not when ``data_dir`` is None)
+    and left out. ``feats``: the GMM features per cut (None: ``gmm_front_end(cuts)``)."""
     def drop(cut_id: str, reason: str, detail: str) -> None:
         log.warning("align: %s %s dropped: %s (%s)", split, cut_id, reason, detail)
         if data_dir is not None:
@@ -134,7 +150,7 @@ def align_cuts(
             word_ids[cut.id] = lang.word_ids(words)
     graphs = compile_graphs(system, lang, word_ids)
     alis = {}
-    front_end = gmm_front_end(cuts)
+    front_end = gmm_front_end(cuts) if feats is None else feats
     for cut in tqdm([c for c in cuts if c.id in graphs], desc=f"align {split}", unit="utt", leave=False):
         feats = front_end[cut.id]
         if equal_alignment(graphs[cut.id], len(feats)) is None:
@@ -174,17 +190,76 @@ def write_pdf_alignments(cuts, pdf_alis: dict[str, np.ndarray], out_dir: Path, s
     return frames
 
 
-def align(data_dir: Path | str, beam: float = 10.0, retry_beam: float = 40.0) -> dict:
-    """Stage 6: align train (clean + augmented) and dev with ``exp/tri/final.pkl``; write the
-    pdf-id cuts, priors and ``info.json``; measure agreement with the TTS gold timings.
+def align_fmllr(sat: GmmSystem, si: GmmSystem, lang, cuts, data_dir: Path | None, split: str, beam: float = 10.0,
+                retry_beam: float = 40.0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Kaldi's ``align_fmllr.sh`` on one split: speaker-independent alignment with ``si``, one
+    fMLLR transform per speaker (``features.gmm_cmvn_key``) estimated with ``sat`` from it
+    (silence weight 0), then the SAT alignment of the adapted features.
 
     Returns:
-        a summary (pdfs, frames and utterances per split, phone agreement, seconds).
+        ``({cut id: SAT transition-ids [T]}, {speaker: W [D, D+1]})``.
+    """
+    from local.gmm_common import convert_alignments
+    from local.gmm_sat import SILENCE_WEIGHT_TRAIN, speaker_transforms, transformed
+
+    raw = gmm_front_end(cuts)
+    speakers = {c.id: gmm_cmvn_key(c) for c in cuts}
+    si_alis = align_cuts(si, lang, cuts, None, f"{split} (speaker-independent pass)", beam, retry_beam, raw)
+    trans = speaker_transforms(sat, raw, convert_alignments(si_alis, si, sat), speakers, lang.sil_id,
+                               SILENCE_WEIGHT_TRAIN)
+    alis = align_cuts(sat, lang, cuts, data_dir, split, beam, retry_beam, transformed(raw, speakers, trans))
+    return alis, trans
+
+
+def pdf_priors(counts: np.ndarray, floor: float = 0.0) -> np.ndarray:
+    """``[num_pdfs]`` float32 priors from training frame counts: relative frequencies floored at
+    ``floor / num_pdfs`` (pdfs never or rarely seen get that much), renormalised to sum 1."""
+    counts = np.asarray(counts, dtype=np.float64)
+    if counts.sum() <= 0:
+        raise ValueError("no training frames to estimate pdf priors from; check ali/info.json and dropped.jsonl")
+    priors = np.maximum(counts / counts.sum(), floor / len(counts))
+    return (priors / priors.sum()).astype(np.float32)
+
+
+def sat_training_alignments(data_dir: Path, cuts) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The SAT stage's final alignments of the training cuts and its speakers' transforms
+    (``exp/sat/ali.pkl``, ``trans.pkl``): the final model's Viterbi alignment of the features
+    transformed by the final transforms, which is what ``align_fmllr`` would estimate and align
+    again from scratch (minutes on the default corpus)."""
+    import pickle
+
+    with open(data_dir / "exp" / "sat" / "ali.pkl", "rb") as f:
+        alis = pickle.load(f)
+    with open(data_dir / "exp" / "sat" / "trans.pkl", "rb") as f:
+        trans = pickle.load(f)
+    wanted = {c.id for c in cuts}
+    missing = wanted - set(alis)
+    for cut_id in sorted(missing):
+        record_drop(data_dir, "align", "train", cut_id, "alignment_failed", "no SAT training alignment (exp/sat/ali.pkl)")
+    return {u: a for u, a in alis.items() if u in wanted}, trans
+
+
+def align(data_dir: Path | str, system: str = "sat", beam: float = 10.0, retry_beam: float = 40.0,
+          prior_floor: float = PRIOR_FLOOR, reuse_train: bool = True) -> dict:
+    """Stage 6: align train (clean + augmented) and dev; write the pdf-id cuts, priors,
+    transforms and ``info.json``; measure agreement with the TTS gold timings.
+
+    Args:
+        system: ``"sat"``: fMLLR alignments with ``exp/sat`` (``align_fmllr``); ``"tri"``: the
+            speaker-independent triphone system's alignments (the recipe's older targets).
+        prior_floor: priors are floored at ``prior_floor / num_pdfs`` (``pdf_priors``).
+        reuse_train: with ``"sat"``, take train's alignments and transforms from the SAT stage
+            (``sat_training_alignments``) instead of running ``align_fmllr`` on train again.
+
+    Returns:
+        a summary (system, pdfs, frames and utterances per split, phone agreement, seconds).
     """
     import pickle
 
     from lhotse import CutSet
 
+    if system not in ("sat", "tri"):
+        raise ValueError(f"system={system!r}; use 'sat' (fMLLR alignments, the default) or 'tri'")
     torch.set_num_threads(1)
     start = time.perf_counter()
     data_dir = Path(data_dir)
@@ -192,12 +267,14 @@ def align(data_dir: Path | str, beam: float = 10.0, retry_beam: float = 40.0) ->
     out.mkdir(parents=True, exist_ok=True)
     clear_drops(data_dir, "align")
     lang = load_lang(data_dir / "lang")
-    system = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl")
-    tid2pdf = system.tid2pdf()
-    tables = TidTables.from_transition_model(system.tm)
+    si = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl")
+    final = GmmSystem.load(data_dir / "exp" / system / "final.pkl")
+    tid2pdf = final.tid2pdf()
+    tables = TidTables.from_transition_model(final.tm)
     id2phone = {i: p for p, i in lang.phones.items()}
-    info: dict = {"num_pdfs": system.tm.num_pdfs, "splits": {}}
-    counts = np.zeros(system.tm.num_pdfs, dtype=np.float64)
+    info: dict = {"system": system, "model": f"exp/{system}/final.pkl", "graph": f"exp/{system}/graph/HCLG.fst",
+                  "num_pdfs": final.tm.num_pdfs, "splits": {}}
+    counts = np.zeros(final.tm.num_pdfs, dtype=np.float64)
     agreement = {}
     for split in ("train", "dev"):
         path = data_dir / "features" / f"{split}_cuts.jsonl.gz"
@@ -210,7 +287,15 @@ def align(data_dir: Path | str, beam: float = 10.0, retry_beam: float = 40.0) ->
             kept_ids = set((data_dir / "lang" / "train_ids.txt").read_text().split())
             kept_ids |= {c.id for c in cuts if is_augmented(c) and c.id.removesuffix("-aug") in kept_ids}
             cuts = [c for c in cuts if c.id in kept_ids]
-        alis = align_cuts(system, lang, cuts, data_dir, split, beam=beam, retry_beam=retry_beam)
+        if system == "sat" and split == "train" and reuse_train:
+            alis, trans = sat_training_alignments(data_dir, cuts)
+        elif system == "sat":
+            alis, trans = align_fmllr(final, si, lang, cuts, data_dir, split, beam=beam, retry_beam=retry_beam)
+        if system == "sat":
+            with open(out / f"trans_{split}.pkl", "wb") as f:
+                pickle.dump(trans, f)
+        else:
+            alis = align_cuts(final, lang, cuts, data_dir, split, beam=beam, retry_beam=retry_beam)
         pdf_alis = {u: tid2pdf[a].astype(np.int32) for u, a in alis.items()}
         frames = write_pdf_alignments(cuts, pdf_alis, out, split)
         if split == "train":
@@ -219,28 +304,34 @@ def align(data_dir: Path | str, beam: float = 10.0, retry_beam: float = 40.0) ->
             clean = [c for c in cuts if not is_augmented(c)]
             agreement = phone_agreement(clean, alis, tables, id2phone)
             augmented = phone_agreement([c for c in cuts if is_augmented(c)], alis, tables, id2phone)
-            mono_ali = data_dir / "exp" / "mono" / "ali.pkl"
-            if mono_ali.exists():
-                mono = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
-                with open(mono_ali, "rb") as f:
-                    agreement["mono"] = phone_agreement(clean, pickle.load(f), TidTables.from_transition_model(mono.tm), id2phone)["overall"]
+            for other in ("mono", "tri"):
+                other_ali = data_dir / "exp" / other / "ali.pkl"
+                if other != system and other_ali.exists():
+                    model = GmmSystem.load(data_dir / "exp" / other / "final.pkl")
+                    with open(other_ali, "rb") as f:
+                        agreement[other] = phone_agreement(clean, pickle.load(f),
+                                                           TidTables.from_transition_model(model.tm), id2phone)["overall"]
             agreement["augmented"] = augmented["overall"]
         else:
             agreement[split] = phone_agreement(cuts, alis, tables, id2phone)["overall"]
         info["splits"][split] = {"utterances": len(pdf_alis), "dropped": len(cuts) - len(pdf_alis), "frames": frames}
-    priors = ((counts + 1.0) / (counts + 1.0).sum()).astype(np.float32)
-    np.save(out / "priors.npy", priors)
+    np.save(out / "priors.npy", pdf_priors(counts, prior_floor))
     info["num_frames"] = int(counts.sum())
     info["pdfs_unseen_in_train"] = int((counts == 0).sum())
+    info["pdfs_floored"] = int((counts / counts.sum() < prior_floor / len(counts)).sum())
+    info["prior_floor"] = prior_floor
     info["phone_agreement"] = agreement
     info["seconds"] = round(time.perf_counter() - start, 1)
     (out / "info.json").write_text(json.dumps(info, indent=1))
     summary = {
+        "system": system,
         "num_pdfs": info["num_pdfs"],
         "train_utts": info["splits"]["train"]["utterances"],
         "train_frames": info["splits"]["train"]["frames"],
         "dev_utts": info["splits"].get("dev", {}).get("utterances", 0),
+        "pdfs_floored": info["pdfs_floored"],
         "phone_agreement": agreement.get("overall"),
+        "phone_agreement_tri": agreement.get("tri"),
         "phone_agreement_mono": agreement.get("mono"),
         "seconds": info["seconds"],
     }

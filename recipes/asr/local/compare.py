@@ -13,6 +13,8 @@ import logging
 import math
 from pathlib import Path
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 
@@ -132,19 +134,116 @@ def plot_accuracy(rows: list[dict], path: Path) -> Path:
     return path
 
 
+# ---------------------------------------------------------------- intervals over utterances and seeds
+def run_seed(run_dir: Path) -> int | None:
+    """``seed_everything`` of a run (its ``config.yaml``), None when unknown."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        return None
+    seed = (yaml.safe_load(path.read_text()) or {}).get("seed_everything")
+    return int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def _test_counts(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / "decode" / "per_utt-test.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def gmm_reference(data_dir: Path | str, system: str = "sat") -> dict | None:
+    """Per-utterance test counts of a GMM system's decoding at its chosen scale (``exp/<system>/
+    decode_test``), or None when the data pipeline did not write them."""
+    decode_dir = Path(data_dir) / "exp" / system / "decode_test"
+    wer = decode_dir / "wer.json"
+    if not wer.exists():
+        return None
+    path = decode_dir / f"per_utt-test-acwt{json.loads(wer.read_text())['acoustic_scale']:g}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def seeds_report(run_dirs: list[Path], baseline: str = "baseline", reference: dict | None = None) -> dict:
+    """Test WER per run name over its seeds, with 95 % bootstrap intervals over utterances
+    (``wer_stats``): per seed, the mean over seeds, each run name against ``baseline`` (paired,
+    seeds matched) and against the ``reference`` GMM counts (``{utt: [errors, words]}``)."""
+    from local.wer_stats import paired_difference, per_utterance_counts, wer_interval
+
+    groups: dict[str, dict[int, dict]] = {}
+    for d in run_dirs:
+        counts = _test_counts(d)
+        if counts is None:
+            continue
+        name = json.loads((Path(d) / "train_summary.json").read_text()).get("run_name", Path(d).name)
+        seed = run_seed(Path(d))
+        groups.setdefault(name, {})[seed if seed is not None else len(groups.get(name, {}))] = counts
+    if not groups:
+        return {}
+    ids = sorted(next(iter(next(iter(groups.values())).values())))
+    words = per_utterance_counts(next(iter(next(iter(groups.values())).values())), ids)[1]
+    errors = {n: {s: per_utterance_counts(c, ids)[0] for s, c in sorted(g.items())} for n, g in groups.items()}
+    ref = per_utterance_counts(reference, ids)[0] if reference else None
+    report: dict = {"utterances": len(ids), "words": int(words.sum()), "runs": {}}
+    for name, by_seed in errors.items():
+        stack = np.vstack(list(by_seed.values()))
+        entry = {"seeds": list(by_seed), "per_seed": {s: wer_interval(e, words) for s, e in by_seed.items()},
+                 "mean": wer_interval(stack, words)}
+        if ref is not None:
+            entry["vs_reference"] = paired_difference(ref, stack, words)
+        if name != baseline and baseline in errors:
+            common = [s for s in by_seed if s in errors[baseline]]
+            if common:
+                base = np.vstack([errors[baseline][s] for s in common])
+                entry["vs_baseline"] = {"seeds": common, "mean": paired_difference(base, np.vstack(
+                    [by_seed[s] for s in common]), words), "per_seed": {
+                    s: paired_difference(errors[baseline][s], by_seed[s], words) for s in common}}
+        report["runs"][name] = entry
+    return report
+
+
+def seeds_markdown(report: dict, reference_name: str = "SAT GMM") -> str:
+    """The seeds report as a markdown table: WER [95 % interval] per seed and mean, the relative
+    change against the reference GMM and against the baseline (negative: fewer errors)."""
+    if not report:
+        return ""
+    def iv(r: dict) -> str:
+        return f"{r['wer']:.2f} % [{r['lo']:.2f}, {r['hi']:.2f}]"
+
+    def rel(r: dict) -> str:
+        return f"{r['rel_pct']:+.1f} % [{r['rel_lo']:+.1f}, {r['rel_hi']:+.1f}]"
+
+    head = (f"| run | seeds | test WER per seed | mean test WER | vs {reference_name} (rel.) | baseline − run (abs.) "
+            "| vs baseline (rel.) |")
+    lines = [(f"Test set: {report['utterances']} utterances, {report['words']} words; 95 % intervals by bootstrap "
+              "over utterances (paired for differences)."), "", head, "|---|---|---|---|---|---|---|"]
+    for name, r in report["runs"].items():
+        per_seed = "; ".join(f"{s}: {iv(v)}" for s, v in r["per_seed"].items())
+        vb = r.get("vs_baseline", {}).get("mean")
+        diff = f"{vb['diff']:+.2f} [{vb['diff_lo']:+.2f}, {vb['diff_hi']:+.2f}]" if vb else "–"
+        lines.append(f"| {name} | {len(r['seeds'])} | {per_seed} | {iv(r['mean'])} | "
+                     f"{rel(r['vs_reference']) if 'vs_reference' in r else '–'} | {diff} | {rel(vb) if vb else '–'} |")
+    return "\n".join(lines)
+
+
 def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str | None = None) -> dict:
-    """Write ``comparison.md``, ``comparison.json`` and ``dev_frame_acc.png`` under ``out_dir``."""
+    """Write ``comparison.md`` (per-run table, then WERs with intervals over utterances and seeds),
+    ``comparison.json`` and ``dev_frame_acc.png`` under ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [run_row(d) for d in run_dirs]
+    for r, d in zip(rows, run_dirs):
+        r["seed"] = run_seed(Path(d))
     base = add_relative_wer(rows, baseline)
-    table = markdown_table(rows)
+    data_dir = json.loads((Path(run_dirs[0]) / "train_summary.json").read_text()).get("data_dir")
+    reference = gmm_reference(data_dir) if data_dir else None
+    seeds = seeds_report([Path(d) for d in run_dirs], base["run"] if base else "baseline", reference)
+    table = markdown_table(rows) + "\n\n" + seeds_markdown(seeds)
     note = (f"Relative WER change against `{base['run']}`; bytes sent: what one worker puts on the wire per "
             "optimizer step (for DDP its fp32 ring all-reduce, 2 (W-1)/W x 4 bytes per weight); vs fp32 / bf16 "
             "all-reduce: the bytes such an all-reduce sends per worker, divided by the bytes sent.") if base else \
         "No single-worker baseline among the runs: relative WER change not computed."
     (out_dir / "comparison.md").write_text(table + "\n\n" + note + "\n")
-    (out_dir / "comparison.json").write_text(json.dumps({"baseline": base and base["run"], "runs": rows}, indent=1))
+    (out_dir / "comparison.json").write_text(json.dumps({"baseline": base and base["run"], "runs": rows,
+                                                         "intervals": seeds}, indent=1, default=str))
     png = plot_accuracy(rows, out_dir / "dev_frame_acc.png")
     log.info("comparison of %d runs -> %s, %s\n%s", len(rows), out_dir / "comparison.md", png, table)
     return {"rows": rows, "markdown": out_dir / "comparison.md", "json": out_dir / "comparison.json", "png": png}

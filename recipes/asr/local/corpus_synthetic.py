@@ -2,13 +2,17 @@
 
 Splits:
 
-- ``train``: 40 espeak-ng settings (5 accents × m1–m5, f1–f3) plus 3 settings each of flite
+- ``train``: 60 espeak-ng settings (5 accents × m1–m5, f1–f3, Andy, travis, aunty, belinda) plus 3 settings each of flite
   kal16/awb/slt and festival kal_diphone/cmu_us_slt_arctic_hts, each with its own rate and
   pitch; plus one augmented copy of every utterance (sox speed 0.9–1.1, reverb, noise at
   10–30 dB SNR), id suffixed ``-aug``, same speaker.
-- ``dev``: training voices, sentences not in train.
+- ``dev``: held-out voices, used in neither train nor test (espeak en-gb-scotland / en-029 /
+  en-us-nyc with the variants m8, robert, Annie, linda), sentences not in train; for the
+  acoustic scale and the epoch, which must be chosen on voices the model has not heard.
 - ``test``: voices never used in training (espeak en-gb-scotland / en-029 / en-us-nyc with
-  m6, m7, f4, f5; flite rms; festival ked_diphone), sentences not in train or dev.
+  m6, m7, f4, f5; flite rms; festival ked_diphone), sentences not in train or dev; 1650
+  sentences (≥ 12,000 words), so that WER differences of a few percent relative can be told
+  from noise.
 
 Utterance ids are ``<speaker>_<split><index>``; the speaker id names the voice setting
 (``espeak-en-us-m3-r110-p55``). Everything is deterministic in ``seed``. Each supervision
@@ -40,6 +44,7 @@ from local.tts import SAMPLE_RATE, Voice, check_tools
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "dev", "test")
+VERSION = 2  # 2: dev of held-out voices, 1650 test sentences, 60 espeak training voices (1: dev of training voices)
 DEV_POOL_FACTOR = 20  # candidate sentences per dev sentence when looking for in-vocabulary ones
 # Share of utterances per engine: espeak has many voices but one synthesis method, so it
 # does not get a share proportional to its number of voices.
@@ -53,6 +58,8 @@ class Size:
     Attributes:
         train, dev, test: number of sentences (train gets as many augmented copies again).
         espeak_variants_train / _test: espeak variants used per accent.
+        espeak_variants_dev: espeak variants of the dev voices, on the test accents (dev has
+            only espeak voices: flite and festival have no voice left that train and test do not use).
         settings_per_voice: rate/pitch settings per flite/festival voice in train (test: 1 less, at least 1).
         words_per_class: keep only this many words of each template word class (None: all).
     """
@@ -65,23 +72,26 @@ class Size:
     espeak_accents_test: tuple[str, ...]
     espeak_variants_test: tuple[str, ...]
     settings_per_voice: int
+    espeak_variants_dev: tuple[str, ...]
     words_per_class: int | None = None
 
 
 SIZES = {
     "default": Size(
         1800,
-        170,
-        450,
+        300,
+        1650,
         ("en-us", "en", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd"),
-        ("m1", "m2", "m3", "m4", "m5", "f1", "f2", "f3"),
+        ("m1", "m2", "m3", "m4", "m5", "f1", "f2", "f3", "Andy", "travis", "aunty", "belinda"),
         ("en-gb-scotland", "en-029", "en-us-nyc"),
         ("m6", "m7", "f4", "f5"),
         3,
+        ("m8", "robert", "Annie", "linda"),
     ),
-    "tiny": Size(24, 6, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1, 2),
+    "tiny": Size(24, 6, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1, ("m8",), 2),
 }
 
+ESPEAK_GENDER = {"Andy": "m", "travis": "m", "robert": "m", "aunty": "f", "belinda": "f", "Annie": "f", "linda": "f"}  # named variants; m1.., f1.. say it in their name
 FLITE_TRAIN = (("kal16", "m"), ("awb", "m"), ("slt", "f"))
 FESTIVAL_TRAIN = (("kal_diphone", "m"), ("cmu_us_slt_arctic_hts", "f"))
 FLITE_TEST = (("rms", "m"),)
@@ -89,16 +99,16 @@ FESTIVAL_TEST = (("ked_diphone", "m"),)
 
 
 def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
-    """Voice settings per engine for ``train`` (dev uses the same) and ``test``.
+    """Voice settings per engine for ``train``, ``dev`` and ``test`` (no setting in two splits).
 
     Returns:
-        ``{"train": {engine: [Voice, ...]}, "test": {...}}``
+        ``{"train": {engine: [Voice, ...]}, "dev": {"espeak": [...]}, "test": {...}}``
     """
     rng = random.Random(f"voices-{seed}")
 
     def espeak(accents, variants):
         return [
-            Voice("espeak", f"{a}+{v}", round(rng.uniform(0.85, 1.2), 2), rng.randrange(30, 71), v[0])
+            Voice("espeak", f"{a}+{v}", round(rng.uniform(0.85, 1.2), 2), rng.randrange(30, 71), ESPEAK_GENDER.get(v, v[0]))
             for a in accents
             for v in variants
         ]
@@ -122,6 +132,8 @@ def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
             "flite": others("flite", FLITE_TEST, n_test),
             "festival": others("festival", FESTIVAL_TEST, n_test),
         },
+        # drawn last, so that the train and test settings stay those of the corpus before dev had its own voices
+        "dev": {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_dev)},
     }
 
 
@@ -145,9 +157,10 @@ def plan(size: Size, seed: int, audio_dir: Path) -> list[Utterance]:
     utts = []
     for split in SPLITS:
         texts = split_texts[split]
-        by_engine = voices["test" if split == "test" else "train"]
-        # engines by share, then round-robin over each engine's settings
-        engine_of = rng.choices(list(ENGINE_SHARE), weights=list(ENGINE_SHARE.values()), k=len(texts))
+        by_engine = voices[split]
+        # engines by share (among those the split has voices of), then round-robin over each engine's settings
+        engines = [e for e in ENGINE_SHARE if by_engine.get(e)]
+        engine_of = rng.choices(engines, weights=[ENGINE_SHARE[e] for e in engines], k=len(texts))
         used = Counter()
         for k, (text, engine) in enumerate(zip(texts, engine_of)):
             voice = by_engine[engine][used[engine] % len(by_engine[engine])]

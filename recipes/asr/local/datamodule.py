@@ -1,4 +1,4 @@
-"""Frame-level training data for the hybrid DNN: spliced CMVN-normalised fbank windows and pdf-ids.
+"""Frame-level training data for the hybrid DNN: spliced speaker-normalised frames and pdf-ids.
 
 Batch schema (dicts from both loaders)::
 
@@ -6,7 +6,8 @@ Batch schema (dicts from both loaders)::
                                       (all F bins of frame t-context first); 17*40 = 680 by default
     y: [B] int64                      pdf-id of the centre frame t
 
-Legend: B frames in the batch, F fbank bins (40). At utterance boundaries the first/last frame
+Legend: B frames in the batch, F feature dims (40 fbank bins; 39 for ``mfcc_fmllr``); the frames
+come from ``local.front_end`` (speaker CMVN, and the speaker's fMLLR transform by default). At utterance boundaries the first/last frame
 is repeated, as Kaldi's splicing does.
 
 All frames of a split live in memory as one ``[N, F]`` float32 array (160 bytes per frame at
@@ -26,11 +27,14 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
+
+from local.front_end import FEATURES, FrontEnd
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +125,13 @@ class FrameBatches(IterableDataset):
             yield {"x": torch.from_numpy(x), "y": torch.from_numpy(self.targets[frames].astype(np.int64))}
 
 
-def load_split(cuts_path: Path, cmvn_path: Path, allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Load aligned cuts into memory: CMVN-normalised fbank and per-frame pdf-ids.
+def load_split(cuts_path: Path, front_end: FrontEnd, split: str,
+               allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Load aligned cuts into memory: the front end's frames and per-frame pdf-ids.
 
     Args:
+        front_end: turns each cut into speaker-normalised frames (``local.front_end``).
+        split: the split's name (the MFCC front end's speaker transforms are per split).
         allow_empty: return empty arrays for a manifest without cuts instead of raising.
 
     Returns:
@@ -132,20 +139,15 @@ def load_split(cuts_path: Path, cmvn_path: Path, allow_empty: bool = False) -> t
     """
     from lhotse import CutSet
 
-    from local.features import apply_cmvn
-
     if not cuts_path.exists():
-        raise ValueError(f"No such file: {cuts_path}; run `python recipes/asr/prepare.py` (stages 0-5) first")
-    stats = json.loads(cmvn_path.read_text())
+        raise ValueError(f"No such file: {cuts_path}; run `python recipes/asr/prepare.py` (stages 0-6) first")
     feats, targets, lengths = [], [], []
-    for cut in CutSet.from_file(cuts_path) or []:  # lhotse returns None for an empty manifest
-        f = cut.load_features()
+    for cut, f in front_end(CutSet.from_file(cuts_path) or [], split):  # lhotse: None for an empty manifest
         ali = np.asarray(cut.load_custom("pdf_ali"))
         if len(ali) != len(f):
-            raise ValueError(f"cut {cut.id}: {len(f)} fbank frames but {len(ali)} pdf_ali entries; "
+            raise ValueError(f"cut {cut.id}: {len(f)} feature frames but {len(ali)} pdf_ali entries; "
                              "features and alignments must come from the same framing (re-run stage 6)")
-        speaker = cut.supervisions[0].speaker if cut.supervisions else None
-        feats.append(np.asarray(apply_cmvn(f, speaker, stats), dtype=np.float32))
+        feats.append(f)
         targets.append(ali.astype(np.int32))
         lengths.append(len(f))
     if not feats:
@@ -160,8 +162,11 @@ class AsrDataModule(LightningDataModule):
     """Aligned frames from ``<data_dir>/ali`` (recipe stage 6) for training and dev accuracy.
 
     Args:
-        data_dir: the recipe's data directory (``ali/``, ``features/cmvn.json``); ``train.py``
-            fills it from ``--corpus``/``--corpus_size`` when left empty.
+        data_dir: the recipe's data directory (``ali/``, ``features/cmvn.json``, ``adapt/``);
+            ``train.py`` fills it from ``--corpus``/``--corpus_size`` when left empty.
+        features: the input front end (``local.front_end``): ``fbank_fmllr`` (speaker CMVN and
+            the speaker's fbank fMLLR transform), ``fbank`` (speaker CMVN only) or
+            ``mfcc_fmllr`` (the SAT GMM's fMLLR features, Kaldi nnet1's input; for comparison).
         context: frames each side of the centre (8: Strom's 17-frame window).
         batch_size: frames per batch per rank.
         dev_batch_size: frames per dev batch per rank.
@@ -170,10 +175,12 @@ class AsrDataModule(LightningDataModule):
         seed: seed of the frame permutation (combined with the epoch).
     """
 
-    def __init__(self, data_dir: str | None = None, context: int = 8, batch_size: int = 256,
-                 dev_batch_size: int = 4096, warmup_fraction: float = 0.0, warmup_batch_size: int = 64,
-                 seed: int = 0) -> None:
+    def __init__(self, data_dir: str | None = None,
+                 features: Literal["fbank_fmllr", "fbank", "mfcc_fmllr"] = "fbank_fmllr", context: int = 8, batch_size: int = 256, dev_batch_size: int = 4096, warmup_fraction: float = 0.0,
+                 warmup_batch_size: int = 64, seed: int = 0) -> None:
         super().__init__()
+        if features not in FEATURES:
+            raise ValueError(f"features={features!r}; use one of {FEATURES}")
         if context < 0 or batch_size < 1 or dev_batch_size < 1 or not 0.0 <= warmup_fraction <= 1.0:
             raise ValueError(f"bad data settings: context={context} (>= 0), batch_size={batch_size} (>= 1), "
                              f"dev_batch_size={dev_batch_size} (>= 1), warmup_fraction={warmup_fraction} (0..1)")
@@ -181,6 +188,7 @@ class AsrDataModule(LightningDataModule):
             raise ValueError("data_dir is None: give the recipe's data directory (e.g. data/synthetic-default)")
         self.save_hyperparameters()
         self.data_dir = Path(data_dir)
+        self._front_end: FrontEnd | None = None
         self.splits: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @property
@@ -195,13 +203,14 @@ class AsrDataModule(LightningDataModule):
         return int(self.info["num_pdfs"])
 
     @property
-    def feat_dim(self) -> int:
-        info = self.info
-        if "feat_dim" in info:
-            return int(info["feat_dim"])
-        from lhotse import CutSet
+    def front_end(self) -> FrontEnd:
+        if self._front_end is None:
+            self._front_end = FrontEnd(self.data_dir, self.hparams.features)
+        return self._front_end
 
-        return int(next(iter(CutSet.from_file(self.data_dir / "ali" / "train_cuts.jsonl.gz"))).num_features)
+    @property
+    def feat_dim(self) -> int:
+        return self.front_end.dim
 
     @property
     def input_dim(self) -> int:
@@ -210,8 +219,8 @@ class AsrDataModule(LightningDataModule):
     def setup(self, stage: str) -> None:
         for split in ("train", "dev"):
             if split not in self.splits:
-                self.splits[split] = load_split(self.data_dir / "ali" / f"{split}_cuts.jsonl.gz",
-                                                self.data_dir / "features" / "cmvn.json", allow_empty=split == "dev")
+                self.splits[split] = load_split(self.data_dir / "ali" / f"{split}_cuts.jsonl.gz", self.front_end,
+                                                split, allow_empty=split == "dev")
                 feats, _, offsets = self.splits[split]
                 if len(feats) == 0:
                     log.warning("dev: no aligned utterances in %s/ali (see dropped.jsonl); dev frame accuracy "

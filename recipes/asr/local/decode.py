@@ -11,6 +11,7 @@ acoustic scale here (matching ``DecodableAmDiagGmmScaled`` to 1e-6, DESIGN §5).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterable
@@ -137,7 +138,8 @@ def words_to_text(word_ids: list[int], id2word: dict[int, str]) -> str:
 
 
 def score(refs: dict[str, str], hyps: dict[str, str], out_dir: Path | str, name: str) -> dict:
-    """WER with jiwer; writes ``recogs-{name}.txt`` and ``errs-{name}.txt`` (Kaldi/icefall style).
+    """WER with jiwer; writes ``recogs-{name}.txt`` and ``errs-{name}.txt`` (Kaldi/icefall style) and
+    ``per_utt-{name}.json`` (``{utt: [errors, reference words]}``, for intervals: ``wer_stats``).
 
     Both sides are normalised with ``lang.normalize_text``. Reference words the system cannot
     output (OOV) simply count as errors. An utterance missing from ``hyps`` counts as all deleted.
@@ -155,14 +157,15 @@ def score(refs: dict[str, str], hyps: dict[str, str], out_dir: Path | str, name:
     ref_words = [normalize_text(refs[i]) for i in ids]
     hyp_words = [normalize_text(hyps.get(i, "")) for i in ids]
     counts = {"ins": 0, "del": 0, "sub": 0, "hits": 0}
-    per_utt, sent_err = [], 0
-    for r, h in zip(ref_words, hyp_words):
+    per_utt, sent_err, utt_counts = [], 0, {}
+    for i, r, h in zip(ids, ref_words, hyp_words):
         pairs = align_words(r, h, jiwer) if r else [(None, w) for w in h]
         for a, b in pairs:
             key = "ins" if a is None else "del" if b is None else "hits" if a == b else "sub"
             counts[key] += 1
         sent_err += any(a != b for a, b in pairs)
         per_utt.append(pairs)
+        utt_counts[i] = [sum(a != b for a, b in pairs), len(r)]
     n_ref = sum(len(r) for r in ref_words)
     errors = counts["ins"] + counts["del"] + counts["sub"]
     result = {
@@ -192,6 +195,7 @@ def score(refs: dict[str, str], hyps: dict[str, str], out_dir: Path | str, name:
                 + " ".join(a if a == b else f"({a or '***'}->{b or '***'})" for a, b in pairs)
                 + "\n"
             )
+    (out_dir / f"per_utt-{name}.json").write_text(json.dumps(utt_counts))
     log.info("%s: %s", name, summary)
     return result
 

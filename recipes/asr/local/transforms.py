@@ -91,11 +91,20 @@ def accumulate_fmllr_stats(
     feats = np.asarray(feats, np.float64)
     stats = FmllrStats.zeros(feats.shape[1]) if stats is None else stats
     for p, idx, post in gaussian_posteriors(am, feats, pdfs, weights):
-        mean, var = _pdf_params(am, p)
-        xi = np.hstack([feats[idx], np.ones((len(idx), 1))])
-        stats.K += (post @ (mean / var)).T @ xi  # sum_t (sum_j gamma_tj mu_j / var_j) xi_t'
-        stats.G += _outer_sum(post @ (1.0 / var), xi)
-        stats.beta += float(post.sum())
+        add_fmllr_stats(stats, feats[idx], post, *_pdf_params(am, p))
+    return stats
+
+
+def add_fmllr_stats(stats: FmllrStats, feats: np.ndarray, post: np.ndarray, means: np.ndarray,
+                    variances: np.ndarray) -> FmllrStats:
+    """Add the fMLLR statistics of frames ``feats`` ``[T, D]`` with Gaussian posteriors ``post``
+    ``[T, G]`` (weights included) over diagonal Gaussians ``means``, ``variances`` ``[G, D]``."""
+    feats = np.asarray(feats, np.float64)
+    means, variances = np.asarray(means, np.float64), np.asarray(variances, np.float64)
+    xi = np.hstack([feats, np.ones((len(feats), 1))])
+    stats.K += (post @ (means / variances)).T @ xi  # sum_t (sum_j gamma_tj mu_j / var_j) xi_t'
+    stats.G += _outer_sum(post @ (1.0 / variances), xi)
+    stats.beta += float(post.sum())
     return stats
 
 

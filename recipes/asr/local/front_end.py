@@ -1,0 +1,125 @@
+"""The DNN's input frames per cut, for training (``datamodule``) and decoding (``evaluate.py``).
+
+Three front ends (``FEATURES``), all speaker-normalised; the DNN splices 17 of their frames:
+
+- ``fbank``: 40-bin fbank, mean and variance normalised per speaker (``features.apply_cmvn``;
+  Kaldi's ``run_dnn_fbank.sh``).
+- ``fbank_fmllr`` (default): ``fbank`` followed by the speaker's affine fbank transform
+  (``local.adapt``: fMLLR against a fbank UBM, estimated without transcripts, so any speaker
+  of any set can get one).
+- ``mfcc_fmllr``: Kaldi nnet1's classic input, the SAT GMM's own features: 13 MFCC with speaker
+  CMVN, Δ, ΔΔ (39 dims), through the speaker's fMLLR transform of the SAT system (training and
+  dev speakers: from ``align_fmllr``, ``ali/trans_{split}.pkl``; test speakers: from the SAT
+  system's fMLLR decoding, ``exp/sat/decode_test/trans.pkl``). For comparison only: it needs
+  a GMM decoding pass before the DNN can run.
+
+Speakers are ``features.gmm_cmvn_key`` (augmented copies apart) for both transforms.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from local.features import apply_cmvn, gmm_cmvn_key
+from local.transforms import apply_affine
+
+log = logging.getLogger(__name__)
+
+FEATURES = ("fbank", "fbank_fmllr", "mfcc_fmllr")
+
+
+def _load_pickle(path: Path, fix: str) -> dict:
+    if not path.exists():
+        raise ValueError(f"No such file: {path}; {fix}")
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+class FrontEnd:
+    """Turns the cuts of a split into the DNN's input frames.
+
+    Args:
+        data_dir: the recipe's data directory (``features/cmvn.json``; ``adapt/`` for
+            ``fbank_fmllr``; ``ali/`` and ``exp/sat/`` for ``mfcc_fmllr``).
+        kind: one of ``FEATURES``.
+    """
+
+    def __init__(self, data_dir: Path | str, kind: str = "fbank_fmllr") -> None:
+        if kind not in FEATURES:
+            raise ValueError(f"features={kind!r}; use one of {FEATURES}")
+        self.data_dir, self.kind = Path(data_dir), kind
+        cmvn_path = self.data_dir / "features" / "cmvn.json"
+        if not cmvn_path.exists():
+            raise ValueError(f"No such file: {cmvn_path}; run `python recipes/asr/prepare.py --data-dir "
+                             f"{self.data_dir}` (stage 1) first")
+        self.cmvn = json.loads(cmvn_path.read_text())
+        self.fbank_trans: dict[str, np.ndarray] = {}
+        if kind == "fbank_fmllr":
+            self.fbank_trans = _load_pickle(
+                self.data_dir / "adapt" / "fbank_trans.pkl",
+                f"run the adapt stage: python recipes/asr/prepare.py --data-dir {self.data_dir} --stage 7")
+
+    @property
+    def dim(self) -> int:
+        return 39 if self.kind == "mfcc_fmllr" else len(self.cmvn["global"]["mean"])
+
+    def mfcc_transforms(self, split: str) -> dict[str, np.ndarray]:
+        """The SAT system's fMLLR transforms of a split's speakers (``mfcc_fmllr``)."""
+        fix = f"run the align stage (SAT alignments): python recipes/asr/prepare.py --data-dir {self.data_dir} --stage 6"
+        if split in ("train", "dev"):
+            return _load_pickle(self.data_dir / "ali" / f"trans_{split}.pkl", fix)
+        if split == "test":
+            return _load_pickle(self.data_dir / "exp" / "sat" / "decode_test" / "trans.pkl",
+                                f"decode test with the SAT system: python recipes/asr/prepare.py --data-dir "
+                                f"{self.data_dir} --stage 5 --force")
+        raise ValueError(f"features='mfcc_fmllr' has speaker transforms for train, dev and test only, not {split!r}; "
+                         "decode other sets with a fbank model")
+
+    def add_speakers(self, cuts, cmvn: dict | None = None) -> None:
+        """Speaker statistics of a new set (``evaluate.py --test-set``): its CMVN statistics
+        (``cmvn``: ``{"speakers": {...}}`` of the set) and, for ``fbank_fmllr``, each speaker's
+        transform estimated against the UBM from its own utterances (no transcripts)."""
+        if cmvn:
+            self.cmvn = {"global": self.cmvn["global"], "speakers": {**self.cmvn["speakers"], **cmvn["speakers"]}}
+        if self.kind == "fbank_fmllr":
+            from local.adapt import DiagGmm, estimate_transforms, speaker_frames
+
+            ubm = DiagGmm.load(self.data_dir / "adapt" / "ubm.npz")
+            trans, summary = estimate_transforms(ubm, speaker_frames(cuts, self.cmvn))
+            log.info("fbank fMLLR of the new set's speakers: %s", summary)
+            self.fbank_trans.update(trans)
+        elif self.kind == "mfcc_fmllr":
+            raise ValueError("features='mfcc_fmllr' needs the SAT GMM's fMLLR decoding of a set first; "
+                             "decode new sets with a fbank model (features fbank or fbank_fmllr)")
+
+    def __call__(self, cuts, split: str) -> Iterator[tuple[object, np.ndarray]]:
+        """``(cut, frames [T, dim] float32)`` for every cut of ``cuts`` (all of one ``split``: the
+        MFCC front end normalises each speaker over the split's cuts, as the GMMs do)."""
+        if self.kind == "mfcc_fmllr":
+            from local.gmm_common import gmm_front_end
+
+            cuts = list(cuts)
+            trans = self.mfcc_transforms(split)
+            feats = gmm_front_end(cuts)
+            for cut in cuts:
+                key = gmm_cmvn_key(cut)
+                x = feats[cut.id]
+                yield cut, (apply_affine(trans[key], x) if key in trans else x)
+            return
+        for cut in cuts:
+            speaker = cut.supervisions[0].speaker if cut.supervisions else None
+            x = np.asarray(apply_cmvn(cut.load_features(), speaker, self.cmvn), dtype=np.float32)
+            if self.kind == "fbank_fmllr":
+                key = gmm_cmvn_key(cut)
+                if key not in self.fbank_trans:
+                    raise ValueError(f"no fbank transform for speaker {key!r} of cut {cut.id}; re-run the adapt "
+                                     f"stage (python recipes/asr/prepare.py --data-dir {self.data_dir} --stage 7) "
+                                     "or add the set's speakers with FrontEnd.add_speakers")
+                x = apply_affine(self.fbank_trans[key], x)
+            yield cut, x

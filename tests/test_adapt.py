@@ -1,0 +1,94 @@
+"""local.adapt (fbank UBM and per-speaker fMLLR without transcripts) and local.front_end, on
+synthetic data with known answers; the stage itself runs on the tiny corpus in ``tiny_aligned``."""
+
+import itertools
+import json
+import pickle
+
+import numpy as np
+import pytest
+from local.adapt import DiagGmm, estimate_speaker_transform, identity_transform, speech_frames, train_ubm
+from local.transforms import apply_affine
+
+
+def _mixture(rng, num_gauss=8, dim=4, n=6000):
+    means = rng.normal(0, 3, (num_gauss, dim))
+    variances = rng.uniform(0.3, 1.0, (num_gauss, dim))
+    comp = rng.integers(0, num_gauss, n)
+    x = means[comp] + np.sqrt(variances[comp]) * rng.normal(size=(n, dim))
+    return DiagGmm(np.full(num_gauss, 1 / num_gauss), means, variances), x
+
+
+def test_log_likelihoods_match_a_direct_formula():
+    rng = np.random.default_rng(0)
+    gmm, x = _mixture(rng, n=20)
+    want = np.log(gmm.weights) + np.stack([
+        -0.5 * (np.log(2 * np.pi * v).sum() + ((x - m) ** 2 / v).sum(1)) for m, v in zip(gmm.means, gmm.variances)
+    ], axis=1)
+    np.testing.assert_allclose(gmm.log_likelihoods(x), want, rtol=1e-10)
+    post, _ = gmm.posteriors(x)
+    np.testing.assert_allclose(post.sum(1), 1.0)
+
+
+def test_ubm_em_never_lowers_the_likelihood_and_fits_the_data():
+    rng = np.random.default_rng(1)
+    truth, x = _mixture(rng)
+    ubm, history = train_ubm(x, num_gauss=8, num_iters=15, seed=0)
+    assert all(b >= a - 1e-6 for a, b in itertools.pairwise(history)), history
+    assert ubm.posteriors(x)[1] / len(x) > truth.posteriors(x)[1] / len(x) - 0.1
+    with pytest.raises(ValueError, match="fewer Gaussians"):
+        train_ubm(x[:5], num_gauss=8)
+
+
+def test_speaker_transform_undoes_a_known_distortion_without_labels():
+    rng = np.random.default_rng(2)
+    ubm, x = _mixture(rng, num_gauss=6, dim=3, n=4000)
+    M = np.eye(3) + 0.15 * rng.normal(size=(3, 3))
+    c = rng.normal(0, 0.5, 3)
+    distorted = x @ M.T + c
+    W, info = estimate_speaker_transform(ubm, distorted, num_em=6)
+    assert info["gain_per_frame"] > 0
+    restored = apply_affine(W, distorted)
+    assert np.abs(restored - x).mean() < 0.25 * np.abs(distorted - x).mean()
+
+
+def test_too_few_frames_keep_the_identity():
+    rng = np.random.default_rng(3)
+    ubm, x = _mixture(rng, n=50)
+    W, info = estimate_speaker_transform(ubm, x, min_frames=100)
+    np.testing.assert_array_equal(W, identity_transform(4))
+    assert info["gain_per_frame"] == 0.0
+
+
+def test_speech_frames_leave_out_digital_silence():
+    silence = np.full((30, 40), -15.9)
+    speech = np.random.default_rng(4).normal(2.0, 1.0, (50, 40))
+    mask = speech_frames(np.vstack([silence, speech, silence]))
+    assert not mask[:30].any() and mask[30:80].all() and not mask[80:].any()
+
+
+def test_adapt_stage_on_the_tiny_corpus(tiny_aligned):
+    """Every speaker of every split has a finite transform; the DNN front end applies it, and a
+    new set's speakers get theirs from their audio alone."""
+    from lhotse import CutSet
+    from local.features import gmm_cmvn_key
+    from local.front_end import FrontEnd
+
+    with open(tiny_aligned / "adapt" / "fbank_trans.pkl", "rb") as f:
+        trans = pickle.load(f)
+    info = json.loads((tiny_aligned / "adapt" / "info.json").read_text())
+    for split in ("train", "dev", "test"):
+        cuts = CutSet.from_file(tiny_aligned / "features" / f"{split}_cuts.jsonl.gz")
+        assert {gmm_cmvn_key(c) for c in cuts} <= set(trans), split
+        assert info["splits"][split]["speakers"] > 0
+    assert all(W.shape == (40, 41) and np.isfinite(W).all() for W in trans.values())
+    test = list(CutSet.from_file(tiny_aligned / "features" / "test_cuts.jsonl.gz"))
+    plain, adapted = FrontEnd(tiny_aligned, "fbank"), FrontEnd(tiny_aligned, "fbank_fmllr")
+    (cut, x), (_, y) = next(iter(plain(test[:1], "test"))), next(iter(adapted(test[:1], "test")))
+    np.testing.assert_allclose(y, apply_affine(trans[gmm_cmvn_key(cut)], x), rtol=1e-5, atol=1e-5)
+    fresh = FrontEnd(tiny_aligned, "fbank_fmllr")
+    fresh.fbank_trans = {}
+    with pytest.raises(ValueError, match="add_speakers"):
+        next(iter(fresh(test[:1], "test")))
+    fresh.add_speakers(test)
+    assert set(fresh.fbank_trans) == {gmm_cmvn_key(c) for c in test}

@@ -1,0 +1,61 @@
+"""local.wer_stats: bootstrap intervals of WER, means over seeds and paired differences."""
+
+import numpy as np
+import pytest
+from local.wer_stats import paired_difference, per_utterance_counts, wer_interval
+
+
+def _counts(rng, num_utts=400, error_rate=0.1):
+    words = rng.integers(4, 11, num_utts).astype(float)
+    errors = rng.binomial(words.astype(int), error_rate).astype(float)
+    return errors, words
+
+
+def test_point_estimate_is_total_errors_over_words_and_inside_the_interval():
+    errors, words = _counts(np.random.default_rng(0))
+    r = wer_interval(errors, words)
+    assert r["wer"] == pytest.approx(100 * errors.sum() / words.sum(), abs=0.01)
+    assert r["lo"] < r["wer"] < r["hi"]
+
+
+def test_interval_narrows_with_more_utterances():
+    rng = np.random.default_rng(1)
+    small, big = wer_interval(*_counts(rng, 200)), wer_interval(*_counts(rng, 3200))
+    assert (big["hi"] - big["lo"]) < 0.5 * (small["hi"] - small["lo"])  # ~1/sqrt(16) = 1/4
+
+
+def test_mean_over_seeds_is_the_mean_of_the_seed_wers():
+    rng = np.random.default_rng(2)
+    words = rng.integers(4, 11, 300).astype(float)
+    seeds = np.vstack([rng.binomial(words.astype(int), p) for p in (0.08, 0.1, 0.12)]).astype(float)
+    r = wer_interval(seeds, words)
+    assert r["wer"] == pytest.approx(np.mean(100 * seeds.sum(1) / words.sum()), abs=0.01)
+
+
+def test_paired_difference_of_a_system_with_itself_is_exactly_zero():
+    errors, words = _counts(np.random.default_rng(3))
+    r = paired_difference(errors, errors, words)
+    assert r["diff"] == r["diff_lo"] == r["diff_hi"] == 0 and r["rel_pct"] == r["rel_lo"] == r["rel_hi"] == 0
+
+
+def test_pairing_makes_a_small_consistent_gain_significant():
+    rng = np.random.default_rng(4)
+    a, words = _counts(rng, 1000, 0.15)
+    b = a.copy()
+    fixed = rng.choice(np.flatnonzero(a > 0), 60, replace=False)  # b fixes one error in 60 utterances
+    b[fixed] -= 1
+    paired = paired_difference(a, b, words)
+    assert paired["diff"] > 0 and paired["diff_lo"] > 0, "the paired interval must exclude 0"
+    assert paired["rel_pct"] < 0 and paired["rel_hi"] < 0
+    ia, ib = wer_interval(a, words), wer_interval(b, words)
+    assert ib["hi"] > ia["lo"], "unpaired intervals overlap: only the pairing shows the gain"
+
+
+def test_mismatched_utterances_name_the_fix():
+    with pytest.raises(ValueError, match="same utterances"):
+        wer_interval(np.ones((2, 5)), np.ones(4))
+    with pytest.raises(ValueError, match="not scored"):
+        per_utterance_counts({"a": [1, 5]}, ["a", "b"])
+    errors, words = per_utterance_counts({"a": [1, 5], "b": [0, 3]}, ["b", "a"])
+    np.testing.assert_array_equal(errors, [0, 1])
+    np.testing.assert_array_equal(words, [3, 5])
