@@ -1,0 +1,1054 @@
+"""``python -m gtc_lightning.bench_cluster``: every strategy's step on an emulated commodity network.
+
+For each model, number of workers (one per emulated node of :mod:`gtc_lightning.cluster`; 1 worker
+is the single-device baseline, no network) and link rate, one cluster run trains every strategy in
+turn in the same processes, round after round (``ddp``, ``ddp_bf16``, ``gtc``, ..., ``nocomm``,
+``ddp``, ...), with :func:`gtc_lightning.bench_step._segment`'s Lightning steps of the acoustic DNN
+on random frames. Then, in the same processes, it replays each strategy's collectives with the
+message sizes just measured and no compute. What it separates, per strategy:
+
+- **step**: mean seconds per optimizer step over the timed steps (median over rounds);
+- **compute**: the step of ``nocomm`` (DDP sending nothing) in the same processes and rounds: with
+  4 workers on 2 cores the compute itself is slowed by sharing the cores, and this measures it so;
+- **comm** = step - compute: what communicating adds to a step (including a strategy's own work on
+  the gradient, such as GTC's thresholding and decoding, which the hook times apart as ``codec``);
+- **network alone**: the replay's seconds per step (collectives only, each step after a pause that
+  lets the link's token bucket refill as compute would);
+- **wire bytes**: what each node's veth counted between the first and the last timed step, read by
+  the rank itself from ``/sys/class/net/<dev>/statistics`` inside its namespace (the counters the
+  Cluster API reads), divided by the steps. The window starts after the warm-up steps, so start-up
+  traffic (rendezvous, DDP's parameter broadcast, Lightning's barriers) is outside it by
+  construction; the Cluster API's count for the whole run is recorded beside it.
+
+Next to the wire bytes stands what the strategy itself counts (its hook's ``bytes_sent``; for DDP
+the ring formula ``2 (W-1)/W · 4n``). GTC's residuals start from a triangular distribution on
+(-tau, tau), near the steady state of thresholding, so that a few steps measure the message size
+of a long run instead of the first steps' near-empty messages (``--residual-start zero`` turns it
+off). The scaling model (:mod:`gtc_lightning.scaling`) is calibrated on the replays and its step
+predictions compared with the measured steps.
+
+Example (the README's run; needs root for the namespaces)::
+
+    python -m gtc_lightning.bench_cluster --out exp/bench_cluster
+    python -m gtc_lightning.bench_cluster --models recipe --workers 2 --rates 1gbit --steps 3 --rounds 1
+
+Writes ``<out>/results.json`` (schema ``gtc_lightning.bench_cluster/1``: ``args``, ``configs`` with
+per-configuration load averages and cluster results, ``rows`` with one record per model, workers,
+rate and strategy, ``model`` with the calibrated network parameters and the predictions),
+``<out>/table.md`` and ``<out>/bench_cluster.png``; every configuration's node logs, ``cluster.json``
+and per-rank ``rank<k>.json`` under ``<out>/<model>/w<W>/<rate>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gtc_lightning import scaling
+
+DEFAULT_STRATEGIES = ("ddp", "ddp_bf16", "gtc")
+GTC_LIKE = ("gtc", "gtc_alltoall", "gtc_allgather", "gtc_stale", "gtc_rice")  # one word exchange per step
+OPTIONAL_STRATEGIES = ("gtc_stale", "ma", "bmuf", "bmuf_gtc", "dpsgd")  # joined when they exist
+DEFAULT_TAU = {"recipe": 2e-2, "strom": 1e-2}  # ~30x the per-rank gradient RMS on the benchmark's data
+_COMPUTE_FLOPS = 5e10  # about what one core of this host sustains on these layers; only to choose step counts
+
+
+# ------------------------------------------------------------------------------------ node side
+
+
+def _counters(interface: str | None) -> dict[str, int]:
+    if not interface:
+        return {}
+    base = Path("/sys/class/net") / interface / "statistics"
+    return {
+        key: int((base / key).read_text()) for key in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
+    }
+
+
+def _strategy_stats(strategy: Any) -> dict[str, dict[str, float]]:
+    """Every ``*_stats`` property's running totals (``gtc_stats``, ``sync_stats``, ...)."""
+    out = {}
+    for name in dir(type(strategy)):
+        if name.endswith("_stats") and isinstance(getattr(type(strategy), name, None), property):
+            stats = getattr(strategy, name)
+            total = stats.get("total") if isinstance(stats, dict) else None
+            if total:
+                out[name] = {k: float(v) for k, v in total.items() if isinstance(v, (int, float))}
+    return out
+
+
+def _make_callbacks(plan: dict, steps: int):
+    import lightning as L
+    import torch
+
+    class WireMeter(L.Callback):
+        """Veth counters, time and the strategy's own statistics at the window's two ends."""
+
+        def __init__(self) -> None:
+            self.ends: list[dict] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx + 1 in (plan["warmup"], plan["warmup"] + steps):
+                self.ends.append(
+                    {
+                        "t": time.perf_counter(),
+                        "wire": _counters(plan["interface"]),
+                        "stats": _strategy_stats(trainer.strategy),
+                    }
+                )
+
+    class ResidualStart(L.Callback):
+        """GTC residuals drawn from the triangular distribution on (-tau, tau), the stationary one of
+        a zero-mean random walk that gives back tau each time it leaves the interval."""
+
+        def on_train_start(self, trainer, pl_module):
+            state = getattr(trainer.strategy, "gtc_state", None)
+            if state is None or plan["residual_start"] == "zero":
+                return
+            n = state.residual_vector().numel()
+            g = torch.Generator().manual_seed(1000 + trainer.global_rank)
+            tri = (torch.rand(n, generator=g) - torch.rand(n, generator=g)) * state.tau
+            state.load_residual_vector(tri)
+
+    return WireMeter(), ResidualStart()
+
+
+def build_strategy(name: str, tau: float, options: dict[str, Any]):
+    """``single`` (no DDP), a name :mod:`gtc_lightning.bench_step` knows, or a registered one."""
+    from gtc_lightning import bench_step
+
+    if name == "single":
+        return "auto"
+    if not options:
+        try:
+            return bench_step._make_strategy(name, tau, "auto")
+        except (ValueError, ImportError):
+            pass
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import gtc_lightning  # noqa: F401  (registers the project's names)
+
+    if name not in StrategyRegistry:
+        raise ValueError(
+            f"strategy {name!r} is neither in bench_step.STRATEGIES {bench_step.STRATEGIES} nor a "
+            f"registered Lightning strategy"
+        )
+    entry = StrategyRegistry[name]
+    cls, params = entry["strategy"], dict(entry["init_params"])
+    if "tau" in inspect.signature(cls).parameters:
+        params["tau"] = tau
+    params.update(options)
+    return cls(**params)
+
+
+def _window(meter, steps: int) -> dict:
+    if len(meter.ends) != 2:
+        return {}
+    (a, b) = meter.ends
+    out = {
+        "window_s": b["t"] - a["t"],
+        "wire": {k: b["wire"][k] - a["wire"][k] for k in b["wire"]},
+        "hook": {},
+    }
+    for name, total in b["stats"].items():
+        before = a["stats"].get(name, {})
+        out["hook"][name] = {k: v - before.get(k, 0.0) for k, v in total.items()}
+    out["step_s"] = out["window_s"] / steps
+    return out
+
+
+def _measure_gradient_rms(plan: dict, spec: tuple[int, int, int]) -> float:
+    """RMS of one rank's mean-loss gradient at the initial model on the benchmark's random frames."""
+    import torch
+
+    layers, hidden, outputs = spec
+    torch.manual_seed(0)
+    dims = [680] + [hidden] * layers
+    body = []
+    for a, b in itertools.pairwise(dims):
+        body += [torch.nn.Linear(a, b), torch.nn.Sigmoid()]
+    net = torch.nn.Sequential(*body, torch.nn.Linear(hidden, outputs))
+    g = torch.Generator().manual_seed(0)
+    x, y = (
+        torch.randn(plan["batch"], 680, generator=g),
+        torch.randint(0, outputs, (plan["batch"],), generator=g),
+    )
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    grads = torch.cat([p.grad.flatten() for p in net.parameters()])
+    return float(grads.pow(2).mean().sqrt())
+
+
+def node_worker(plan_path: str) -> None:
+    """One rank of one configuration: training segments, then the replay; writes ``rank<k>.json``."""
+    import logging
+
+    import torch
+
+    from gtc_lightning import bench_step
+
+    plan = json.loads(Path(plan_path).read_text())
+    torch.set_num_threads(plan["threads"])
+    for name in ("lightning.pytorch", "lightning.fabric", "gtc_lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    world, spec = plan["world"], tuple(plan["spec"])
+    plan["interface"] = os.environ.get("GLOO_SOCKET_IFNAME") if world > 1 else None
+    rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
+    segments: dict[str, list] = {}
+    facts: dict[str, dict] = {}
+    if world > 1:
+        # The first DDP fit of a process ran its steps several times slower here (tiny model: 0.2-0.7 s
+        # against 0.05 s in the next round), whichever strategy came later: one untimed fit first.
+        warm = argparse.Namespace(
+            warmup=1, steps=1, batch=plan["batch"], lr=plan["lr"], tau=plan["tau"], exchange="auto"
+        )
+        bench_step._segment(warm, spec, "ddp", devices=1, num_nodes=world, seed=0)
+    for r in range(plan["rounds"]):
+        for entry in plan["strategies"]:
+            name = entry["label"]
+            strategy = build_strategy(entry["name"], plan["tau"], entry["options"])
+            steps = entry["steps"]
+            period = getattr(strategy, "period", None)
+            if isinstance(period, int) and period > 1:
+                steps = math.ceil(steps / period) * period  # whole periods only
+            args = argparse.Namespace(
+                warmup=plan["warmup"],
+                steps=steps,
+                batch=plan["batch"],
+                lr=plan["lr"],
+                tau=plan["tau"],
+                exchange="auto",
+            )
+            meter, start = _make_callbacks(plan, steps)
+            seg = bench_step._segment(
+                args,
+                spec,
+                entry["name"],
+                devices=1,
+                num_nodes=world,
+                seed=r,
+                callbacks=[meter, start],
+                strategy=strategy,
+            )
+            window = _window(meter, steps)
+            window.update(steps=steps, round=r, step_times=seg["steps"])
+            segments.setdefault(name, []).append(window)
+            facts[name] = {
+                key: getattr(strategy, key)
+                for key in ("period", "group_size", "tau")
+                if isinstance(getattr(strategy, key, None), (int, float))
+            }
+            if rank == 0:
+                print(
+                    f"[bench_cluster] round {r} {name}: {steps} steps, {window.get('step_s', float('nan')):.3f} s/step",
+                    flush=True,
+                )
+    replays = replay(plan, segments, facts) if world > 1 else {}
+    out = {
+        "rank": rank,
+        "world": world,
+        "interface": plan["interface"],
+        "segments": segments,
+        "facts": facts,
+        "replay": replays,
+        "gradient_rms": _measure_gradient_rms(plan, spec) if rank == 0 else None,
+    }
+    Path(plan["out"], f"rank{rank}.json").write_text(json.dumps(out, indent=1))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _hook_words(windows: list[dict]) -> float:
+    """Words this rank sent per step (GTC's statistics), over all rounds."""
+    words = steps = 0.0
+    for w in windows:
+        gtc = w.get("hook", {}).get("gtc_stats")
+        if gtc:
+            words += gtc.get("words", 0.0)
+            steps += w["steps"]
+    return words / steps if steps else 0.0
+
+
+def _word_bytes(windows: list[dict], world: int) -> float:
+    """Bytes per word as GTC sent them (4; fewer with an entropy coding): its bytes_sent, less the
+    headers, per word and peer."""
+    sent = words = steps = 0.0
+    for w in windows:
+        gtc = w.get("hook", {}).get("gtc_stats")
+        if gtc:
+            sent, words, steps = (
+                sent + gtc.get("bytes_sent", 0.0),
+                words + gtc.get("words", 0.0),
+                steps + w["steps"],
+            )
+    if not words or world < 2:
+        return scaling.WORD_BYTES
+    return (sent - steps * (world - 1) * scaling.HEADER_BYTES) / ((world - 1) * words)
+
+
+def replay(plan: dict, segments: dict, facts: dict) -> dict:
+    """Each strategy's collectives (:func:`gtc_lightning.scaling.collectives`) with the measured word
+    counts and no compute, ``replay_steps`` steps (whole periods), each after a pause."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    numel = parameter_count(tuple(plan["spec"]))
+    groups_cache: dict[tuple, Any] = {}
+
+    def group_of(ranks: tuple[int, ...]):
+        if len(ranks) == world:
+            return None
+        if ranks not in groups_cache:
+            groups_cache[ranks] = dist.new_group(list(ranks))
+        return groups_cache[ranks]
+
+    out = {}
+    for entry in plan["strategies"]:
+        name, base = entry["label"], entry["name"]
+        if base in ("nocomm", "single"):
+            continue
+        mine = segments.get(name, [])
+        words = torch.tensor([_hook_words(mine), _word_bytes(mine, world)], dtype=torch.float64)
+        dist.all_reduce(words)
+        mean_words, word_bytes = (float(x) / world for x in words)
+        f = facts.get(name, {})
+        msg = scaling.Messages(
+            numel=numel,
+            words=mean_words,
+            word_bytes=word_bytes if base in GTC_LIKE else scaling.WORD_BYTES,
+            period=int(f.get("period", 1)),
+            group_size=int(f.get("group_size", 2)),
+        )
+        colls = scaling.collectives(base, world, msg)
+        if colls is None:
+            continue
+        period = math.lcm(*(c.every for c in colls)) if colls else 1
+        estimate = scaling.comm_seconds(colls, scaling.Network(plan["rate_bits"])) + plan["replay_pause_s"]
+        steps = min(plan["replay_steps"], max(2, int(plan["replay_budget_s"] / estimate)))
+        steps = math.ceil(steps / period) * period
+        # Every rank builds every group in the same order (new_group is collective).
+        g = min(msg.group_size, world)
+        my_group = tuple(range(rank // g * g, rank // g * g + g))
+        reps = tuple(range(0, world, g))
+        for ranks in sorted({tuple(range(k, k + g)) for k in range(0, world, g)} | {reps}):
+            group_of(ranks)
+        times, before = [], _counters(plan["interface"])
+        for step in range(steps):
+            dist.barrier()
+            time.sleep(plan["replay_pause_s"])
+            t0 = time.perf_counter()
+            for c in colls:
+                if step % c.every:
+                    continue
+                if base == "bmuf_gtc":
+                    if c.kind == "allreduce" and rank not in reps:
+                        continue
+                    ranks = reps if c.kind == "allreduce" else my_group
+                else:
+                    ranks = tuple(range(world))
+                _run_collective(c, base, ranks, group_of(ranks), rank)
+            times.append(time.perf_counter() - t0)
+        after = _counters(plan["interface"])
+        out[name] = {
+            "collectives": [vars(c) for c in colls],
+            "words": mean_words,
+            "steps": steps,
+            "step_times": times,
+            "step_s": statistics.fmean(times),
+            "wire": {k: after[k] - before[k] for k in after},
+        }
+    return out
+
+
+def _run_collective(c: scaling.Collective, strategy: str, ranks: tuple[int, ...], group, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    p = len(ranks)
+    if c.kind == "allreduce":
+        dtype, width = (torch.bfloat16, 2) if strategy == "ddp_bf16" else (torch.float32, 4)
+        dist.all_reduce(torch.ones(int(c.size // width), dtype=dtype), group=group)
+    elif c.kind == "allgather":
+        n = max(int(c.size // 4), 1)
+        dist.all_gather_into_tensor(
+            torch.empty(p * n, dtype=torch.int32), torch.ones(n, dtype=torch.int32), group=group
+        )
+    elif c.kind == "alltoall":
+        n = int(c.size // 4)
+        dist.all_to_all_single(
+            torch.empty(p * n, dtype=torch.int32), torch.ones(p * n, dtype=torch.int32), group=group
+        )
+    elif c.kind == "broadcast":
+        dist.broadcast(torch.ones(int(c.size // 4)), src=ranks[0], group=group)
+    elif c.kind == "neighbours":
+        buf = torch.ones(int(c.size // 4))
+        peers = sorted({(rank - 1) % p, (rank + 1) % p} - {rank})
+        ops = [dist.P2POp(dist.isend, buf, q) for q in peers]
+        ops += [dist.P2POp(dist.irecv, torch.empty_like(buf), q) for q in peers]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    else:
+        raise ValueError(f"cannot replay collective kind {c.kind!r}")
+
+
+def parameter_count(spec: tuple[int, int, int]) -> int:
+    layers, hidden, outputs = spec
+    return (680 + 1) * hidden + (layers - 1) * (hidden + 1) * hidden + (hidden + 1) * outputs
+
+
+# ----------------------------------------------------------------------------------- orchestrator
+
+
+def parse_strategy(text: str) -> dict[str, Any]:
+    """``bmuf:period=5,block_lr=1.0`` -> name, constructor options and the label used in tables."""
+    name, _, rest = text.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"strategy {text!r}: options are key=value pairs after ':', e.g. bmuf:period=5")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return {"name": name, "options": options, "label": text}
+
+
+def available_strategies() -> list[str]:
+    """The default list: DDP fp32 and bf16, GTC, and whichever of the other schemes exist."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import gtc_lightning  # noqa: F401
+    from gtc_lightning import bench_step
+
+    out = list(DEFAULT_STRATEGIES)
+    small_periods = {"ma": "ma:period=5", "bmuf": "bmuf:period=5", "bmuf_gtc": "bmuf_gtc:period=5"}
+    for name in OPTIONAL_STRATEGIES:
+        if name in bench_step.STRATEGIES or name in StrategyRegistry:
+            out.append(small_periods.get(name, name))
+    return out
+
+
+def choose_steps(
+    base: str, spec: tuple[int, int, int], world: int, rate_bits: float | None, args: argparse.Namespace
+) -> int:
+    """Timed steps for one segment: as many as fit ``--segment-budget`` by a rough estimate of the
+    step (compute at a nominal core's rate, communication by the scaling model at 0.1 % density),
+    between ``--min-steps`` and ``--steps``."""
+    n = parameter_count(spec)
+    compute = 6 * n * args.batch / _COMPUTE_FLOPS * max(1.0, world / (os.cpu_count() or 1))
+    comm = 0.0
+    if rate_bits and world > 1:
+        colls = scaling.collectives(base, world, scaling.Messages(numel=n, words=1e-3 * n, period=5)) or []
+        comm = scaling.comm_seconds(colls, scaling.Network(rate_bits))
+    return int(min(args.steps, max(args.min_steps, args.segment_budget // (compute + comm))))
+
+
+def burst_for(rate: str, burst_ms: float, mtu: int = 1500) -> str:
+    """tbf bucket of ``burst_ms`` at the line rate, at least 16 KiB (~11 packets): tbf needs about a
+    millisecond's worth to reach its rate here, and a bigger bucket lets small messages through unshaped."""
+    from gtc_lightning.cluster import parse_rate
+
+    bits = parse_rate(rate)
+    return str(max(16 * 1024, 4 * mtu, round(bits / 8 * burst_ms / 1e3))) if bits else "256kb"
+
+
+def _tau_for(model: str, args: argparse.Namespace) -> float:
+    if model in args.tau:
+        return args.tau[model]
+    return args.tau.get("*", DEFAULT_TAU.get(model, 1e-2))
+
+
+def run_config(
+    cluster, model: str, world: int, rate: str | None, strategies: list[dict], args: argparse.Namespace
+) -> dict:
+    """One configuration: every strategy on ``world`` nodes at ``rate`` (or one process, no network)."""
+    import subprocess
+
+    from gtc_lightning import bench_step
+    from gtc_lightning.cluster import parse_rate
+
+    spec = bench_step.parse_model(model)
+    out = Path(args.out) / model / f"w{world}" / (rate or "local")
+    out.mkdir(parents=True, exist_ok=True)
+    rate_bits = parse_rate(rate) if rate else None
+    entries = []
+    for s in strategies:
+        entries.append({**s, "steps": choose_steps(s["name"], spec, world, rate_bits, args)})
+    plan = {
+        "model": model,
+        "spec": list(spec),
+        "world": world,
+        "rate": rate,
+        "strategies": entries,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "batch": args.batch,
+        "tau": _tau_for(model, args),
+        "lr": args.lr,
+        "threads": args.threads,
+        "replay_steps": args.replay_steps,
+        "replay_pause_s": args.replay_pause,
+        "replay_budget_s": args.segment_budget / 2,
+        "rate_bits": rate_bits,
+        "residual_start": args.residual_start,
+        "out": str(out),
+    }
+    (out / "plan.json").write_text(json.dumps(plan, indent=1))
+    for stale in out.glob("rank*.json"):
+        stale.unlink()
+    command = [
+        sys.executable,
+        "-m",
+        "gtc_lightning.bench_cluster",
+        "--node-worker",
+        str(out / "plan.json"),
+        "--num-nodes",
+        "{num_nodes}",
+    ]
+    record: dict[str, Any] = {
+        "model": model,
+        "world": world,
+        "rate": rate,
+        "rate_bits": rate_bits,
+        "tau": plan["tau"],
+        "plan": str(out / "plan.json"),
+        "steps": {e["label"]: e["steps"] for e in entries},
+        "load_before": os.getloadavg(),
+    }
+    started = time.monotonic()
+    if cluster is None:
+        launcher = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+        env = {k: v for k, v in os.environ.items() if k not in launcher}
+        with open(out / "node0.log", "w") as log:
+            proc = subprocess.run(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, check=False
+            )
+        record.update(status="ok" if proc.returncode == 0 else "failed", cluster=None)
+    else:
+        result = cluster.run(command, out, timeout=args.timeout, stream=False)
+        record.update(
+            status=result.status,
+            burst_bytes=cluster.burst_bytes,
+            cluster={
+                "wall_s": result.wall_s,
+                "nodes": [
+                    {"node_rank": n.node_rank, "tx_bytes": n.tx_bytes, "rx_bytes": n.rx_bytes}
+                    for n in result.nodes
+                ],
+            },
+        )
+    record["wall_s"] = round(time.monotonic() - started, 1)
+    record["load_after"] = os.getloadavg()
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    record["ranks"] = len(ranks)
+    if record["status"] == "ok" and len(ranks) != world:
+        record["status"] = "incomplete"
+    record["rows"] = summarize_config(record, ranks, plan) if record["status"] == "ok" else []
+    return record
+
+
+def summarize_config(record: dict, ranks: list[dict], plan: dict) -> list[dict]:
+    """One row per strategy: step, compute, comm, codec, network alone, wire and hook bytes."""
+    from gtc_lightning.hook import allreduce_bytes
+
+    world, n = record["world"], parameter_count(tuple(plan["spec"]))
+    rank0 = next(r for r in ranks if r["rank"] == 0)
+
+    def median_step(label: str) -> float | None:
+        values = [w["step_s"] for w in rank0["segments"].get(label, []) if "step_s" in w]
+        return statistics.median(values) if values else None
+
+    compute = median_step("nocomm") if world > 1 else median_step("single")
+    rows = []
+    for entry in plan["strategies"]:
+        label, base = entry["label"], entry["name"]
+        step = median_step(label)
+        if step is None:
+            continue
+        steps_total = sum(w["steps"] for w in rank0["segments"][label])
+        per_rank_tx, per_rank_rx, hook_bytes, words, word_bytes = [], [], [], [], []
+        for r in ranks:
+            wins = r["segments"].get(label, [])
+            steps = sum(w["steps"] for w in wins)
+            per_rank_tx.append(sum(w.get("wire", {}).get("tx_bytes", 0) for w in wins) / steps)
+            per_rank_rx.append(sum(w.get("wire", {}).get("rx_bytes", 0) for w in wins) / steps)
+            sent = sum(s.get("bytes_sent", 0.0) for w in wins for s in w.get("hook", {}).values())
+            hook_bytes.append(sent / steps)
+            words.append(_hook_words(wins))
+            word_bytes.append(_word_bytes(wins, world))
+        if base == "ddp":
+            hook = float(allreduce_bytes(n, world, 4))
+        elif base == "ddp_bf16":
+            hook = float(allreduce_bytes(n, world, 2))
+        elif base in ("nocomm", "single"):
+            hook = 0.0
+        else:
+            hook = statistics.fmean(hook_bytes) if any(hook_bytes) else None
+        codec = 0.0
+        for w in rank0["segments"][label]:
+            gtc = w.get("hook", {}).get("gtc_stats", {})
+            codec += gtc.get("compress_s", 0.0) + gtc.get("decompress_s", 0.0)
+        codec /= steps_total
+        replays = [r["replay"][label] for r in ranks if label in r.get("replay", {})]
+        network = statistics.fmean(x["step_s"] for x in replays) if replays else None
+        replay_tx = (
+            statistics.fmean(x["wire"].get("tx_bytes", 0) / x["steps"] for x in replays) if replays else None
+        )
+        wire = statistics.fmean(per_rank_tx) if world > 1 else 0.0
+        rate_bits = record["rate_bits"]
+        rows.append({
+            "model": record["model"], "weights": n, "world": world, "rate": record["rate"], "rate_bits": rate_bits,
+            "strategy": label, "base": base, "steps": steps_total, "rounds": len(rank0["segments"][label]),
+            "step_s": step, "step_s_rounds": [w["step_s"] for w in rank0["segments"][label] if "step_s" in w],
+            "compute_s": compute, "comm_s": None if compute is None else step - compute, "codec_s": codec,
+            "network_s": network, "frames_per_s": plan["batch"] * world / step,
+            "wire_tx_bytes": wire, "wire_rx_bytes": statistics.fmean(per_rank_rx) if world > 1 else 0.0,
+            "hook_bytes": hook, "wire_over_hook": wire / hook if hook else None,
+            "replay_tx_bytes": replay_tx, "words": statistics.fmean(words) if any(words) else None,
+            "word_bytes": statistics.fmean(word_bytes) if base in GTC_LIKE and any(words) else None,
+            "wire_bound_s": wire * 8 / rate_bits if rate_bits else None,
+            "fp32_ring_bytes": float(allreduce_bytes(n, world, 4)),
+            "facts": rank0.get("facts", {}).get(label, {}), "tau": plan["tau"],
+            "gradient_rms": rank0.get("gradient_rms"),
+            "replay": replays[0] if replays else None,
+            "load_before": record["load_before"], "load_after": record["load_after"],
+        })  # fmt: skip
+    return rows
+
+
+# --------------------------------------------------------------------------------- model and report
+
+
+def _collectives_of(row: dict, words: float | None = None) -> list[scaling.Collective] | None:
+    facts = row.get("facts", {})
+    msg = scaling.Messages(
+        numel=row["weights"],
+        words=(row["words"] or 0.0) if words is None else words,
+        word_bytes=row.get("word_bytes") or scaling.WORD_BYTES,
+        period=int(facts.get("period", 1)),
+        group_size=int(facts.get("group_size", 2)),
+    )
+    return scaling.collectives(row["base"], row["world"], msg)
+
+
+def calibrate(rows: list[dict], configs: list[dict]) -> dict:
+    """Fit the network's latency and host throughput on the replays (network alone), then predict
+    every training step from its measured compute and codec time and its measured message sizes."""
+    burst = {(c["model"], c["world"], c["rate"]): c.get("burst_bytes", 0) for c in configs}
+    net_rows = [r for r in rows if r["world"] > 1 and r["replay"] and r["network_s"] is not None]
+    ratios = [
+        r["replay_tx_bytes"] / scaling.bytes_per_step(_collectives_of(r))
+        for r in net_rows
+        if scaling.bytes_per_step(_collectives_of(r)) >= 1e6
+    ]
+    overhead = statistics.median(ratios) if ratios else 1.0
+    samples = []
+    for r in net_rows:
+        colls = [scaling.Collective(**c) for c in r["replay"]["collectives"]]
+        net = scaling.Network(
+            r["rate_bits"],
+            wire_overhead=overhead,
+            burst_bytes=burst.get((r["model"], r["world"], r["rate"]), 0),
+        )
+        samples.append((colls, net, r["network_s"]))
+    latency, host = scaling.fit_network(samples) if samples else (0.0, math.inf)
+    predictions = []
+    for r in rows:
+        if r["world"] < 2 or r["compute_s"] is None or r["base"] in ("nocomm", "single"):
+            continue
+        colls = _collectives_of(r, words=r["words"] or 0.0)
+        if colls is None:
+            continue
+        net = scaling.Network(
+            r["rate_bits"],
+            latency_s=latency,
+            wire_overhead=overhead,
+            host_bytes_per_s=host,
+            burst_bytes=burst.get((r["model"], r["world"], r["rate"]), 0),
+        )
+        comm = scaling.comm_seconds(colls, net)
+        work = r["compute_s"] + r["codec_s"]
+        step = max(work, comm) if r["base"] in scaling.OVERLAPPED else work + comm
+        network = None
+        if r["replay"]:
+            network = scaling.comm_seconds([scaling.Collective(**c) for c in r["replay"]["collectives"]], net)
+        predictions.append(
+            {
+                "model": r["model"],
+                "world": r["world"],
+                "rate": r["rate"],
+                "strategy": r["strategy"],
+                "step_s": step,
+                "comm_s": comm,
+                "network_s": network,
+                "error": step / r["step_s"] - 1,
+                "network_error": network / r["network_s"] - 1 if network and r["network_s"] else None,
+            }
+        )
+    return {
+        "latency_s": latency,
+        "host_bytes_per_s": host,
+        "wire_overhead": overhead,
+        "samples": len(samples),
+        "predictions": predictions,
+    }
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets for 4 workers and Strom's model, measured against them."""
+    out = []
+    find = {(r["model"], r["world"], r["rate"], r["strategy"]): r for r in rows}
+    rates = sorted(
+        {r["rate"] for r in rows if r["model"] == "strom" and r["world"] == 4},
+        key=lambda x: find[("strom", 4, x, "gtc")]["rate_bits"] if ("strom", 4, x, "gtc") in find else 0,
+    )
+    for rate in rates:
+        gtc, ddp, bf16 = (find.get(("strom", 4, rate, s)) for s in ("gtc", "ddp", "ddp_bf16"))
+        if not (gtc and ddp):
+            continue
+
+        def add(what: str, value: float | None, goal: str, ok: bool | None, rate: str = rate) -> None:
+            out.append({"rate": rate, "target": what, "measured": value, "goal": goal, "met": ok})
+
+        comm_ratio = ddp["comm_s"] / gtc["comm_s"] if gtc["comm_s"] and gtc["comm_s"] > 0 else None
+        add(
+            "comm per step, fp32 DDP / GTC (step - compute)",
+            comm_ratio,
+            ">= 50",
+            None if comm_ratio is None else comm_ratio >= 50,
+        )
+        if gtc["network_s"] and ddp["network_s"]:
+            ratio = ddp["network_s"] / gtc["network_s"]
+            add("network alone per step, fp32 DDP / GTC (replay)", ratio, ">= 50", ratio >= 50)
+        for what, value in (
+            ("GTC comm (step - compute) / wire-time bound", gtc["comm_s"]),
+            ("GTC network alone (replay) / wire-time bound", gtc["network_s"]),
+        ):
+            if value is not None and gtc["wire_bound_s"]:
+                ratio = value / gtc["wire_bound_s"]
+                add(what, ratio, "<= 1.5", ratio <= 1.5)
+        if gtc["wire_tx_bytes"]:
+            ratio = gtc["fp32_ring_bytes"] / gtc["wire_tx_bytes"]
+            add("fp32 ring all-reduce bytes / GTC wire bytes", ratio, ">= 500", ratio >= 500)
+            ratio = ddp["wire_tx_bytes"] / gtc["wire_tx_bytes"]
+            add("fp32 DDP wire bytes / GTC wire bytes (both measured)", ratio, ">= 500", ratio >= 500)
+        if rate == "100mbit":
+            ratio = ddp["step_s"] / gtc["step_s"]
+            add("step, fp32 DDP / GTC", ratio, ">= 5", ratio >= 5)
+            if bf16:
+                ratio = bf16["step_s"] / gtc["step_s"]
+                add("step, bf16 DDP / GTC", ratio, ">= 2.5", ratio >= 2.5)
+    return out
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if abs(x) >= 1e5:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}f}"
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e6:.3f}"
+
+
+def render(results: dict) -> str:
+    """The markdown report: the measured table, the targets, the model's calibration and errors."""
+    rows, model = results["rows"], results["model"]
+    args = results["args"]
+    pred = {(p["model"], p["world"], p["rate"], p["strategy"]): p for p in model["predictions"]}
+    lines = [
+        (
+            f"{args['batch']} frames per worker and step; {args['threads']} torch thread(s) per worker on a "
+            f"{results['host']['cpus']}-core host; {args['rounds']} rounds, median of each segment's mean step; "
+            f"tau: {', '.join(f'{m} {t:g}' for m, t in results['taus'].items())}; links shaped both ways by tbf "
+            f"(bucket {args['burst_ms']:g} ms of the rate, at least 16 KiB); started {results['started']}, "
+            f"{results['wall_s'] / 60:.0f} min."
+        ),
+        "",
+        (
+            "| model | workers | rate | strategy | step s | compute s | comm s | codec s | network alone s "
+            "| wire-time bound s | frames/s | wire MB/step/rank | hook MB | wire/hook | model s (error) | load before → after |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p = pred.get((r["model"], r["world"], r["rate"], r["strategy"]))
+        predicted = f"{p['step_s']:.3f} ({p['error']:+.0%})" if p else "-"
+        load = f"{r['load_before'][0]:.1f} → {r['load_after'][0]:.1f}"
+        lines.append(
+            f"| {r['model']} | {r['world']} | {r['rate'] or '-'} | {r['strategy']} | {_fmt(r['step_s'])} "
+            f"| {_fmt(r['compute_s'])} | {_fmt(r['comm_s'])} | {_fmt(r['codec_s'])} | {_fmt(r['network_s'])} "
+            f"| {_fmt(r['wire_bound_s'])} | {r['frames_per_s']:,.0f} | {_mb(r['wire_tx_bytes'])} "
+            f"| {_mb(r['hook_bytes'])} | {_fmt(r['wire_over_hook'], 2)} | {predicted} | {load} |"
+        )
+    lines += [
+        "",
+        "Targets (4 workers, Strom's model):",
+        "",
+        "| rate | target | measured | goal | met |",
+        "|---|---|---|---|---|",
+    ]
+    for t in results["targets"]:
+        met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['rate']} | {t['target']} | {_fmt(t['measured'], 2)} | {t['goal']} | {met} |")
+    errors = [abs(p["error"]) for p in model["predictions"]]
+    lines += [
+        "",
+        (
+            f"Scaling model calibrated on the {model['samples']} replays: latency α = "
+            f"{model['latency_s'] * 1e3:.3f} ms per hop, host throughput H = "
+            f"{model['host_bytes_per_s'] * 8 / 1e9:.2f} Gbit/s, {model['wire_overhead']:.3f} wire bytes per payload "
+            f"byte; step predictions within {max(errors, default=0):.0%} "
+            f"(median {statistics.median(errors) if errors else 0:.0%}) of the measurements, "
+            f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15 %."
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    """Stacked bars per configuration: compute and communication of each strategy's step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if r["world"] > 1 and r["compute_s"] is not None]
+    panels = sorted({(r["model"], r["world"]) for r in rows}, key=lambda x: (x[0] != "recipe", x[1]))
+    if not panels:
+        return
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
+    for ax, (model, world) in zip(axes[:, 0], panels):
+        mine = [r for r in rows if r["model"] == model and r["world"] == world]
+        rates = sorted(
+            {r["rate"] for r in mine}, key=lambda x: next(r["rate_bits"] for r in mine if r["rate"] == x)
+        )
+        strategies = list(dict.fromkeys(r["strategy"] for r in mine))
+        width = 0.8 / len(strategies)
+        for i, s in enumerate(strategies):
+            xs, comp, comm, net = [], [], [], []
+            for j, rate in enumerate(rates):
+                r = next((r for r in mine if r["rate"] == rate and r["strategy"] == s), None)
+                if r is None:
+                    continue
+                xs.append(j + (i - (len(strategies) - 1) / 2) * width)
+                comp.append(min(r["compute_s"], r["step_s"]))
+                comm.append(max(r["step_s"] - r["compute_s"], 0.0))
+                net.append(r["network_s"])
+            bars = ax.bar(xs, comp, width * 0.95, color="0.75", edgecolor="0.4")
+            ax.bar(xs, comm, width * 0.95, bottom=comp, label=s, color=f"C{i}")
+            ax.scatter(
+                [x for x, v in zip(xs, net) if v],
+                [v for v in net if v],
+                marker="_",
+                s=120,
+                color="k",
+                zorder=3,
+            )
+            del bars
+        ax.set_xticks(range(len(rates)), rates)
+        ax.set_yscale("log")
+        ax.set_ylabel("s per step")
+        ax.set_title(
+            f"{model}, {world} workers: compute (grey) + communication; '-' = network alone (replay)"
+        )
+        ax.legend(fontsize=7, ncol=len(strategies))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def finish(results: dict, out: Path, png: Path | None = None) -> None:
+    rows = [row for c in results["configs"] for row in c["rows"]]
+    results["rows"] = rows
+    results["model"] = calibrate(rows, results["configs"])
+    results["targets"] = targets(rows)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "table.md").write_text(render(results) + "\n")
+    plot(results, png or out / "bench_cluster.png")
+
+
+def _strategies_for(world: int, strategies: list[dict]) -> list[dict]:
+    """A world's strategies plus ``nocomm`` (its compute); ``bmuf_gtc`` needs at least two groups."""
+    out = [
+        s
+        for s in strategies
+        if not (s["name"] == "bmuf_gtc" and world < 2 * int(s["options"].get("group_size", 2)))
+    ]
+    return out + [parse_strategy("nocomm")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gtc_lightning.bench_cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--models", nargs="+", default=["recipe", "strom"], help="recipe, strom or LxH:K (default both)")
+    add(
+        "--workers",
+        nargs="+",
+        type=int,
+        default=[1, 2, 4],
+        help="workers, one per emulated node; 1 = single device, no network (default 1 2 4)",
+    )
+    add("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"], help="link rates as tc reads them")
+    add(
+        "--strategies",
+        nargs="+",
+        default=None,
+        help="strategy names, with constructor options after ':' (bmuf:period=5,block_lr=1.0); default: ddp "
+        "ddp_bf16 gtc and whichever of gtc_stale ma bmuf bmuf_gtc dpsgd exist (periods 5); nocomm is "
+        "always added (the compute), and 'single' runs at 1 worker",
+    )
+    add(
+        "--tau",
+        nargs="+",
+        default=[],
+        help="GTC's threshold: one value for all models or MODEL=VALUE pairs "
+        f"(default {' '.join(f'{m}={t:g}' for m, t in DEFAULT_TAU.items())}: ~30x the per-rank gradient RMS)",
+    )
+    add("--steps", type=int, default=10, help="timed steps per segment at most (default 10)")
+    add("--min-steps", type=int, default=2, help="timed steps per segment at least (default 2)")
+    add(
+        "--segment-budget",
+        type=float,
+        default=20.0,
+        help="seconds a segment's timed steps may take by a rough estimate; slow configurations get fewer "
+        "steps, down to --min-steps (default 20)",
+    )
+    add("--warmup", type=int, default=2, help="untimed steps before each segment's window (default 2)")
+    add("--rounds", type=int, default=2, help="rounds over all strategies (default 2)")
+    add("--batch", type=int, default=256, help="frames per worker and step (default 256)")
+    add("--lr", type=float, default=0.1)
+    add("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    add(
+        "--residual-start",
+        choices=["triangular", "zero"],
+        default="triangular",
+        help="GTC residuals at the start of each segment (default triangular on (-tau, tau))",
+    )
+    add("--replay-steps", type=int, default=5, help="replayed steps per strategy (whole periods; default 5)")
+    add(
+        "--replay-pause",
+        type=float,
+        default=0.05,
+        help="seconds of pause before each replayed step (default 0.05)",
+    )
+    add("--burst-ms", type=float, default=1.0, help="tbf bucket in milliseconds of the rate (default 1)")
+    add("--timeout", type=float, default=3600.0, help="seconds per configuration before it is stopped")
+    add(
+        "--out",
+        type=Path,
+        default=Path("exp/bench_cluster"),
+        help="output directory (default exp/bench_cluster)",
+    )
+    add("--png", type=Path, default=None, help="where the plot goes (default <out>/bench_cluster.png)")
+    add("--report-only", action="store_true", help="re-render table, model and plot from <out>/results.json")
+    add("--node-worker", default=None, help=argparse.SUPPRESS)
+    add("--num-nodes", default=None, help=argparse.SUPPRESS)  # what the cluster put in {num_nodes}
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.node_worker:
+        node_worker(args.node_worker)
+        return 0
+    if args.report_only:
+        results = json.loads((args.out / "results.json").read_text())
+        finish(results, args.out, args.png)
+        print((args.out / "table.md").read_text())
+        return 0
+    taus: dict[str, float] = {}
+    for item in args.tau:
+        model, sep, value = item.rpartition("=")
+        taus[model if sep else "*"] = float(value)
+    args.tau = taus
+    if args.min_steps < 1 or args.steps < args.min_steps or args.warmup < 1 or args.rounds < 1:
+        parser.error(
+            f"need 1 <= --min-steps <= --steps, --warmup >= 1, --rounds >= 1; got {args.min_steps}, "
+            f"{args.steps}, {args.warmup}, {args.rounds}"
+        )
+    from gtc_lightning import bench_step
+    from gtc_lightning.cluster import Cluster, Interrupted, missing_privileges, missing_tools
+
+    for model in args.models:
+        bench_step.parse_model(model)
+    strategies = [parse_strategy(s) for s in (args.strategies or available_strategies())]
+    if any(w > 1 for w in args.workers):
+        problem = missing_privileges() or missing_tools()
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "schema": "gtc_lightning.bench_cluster/1",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": {"cpus": os.cpu_count(), "load_at_start": os.getloadavg()},
+        "taus": {m: _tau_for(m, args) for m in args.models},
+        "configs": [],
+    }
+    t0 = time.monotonic()
+    labels = ", ".join(s["label"] for s in strategies)
+    print(
+        f"bench_cluster: models {args.models}, workers {args.workers}, rates {args.rates}; strategies {labels} "
+        f"(+ nocomm as the compute); results in {args.out}",
+        flush=True,
+    )
+
+    def done(record: dict) -> None:
+        results["configs"].append(record)
+        results["wall_s"] = time.monotonic() - t0
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        head = (
+            f"{record['model']} w{record['world']} {record['rate'] or 'local'}: {record['status']} in "
+            f"{record['wall_s']:.0f} s, load {record['load_before'][0]:.1f} -> {record['load_after'][0]:.1f}"
+        )
+        steps = "; ".join(f"{r['strategy']} {r['step_s']:.3f} s" for r in record["rows"])
+        print(f"{head}; {steps}", flush=True)
+
+    try:
+        if 1 in args.workers:
+            for model in args.models:
+                done(run_config(None, model, 1, None, [parse_strategy("single")], args))
+        for world in sorted(w for w in args.workers if w > 1):
+            with Cluster(
+                nodes=world, rate=args.rates[0], burst=burst_for(args.rates[0], args.burst_ms), verbose=False
+            ) as cluster:
+                for rate in args.rates:
+                    cluster.set_rate(rate, burst=burst_for(rate, args.burst_ms), quiet=True)
+                    for model in args.models:
+                        done(
+                            run_config(cluster, model, world, rate, _strategies_for(world, strategies), args)
+                        )
+    except Interrupted as err:
+        print(f"stopped by {err.args[0]}; rendering what was measured", file=sys.stderr)
+    results["wall_s"] = time.monotonic() - t0
+    results["host"]["load_at_end"] = os.getloadavg()
+    finish(results, args.out, args.png)
+    print((args.out / "table.md").read_text())
+    return 0 if all(c["status"] == "ok" for c in results["configs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

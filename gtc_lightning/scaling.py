@@ -1,0 +1,525 @@
+"""Scaling model: step time and speed-up of each strategy on 1-128 nodes, from the compute time of a
+step and the messages each strategy sends.
+
+A step is its compute (forward, backward, optimizer; plus the strategy's own work on the gradient,
+such as GTC's thresholding and decoding) followed by its collectives; nothing overlaps, except for
+strategies marked ``overlap`` (one-step-stale GTC), whose exchange runs under the next step's
+compute. Each collective moves bytes over the node's link and pays a latency per message hop
+(α-β model, Thakur, Rabenseifner & Gropp 2005). Per rank, for a group of ``p`` ranks and a link
+of ``B`` bytes/s each way:
+
+==============================  =====================================  ==================
+collective                      bytes each rank sends (and receives)   message hops
+==============================  =====================================  ==================
+ring all-reduce of S bytes      2 (p-1)/p · S                          2 (p-1)
+all-gather, s bytes per rank    (p-1) · s                              p-1
+all-to-all, the same s to all   (p-1) · s                              1 (all posted at once)
+broadcast of S (binomial tree)  ceil(log2 p) · S (the root's)          ceil(log2 p)
+neighbour exchange, k peers     k · S                                  1
+==============================  =====================================  ==================
+
+and takes ``wire_overhead · bytes / B + bytes / host_bytes_per_s + hops · latency``: the link's
+serialisation (with Ethernet/IP/TCP headers and ACKs, ``wire_overhead`` bytes on the wire per payload
+byte), the host's own cost of moving the bytes (copies and reductions, which on the emulated
+cluster's two cores limit everything above a few Gbit/s) and one latency per hop. An emulated link
+(tbf) also lets ``burst`` bytes through at once after an idle moment: each step gets that credit once.
+
+Strategies (what each rank sends per optimizer step; n weights, m words per rank, K the period,
+G ranks per group):
+
+- ``ddp``: ring all-reduce of 4n bytes; ``ddp_bf16``: of 2n bytes.
+- ``gtc`` (and ``gtc_alltoall``, ``gtc_stale``, ``gtc_rice``): a header all-gather of 24 bytes per
+  rank, then each rank's 4m bytes of words to every other rank. ``gtc_allgather``: the same words
+  padded to the longest message (``max_words``).
+- ``ma``, ``bmuf``: every K steps a ring all-reduce of 4n bytes.
+- ``bmuf_gtc`` (two tiers): GTC within groups of G ranks every step; every K steps the groups'
+  representatives all-reduce 4n bytes and broadcast the result within their group.
+- ``dpsgd``: every step 4n bytes to each of 2 ring neighbours.
+- ``nocomm``, ``single``: nothing.
+
+Everything here is plain arithmetic on floats, so that ``tests/test_scaling.py`` can check it by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+HEADER_BYTES = 24  # GTC's header: three int64 per rank (non-finite count, words, message bytes)
+WORD_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Network:
+    """One node's link and host, as the model sees them.
+
+    Attributes:
+        rate_bits: link rate each way, bits/s.
+        latency_s: α, seconds per message hop (software and propagation).
+        wire_overhead: bytes on the wire per payload byte (headers, ACKs); 1.0 for payload only.
+        host_bytes_per_s: what the host itself can move per second (copies, reductions); inf: no limit.
+        burst_bytes: bytes an idle link lets through at once (tbf's bucket); 0 for a real link.
+    """
+
+    rate_bits: float
+    latency_s: float = 0.0
+    wire_overhead: float = 1.0
+    host_bytes_per_s: float = math.inf
+    burst_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.rate_bits > 0:
+            raise ValueError(f"rate_bits={self.rate_bits}: a link needs a positive rate in bits/s")
+        if self.latency_s < 0 or self.wire_overhead < 1 or self.host_bytes_per_s <= 0 or self.burst_bytes < 0:
+            raise ValueError(
+                f"{self}: need latency_s >= 0, wire_overhead >= 1, host_bytes_per_s > 0, burst_bytes >= 0"
+            )
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.rate_bits / 8
+
+    def seconds(self, payload_bytes: float, hops: float) -> float:
+        """Time to send ``payload_bytes`` in ``hops`` messages in sequence (no burst credit)."""
+        wire = self.wire_overhead * payload_bytes
+        return wire / self.bytes_per_s + payload_bytes / self.host_bytes_per_s + hops * self.latency_s
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a strategy runs, per rank.
+
+    Attributes:
+        kind: ``allreduce``, ``allgather``, ``alltoall``, ``broadcast`` or ``neighbours``.
+        size: bytes: the buffer (all-reduce, broadcast, neighbour exchange) or one rank's message
+            (all-gather, all-to-all).
+        group: ranks taking part (for ``neighbours``: the peers each rank sends to).
+        every: steps per collective (1: every step; K: once per period).
+    """
+
+    kind: str
+    size: float
+    group: int
+    every: int = 1
+
+    def sent_bytes(self) -> float:
+        """Payload bytes one rank sends (and receives) in this collective."""
+        p, s = self.group, self.size
+        if p <= 1 and self.kind != "neighbours":
+            return 0.0
+        if self.kind == "allreduce":
+            return 2 * (p - 1) / p * s
+        if self.kind in ("allgather", "alltoall"):
+            return (p - 1) * s
+        if self.kind == "broadcast":
+            return math.ceil(math.log2(p)) * s
+        if self.kind == "neighbours":
+            return p * s
+        raise ValueError(f"unknown collective kind {self.kind!r}")
+
+    def hops(self) -> int:
+        """Messages in sequence (each pays one latency)."""
+        p = self.group
+        if p <= 1 and self.kind != "neighbours":
+            return 0
+        return {
+            "allreduce": 2 * (p - 1),
+            "allgather": p - 1,
+            "alltoall": 1,
+            "broadcast": math.ceil(math.log2(p)),
+            "neighbours": 1,
+        }[self.kind]
+
+    def seconds(self, net: Network) -> float:
+        return net.seconds(self.sent_bytes(), self.hops())
+
+
+def ring_allreduce_s(size: float, p: int, net: Network) -> float:
+    """``2 (p-1)/p · S / B + 2 (p-1) α`` (plus the host and wire terms of ``net``)."""
+    return Collective("allreduce", size, p).seconds(net)
+
+
+def allgather_s(message: float, p: int, net: Network) -> float:
+    """``(p-1) · s / B + (p-1) α``."""
+    return Collective("allgather", message, p).seconds(net)
+
+
+PATTERNS = (
+    "ddp",
+    "ddp_bf16",
+    "gtc",
+    "gtc_alltoall",
+    "gtc_allgather",
+    "gtc_stale",
+    "gtc_rice",
+    "ma",
+    "bmuf",
+    "bmuf_gtc",
+    "dpsgd",
+    "nocomm",
+    "single",
+)
+OVERLAPPED = ("gtc_stale", "dpsgd")  # the exchange runs while a step computes
+
+
+@dataclass(frozen=True)
+class Messages:
+    """What a strategy's messages depend on, per rank and step.
+
+    Attributes:
+        numel: gradient elements (weights) n.
+        words: words one rank sends per step (GTC), mean.
+        max_words: the longest message of a step (what a padded all-gather sends); default ``words``.
+        word_bytes: bytes per word as sent (4; less with entropy coding).
+        period: K, steps between two model averagings (ma, bmuf, bmuf_gtc).
+        group_size: G, ranks per group (bmuf_gtc).
+    """
+
+    numel: int
+    words: float = 0.0
+    max_words: float | None = None
+    word_bytes: float = WORD_BYTES
+    period: int = 1
+    group_size: int = 2
+
+
+def collectives(strategy: str, world: int, msg: Messages) -> list[Collective] | None:
+    """The collectives ``strategy`` runs per rank (see the module docstring); None if unknown."""
+    n, w = msg.numel, world
+    if world <= 1 or strategy in ("nocomm", "single"):
+        return []
+    words = [Collective("allgather", HEADER_BYTES, w), Collective("alltoall", msg.word_bytes * msg.words, w)]
+    if strategy == "ddp":
+        return [Collective("allreduce", 4 * n, w)]
+    if strategy == "ddp_bf16":
+        return [Collective("allreduce", 2 * n, w)]
+    if strategy in ("gtc", "gtc_alltoall", "gtc_stale", "gtc_rice"):
+        return words
+    if strategy == "gtc_allgather":
+        longest = msg.max_words if msg.max_words is not None else msg.words
+        return [
+            Collective("allgather", HEADER_BYTES, w),
+            Collective("allgather", msg.word_bytes * longest, w),
+        ]
+    if strategy in ("ma", "bmuf"):
+        return [Collective("allreduce", 4 * n, w, every=msg.period)]
+    if strategy == "bmuf_gtc":
+        g = min(msg.group_size, w)
+        groups = max(w // g, 1)
+        return [
+            Collective("allgather", HEADER_BYTES, g),
+            Collective("alltoall", msg.word_bytes * msg.words, g),
+            Collective("allreduce", 4 * n, groups, every=msg.period),
+            Collective("broadcast", 4 * n, g, every=msg.period),
+        ]
+    if strategy == "dpsgd":
+        return [Collective("neighbours", 4 * n, min(2, w - 1))]
+    return None
+
+
+def bytes_per_step(colls: list[Collective]) -> float:
+    """Payload bytes one rank sends per step, averaged over a period."""
+    return sum(c.sent_bytes() / c.every for c in colls)
+
+
+def comm_seconds(colls: list[Collective], net: Network) -> float:
+    """Seconds of communication per step, averaged over a period (the steps where the every-K
+    collectives run and those where they do not). An emulated link's burst credit is taken once per
+    step, limited to what the step sends: the bucket refills while the next step computes."""
+    if not colls:
+        return 0.0
+    period = math.lcm(*(c.every for c in colls))
+    total = 0.0
+    for step in range(period):
+        running = [c for c in colls if step % c.every == 0]
+        seconds = sum(c.seconds(net) for c in running)
+        wire = net.wire_overhead * sum(c.sent_bytes() for c in running)
+        total += max(0.0, seconds - min(net.burst_bytes, wire) / net.bytes_per_s)
+    return total / period
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node's compute, per optimizer step.
+
+    Attributes:
+        compute_s: forward, backward and optimizer step (what a step that sends nothing takes).
+        frames: frames per node and step (the local mini-batch).
+        overhead_s: the strategy's own work per step independent of the world size (GTC: thresholding).
+        per_word_s: the strategy's work per word received (GTC: decoding all ranks' words).
+    """
+
+    compute_s: float
+    frames: int
+    overhead_s: float = 0.0
+    per_word_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The model's step for one strategy and world size."""
+
+    strategy: str
+    world: int
+    compute_s: float  # compute plus the strategy's own work
+    comm_s: float  # communication per step (averaged over a period)
+    step_s: float
+    frames_per_s: float
+    speedup: float  # frames/s over one node's (a step that sends nothing)
+    bytes_per_step: float  # payload bytes one rank sends
+    collectives: list[Collective] = field(default_factory=list)
+
+
+def predict(strategy: str, world: int, node: Node, msg: Messages, net: Network) -> Prediction | None:
+    """Step time, frames/s and speed-up of ``strategy`` on ``world`` nodes; None if its pattern is unknown."""
+    colls = collectives(strategy, world, msg)
+    if colls is None:
+        return None
+    group = min(msg.group_size, world) if strategy == "bmuf_gtc" else world
+    work = node.compute_s
+    if colls:
+        work += node.overhead_s + node.per_word_s * group * msg.words
+    comm = comm_seconds(colls, net)
+    step = max(work, comm) if strategy in OVERLAPPED else work + comm
+    fps = world * node.frames / step
+    return Prediction(
+        strategy=strategy,
+        world=world,
+        compute_s=work,
+        comm_s=comm,
+        step_s=step,
+        frames_per_s=fps,
+        speedup=fps / (node.frames / node.compute_s),
+        bytes_per_step=bytes_per_step(colls),
+        collectives=colls,
+    )
+
+
+def sweep(
+    strategies: list[str],
+    worlds: list[int],
+    node_of: dict[str, Node],
+    msg_of: dict[str, Messages],
+    net: Network,
+) -> dict[str, list[Prediction]]:
+    """``predict`` for every strategy and world size (strategies with unknown patterns left out)."""
+    out = {}
+    for s in strategies:
+        rows = [predict(s, w, node_of[s], msg_of[s], net) for w in worlds]
+        if all(r is not None for r in rows):
+            out[s] = rows
+    return out
+
+
+def fit_network(samples: list[tuple[list[Collective], Network, float]]) -> tuple[float, float]:
+    """Least-squares α (latency_s) and 1/host_bytes_per_s from measured communication times.
+
+    Args:
+        samples: ``(collectives, network with its rate, wire overhead and burst, measured seconds)``;
+            the link term is taken as known, the rest is ``hops · α + bytes / H``.
+
+    Returns:
+        ``(latency_s, host_bytes_per_s)``, both clipped to be non-negative (inf: no host limit).
+    """
+    rows, rhs = [], []
+    for colls, net, measured in samples:
+        link_only = replace(net, latency_s=0.0, host_bytes_per_s=math.inf)
+        rest = measured - comm_seconds(colls, link_only)
+        hops = sum(c.hops() / c.every for c in colls)
+        sent = bytes_per_step(colls)
+        rows.append((hops, sent))
+        rhs.append(rest)
+    # Normal equations of a 2-parameter least squares, then clip (one parameter refitted alone).
+    a11 = sum(h * h for h, _ in rows)
+    a12 = sum(h * b for h, b in rows)
+    a22 = sum(b * b for _, b in rows)
+    y1 = sum(h * r for (h, _), r in zip(rows, rhs))
+    y2 = sum(b * r for (_, b), r in zip(rows, rhs))
+    det = a11 * a22 - a12 * a12
+    alpha, inv_host = (0.0, 0.0)
+    if det > 0:
+        alpha, inv_host = (y1 * a22 - y2 * a12) / det, (a11 * y2 - a12 * y1) / det
+    if alpha < 0 or det <= 0:
+        alpha, inv_host = 0.0, (max(y2, 0.0) / a22 if a22 else 0.0)
+    if inv_host < 0:
+        alpha, inv_host = (max(y1, 0.0) / a11 if a11 else 0.0), 0.0
+    return alpha, (1 / inv_host if inv_host > 0 else math.inf)
+
+
+# ------------------------------------------------------------------ Strom's Table 2 and today's nodes
+
+STROM_TABLE2 = {1: 10_000, 5: 43_000, 10: 88_000, 20: 171_000, 40: 331_000, 80: 547_000}  # nodes: frames/s
+STROM_WEIGHTS = 14_600_000
+STROM_WORDS = 69_000 / WORD_BYTES  # Table 3, tau = 4: 69 KB per node and mini-batch of 1024 frames
+NODES = (1, 2, 4, 8, 16, 32, 64, 80, 128)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A cluster to predict: one node's compute, its link, the model and GTC's message size.
+
+    Attributes:
+        name: a label for tables and plots.
+        frames_per_s: one node's training rate with nothing to send (its compute).
+        frames: frames per node and step (local mini-batch).
+        net: the link (a real one: no burst credit).
+        numel: weights.
+        words: GTC words per node and step.
+        overhead_s: GTC's thresholding per step (independent of the node count).
+        per_word_s: GTC's decoding per received word.
+        group_size: BMUF-GTC's nodes per group (GTC inside; BMUF across groups every ``period`` steps).
+        period: BMUF-GTC's steps between block syncs.
+    """
+
+    name: str
+    frames_per_s: float
+    frames: int
+    net: Network
+    numel: int = STROM_WEIGHTS
+    words: float = STROM_WORDS
+    overhead_s: float = 0.0
+    per_word_s: float = 0.0
+    group_size: int = 8
+    period: int = 50
+
+    def predict(self, strategy: str, world: int) -> Prediction:
+        node = Node(
+            compute_s=self.frames / self.frames_per_s,
+            frames=self.frames,
+            overhead_s=self.overhead_s,
+            per_word_s=self.per_word_s,
+        )
+        msg = Messages(numel=self.numel, words=self.words, period=self.period, group_size=self.group_size)
+        prediction = predict(strategy, world, node, msg, self.net)
+        assert prediction is not None, strategy
+        return prediction
+
+
+# Strom 2015 (seeds/000): AWS EC2 G2 instances, one GRID K520 each, single-threaded SGD at about 10,000
+# frames/s; "standard AWS networking", taken here as 1 Gbit/s with 50 us per message (an assumption:
+# the paper gives no rate). Synchronous model; Strom's nodes sent asynchronously.
+STROM_2015 = Scenario(
+    "Strom 2015: K520 nodes, 10,000 frames/s, 1 Gbit/s",
+    frames_per_s=10_000,
+    frames=1024,
+    net=Network(1e9, latency_s=50e-6),
+)
+# An H100 node (assumed, not measured: no GPU here). Strom's DNN costs 6 n = 88 MFLOP per frame; 2e6
+# frames/s is 175 TFLOP/s, 18 % of the H100 SXM's 989 TFLOP/s dense bf16 peak, allowing for small
+# GEMMs (1024 x 1536 x 1536) and ~40 kernel launches per 0.5 ms step. GTC's thresholding reads and
+# writes ~5 passes over 4n bytes at ~2.5 TB/s (0.12 ms); decoding ~0.1 ns per received word (scattered
+# adds). Links: 20 us per message (TCP within a cloud placement group).
+H100_COMPUTE_FRAMES_PER_S = 2e6
+H100 = {
+    rate: Scenario(
+        f"H100 nodes, 2M frames/s, {rate} Gbit/s",
+        frames_per_s=H100_COMPUTE_FRAMES_PER_S,
+        frames=1024,
+        net=Network(rate * 1e9, latency_s=20e-6),
+        overhead_s=0.12e-3,
+        per_word_s=1e-10,
+    )
+    for rate in (25, 100)
+}
+SCENARIO_STRATEGIES = ("ddp", "ddp_bf16", "gtc", "bmuf_gtc")
+
+
+def scenario_rows(scenario: Scenario, nodes=NODES, strategies=SCENARIO_STRATEGIES) -> list[dict]:
+    """Speed-up over one node (nothing sent) and step time per strategy and node count."""
+    rows = []
+    for w in nodes:
+        row: dict = {"nodes": w}
+        for s in strategies:
+            p = scenario.predict(s, w)
+            row[s] = {
+                "speedup": p.speedup,
+                "step_s": p.step_s,
+                "comm_s": p.comm_s,
+                "frames_per_s": p.frames_per_s,
+            }
+        rows.append(row)
+    return rows
+
+
+def render_scenarios(scenarios=None) -> str:
+    """Markdown: Strom's Table 2 beside the model, and the same question for H100 nodes."""
+    scenarios = scenarios or [STROM_2015, H100[25], H100[100]]
+    out = []
+    for sc in scenarios:
+        strom = sc is STROM_2015
+        nodes = tuple(STROM_TABLE2) + (128,) if strom else NODES
+        head = "| nodes | " + ("Strom's frames/s (speed-up) | " if strom else "")
+        head += " | ".join(f"{s} speed-up" for s in SCENARIO_STRATEGIES) + " | gtc step ms (comm) |"
+        out += [
+            (
+                f"**{sc.name}** (compute {1e3 * sc.frames / sc.frames_per_s:.2f} ms per {sc.frames}-frame step; "
+                f"GTC {sc.words * WORD_BYTES / 1e3:.0f} KB per node and step; BMUF-GTC groups of "
+                f"{sc.group_size}, sync every {sc.period} steps)"
+            ),
+            "",
+            head,
+            "|---" * (head.count("|") - 1) + "|",
+        ]
+        for row in scenario_rows(sc, nodes):
+            cells = [str(row["nodes"])]
+            if strom:
+                f = STROM_TABLE2.get(row["nodes"])
+                cells.append(f"{f:,} ({f / 10_000:.1f})" if f else "-")
+            cells += [f"{row[s]['speedup']:.1f}" for s in SCENARIO_STRATEGIES]
+            cells.append(f"{1e3 * row['gtc']['step_s']:.2f} ({1e3 * row['gtc']['comm_s']:.2f})")
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot_scenarios(path, scenarios=None, extra: dict | None = None) -> None:
+    """Speed-up against nodes, one panel per scenario (``extra``: more panels as name -> rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = scenarios or [STROM_2015, H100[25], H100[100]]
+    panels = [(sc.name, scenario_rows(sc, range(1, 129))) for sc in scenarios] + list((extra or {}).items())
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], panels):
+        nodes = [r["nodes"] for r in rows]
+        for i, s in enumerate(k for k in rows[0] if k != "nodes"):
+            ax.plot(nodes, [r[s]["speedup"] for r in rows], label=s, color=f"C{i}")
+        ax.plot(nodes, nodes, ":", color="0.6", label="linear")
+        if name == STROM_2015.name:
+            ax.plot(
+                list(STROM_TABLE2), [f / 10_000 for f in STROM_TABLE2.values()], "ko", label="Strom, Table 2"
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("nodes")
+        ax.set_ylabel("speed-up over one node")
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(
+        prog="python -m gtc_lightning.scaling",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--png", type=Path, default=Path("docs/scaling.png"), help="plot (default docs/scaling.png)"
+    )
+    args = parser.parse_args(argv)
+    print(render_scenarios())
+    args.png.parent.mkdir(parents=True, exist_ok=True)
+    plot_scenarios(args.png)
+    print(f"plot: {args.png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The cluster benchmark's pieces: one run on 2 emulated nodes (and the single-device baseline) with a
+tiny model and 2 steps per strategy, checked for what the README's table rests on: the wire bytes
+the veth counters saw inside the timed window against what the collectives should send, the
+replay's bytes against training's, nothing sent by ``nocomm``, start-up traffic outside the window,
+the report and plot written, and nothing of the cluster left behind.
+
+Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) for the namespaces; skipped with the reason
+otherwise. About 30-60 s (three Lightning processes start; each fits a few tiny models).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_cluster import _netns_problem, _network_state
+
+from gtc_lightning import bench_cluster, scaling
+from gtc_lightning.bench_cluster import burst_for, parse_strategy
+
+
+def test_parse_strategy_and_burst():
+    assert parse_strategy("gtc") == {"name": "gtc", "options": {}, "label": "gtc"}
+    assert parse_strategy("bmuf:period=5,nesterov=false,block_lr=0.5")["options"] == {
+        "period": 5, "nesterov": False, "block_lr": 0.5}  # fmt: skip
+    with pytest.raises(ValueError, match="key=value"):
+        parse_strategy("bmuf:5")
+    # 1 ms of the rate, at least 16 KiB
+    assert burst_for("1gbit", 1.0) == "125000"
+    assert burst_for("100mbit", 1.0) == str(16 * 1024)
+
+
+@pytest.fixture
+def netns():
+    problem = _netns_problem()
+    if problem:
+        pytest.skip(f"needs network namespaces: {problem}")
+    before = _network_state()
+    yield
+    assert _network_state() == before
+
+
+def test_two_nodes_tiny_model(netns, tmp_path):
+    out = tmp_path / "bench"
+    command = [sys.executable, "-m", "gtc_lightning.bench_cluster", "--models", "2x16:8", "--workers", "1", "2",
+               "--rates", "1gbit", "--strategies", "ddp", "gtc", "--steps", "2", "--min-steps", "2", "--rounds", "1",
+               "--warmup", "1", "--replay-steps", "2", "--tau", "1e-3", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["schema"] == "gtc_lightning.bench_cluster/1"
+    assert [(c["world"], c["rate"], c["status"]) for c in results["configs"]] == [
+        (1, None, "ok"),
+        (2, "1gbit", "ok"),
+    ]
+    rows = {(r["world"], r["strategy"]): r for r in results["rows"]}
+    assert set(rows) == {(1, "single"), (2, "ddp"), (2, "gtc"), (2, "nocomm")}
+    n = bench_cluster.parameter_count((2, 16, 8))
+    ddp, gtc, nocomm = rows[2, "ddp"], rows[2, "gtc"], rows[2, "nocomm"]
+    for row in results["rows"]:
+        assert row["steps"] == 2 and row["step_s"] > 0 and row["load_before"] and row["load_after"]
+    # The ring formula: 2 (W-1)/W * 4n = 4n at 2 ranks; the wire adds headers and ACKs (and the
+    # counters only ever add), but within the window nothing else of size.
+    assert ddp["hook_bytes"] == 4 * n
+    assert 1.0 <= ddp["wire_tx_bytes"] / ddp["hook_bytes"] < 1.3
+    assert ddp["replay_tx_bytes"] == pytest.approx(ddp["wire_tx_bytes"], rel=0.15)
+    # GTC: the hook's count (header + words) is on the wire too; a small message is mostly headers.
+    assert gtc["words"] > 0
+    assert gtc["hook_bytes"] == pytest.approx(scaling.HEADER_BYTES + 4 * gtc["words"], rel=1e-6)
+    assert gtc["wire_tx_bytes"] >= gtc["hook_bytes"]
+    assert nocomm["wire_tx_bytes"] < 1000 and nocomm["hook_bytes"] == 0
+    # compute is nocomm's step; comm the rest
+    assert ddp["compute_s"] == nocomm["step_s"] and ddp["comm_s"] == pytest.approx(
+        ddp["step_s"] - nocomm["step_s"]
+    )
+    # start-up traffic (DDP's parameter broadcast, rendezvous, warm-up steps) is outside the window
+    cluster_tx = sum(node["tx_bytes"] for node in results["configs"][1]["cluster"]["nodes"]) / 2
+    assert cluster_tx > sum(r["wire_tx_bytes"] * r["steps"] for r in (ddp, gtc, nocomm))
+    # the model was calibrated on the replays and predicted each step
+    assert results["model"]["samples"] == 2 and len(results["model"]["predictions"]) == 2
+    table = (out / "table.md").read_text()
+    assert "| 2x16:8 | 2 | 1gbit | gtc |" in table and "Scaling model calibrated" in table
+    assert (out / "bench_cluster.png").stat().st_size > 0
