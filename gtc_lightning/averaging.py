@@ -174,7 +174,7 @@ class AveragingState:
         member: whether this rank takes part in the averaging (BMUF-GTC: the representatives).
         spread: ``(source global rank, group)``: after the averaging the source broadcasts the model
             within that group (BMUF-GTC: the representative to its group); ``None``: no broadcast.
-        world_size: ranks training the model, for the dense baseline; ``None``: the default group's.
+        world_size: ranks training the model, for the dense baseline; ``None``: ``process_group``'s.
     """
 
     def __init__(
@@ -198,7 +198,7 @@ class AveragingState:
         self.process_group = process_group
         self.member = member
         self.spread = spread
-        self.world_size = world_size if world_size is not None else dist.get_world_size()
+        self.world_size = world_size if world_size is not None else dist.get_world_size(process_group)
         # The internal state.
         self.step = 0
         # The statistics.

@@ -12,9 +12,10 @@ on every learner from the same all-reduced mean,
    W_g(t) = W(t) + η Δ(t) (Nesterov block momentum, ``nesterov=True``).
 
 G is measured from the point the block started from, as in the paper; without Nesterov that is
-W(t-1) itself. Chen & Huo recommend ζ = 1 and η = 1 - 1/N (the block momentum that keeps the
-filtered step about as large as a single learner's), with Nesterov block momentum performing at
-least as well as the classical one; CNTK's BMUF, by the same authors, defaults to it.
+W(t-1) itself. Chen & Huo recommend ζ = 1 and η = 1 - 1/N for N learners: the filter's steady
+gain ζ / (1 - η) = N makes up for averaging N learners' updates (what Su et al. make up for by
+scaling the learning rate by N). Both forms of block momentum are theirs; the Nesterov form is the
+default here, as in DiLoCo's outer optimizer.
 
 DiLoCo (Douillard et al., 2023) is BMUF with Nesterov block momentum under other names: its outer
 gradient is θ - mean (θ = W_g, the model the workers start from: DiLoCo's global parameters), its
@@ -174,14 +175,15 @@ class BMUFStrategy(ModelAveragingStrategy):
     """DDP whose ranks take K local optimizer steps (any torch optimizer), then a BMUF block update.
 
     Args:
-        period: K, local optimizer steps in a block. The BMUF-GTC paper's example is 50 minibatches.
+        period: K, local optimizer steps in a block. The BMUF-GTC write-up's example (seeds/004) is 50.
         block_momentum: η in [0, 1); ``None``: Chen & Huo's 1 - 1/N for N ranks (0.5 at 2, 0.75 at 4).
         block_lr: ζ > 0; Chen & Huo use 1. (DiLoCo's outer learning rate.)
         nesterov: Nesterov block momentum (the default, as in CNTK's BMUF and in DiLoCo).
         warmup_steps, optimizer_state, scale_lr, restore_shards, **kwargs: as for
             :class:`~gtc_lightning.averaging.ModelAveragingStrategy`; the first block starts after
-            the warmup. Every rank's checkpoint shard (``<checkpoint>.bmuf/rank<r>.pt``) holds its
-            model, optimizer state, W and Δ.
+            the warmup (``scale_lr`` with the default η makes up for the averaging twice). Every
+            rank's checkpoint shard (``<checkpoint>.bmuf/rank<r>.pt``) holds its model, optimizer
+            state, W and Δ.
     """
 
     name = "bmuf"
