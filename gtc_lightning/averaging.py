@@ -14,9 +14,10 @@ per rank:
    on every rank. The optimizer state is then kept, reset or averaged (``optimizer_state``).
 
 :mod:`gtc_lightning.bmuf` builds BMUF and the BMUF-GTC hybrid from the same pieces: the state's
-:meth:`AveragingState.update` turns the ranks' mean into the model the next period starts from, and
+:meth:`AveragingState.update` turns the ranks' mean into the model the next period starts from,
 :class:`RankShards` keeps every rank's own parameters and optimizer state beside a checkpoint, since
-between syncs they differ from rank 0's (the only ones Lightning saves).
+between syncs they differ from rank 0's (the only ones Lightning saves), and :class:`LocalStepsMixin`
+wires both into a Lightning strategy the same way for every scheme.
 
 Bytes are counted as the collectives put them on the wire per rank, as for GTC's
 :class:`~gtc_lightning.hook.StepStats`; DDP's own buffer broadcast (``broadcast_buffers``) and
