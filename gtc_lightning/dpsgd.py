@@ -28,9 +28,9 @@ The replicas differ by design. Their spread, the RMS distance of each rank's par
 mean over ranks, is measured on the Trainer's logging steps (one all-reduce of the parameters, its
 bytes counted apart as ``spread_bytes``) and logged as ``dpsgd/spread`` (over all ranks) and
 ``dpsgd/distance`` (this rank); ``exchange_s`` is the host time of the launch, the wait and the
-average (the transfer that overlapped the passes is not in it). Validation, test and predict loops evaluate the average of all
-ranks' parameters (``average_eval``; each rank's own come back afterwards), and at the end of fit
-every rank's parameters become that average (``average_at_end``), so that the trained model is the
+average (the transfer that overlapped the passes is not in it). Validation, test and predict loops
+evaluate the average of all ranks' parameters (``average_eval``; each rank's own come back
+afterwards), and at the end of fit every rank's parameters become that average (``average_at_end``), so that the trained model is the
 consensus one. Checkpoints keep every rank's own parameters and optimizer state in
 ``<checkpoint>.dpsgd/rank<r>.pt`` (:class:`~gtc_lightning.averaging.RankShards`) for a bit-exact
 resume; the checkpoint itself holds the average (one all-reduce per save): the model that
@@ -50,7 +50,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
@@ -60,6 +59,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from gtc_lightning.averaging import (
+    AveragingState,
+    LocalStepsMixin,
     RankShards,
     SyncStats,
     SyncStatsLogger,
@@ -67,17 +68,13 @@ from gtc_lightning.averaging import (
     all_mean,
     drop_hook_args,
     flatten,
-    hint_unused_parameters,
     local_hook,
-    register_names,
     unflatten_,
 )
 from gtc_lightning.hook import allreduce_bytes
 from gtc_lightning.strategy import _check_int
 
 log = logging.getLogger(__name__)
-
-_TOTAL_KEYS = ("steps", "syncs", "warmup_steps", "bytes_sent", "bytes_received", "allreduce_fp32_bytes", "exchange_s")
 
 
 def ring_neighbours(rank: int, world: int) -> list[int]:
@@ -89,8 +86,10 @@ def ring_neighbours(rank: int, world: int) -> list[int]:
     return [left] if left == right else [left, right]
 
 
-class DPSGDState:
-    """State of D-PSGD: hyper-parameters, the ring, the exchange in flight and statistics.
+class DPSGDState(AveragingState):
+    """State of D-PSGD: the ring, the exchange in flight and the statistics of
+    :class:`~gtc_lightning.averaging.AveragingState` (a sync every step, ``period=1``), plus the
+    newest spread measurement.
 
     Args:
         warmup_steps: optimizer steps of dense gradient all-reduce before the neighbour averaging starts.
@@ -98,30 +97,25 @@ class DPSGDState:
     """
 
     def __init__(self, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
-        _check_int("warmup_steps", warmup_steps, 0, "dense gradient all-reduce steps; 0 averages from the start")
         world = dist.get_world_size(process_group)
         if world < 2:
             raise ValueError(
                 f"dpsgd averages each rank with its ring neighbours, so it needs at least 2 ranks; got {world}. "
                 "Train with more devices (or num_nodes), or with a single-device strategy"
             )
-        # The hyper-parameters.
-        self.warmup_steps = warmup_steps
-        self.process_group = process_group
-        self.world_size = world
+        super().__init__(period=1, warmup_steps=warmup_steps, process_group=process_group)
         rank = dist.get_rank(process_group)
         to_global = (lambda r: r) if process_group is None else (lambda r: dist.get_global_rank(process_group, r))
         self.neighbours = [to_global(r) for r in ring_neighbours(rank, world)]
         # The internal state.
-        self.step = 0
         self._works: list = []
         self._buffers: dict[tuple, list[torch.Tensor]] = {}  # (numel, dtype, device) -> [sent, received...]
-        self._host_s = 0.0  # host seconds of the launch: with the wait and the average, the step's exchange_s
         self._current: tuple | None = None  # (parameters, sent, received) of the exchange in flight
+        self._host_s = 0.0  # host seconds of the launch, the wait and the average
+        self._done: tuple[int, float] | None = None  # (bytes, host seconds) of this step's exchange
         # The statistics.
-        self.last: SyncStats | None = None
-        self.totals: dict[str, float] = {key: 0 for key in (*_TOTAL_KEYS, "spread_bytes")}
-        self.spread: dict | None = None  # the newest measurement: {"step", "spread", "distance"}
+        self.totals["spread_bytes"] = 0
+        self.measured: dict | None = None  # the newest spread: {"step", "spread", "distance"}
 
     @property
     def averaging(self) -> bool:
@@ -149,6 +143,8 @@ class DPSGDState:
 
     def complete(self) -> None:
         """Step 3: wait for the neighbours' copies and write the neighbour average into the parameters."""
+        if self._current is None:  # (once, should an optimizer call the closure again)
+            return
         started = time.perf_counter()
         params, sent, received = self._current
         self._current = None
@@ -163,27 +159,26 @@ class DPSGDState:
         sent.add_(received[0].div_(len(received) + 1))
         unflatten_(sent, params)
         size = sent.numel() * sent.element_size() * len(self.neighbours)
-        self._record("sync", params, size, self._host_s + time.perf_counter() - started)
+        self._done = (size, self._host_s + time.perf_counter() - started)
 
-    def after_step(self, params: list[torch.Tensor]) -> None:
-        """Count a warmup step (the averaging steps are counted by :meth:`complete`)."""
-        numel = sum(p.numel() for p in params)
-        dense = allreduce_bytes(numel, self.world_size)
-        self._record("warmup", params, dense, 0.0)
-
-    def _record(self, mode: str, params: list[torch.Tensor], size: int, seconds: float) -> None:
+    @override
+    def after_step(self, params: list[torch.Tensor], optimizers: list[Optimizer]) -> SyncStats:
+        """Count one optimizer step: a dense warmup step, or the exchange :meth:`complete` did."""
+        if self._done is None:
+            return super().after_step(params, optimizers)
+        (size, seconds), self._done = self._done, None
         self.step += 1
-        numel = sum(p.numel() for p in params)
         stats = SyncStats(
-            step=self.step, mode=mode, numel=numel, world_size=self.world_size, bytes_sent=size,
-            bytes_received=size, exchange_s=seconds,
+            step=self.step, mode="sync", numel=sum(p.numel() for p in params), world_size=self.world_size,
+            bytes_sent=size, bytes_received=size, exchange_s=seconds,
         )  # fmt: skip
-        self.last = stats
-        self.totals["steps"] += 1
-        self.totals["syncs"] += mode == "sync"
-        self.totals["warmup_steps"] += mode == "warmup"
-        for key in ("bytes_sent", "bytes_received", "exchange_s", "allreduce_fp32_bytes"):
-            self.totals[key] += getattr(stats, key)
+        self._record(stats)
+        return stats
+
+    @override
+    def exchange(self, params: list[torch.Tensor], optimizers: list[Optimizer]) -> tuple[int, int]:
+        """Nothing after the step: the averaging happened inside it (an optimizer without parameters)."""
+        return 0, 0
 
     def measure_spread(self, params: list[torch.Tensor]) -> dict:
         """The RMS distance of each rank's ``params`` from their mean over the ranks (a collective:
@@ -194,8 +189,9 @@ class DPSGDState:
             distance = math.sqrt(float(squared))
             dist.all_reduce(squared, group=self.process_group)
         self.totals["spread_bytes"] += size + allreduce_bytes(1, self.world_size, 8)
-        self.spread = {"step": self.step, "spread": math.sqrt(float(squared) / self.world_size), "distance": distance}
-        return self.spread
+        spread = math.sqrt(float(squared) / self.world_size)
+        self.measured = {"step": self.step, "spread": spread, "distance": distance}
+        return self.measured
 
     def average_(self, params: list[torch.Tensor]) -> None:
         """Overwrite every rank's ``params`` with their mean over the ranks (a collective)."""
@@ -203,23 +199,12 @@ class DPSGDState:
             mean, _ = all_mean(params, self.process_group)
             unflatten_(mean, params)
 
-    def begin(self, params: list[torch.Tensor]) -> None:
-        """Nothing to remember when a period starts (``RankShards`` calls it on a fresh restore)."""
-
+    @override
     def stats(self) -> dict:
         """``{"step", "last", "total", "spread"}``; ``total["ratio_fp32"]``: DDP's fp32 all-reduce bytes
-        over the same steps per byte sent (below 1 for W < 4: D-PSGD sends more, to fewer peers)."""
-        total = dict(self.totals)
-        total["ratio_fp32"] = total["allreduce_fp32_bytes"] / total["bytes_sent"] if total["bytes_sent"] else math.inf
-        last = self.last.as_dict() if self.last else None
-        return {"step": self.step, "last": last, "total": total, "spread": self.spread}
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "totals": dict(self.totals)}
-
-    def load_state_dict(self, saved: dict) -> None:
-        self.step = int(saved["step"])
-        self.totals.update(saved["totals"])
+        over the same steps per byte sent (1 with 2 ranks, below 1 with 3: D-PSGD sends more, to fewer
+        peers)."""
+        return {**super().stats(), "spread": self.measured}
 
 
 class _SpreadLogger(SyncStatsLogger):
@@ -247,7 +232,7 @@ class _SpreadLogger(SyncStatsLogger):
         pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
 
 
-class DPSGDStrategy(DDPStrategy):
+class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
     """DDP whose ranks average their parameters with their ring neighbours every optimizer step
     (synchronous D-PSGD) instead of all-reducing their gradients.
 
@@ -272,7 +257,8 @@ class DPSGDStrategy(DDPStrategy):
     A world of 1 rank is refused at setup: there are no neighbours.
     """
 
-    name = "dpsgd"  # registered name, statistics prefix and shard suffix
+    name = "dpsgd"
+    description = "decentralised parallel SGD (ring-neighbour parameter averaging)"
 
     def __init__(
         self,
@@ -289,6 +275,7 @@ class DPSGDStrategy(DDPStrategy):
         self._average_eval = bool(average_eval)
         self._average_at_end = bool(average_at_end)
         self._state: DPSGDState | None = None
+        self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup (statistics)
         self._shards = RankShards(self.name, restore_shards)
         self._own: torch.Tensor | None = None  # this rank's parameters while the average is evaluated
 
@@ -309,13 +296,6 @@ class DPSGDStrategy(DDPStrategy):
         """The ring, step counter and statistics; ``None`` before ``fit`` configured DDP."""
         return self._state
 
-    @property
-    def sync_stats(self) -> dict:
-        """This rank's statistics: ``{"step", "last", "total", "spread"}`` (see :meth:`DPSGDState.stats`)."""
-        if self._state is None:
-            return {"step": 0, "last": None, "total": None, "spread": None}
-        return self._state.stats()
-
     def _trainable(self) -> list[torch.Tensor]:
         assert self.lightning_module is not None
         return [p for p in self.lightning_module.parameters() if p.requires_grad]
@@ -331,6 +311,7 @@ class DPSGDStrategy(DDPStrategy):
         # DDPStrategy registers hooks on CUDA only; D-PSGD needs its own on every device.
         assert isinstance(self.model, DistributedDataParallel)
         self._state = state = DPSGDState(self._warmup_steps, self._ddp_kwargs.get("process_group"))
+        self._params = [p for p in self.model.module.parameters() if p.requires_grad]
         if self.global_rank == 0:
             log.info(
                 "%s config: warmup_steps=%d, average_eval=%s, average_at_end=%s, world_size=%d",
@@ -349,16 +330,12 @@ class DPSGDStrategy(DDPStrategy):
         state = self._state
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         if state is None or not params or not state.averaging:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-            if state is not None:
-                state.after_step(params)
-            return output
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         state.launch(params)  # x(k) travels while the forward and backward passes run
 
         def closure_then_average() -> Any:
             result = closure()
-            if state._current is not None:  # (once, should an optimizer call the closure again)
-                state.complete()
+            state.complete()
             return result
 
         return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
@@ -432,39 +409,11 @@ class DPSGDStrategy(DDPStrategy):
         if self._average_at_end and self._state is not None:
             self._state.average_(self._trainable())
 
-    # ---- checkpoints: every rank's own parameters and optimizer state in its shard --------------
+    # ---- checkpoints: every rank's own state in its shard (LocalStepsMixin), the average in the checkpoint
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self._state is not None:
-            with self._own_parameters():
-                self._shards.save(self, self._state, checkpoint, filepath)
-            if "state_dict" in checkpoint and self._own is None:  # (inside evaluation it is the average already)
-                checkpoint["state_dict"] = self._averaged_state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        super().remove_checkpoint(filepath)
-        self._shards.remove(self, filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._shards.remember(self, checkpoint, checkpoint_path)
-        return checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        assert self._state is not None
-        self._shards.restore_into(self, self._state)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        hint_unused_parameters(exception, self.name)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_names(strategy_registry, cls, cls.name, "decentralised parallel SGD (ring-neighbour averaging)")
+        if self._state is not None and "state_dict" in checkpoint and self._own is None:
+            checkpoint["state_dict"] = self._averaged_state_dict()  # (in an evaluation loop it is already)
+        with self._own_parameters():
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
