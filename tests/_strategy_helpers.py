@@ -6,12 +6,14 @@ warnings per batch) to ``out_dir/rank{r}.pt``; :func:`fit` returns those records
 
 from __future__ import annotations
 
+import os
 import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
@@ -21,6 +23,18 @@ from gtc_lightning import GTCStrategy
 FEATURES, HIDDEN, CLASSES = 16, 32, 4
 SAMPLES, BATCH = 64, 8  # 2 ranks x 4 batches of 8 per epoch
 TIMEOUT = timedelta(seconds=60)  # a hung collective fails the test instead of blocking for 30 min
+
+
+@pytest.fixture(scope="module", autouse=True)
+def keep_master_port():
+    """The fork launcher writes MASTER_PORT into the parent's environment; don't leak it (autouse in
+    every test module that imports it)."""
+    before = os.environ.get("MASTER_PORT")
+    yield
+    if before is None:
+        os.environ.pop("MASTER_PORT", None)
+    else:
+        os.environ["MASTER_PORT"] = before
 
 
 def dataset(samples: int = SAMPLES) -> TensorDataset:

@@ -8,14 +8,17 @@ own gradient (plain SGD), bit for bit.
 
 import csv
 import math
-import os
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from _averaging_helpers import mean
-from _strategy_helpers import TinyMLP, fit
+from _strategy_helpers import (
+    TinyMLP,
+    fit,
+    keep_master_port,  # noqa: F401  (autouse)
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
@@ -23,16 +26,6 @@ from gtc_lightning import DPSGDStrategy
 
 LR = 0.5
 SGD = {"momentum": 0.0}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _keep_master_port():
-    before = os.environ.get("MASTER_PORT")
-    yield
-    if before is None:
-        os.environ.pop("MASTER_PORT", None)
-    else:
-        os.environ["MASTER_PORT"] = before
 
 
 def neighbour_step(params: list[torch.Tensor], grads: list[torch.Tensor], lr: float = LR) -> list[torch.Tensor]:

@@ -5,12 +5,15 @@ the tests recompute Strom's step independently (``expected_sparse_step``) and ch
 parameters moved by step t-1's decoded update, bit for bit, on every rank.
 """
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from _strategy_helpers import expected_sparse_step, fit
+from _strategy_helpers import (
+    expected_sparse_step,
+    fit,
+    keep_master_port,  # noqa: F401  (autouse)
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 
@@ -20,16 +23,6 @@ TAU = 0.05
 LR = 0.5
 STEPS = 8
 SGD = {"momentum": 0.0}  # the update is exactly -lr * decoded gradient
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _keep_master_port():
-    before = os.environ.get("MASTER_PORT")
-    yield
-    if before is None:
-        os.environ.pop("MASTER_PORT", None)
-    else:
-        os.environ["MASTER_PORT"] = before
 
 
 def check_stale_steps(ranks, grads=None, skipped=(), tau=TAU, start_update=None):
