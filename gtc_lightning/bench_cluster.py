@@ -206,12 +206,11 @@ def node_worker(plan_path: str) -> None:
     segments: dict[str, list] = {}
     facts: dict[str, dict] = {}
     if world > 1:
-        # The first DDP fit of a process ran its steps several times slower here (tiny model: 0.2-0.7 s
-        # against 0.05 s in the next round), whichever strategy came later: one untimed fit first.
+        # Untimed first: the rendezvous and DDP's first all-reduces, on a tiny model.
         warm = argparse.Namespace(
-            warmup=1, steps=1, batch=plan["batch"], lr=plan["lr"], tau=plan["tau"], exchange="auto"
+            warmup=1, steps=12, batch=16, lr=plan["lr"], tau=plan["tau"], exchange="auto"
         )
-        bench_step._segment(warm, spec, "ddp", devices=1, num_nodes=world, seed=0)
+        bench_step._segment(warm, (2, 16, 8), "ddp", devices=1, num_nodes=world, seed=0)
     for r in range(plan["rounds"]):
         for entry in plan["strategies"]:
             name = entry["label"]
