@@ -25,8 +25,7 @@ step's one host synchronisation):
 
 Decoding uses the synchronous mode's kernels and float32 arithmetic, times the loss scale of the
 applying step's backward (which the scaler divides out at that step). DDP rebuilds its buckets after
-the first step, under an exchange in flight: that update then goes through a vector in parameter
-order, placed by name.
+the first step, under an exchange in flight: its words then move with their parameters (by name) first.
 
 Where the exchange in flight goes:
 
@@ -66,7 +65,7 @@ from gtc_lightning.hook import (
     reduce_dense,
     word_scale,
 )
-from gtc_lightning.ops.torch_ops import INDEX_MASK
+from gtc_lightning.ops.torch_ops import INDEX_MASK, SIGN_BIT
 
 
 @dataclass
@@ -154,6 +153,9 @@ def _launch_dense(state: GTCState, unused: list, own: int, numel: int) -> tuple[
 
 def _apply(state: GTCState, flight: InFlight, outputs: list) -> None:
     """Decode ``flight`` into the bucket buffers of the step in progress."""
+    if flight.kind == "sparse" and flight.slots is not None and flight.slots is not state._slots:
+        flight.words, flight.lengths = _relayout_words(flight.words, flight.lengths, flight.slots, state._slots)
+        flight.slots = state._slots
     if flight.slots is state._slots:  # the layout it was launched in: decode as the synchronous mode
         if flight.kind == "sparse":
             state._ops.decode_(
@@ -176,6 +178,23 @@ def _apply(state: GTCState, flight: InFlight, outputs: list) -> None:
             torch.mul(flat[offset : offset + buffer.numel()], scale, out=buffer)
     else:
         decode_dense(flat, flight.world, state.grad_scale, outputs)
+
+
+def _relayout_words(words: torch.Tensor, lengths: list[int] | None, old: dict, new: dict) -> tuple:
+    """Words indexing the flat layout ``old`` (parameter name -> (offset, numel)) re-indexed for ``new``
+    (DDP rebuilt its buckets under the exchange in flight): each word moves with its parameter,
+    O(words). Returns ``(words, None)``, all valid, no longer in ascending order (decoding counts
+    votes, so the order does not change a bit)."""
+    if lengths is not None:
+        rows = words.view(len(lengths), -1)
+        words = torch.cat([rows[r, :n] for r, n in enumerate(lengths)])
+    names = sorted((name for name in old if name in new), key=lambda name: old[name][0])
+    starts = torch.tensor([old[name][0] for name in names], dtype=torch.int64, device=words.device)
+    moved = torch.tensor([new[name][0] for name in names], dtype=torch.int64, device=words.device)
+    index = (words & INDEX_MASK).long()
+    which = torch.searchsorted(starts, index, right=True) - 1
+    index = index - starts[which] + moved[which]
+    return index.int() | (words & SIGN_BIT), None
 
 
 def pending_vector(state: GTCState, flight: InFlight) -> torch.Tensor:

@@ -100,11 +100,12 @@ def test_the_last_update_is_pending_in_checkpoints_not_applied(stale_run, tmp_pa
             assert torch.equal(a["params"], b["params"]) and torch.equal(a["residual"], b["residual"])
 
 
-def test_four_ranks_padded_allgather_and_bucket_rebuild(tmp_path):
-    """Many small buckets that DDP rebuilds after step 1, under the exchange in flight."""
+@pytest.mark.parametrize(("exchange", "devices"), [("allgather", 4), ("alltoall", 2)])
+def test_bucket_rebuild_under_the_exchange_in_flight(tmp_path, exchange, devices):
+    """Many small buckets that DDP rebuilds after step 1, while step 1's words are in flight."""
     _, ranks = fit(
-        tmp_path, devices=4, tau=TAU, stale=True, exchange="allgather", bucket_cap_mb=0.0001, max_epochs=1,
-        model_kwargs={**SGD, "samples": 128},
+        tmp_path, devices=devices, tau=TAU, stale=True, exchange=exchange, bucket_cap_mb=0.0001, max_epochs=1,
+        model_kwargs={**SGD, "samples": 32 * devices},
     )  # fmt: skip
     buckets = [rec["buckets"] for rec in ranks[0]["records"]]
     assert buckets[0] == 1 and buckets[-1] > 1, buckets
