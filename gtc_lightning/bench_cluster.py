@@ -601,6 +601,11 @@ def summarize_config(record: dict, ranks: list[dict], plan: dict) -> list[dict]:
             gtc = w.get("hook", {}).get("gtc_stats", {})
             codec += gtc.get("compress_s", 0.0) + gtc.get("decompress_s", 0.0)
         codec /= steps_total
+        parts = {
+            k: sum(w.get("hook", {}).get("gtc_stats", {}).get(k, 0.0) for w in rank0["segments"][label])
+            / steps_total
+            for k in ("compress_s", "exchange_s", "decompress_s")
+        }
         replays = [r["replay"][label] for r in ranks if label in r.get("replay", {})]
         network = statistics.fmean(x["step_s"] for x in replays) if replays else None
         replay_tx = (
@@ -612,7 +617,7 @@ def summarize_config(record: dict, ranks: list[dict], plan: dict) -> list[dict]:
             "model": record["model"], "weights": n, "world": world, "rate": record["rate"], "rate_bits": rate_bits,
             "strategy": label, "base": base, "steps": steps_total, "rounds": len(rank0["segments"][label]),
             "step_s": step, "step_s_rounds": [w["step_s"] for w in rank0["segments"][label] if "step_s" in w],
-            "compute_s": compute, "comm_s": None if compute is None else step - compute, "codec_s": codec,
+            "compute_s": compute, "comm_s": None if compute is None else step - compute, "codec_s": codec, "codec_parts": parts,
             "network_s": network, "frames_per_s": plan["batch"] * world / step,
             "wire_tx_bytes": wire, "wire_rx_bytes": statistics.fmean(per_rank_rx) if world > 1 else 0.0,
             "hook_bytes": hook, "wire_over_hook": wire / hook if hook else None,
@@ -817,6 +822,24 @@ def render(results: dict) -> str:
             f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15 %."
         ),
     ]
+    for name, proj in results.get("projections", {}).items():
+        sc = proj["scenario"]
+        strategies = [k for k in proj["rows"][0] if k != "nodes"]
+        lines += [
+            "",
+            (
+                f"Projection, {name}: {sc['frames_per_s']:,.0f} frames/s per node, GTC {sc['words']:,.0f} words "
+                f"per node and step, thresholding {1e3 * sc['overhead_s']:.0f} ms, decoding "
+                f"{1e9 * sc['per_word_s']:.0f} ns per word; speed-up over one node:"
+            ),
+            "",
+            "| nodes | " + " | ".join(strategies) + " |",
+            "|---" * (len(strategies) + 1) + "|",
+        ]
+        for row in proj["rows"]:
+            lines.append(
+                f"| {row['nodes']} | " + " | ".join(f"{row[k]['speedup']:.1f}" for k in strategies) + " |"
+            )
     return "\n".join(lines)
 
 
@@ -873,14 +896,68 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def projections(rows: list[dict], model: dict) -> dict[str, dict]:
+    """1-128 nodes of this host's kind (one core each, own link), from the measurements: one node's
+    compute = the single-device step; GTC's words per step and its thresholding and decoding times
+    from 2 workers (one core each); the calibrated latency, no host limit, no burst credit."""
+    out = {}
+    for m in dict.fromkeys(r["model"] for r in rows):
+        single = next((r for r in rows if r["model"] == m and r["world"] == 1), None)
+        gtc = next(
+            (r for r in rows if r["model"] == m and r["world"] == 2 and r["base"] == "gtc" and r["words"]),
+            None,
+        )
+        if single is None or gtc is None:
+            continue
+        windows = gtc["codec_parts"]
+        for rate, bits in sorted(
+            {(r["rate"], r["rate_bits"]) for r in rows if r["rate_bits"]}, key=lambda x: x[1]
+        ):
+            sc = scaling.Scenario(
+                f"{m} on CPU nodes like this host's, {rate}",
+                frames_per_s=single["frames_per_s"],
+                frames=round(single["frames_per_s"] * single["step_s"]),
+                net=scaling.Network(bits, latency_s=model["latency_s"]),
+                numel=single["weights"],
+                words=gtc["words"],
+                overhead_s=windows["compress_s"],
+                per_word_s=windows["decompress_s"] / (2 * gtc["words"]),
+            )
+            out[sc.name] = {
+                "scenario": {
+                    "frames_per_s": sc.frames_per_s,
+                    "frames": sc.frames,
+                    "rate_bits": bits,
+                    "latency_s": sc.net.latency_s,
+                    "words": sc.words,
+                    "overhead_s": sc.overhead_s,
+                    "per_word_s": sc.per_word_s,
+                    "group_size": sc.group_size,
+                    "period": sc.period,
+                },
+                "rows": scaling.scenario_rows(sc),
+            }
+    return out
+
+
 def finish(results: dict, out: Path, png: Path | None = None) -> None:
     rows = [row for c in results["configs"] for row in c["rows"]]
     results["rows"] = rows
     results["model"] = calibrate(rows, results["configs"])
     results["targets"] = targets(rows)
+    results["projections"] = projections(rows, results["model"])
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "table.md").write_text(render(results) + "\n")
     plot(results, png or out / "bench_cluster.png")
+    if results["projections"]:
+        # the biggest model's projections (Strom's when it was measured), one panel per rate
+        last = list(results["projections"])[-1].split(" on ")[0]
+        extra = {
+            name: p["rows"] for name, p in results["projections"].items() if name.startswith(last + " on ")
+        }
+        scaling.plot_scenarios(
+            (png or out / "bench_cluster.png").with_name("scaling_projection.png"), [], extra
+        )
 
 
 def _strategies_for(world: int, strategies: list[dict]) -> list[dict]:

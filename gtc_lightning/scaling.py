@@ -479,7 +479,7 @@ def plot_scenarios(path, scenarios=None, extra: dict | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scenarios = scenarios or [STROM_2015, H100[25], H100[100]]
+    scenarios = [STROM_2015, H100[25], H100[100]] if scenarios is None else scenarios
     panels = [(sc.name, scenario_rows(sc, range(1, 129))) for sc in scenarios] + list((extra or {}).items())
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     for ax, (name, rows) in zip(axes[0], panels):

@@ -81,3 +81,7 @@ def test_two_nodes_tiny_model(netns, tmp_path):
     table = (out / "table.md").read_text()
     assert "| 2x16:8 | 2 | 1gbit | gtc |" in table and "Scaling model calibrated" in table
     assert (out / "bench_cluster.png").stat().st_size > 0
+    # the projection to 1-128 nodes from the single-device step and the 2-worker GTC measurements
+    (name,) = results["projections"]
+    assert [r["nodes"] for r in results["projections"][name]["rows"]] == list(scaling.NODES)
+    assert "Projection, 2x16:8" in table
