@@ -217,7 +217,7 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
     base = _run(common + ["--strategy", "single"])
     gtc = _run(common + ["--trainer.strategy", "gtc_fork", "--trainer.devices", "2", "--num_threads", "1"])
     evaluate.main(["--runs", str(tmp_path / "baseline"), str(tmp_path / "gtc"), "--out", str(tmp_path / "cmp"),
-                   "--acoustic-scales", "0.1", "--beam", "8", "--max-active", "1000"])
+                   "--acoustic-scales", "0.1", "--beam", "8", "--max-active", "1000", "--jobs", "1"])
     report = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
     assert [r["run"] for r in report["runs"]] == ["baseline", "gtc"] and report["baseline"] == "baseline"
     for row in report["runs"]:

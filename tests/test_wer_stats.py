@@ -59,3 +59,44 @@ def test_mismatched_utterances_name_the_fix():
     errors, words = per_utterance_counts({"a": [1, 5], "b": [0, 3]}, ["b", "a"])
     np.testing.assert_array_equal(errors, [0, 1])
     np.testing.assert_array_equal(words, [3, 5])
+
+
+def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path):
+    """compare_runs over 2 seeds x (baseline, gtc) with per-utterance counts and a SAT GMM decode."""
+    import json
+
+    from local.compare import compare_runs
+
+    rng = np.random.default_rng(5)
+    ids = [f"u{i:03d}" for i in range(200)]
+    words = rng.integers(4, 11, len(ids))
+    data_dir = tmp_path / "data"
+    sat = data_dir / "exp" / "sat" / "decode_test"
+    sat.mkdir(parents=True)
+    (sat / "wer.json").write_text(json.dumps({"wer": 10.0, "acoustic_scale": 0.0833}))
+    (sat / "per_utt-test-acwt0.0833.json").write_text(json.dumps(
+        {u: [int(rng.binomial(w, 0.1)), int(w)] for u, w in zip(ids, words)}))
+    runs = []
+    for seed in (0, 1):
+        for name, workers, rate in (("baseline", 1, 0.08), ("gtc", 2, 0.08)):
+            d = tmp_path / f"seed{seed}" / name
+            (d / "decode").mkdir(parents=True)
+            (d / "config.yaml").write_text(f"seed_everything: {seed}\n")
+            (d / "train_summary.json").write_text(json.dumps({
+                "run_name": name, "strategy": name, "world_size": workers, "num_weights": 1000,
+                "dev_frame_acc": [0.5, 0.6], "data_dir": str(data_dir)}))
+            counts = {u: [int(rng.binomial(w, rate)), int(w)] for u, w in zip(ids, words)}
+            (d / "decode" / "per_utt-test.json").write_text(json.dumps(counts))
+            wer = 100 * sum(c[0] for c in counts.values()) / words.sum()
+            (d / "decode" / "results.json").write_text(json.dumps({"dev": {"wer": 5.0}, "test": {"wer": wer}}))
+            runs.append(d)
+    compare_runs(runs, tmp_path / "cmp")
+    report = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["intervals"]
+    assert report["utterances"] == 200 and set(report["runs"]) == {"baseline", "gtc"}
+    gtc = report["runs"]["gtc"]
+    assert gtc["seeds"] == [0, 1] and gtc["vs_baseline"]["seeds"] == [0, 1]
+    assert gtc["mean"]["lo"] < gtc["mean"]["wer"] < gtc["mean"]["hi"]
+    assert gtc["vs_reference"]["rel_lo"] < gtc["vs_reference"]["rel_pct"] < gtc["vs_reference"]["rel_hi"]
+    assert "vs_baseline" not in report["runs"]["baseline"]
+    md = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "| gtc | 2 |" in md and "vs SAT GMM" in md

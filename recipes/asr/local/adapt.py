@@ -44,10 +44,11 @@ from local.transforms import FmllrStats, add_fmllr_stats, apply_affine, estimate
 log = logging.getLogger(__name__)
 
 NUM_GAUSS = 256
-UBM_FRAMES = 200_000  # speech frames the UBM is trained on (drawn evenly from the training set)
-UBM_ITERS = 10
-FMLLR_EM_ITERS = 3
-FMLLR_MAX_FRAMES = 4000  # speech frames per speaker used for its statistics (evenly spaced)
+UBM_FRAMES = 100_000  # speech frames the UBM is trained on (drawn evenly from the training speakers)
+UBM_ITERS = 8
+FMLLR_EM_ITERS = 2
+FMLLR_ROW_PASSES = 3  # Gales' row-by-row passes per EM iteration
+FMLLR_MAX_FRAMES = 2000  # speech frames per speaker used for its statistics (evenly spaced): 50 per parameter
 FMLLR_MIN_FRAMES = 200.0  # fewer speech frames: the speaker keeps the identity
 VAD_RANGE = 6.9  # speech: mean log-mel energy within 6.9 (30 dB) of the utterance's 10th loudest frame
 VARIANCE_FLOOR = 0.01  # times the data's variance, per dimension
@@ -159,7 +160,7 @@ def estimate_speaker_transform(ubm: DiagGmm, x: np.ndarray, num_em: int = FMLLR_
         logdet = np.linalg.slogdet(W[:, :D])[1]
         start = ll / len(x) + logdet if start is None else start
         stats = add_fmllr_stats(FmllrStats.zeros(D), x, post, ubm.means, ubm.variances)
-        W, _ = estimate_fmllr(stats, init=W, num_iters=5, min_count=0.0)
+        W, _ = estimate_fmllr(stats, init=W, num_iters=FMLLR_ROW_PASSES, min_count=0.0)
     _, ll = ubm.posteriors(apply_affine(W, x))
     gain = ll / len(x) + np.linalg.slogdet(W[:, :D])[1] - start
     return W, {"frames": len(x), "gain_per_frame": float(gain)}
@@ -199,7 +200,7 @@ def estimate_transforms(ubm: DiagGmm, frames: dict[str, np.ndarray]) -> tuple[di
 
 
 # ---------------------------------------------------------------- the stage
-def adapt(data_dir: Path | str, num_gauss: int = NUM_GAUSS, sat_rounds: int = 2, seed: int = 0) -> dict:
+def adapt(data_dir: Path | str, num_gauss: int = NUM_GAUSS, sat_rounds: int = 1, seed: int = 0) -> dict:
     """Stage 7: UBM and per-speaker fbank fMLLR transforms of every split (see the module
     docstring). Returns a summary (speakers, gains, log-likelihoods, seconds)."""
     import torch
@@ -224,7 +225,9 @@ def adapt(data_dir: Path | str, num_gauss: int = NUM_GAUSS, sat_rounds: int = 2,
     def ubm_data(trans: dict | None) -> np.ndarray:
         return np.concatenate([_evenly(apply_affine(trans[s], x) if trans else x, per_spk) for s, x in train.items()])
 
+    log.info("adapt: %d training speakers, %d speech frames", len(train), sum(len(x) for x in train.values()))
     ubm, history = train_ubm(ubm_data(None), num_gauss, seed=seed)
+    log.info("adapt: UBM of %d Gaussians, log-like %.3f per frame", num_gauss, history[-1])
     stats_frames = {s: _evenly(x, FMLLR_MAX_FRAMES) for s, x in train.items()}
     rounds = [{"ubm_log_like": round(history[-1], 3)}]
     trans, summary = estimate_transforms(ubm, stats_frames)
@@ -239,6 +242,7 @@ def adapt(data_dir: Path | str, num_gauss: int = NUM_GAUSS, sat_rounds: int = 2,
         if split in cuts:
             split_trans, info["splits"][split] = estimate_transforms(ubm, speaker_frames(cuts[split], cmvn))
             trans.update(split_trans)
+            log.info("adapt: %s speakers: %s", split, info["splits"][split])
     ubm.save(out / "ubm.npz")
     with open(out / "fbank_trans.pkl", "wb") as f:
         pickle.dump(trans, f)

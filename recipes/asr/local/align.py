@@ -2,11 +2,14 @@
 system, as Kaldi's ``steps/align_fmllr.sh`` makes them for nnet1, plus pdf priors and the
 agreement of the alignments with the TTS engines' own phone timings.
 
-``align_fmllr.sh`` per split: (1) align with the speaker-independent model (here ``exp/tri``),
+``align_fmllr.sh`` on dev: (1) align with the speaker-independent model (here ``exp/tri``),
 (2) estimate each speaker's fMLLR transform from that alignment with the SAT model (silence
-frames weigh 0), (3) align the adapted features with the SAT model. The DNN then decodes with
-the SAT system's tree and graph (``exp/sat/graph/HCLG.fst``). ``system="tri"`` keeps the older
-speaker-independent targets (the triphone system, no transforms) for comparison.
+frames weigh 0), (3) align the adapted features with the SAT model. Train takes the SAT
+stage's own final alignments and transforms (the final model on the final transforms: what
+``align_fmllr.sh`` would compute again, for minutes); ``reuse_train=False`` runs
+``align_fmllr`` on train too. The DNN then decodes with the SAT system's tree and graph
+(``exp/sat/graph/HCLG.fst``). ``system="tri"`` keeps the older speaker-independent targets
+(the triphone system, no transforms) for comparison.
 
 Writes under ``<data_dir>/ali/``:
 

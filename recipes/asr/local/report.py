@@ -79,6 +79,7 @@ def make_report(data_dir: Path, corpus: str = "synthetic") -> dict:
         "stage_seconds": _read_json(data_dir / "stage_seconds.json"),
         "lang": _read_json(data_dir / "lang" / "summary.json"),
         "alignment": ali_info,
+        "adaptation": _read_json(data_dir / "adapt" / "info.json"),
     }
     (data_dir / "report.json").write_text(json.dumps(report, indent=1))
     print(format_summary(report))
@@ -93,7 +94,9 @@ def format_summary(report: dict) -> str:
     lines = [f"== data pipeline report: {report['data_dir']} ({report['corpus']}) =="]
     for split, s in report["splits"].items():
         lines.append(f"  {split:5s} {s['utterances']:6d} utts {s['hours']:7.3f} h {s['speakers']:4d} speakers")
-    lines.append(f"  phones {report['num_phones']}, pdfs {report['num_pdfs']}")
+    ali = report.get("alignment") or {}
+    lines.append(f"  phones {report['num_phones']}, pdfs {report['num_pdfs']} (DNN targets: "
+                 f"{ali.get('system', 'tri')} alignments{', fMLLR' if ali.get('system') == 'sat' else ''})")
     w = report["gmm_wer"]
     for system in GMM_SYSTEMS:
         adapted = " (fMLLR)" if system == "sat" else ""
@@ -106,6 +109,10 @@ def format_summary(report: dict) -> str:
         lines.append(f"  phone agreement with TTS gold timings: {overall}")
     else:
         lines.append("  phone agreement with TTS gold timings: n/a (corpus has no gold timings)")
+    adapt = report.get("adaptation")
+    if adapt:
+        gains = ", ".join(f"{k} {v['gain_per_frame']}" for k, v in adapt["splits"].items())
+        lines.append(f"  fbank fMLLR (UBM of {adapt['num_gauss']} Gaussians): log-likelihood gain per frame {gains}")
     d = report["dropped"]
     lines.append(f"  dropped utterances: {d['total']} {d['by_reason'] if d['total'] else ''}")
     if report["stage_seconds"]:
