@@ -227,3 +227,10 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
     assert base["world_size"] == 1 and gtc["world_size"] == 2
     assert (tmp_path / "cmp" / "dev_frame_acc.png").stat().st_size > 0
     assert list((tmp_path / "baseline" / "decode").glob("errs-test*"))
+    assert report["intervals"]["runs"]["gtc"]["vs_baseline"]["seeds"] == [0]
+    # any other test set (here the raw test manifest): features, CMVN and fbank transforms from its audio alone
+    evaluate.main(["--checkpoint", str(tmp_path / "gtc" / "checkpoints" / "last.ckpt"), "--test-set",
+                   str(data_dir / "manifests" / "test_cuts.jsonl.gz"), "--data-dir", str(data_dir),
+                   "--out", str(tmp_path / "other"), "--acoustic-scale", "0.1", "--beam", "8", "--max-active", "1000"])
+    other = json.loads((tmp_path / "other" / "decode_other" / "results-test_cuts.json").read_text())
+    assert other["utterances"] > 0 and other["words"] > 0

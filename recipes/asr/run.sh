@@ -9,7 +9,8 @@
 #   data=data/mini_librispeech bash recipes/asr/run.sh   # after prepare.py --corpus ... (see README)
 #
 # Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 3 decodes
-# the runs not decoded yet and compares every run found for seeds 0 1 2.
+# the runs not decoded yet and compares every run found for seeds 0 1 2. Each stage prints its wall and
+# CPU time (bash `time`; on a shared machine user + sys is what the stage takes alone).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -23,18 +24,18 @@ run_dir() { if [ "$1" = 0 ]; then echo "$exp"; else echo "$exp/seed$1"; fi; }
 
 if [ "$stage" -le 0 ]; then
   echo "== stage 0: data pipeline (corpus, features, lang, GMM-HMM, alignments, adaptation) -> $data"
-  $python recipes/asr/prepare.py --data-dir "$data"
+  time $python recipes/asr/prepare.py --data-dir "$data"
 fi
 for seed in $seeds; do
   dir=$(run_dir "$seed")
   if [ "$stage" -le 1 ]; then
     echo "== stage 1: single-device baseline, seed $seed (global batch of the 2-worker runs) -> $dir/baseline"
-    $python recipes/asr/train.py --config conf/baseline.yaml --data.data_dir "$data" --exp_dir "$dir" \
+    time $python recipes/asr/train.py --config conf/baseline.yaml --data.data_dir "$data" --exp_dir "$dir" \
       --seed_everything "$seed" --data.seed "$seed"
   fi
   if [ "$stage" -le 2 ]; then
     echo "== stage 2: GTC, 2 workers, seed $seed -> $dir/gtc"
-    $python recipes/asr/train.py --strategy gtc --data.data_dir "$data" --exp_dir "$dir" --run_name gtc \
+    time $python recipes/asr/train.py --strategy gtc --data.data_dir "$data" --exp_dir "$dir" --run_name gtc \
       --seed_everything "$seed" --data.seed "$seed"
   fi
 done
@@ -46,5 +47,5 @@ if [ "$stage" -le 3 ]; then
     done
   done
   echo "== stage 3: decode dev/test, compare ${#runs[@]} runs -> $exp/compare"
-  $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded
+  time $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded
 fi

@@ -77,6 +77,7 @@ def make_report(data_dir: Path, corpus: str = "synthetic") -> dict:
             "utterances": drops,
         },
         "stage_seconds": _read_json(data_dir / "stage_seconds.json"),
+        "stage_cpu_seconds": _read_json(data_dir / "stage_cpu_seconds.json"),
         "lang": _read_json(data_dir / "lang" / "summary.json"),
         "alignment": ali_info,
         "adaptation": _read_json(data_dir / "adapt" / "info.json"),
@@ -117,4 +118,6 @@ def format_summary(report: dict) -> str:
     lines.append(f"  dropped utterances: {d['total']} {d['by_reason'] if d['total'] else ''}")
     if report["stage_seconds"]:
         lines.append("  stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in report["stage_seconds"].items()))
+    if report.get("stage_cpu_seconds"):
+        lines.append("  stage CPU seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in report["stage_cpu_seconds"].items()))
     return "\n".join(lines)
