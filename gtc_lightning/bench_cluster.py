@@ -197,6 +197,10 @@ def node_worker(plan_path: str) -> None:
     from gtc_lightning import bench_step
 
     plan = json.loads(Path(plan_path).read_text())
+    # Lightning sets torch's threads to cores / local processes (2 here, with one process per node)
+    # unless OMP_NUM_THREADS is set: 2 or 4 nodes x 2 spinning OpenMP threads on 2 cores made every step
+    # 3-10x slower, compute included.
+    os.environ["OMP_NUM_THREADS"] = str(plan["threads"])
     torch.set_num_threads(plan["threads"])
     for name in ("lightning.pytorch", "lightning.fabric", "gtc_lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)

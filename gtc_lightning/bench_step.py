@@ -158,6 +158,8 @@ def worker(args, devices: int, num_nodes: int) -> None:
     """One rank: every round runs every strategy on every model; rank 0 writes the results."""
     import torch
 
+    # Without OMP_NUM_THREADS, Lightning resets torch's threads to cores / local processes at setup.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
     import logging
 

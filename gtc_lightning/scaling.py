@@ -480,7 +480,9 @@ def plot_scenarios(path, scenarios=None, extra: dict | None = None) -> None:
     import matplotlib.pyplot as plt
 
     scenarios = [STROM_2015, H100[25], H100[100]] if scenarios is None else scenarios
-    panels = [(sc.name, scenario_rows(sc, range(1, 129))) for sc in scenarios] + list((extra or {}).items())
+    # multiples of 8 past 8 nodes, so that BMUF-GTC's groups of 8 always fill
+    nodes = (1, 2, 3, 4, 6, 8, *range(16, 129, 8))
+    panels = [(sc.name, scenario_rows(sc, nodes)) for sc in scenarios] + list((extra or {}).items())
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     for ax, (name, rows) in zip(axes[0], panels):
         nodes = [r["nodes"] for r in rows]
