@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from local.compare import compare_runs
 from local.datamodule import splice
+from local.decode import BEAM, MAX_ACTIVE
 from local.front_end import FrontEnd
 from local.model import AcousticModel
 
@@ -40,7 +41,6 @@ log = logging.getLogger("evaluate")
 # unseen voices 0.1 took ~0.8 s per utterance at beam 13, 0.125 0.46 s at beam 13 and 0.12 s at beam 10 with
 # 3000 active states (one more error in 300 words), 0.2 ~0.03 s.
 DEFAULT_SCALES = (0.125, 0.167, 0.2, 0.25, 0.333)
-BEAM, MAX_ACTIVE = 10.0, 3000
 
 
 def load_checkpoint(path: Path | str) -> tuple[AcousticModel, int, str]:
