@@ -74,6 +74,17 @@ def test_update_grows_mixtures_to_target():
     assert system.am.num_gauss == before + 10
 
 
+def test_priors_are_floored_at_a_fraction_of_uniform_and_sum_to_one():
+    from local.align import pdf_priors
+
+    priors = pdf_priors(np.array([1000.0, 0.0, 1.0, 999.0]), floor=0.1)
+    assert priors.sum() == pytest.approx(1.0) and priors.dtype == np.float32
+    assert priors[1] == pytest.approx(priors[2]) and priors[1] > 0.1 / 4 * 0.9
+    assert priors[0] / priors[3] == pytest.approx(1000 / 999, rel=1e-5)  # frequent pdfs keep their ratio
+    with pytest.raises(ValueError, match="no training frames"):
+        pdf_priors(np.zeros(3))
+
+
 # ---------------------------------------------------------------- end to end on the tiny corpus
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
@@ -88,7 +99,7 @@ def trained(tmp_path_factory):
     prepare(corpus="synthetic", data_dir=data_dir, size="tiny", stop_stage=2, num_jobs=1)
     mono = train_mono(data_dir, num_iters=8, total_gauss=200, scales=(0.1,))
     tri = train_tri(data_dir, num_leaves=150, total_gauss=300, num_iters=8, scales=(0.1,))
-    ali = align(data_dir)
+    ali = align(data_dir, system="tri")  # the speaker-independent targets; the SAT ones: the last test
     return data_dir, mono, tri, ali
 
 
@@ -370,3 +381,43 @@ def test_a_system_trained_on_other_features_is_refused(trained, tmp_path):
     with pytest.raises(RuntimeError, match=r"was trained on GMM features None.*--stage 3 --force"):
         GmmSystem.load(old)
     assert GmmSystem.load(old, check_front_end=False).tm.num_pdfs == GmmSystem.load(src).tm.num_pdfs
+
+
+def test_parallel_gmm_decoding_equals_one_process(trained):
+    from local.decode import decode_gmm_parallel, decode_utterances_gmm
+    from local.gmm_common import GmmSystem, load_utterances
+    from local.kaldi import kaldifst
+
+    data_dir = trained[0]
+    system = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl")
+    graph = data_dir / "exp" / "tri" / "graph" / "HCLG.fst"
+    utts = load_utterances(data_dir, "dev")
+    items = [(u, utts.feats[u]) for u in utts.ids]
+    one_alis, two_alis = {}, {}
+    one = decode_utterances_gmm(kaldifst.StdVectorFst.read(str(graph)), system.tm, system.am, items, 0.1,
+                                alignments=one_alis)
+    two = decode_gmm_parallel(graph, system.tm, system.am, items, 0.1, num_jobs=2, alignments=two_alis)
+    assert one == two and list(two) == [u for u, _ in items]
+    assert set(one_alis) == set(two_alis) and all(np.array_equal(one_alis[u], two_alis[u]) for u in one_alis)
+
+
+def test_sat_alignments_are_the_dnn_targets(trained, sat):
+    """Stage 6 with the SAT system: train from the SAT stage, dev by align_fmllr, transforms saved,
+    targets and priors over the SAT system's pdfs, the SAT graph named for decoding."""
+    from local.align import align
+    from local.gmm_common import GmmSystem
+
+    data_dir = trained[0]
+    summary = align(data_dir)
+    info = json.loads((data_dir / "ali" / "info.json").read_text())
+    num_pdfs = GmmSystem.load(data_dir / "exp" / "sat" / "final.pkl").tm.num_pdfs
+    assert summary["system"] == info["system"] == "sat" and info["num_pdfs"] == num_pdfs
+    assert info["graph"] == "exp/sat/graph/HCLG.fst" and (data_dir / info["graph"]).exists()
+    assert np.load(data_dir / "ali" / "priors.npy").shape == (num_pdfs,)
+    for split in ("train", "dev"):
+        with open(data_dir / "ali" / f"trans_{split}.pkl", "rb") as f:
+            trans = pickle.load(f)
+        assert trans and all(W.shape == (39, 40) for W in trans.values())
+    with open(data_dir / "exp" / "sat" / "ali.pkl", "rb") as f:
+        sat_alis = pickle.load(f)
+    assert info["splits"]["train"]["utterances"] == len(sat_alis)

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # (0.0667 for the monophone GMM, 0.125-0.167 for the DNN), 7000 active states decoded the monophone GMM at
 # ~2 s per utterance; 3000 bounds the cost per frame (a DNN lost one error in 300 words at beam 10).
 BEAM, MAX_ACTIVE = 10.0, 3000
+MIN_PARALLEL = 100  # utterances per process below which a GMM decoding stays in this process
 
 
 def tid_to_pdf(trans_model) -> np.ndarray:
@@ -112,9 +113,18 @@ def decode_utterances_gmm(
     max_active: int = MAX_ACTIVE,
     lattice_beam: float = 6.0,
     alignments: dict | None = None,
+    hclg_path: Path | str | None = None,
+    num_jobs: int = 1,
 ) -> dict[str, list[int]]:
     """Decode GMM features: ``utterances`` yields ``(utt_id, feats [T, D])`` for ``am`` (``khg.AmDiagGmm``);
-    ``alignments`` as in ``_decode_all`` (the first pass of fMLLR decoding uses them)."""
+    ``alignments`` as in ``_decode_all`` (the first pass of fMLLR decoding uses them). With
+    ``num_jobs`` > 1 and ``hclg_path`` (the graph as written on disk: FSTs do not pickle), the
+    utterances are decoded by that many processes (``decode_gmm_parallel``)."""
+    if num_jobs > 1 and hclg_path is not None:
+        utterances = list(utterances)
+        if len(utterances) >= MIN_PARALLEL * num_jobs:  # fewer: starting the processes costs more than it saves
+            return decode_gmm_parallel(hclg_path, trans_model, am, utterances, acoustic_scale, num_jobs, beam,
+                                       max_active, lattice_beam, alignments)
 
     def decodables():
         for utt_id, feats in tqdm(utterances, desc="decode", leave=False, mininterval=2.0):
@@ -124,6 +134,56 @@ def decode_utterances_gmm(
             )
 
     return _decode_all(hclg, trans_model, decodables(), beam, max_active, lattice_beam, alignments)
+
+
+_WORKER: dict = {}
+
+
+def _gmm_worker_init(hclg_path: str, models: bytes, beam: float, max_active: int, lattice_beam: float) -> None:
+    import pickle
+
+    import torch
+
+    from local.kaldi import kaldifst
+
+    torch.set_num_threads(1)
+    tm, am = pickle.loads(models)
+    _WORKER.update(hclg=kaldifst.StdVectorFst.read(hclg_path), tm=tm, am=am, beam=beam, max_active=max_active,
+                   lattice_beam=lattice_beam)
+
+
+def _gmm_worker_decode(args: tuple[list, float]) -> tuple[dict, dict]:
+    utterances, scale = args
+    w, alis = _WORKER, {}
+    hyps = decode_utterances_gmm(w["hclg"], w["tm"], w["am"], utterances, scale, w["beam"], w["max_active"],
+                                 w["lattice_beam"], alis)
+    return hyps, alis
+
+
+def decode_gmm_parallel(hclg_path: Path | str, trans_model, am, utterances: list[tuple[str, np.ndarray]],
+                        acoustic_scale: float, num_jobs: int, beam: float = BEAM, max_active: int = MAX_ACTIVE,
+                        lattice_beam: float = 6.0, alignments: dict | None = None) -> dict[str, list[int]]:
+    """``decode_utterances_gmm`` in ``num_jobs`` spawned processes (one thread each), each reading the
+    graph from ``hclg_path``; utterances are dealt round-robin (a corpus sorted by voice puts the slow
+    voices together). Same results as one process, in about 1 / num_jobs of the time on idle cores."""
+    import multiprocessing
+    import pickle
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.time()
+    chunks = [(utterances[j::num_jobs], acoustic_scale) for j in range(num_jobs)]
+    models = pickle.dumps((trans_model, am))
+    # spawn: a forked child would inherit this process's OpenMP state (DESIGN section 7)
+    with ProcessPoolExecutor(num_jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_gmm_worker_init,
+                             initargs=(str(hclg_path), models, beam, max_active, lattice_beam)) as pool:
+        results = list(pool.map(_gmm_worker_decode, chunks))
+    out = {}
+    for hyps, alis in results:
+        out.update(hyps)
+        if alignments is not None:
+            alignments.update(alis)
+    log.info("decoded %d utterances in %d processes in %.1f s", len(out), num_jobs, time.time() - t0)
+    return {u: out[u] for u, _ in utterances if u in out}
 
 
 def _log_speed(n: int, failed: list[str], frames: int, t0: float) -> None:

@@ -21,14 +21,17 @@ from local.graph import make_hclg
 log = logging.getLogger(__name__)
 
 ACOUSTIC_SCALES = (0.0667, 0.0833, 0.1, 0.125)
+DECODE_JOBS = 2  # processes per decoding: the 2 cores of the reference machine (the stages run in one)
 
 
 def decode_split(hclg, system: GmmSystem, utts, id2word: dict[int, str], out_dir: Path, split: str,
-                 acoustic_scale: float, alignments: dict | None = None) -> dict:
+                 acoustic_scale: float, alignments: dict | None = None, hclg_path: Path | None = None) -> dict:
     """Decode one split at one acoustic scale and score it; returns ``decode.score``'s result
-    (``alignments`` receives the best paths' transition-ids)."""
+    (``alignments`` receives the best paths' transition-ids). With ``hclg_path``, ``DECODE_JOBS``
+    processes decode."""
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, ((u, utts.feats[u]) for u in utts.ids),
-                                 acoustic_scale=acoustic_scale, alignments=alignments)
+                                 acoustic_scale=acoustic_scale, alignments=alignments, hclg_path=hclg_path,
+                                 num_jobs=DECODE_JOBS)
     refs = {c.id: " ".join(utts.words[c.id]) for c in utts.cuts}
     texts = {u: words_to_text(w, id2word) for u, w in hyps.items()}
     return score(refs, texts, out_dir, f"{split}-acwt{acoustic_scale:g}")
@@ -43,7 +46,8 @@ def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
     """
     start = time.perf_counter()
     exp = Path(data_dir) / "exp" / name
-    hclg = make_hclg(lang.dir, system.tree, system.tm, out_path=exp / "graph" / "HCLG.fst")
+    hclg_path = exp / "graph" / "HCLG.fst"
+    hclg = make_hclg(lang.dir, system.tree, system.tm, out_path=hclg_path)
     id2word = lang.id2word
     results, best = {}, {}
     splits = [s for s in ("dev", "test") if (Path(data_dir) / "features" / f"{s}_cuts.jsonl.gz").exists()]
@@ -52,7 +56,7 @@ def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
         out_dir = exp / f"decode_{split}"
         sweep = split == "dev" or "dev" not in best
         paths = {s: {} for s in (scales if sweep else (best["dev"],))}
-        tried = {s: decode_split(hclg, system, utts, id2word, out_dir, split, s, paths[s]) for s in paths}
+        tried = {s: decode_split(hclg, system, utts, id2word, out_dir, split, s, paths[s], hclg_path) for s in paths}
         scale = min(tried, key=lambda s: (tried[s]["wer"], abs(s - 0.1)))
         res = {**tried[scale], "acoustic_scale": scale}
         if sweep:

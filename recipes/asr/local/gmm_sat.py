@@ -43,6 +43,7 @@ from local.gmm_common import (
     realign_all,
     train_iterations,
 )
+from local.gmm_decode import DECODE_JOBS
 from local.graph import make_hclg
 from local.kaldi import kaldifst
 from local.transforms import FmllrStats, accumulate_fmllr_stats, apply_affine, compose_affine, estimate_fmllr
@@ -180,15 +181,16 @@ def train_sat(
 
 
 def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
-                    first_trans: dict, scale: float) -> tuple[dict, dict]:
-    """Two adapted passes from the first-pass transforms: decode, re-estimate, decode.
-    Returns (hyps, transforms)."""
+                    first_trans: dict, scale: float, hclg_path: Path | None = None) -> tuple[dict, dict]:
+    """Two adapted passes from the first-pass transforms: decode, re-estimate, decode (in
+    ``DECODE_JOBS`` processes with ``hclg_path``). Returns (hyps, transforms)."""
     alis: dict = {}
     adapted = transformed(utts.feats, speakers, first_trans)
-    decode_utterances_gmm(hclg, system.tm, system.am, adapted.items(), acoustic_scale=scale, alignments=alis)
+    decode_utterances_gmm(hclg, system.tm, system.am, adapted.items(), acoustic_scale=scale, alignments=alis,
+                          hclg_path=hclg_path, num_jobs=DECODE_JOBS)
     trans = speaker_transforms(system, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_DECODE, first_trans)
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, transformed(utts.feats, speakers, trans).items(),
-                                 acoustic_scale=scale)
+                                 acoustic_scale=scale, hclg_path=hclg_path, num_jobs=DECODE_JOBS)
     return hyps, trans
 
 
@@ -217,7 +219,8 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
     start = time.perf_counter()
     data_dir = Path(data_dir)
     exp = data_dir / "exp" / "sat"
-    hclg = make_hclg(lang.dir, system.tree, system.tm, out_path=exp / "graph" / "HCLG.fst")
+    hclg_path = exp / "graph" / "HCLG.fst"
+    hclg = make_hclg(lang.dir, system.tree, system.tm, out_path=hclg_path)
     si_dir = data_dir / "exp" / "tri"
     si_hclg = None
     dev_wer = si_dir / "decode_dev" / "wer.json"
@@ -246,7 +249,8 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
         tried = scales if best_scale is None else (best_scale,)
         by_scale, trans_by_scale = {}, {}
         for scale in tried:
-            hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first, scale)
+            hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first, scale,
+                                                          hclg_path)
             texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
             by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
         scale = min(by_scale, key=lambda s: (by_scale[s]["wer"], abs(s - 0.0833)))
