@@ -858,13 +858,16 @@ def plot(results: dict, path: Path) -> None:
     panels = sorted({(r["model"], r["world"]) for r in rows}, key=lambda x: (x[0] != "recipe", x[1]))
     if not panels:
         return
+    # one colour per strategy in every panel (C7 is matplotlib's grey: the compute's colour, skipped)
+    names = list(dict.fromkeys(r["strategy"] for r in rows if r["strategy"] != "nocomm"))
+    colour = {s: f"C{k if k < 7 else k + 1}" for k, s in enumerate(names)}
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
     for ax, (model, world) in zip(axes[:, 0], panels):
         mine = [r for r in rows if r["model"] == model and r["world"] == world]
         rates = sorted(
             {r["rate"] for r in mine}, key=lambda x: next(r["rate_bits"] for r in mine if r["rate"] == x)
         )
-        strategies = list(dict.fromkeys(r["strategy"] for r in mine))
+        strategies = [s for s in dict.fromkeys(r["strategy"] for r in mine) if s != "nocomm"]  # nocomm: the grey
         width = 0.8 / len(strategies)
         for i, s in enumerate(strategies):
             xs, comp, comm, net = [], [], [], []
@@ -876,8 +879,8 @@ def plot(results: dict, path: Path) -> None:
                 comp.append(min(r["compute_s"], r["step_s"]))
                 comm.append(max(r["step_s"] - r["compute_s"], 0.0))
                 net.append(r["network_s"])
-            bars = ax.bar(xs, comp, width * 0.95, color="0.75", edgecolor="0.4")
-            ax.bar(xs, comm, width * 0.95, bottom=comp, label=s, color=f"C{i}")
+            ax.bar(xs, comp, width * 0.95, color="0.75", edgecolor="0.4")
+            ax.bar(xs, comm, width * 0.95, bottom=comp, label=s, color=colour[s])
             ax.scatter(
                 [x for x, v in zip(xs, net) if v],
                 [v for v in net if v],
@@ -886,12 +889,11 @@ def plot(results: dict, path: Path) -> None:
                 color="k",
                 zorder=3,
             )
-            del bars
         ax.set_xticks(range(len(rates)), rates)
         ax.set_yscale("log")
         ax.set_ylabel("s per step")
         ax.set_title(
-            f"{model}, {world} workers: compute (grey) + communication; '-' = network alone (replay)"
+            f"{model}, {world} workers: compute (grey: nocomm's step) + communication; '-' = network alone (replay)"
         )
         ax.legend(fontsize=7, ncol=len(strategies))
     fig.tight_layout()
@@ -1042,6 +1044,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--png", type=Path, default=None, help="where the plot goes (default <out>/bench_cluster.png)")
     add("--report-only", action="store_true", help="re-render table, model and plot from <out>/results.json")
+    add(
+        "--resume",
+        action="store_true",
+        help="keep the configurations <out>/results.json already has ok (same models, tau, steps and rounds) "
+        "and measure only the others, e.g. after a run was stopped",
+    )
     add("--node-worker", default=None, help=argparse.SUPPRESS)
     add("--num-nodes", default=None, help=argparse.SUPPRESS)  # what the cluster put in {num_nodes}
     return parser
@@ -1088,6 +1096,22 @@ def main(argv: list[str] | None = None) -> int:
         "taus": {m: _tau_for(m, args) for m in args.models},
         "configs": [],
     }
+    kept: set[tuple] = set()
+    if args.resume and (args.out / "results.json").exists():
+        earlier = json.loads((args.out / "results.json").read_text())
+        same = ("tau", "steps", "min_steps", "segment_budget", "warmup", "rounds", "batch", "lr", "threads",
+                "residual_start", "replay_steps", "replay_pause", "burst_ms")
+        differ = [k for k in same if k != "tau" and earlier["args"].get(k) != results["args"][k]]
+        differ += [f"tau of {m}" for m in args.models if m in earlier["taus"] and earlier["taus"][m] != results["taus"][m]]
+        if differ:
+            parser.error(f"--resume: {args.out / 'results.json'} was measured with other settings ({', '.join(differ)}); "
+                         "use another --out or the same settings")
+        results["configs"] = [c for c in earlier["configs"] if c["status"] == "ok"]
+        results["started"] = earlier["started"]
+        results["taus"] = {**earlier["taus"], **results["taus"]}
+        results["host"]["load_at_start"] = earlier["host"]["load_at_start"]
+        kept = {(c["model"], c["world"], c["rate"]) for c in results["configs"]}
+        print(f"--resume: keeping {len(kept)} configurations measured on {earlier['started']}", flush=True)
     t0 = time.monotonic()
     labels = ", ".join(s["label"] for s in strategies)
     print(
@@ -1110,14 +1134,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if 1 in args.workers:
             for model in args.models:
-                done(run_config(None, model, 1, None, [parse_strategy("single")], args))
+                if (model, 1, None) not in kept:
+                    done(run_config(None, model, 1, None, [parse_strategy("single")], args))
         for world in sorted(w for w in args.workers if w > 1):
+            if all((m, world, r) in kept for m in args.models for r in args.rates):
+                continue
             with Cluster(
                 nodes=world, rate=args.rates[0], burst=burst_for(args.rates[0], args.burst_ms), verbose=False
             ) as cluster:
                 for rate in args.rates:
                     cluster.set_rate(rate, burst=burst_for(rate, args.burst_ms), quiet=True)
                     for model in args.models:
+                        if (model, world, rate) in kept:
+                            continue
                         done(
                             run_config(cluster, model, world, rate, _strategies_for(world, strategies), args)
                         )

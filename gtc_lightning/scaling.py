@@ -316,7 +316,10 @@ def fit_network(samples: list[tuple[list[Collective], Network, float]]) -> tuple
 
     Args:
         samples: ``(collectives, network with its rate, wire overhead and burst, measured seconds)``;
-            the link term is taken as known, the rest is ``hops · α + bytes / H``.
+            the link term is taken as known, the rest is ``hops · α + bytes / H``. Each sample is
+        weighted by 1 / measured (relative errors): otherwise the few slowest exchanges (dense
+        fp32 at 100 Mbit/s, seconds each) decide α and H alone, and every millisecond-sized
+        exchange at 10 Gbit/s is predicted several times too slow.
 
     Returns:
         ``(latency_s, host_bytes_per_s)``, both clipped to be non-negative (inf: no host limit).
@@ -327,8 +330,9 @@ def fit_network(samples: list[tuple[list[Collective], Network, float]]) -> tuple
         rest = measured - comm_seconds(colls, link_only)
         hops = sum(c.hops() / c.every for c in colls)
         sent = bytes_per_step(colls)
-        rows.append((hops, sent))
-        rhs.append(rest)
+        w = 1.0 / measured if measured > 0 else 0.0
+        rows.append((w * hops, w * sent))
+        rhs.append(w * rest)
     # Normal equations of a 2-parameter least squares, then clip (one parameter refitted alone).
     a11 = sum(h * h for h, _ in rows)
     a12 = sum(h * b for h, b in rows)

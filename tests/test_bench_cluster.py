@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from test_cluster import _netns_problem, _network_state
+from test_cluster import netns  # noqa: F401  (the fixture: nothing of the cluster left behind)
 
 from gtc_lightning import bench_cluster, scaling
 from gtc_lightning.bench_cluster import burst_for, parse_strategy
@@ -28,16 +28,6 @@ def test_parse_strategy_and_burst():
     # 1 ms of the rate, at least 16 KiB
     assert burst_for("1gbit", 1.0) == "125000"
     assert burst_for("100mbit", 1.0) == str(16 * 1024)
-
-
-@pytest.fixture
-def netns():
-    problem = _netns_problem()
-    if problem:
-        pytest.skip(f"needs network namespaces: {problem}")
-    before = _network_state()
-    yield
-    assert _network_state() == before
 
 
 def test_two_nodes_tiny_model(netns, tmp_path):
@@ -85,3 +75,12 @@ def test_two_nodes_tiny_model(netns, tmp_path):
     (name,) = results["projections"]
     assert [r["nodes"] for r in results["projections"][name]["rows"]] == list(scaling.NODES)
     assert "Projection, 2x16:8" in table
+    # --resume keeps what was measured with the same settings and measures nothing again
+    again = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=300, check=False)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "--resume: keeping 2 configurations" in again.stdout
+    resumed = json.loads((out / "results.json").read_text())
+    assert resumed["configs"] == results["configs"] and resumed["started"] == results["started"]
+    other = subprocess.run([*command, "--resume", "--batch", "8"], capture_output=True, text=True, timeout=300,
+                           check=False)
+    assert other.returncode == 2 and "other settings (batch)" in other.stderr
