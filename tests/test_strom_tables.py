@@ -1,0 +1,42 @@
+"""``recipes/asr/strom_tables.py`` on the tiny corpus: both tables from real runs (a baseline, GTC at
+two thresholds, two model sizes), decoded, with Strom's rows beside; a second call trains nothing."""
+
+import json
+
+import pytest
+
+import strom_tables
+
+
+def test_size_parsing():
+    assert strom_tables.parse_size("5x1536") == (5, 1536)
+    with pytest.raises(Exception, match="LAYERSxUNITS"):
+        strom_tables.parse_size("5-512")
+
+
+def test_tables_on_the_tiny_corpus(tiny_aligned, tmp_path, monkeypatch):
+    argv = ["--data-dir", str(tiny_aligned), "--exp-dir", str(tmp_path), "--taus", "0.001", "0.05",
+            "--epochs", "1", "--sizes", "2x16", "3x32", "--size-steps", "3", "--size-tau", "0.01",
+            "--train-args", "--config conf/tiny.yaml --num_threads 1",
+            "--eval-args", "--acoustic-scales 0.1 --beam 8 --max-active 1000 --jobs 1"]  # fmt: skip
+    assert strom_tables.main(argv) == 0
+    results = json.loads((tmp_path / "tables.json").read_text())
+    t3, t4 = results["table3"], results["table4"]
+    assert [r["tau"] for r in t3["rows"]] == [0.001, 0.05]
+    low, high = t3["rows"]
+    # a higher threshold sends fewer words: a larger compression ratio
+    assert low["words_per_step"] > high["words_per_step"] and low["ratio_fp32"] < high["ratio_fp32"]
+    for r in t3["rows"]:
+        assert r["test_wer"] is not None and r["rel_wer_reduction_pct"] is not None
+        assert r["bytes_per_step"] == pytest.approx(24 + 4 * r["words_per_step"], rel=1e-6)
+    assert t3["baseline"]["test_wer"] is not None
+    assert [(r["layers"], r["hidden"]) for r in t4["rows"]] == [(2, 16), (3, 32)]
+    assert t4["rows"][0]["weights"] < t4["rows"][1]["weights"] and all(r["steps"] == 3 for r in t4["rows"])
+    text = (tmp_path / "tables.md").read_text()
+    assert "| 0.05 |" in text and "| 3 x 32 |" in text and "| 4 | 331,000 | 69 | 846 |" in text
+    # everything exists: nothing is trained or decoded again
+    monkeypatch.setattr(strom_tables.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a[0][:3]}"))
+    decoded = json.loads((tmp_path / "compare" / "comparison.json").read_text())
+    assert strom_tables.main([*argv, "--no-decode"]) == 0
+    assert json.loads((tmp_path / "tables.json").read_text())["table3"]["rows"][0]["test_wer"] is None
+    assert decoded["runs"][0]["run"] == "baseline"
