@@ -33,7 +33,7 @@ from gtc_lightning.averaging import AveragingState, ModelAveragingStrategy, Sync
 from gtc_lightning.baselines import BF16AllReduceStrategy, bf16_allreduce_hook
 from gtc_lightning.bmuf import BMUFGTCStrategy, BMUFState, BMUFStrategy
 from gtc_lightning.dpsgd import DPSGDState, DPSGDStrategy
-from gtc_lightning.fabric import GTCFabricStrategy
+from gtc_lightning.fabric import GTCFabricStrategy, register_trainer_only_names
 from gtc_lightning.hook import GTCState, StepStats, gtc_hook, parameter_checksums
 from gtc_lightning.strategy import GTCStrategy
 
@@ -74,3 +74,4 @@ for _cls in (ModelAveragingStrategy, BMUFStrategy, BMUFGTCStrategy, DPSGDStrateg
         _cls.register_strategies(StrategyRegistry)
 if "gtc" not in FABRIC_STRATEGY_REGISTRY:  # Lightning Fabric has a registry of its own
     GTCFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+register_trainer_only_names(FABRIC_STRATEGY_REGISTRY)  # ma, bmuf, ...: a clear error in Fabric

@@ -199,3 +199,35 @@ class GTCFabricStrategy(DDPStrategy):
                 start_method=start_method,
                 **extra,
             )
+
+
+# The Trainer-only strategies of the family, by the names a Fabric user would try: a clear error
+# instead of Fabric's "invalid strategy name" (which lists ddp, deepspeed, ...).
+TRAINER_ONLY = {
+    "gtc_stale": "the one-step-stale exchange needs the Trainer's optimizer-step hooks",
+    "ma": "model averaging runs in the Trainer's optimizer step",
+    "bmuf": "BMUF runs in the Trainer's optimizer step",
+    "bmuf_gtc": "BMUF-GTC runs in the Trainer's optimizer step",
+    "dpsgd": "D-PSGD runs in the Trainer's optimizer step",
+}
+
+
+def _trainer_only(name: str, why: str):
+    def refuse(**_: Any) -> None:
+        raise ValueError(
+            f"Fabric(strategy={name!r}): {name} is a Lightning Trainer strategy only ({why}). Use "
+            f"Trainer(strategy={name!r}), or Fabric(strategy='gtc') for gradient threshold compression "
+            "in Fabric."
+        )
+
+    return refuse
+
+
+def register_trainer_only_names(strategy_registry: _StrategyRegistry) -> None:
+    """Register the Trainer-only names (and their _spawn/_fork/_notebook variants) so that Fabric
+    refuses them with :func:`_trainer_only`'s message."""
+    for base, why in TRAINER_ONLY.items():
+        for suffix in ("", "_spawn", "_fork", "_notebook"):
+            name = base + suffix
+            if name not in strategy_registry:
+                strategy_registry.register(name, _trainer_only(name, why), description=f"not for Fabric: {why}")

@@ -449,6 +449,28 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             ),
         },
     ),
+    "fabric": (
+        "Lightning Fabric: `Fabric(strategy=\"<name>_fork\")`, a plain loop",
+        {
+            "ddp": works(),
+            "gtc": works("`GTCFabricStrategy`; `fabric.clip_gradients` acts on the decoded update"),
+            "gtc_stale": refused(
+                "Fabric has no optimizer-step hooks for it: a Trainer strategy only", r"Lightning Trainer strategy only"
+            ),
+            "dpsgd": refused(
+                "Fabric has no optimizer-step hooks for it: a Trainer strategy only", r"Lightning Trainer strategy only"
+            ),
+            "ma": refused(
+                "Fabric has no optimizer-step hooks for it: a Trainer strategy only", r"Lightning Trainer strategy only"
+            ),
+            "bmuf": refused(
+                "Fabric has no optimizer-step hooks for it: a Trainer strategy only", r"Lightning Trainer strategy only"
+            ),
+            "bmuf_gtc": refused(
+                "Fabric has no optimizer-step hooks for it: a Trainer strategy only", r"Lightning Trainer strategy only"
+            ),
+        },
+    ),
 }
 
 

@@ -498,6 +498,34 @@ def run_cli_by_name(strategy, out, reference):
     return cli_fit(strategy, out, ["--trainer.strategy", STRATEGIES[strategy].fork_name])
 
 
+# ---- Lightning Fabric: the same 2 epochs of 4 batches in a plain loop ----------------------------
+
+
+def _fabric_loop(fabric: L.Fabric, out: Path) -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9))
+    loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=False))
+    start, records = _flat(model.parameters()), []
+    for _ in range(STEPS // len(loader)):
+        for x, y in loader:
+            (out / f"batch{fabric.global_rank}").write_text(str(len(records) + 1))
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            records.append({"params": _flat(model.parameters()), "loss": float(loss)})
+    torch.save({"records": records, "start": start, "val_losses": []}, out / f"rank{fabric.global_rank}.pt")
+
+
+@runner("fabric")
+def run_fabric(strategy, out, reference):
+    out.mkdir(parents=True, exist_ok=True)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=STRATEGIES[strategy].fork_name)
+    fabric.launch(_fabric_loop, out)
+    return Run(None, None, load_ranks(out))
+
+
 # ---- the tests ---------------------------------------------------------------------------------
 
 
