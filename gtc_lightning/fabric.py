@@ -20,10 +20,12 @@ does)::
     print(fabric.strategy.gtc_stats["total"]["ratio_bf16"])
 
 One module per strategy (set up one model; use the Lightning Trainer's ``GTCStrategy`` or several
-Fabric instances for more). Gradient clipping with ``fabric.clip_gradients`` acts on the decoded
-update, which is already bounded by tau per element: clip before compression by clipping the
-loss or the gradients inside the model if you need it. The one-step-stale exchange is an option of
-the Lightning strategy only.
+Fabric instances for more). Gradient clipping must act before compression, during
+``fabric.backward``: give it to the strategy, ``GTCFabricStrategy(gradient_clip_val=1.0,
+gradient_clip_algorithm="norm" | "value")``, which clips each rank's local gradient before it
+enters the residual (as the Trainer's ``GTCStrategy`` does with the Trainer's clipping);
+``fabric.clip_gradients`` after ``backward`` would only see the decoded update and is refused
+with that advice. The one-step-stale exchange is an option of the Lightning strategy only.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class GTCFabricStrategy(DDPStrategy):
     Args:
         tau, warmup_steps, max_consecutive_skips, dense_fallback, exchange, backend,
         restore_residuals, coding, target_density: as for :class:`gtc_lightning.GTCStrategy`.
+        gradient_clip_val, gradient_clip_algorithm: clip each rank's local gradient before it enters
+            the residual, by its norm over the whole module (as ``clip_grad_norm_``) or by value;
+            the decoded update is not clipped again. None: no clipping.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
         process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
         **kwargs: passed to ``DistributedDataParallel`` (``process_group`` is honoured by the
@@ -71,6 +76,8 @@ class GTCFabricStrategy(DDPStrategy):
         restore_residuals: bool = True,
         coding: Literal["none", "rice"] = "none",
         target_density: float | None = None,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -82,6 +89,11 @@ class GTCFabricStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding)
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'")
+        if gradient_clip_val is not None and not gradient_clip_val > 0:
+            raise ValueError(f"gradient_clip_val={gradient_clip_val!r}: use a positive number, or None for no clipping")
+        self._clip = (gradient_clip_algorithm, float(gradient_clip_val)) if gradient_clip_val else None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -138,11 +150,29 @@ class GTCFabricStrategy(DDPStrategy):
         )
         scaler = self._grad_scaler()
         state.grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        state.clip = self._clip
         if self._ddp_kwargs.get("find_unused_parameters") or self._ddp_kwargs.get("static_graph"):
             state.track_usage(module.parameters())
         self._module = module
         ddp.register_comm_hook(state, gtc_hook)
         return ddp
+
+    def _refuse_clipping(self, what: str) -> None:
+        raise ValueError(
+            f"fabric.clip_gradients({what}) under GTC would clip the decoded update, which is already bounded "
+            f"by tau per element, not the gradient: the raw gradient went into the residual during "
+            f"fabric.backward. Give the clipping to the strategy instead: GTCFabricStrategy(gradient_clip_val=..., "
+            f"gradient_clip_algorithm='norm' or 'value'), and drop the fabric.clip_gradients call"
+        )
+
+    @override
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int, norm_type: float | int = 2.0,
+                            error_if_nonfinite: bool = True) -> torch.Tensor:
+        self._refuse_clipping(f"max_norm={max_norm}")
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self._refuse_clipping(f"clip_val={clip_val}")
 
     @override
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:

@@ -453,7 +453,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
         "Lightning Fabric: `Fabric(strategy=\"<name>_fork\")`, a plain loop",
         {
             "ddp": works(),
-            "gtc": works("`GTCFabricStrategy`; `fabric.clip_gradients` acts on the decoded update"),
+            "gtc": works("`GTCFabricStrategy`; clipping is its `gradient_clip_val` option (before compression); `fabric.clip_gradients` is refused"),
             "gtc_stale": refused(
                 "Fabric has no optimizer-step hooks for it: a Trainer strategy only", r"Lightning Trainer strategy only"
             ),

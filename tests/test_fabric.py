@@ -33,7 +33,8 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, CLASSES))
 
 
-def train(fabric: L.Fabric, out: Path, nan_at: int | None = None, load: str | None = None, save: str | None = None):
+def train(fabric: L.Fabric, out: Path, nan_at: int | None = None, load: str | None = None, save: str | None = None,
+          spike: float = 1.0, fabric_clip: bool = False):
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = fabric.setup(model, optimizer)
@@ -52,7 +53,11 @@ def train(fabric: L.Fabric, out: Path, nan_at: int | None = None, load: str | No
         loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows])
         if step == nan_at and fabric.global_rank == 1:
             loss = loss * float("nan")
+        if step == 1 and fabric.global_rank == 1:
+            loss = loss * spike
         fabric.backward(loss)
+        if fabric_clip:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
         records.append({
@@ -66,8 +71,8 @@ def train(fabric: L.Fabric, out: Path, nan_at: int | None = None, load: str | No
     torch.save(records, out / f"rank{fabric.global_rank}.pt")
 
 
-def run(tmp_path: Path, **kwargs) -> list[list[dict]]:
-    strategy = GTCFabricStrategy(tau=TAU, start_method="fork", timeout=timedelta(seconds=60))
+def run(tmp_path: Path, clip: dict | None = None, **kwargs) -> list[list[dict]]:
+    strategy = GTCFabricStrategy(tau=TAU, start_method="fork", timeout=timedelta(seconds=60), **(clip or {}))
     fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch(train, tmp_path, **kwargs)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
@@ -123,3 +128,42 @@ def test_bad_options_are_refused():
         GTCFabricStrategy(tau=0)
     with pytest.raises(ValueError, match="exchange"):
         GTCFabricStrategy(exchange="ring")
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_clipping_acts_on_each_ranks_gradient_before_compression(tmp_path, algorithm):
+    """A 100x loss spike on rank 1 at step 2: its local gradient is clipped before it enters the
+    residual (norm over the whole module, or each element), the replicas stay bit-identical, and
+    nothing is lost: new residual + emitted words = old residual + clipped gradient."""
+    limit = 0.5 if algorithm == "norm" else 0.02
+    ranks = run(tmp_path, clip={"gradient_clip_val": limit, "gradient_clip_algorithm": algorithm}, spike=100.0)
+    residuals = [rank[0]["residual"] for rank in ranks]
+    params = ranks[0][0]["params"]
+    for t in range(1, STEPS + 1):
+        recs = [rank[t] for rank in ranks]
+        grads = []
+        for rec in recs:
+            g = rec["local_grad"]
+            if algorithm == "norm":
+                g = g * min(1.0, limit / (float(g.norm()) + 1e-6))
+            else:
+                g = g.clamp(-limit, limit)
+            grads.append(g)
+        update, new, _ = expected_sparse_step(residuals, grads, TAU)
+        params = params.add(update, alpha=-LR)
+        for r, rec in enumerate(recs):
+            assert torch.equal(rec["params"], recs[0]["params"]), f"replicas differ at step {t}"
+            assert torch.allclose(rec["residual"], new[r], atol=1e-6), f"rank {r}, step {t}"
+        assert torch.allclose(recs[0]["params"], params, atol=1e-6)
+        residuals = [rec["residual"] for rec in recs]
+    spiked = ranks[1][2]["local_grad"]
+    assert float(spiked.norm()) > 10 * limit  # the spike was there, and the checks above saw it clipped
+
+
+def test_fabric_clip_gradients_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(Exception, match="gradient_clip_val"):
+        run(tmp_path, fabric_clip=True)
+    with pytest.raises(ValueError, match="gradient_clip_algorithm"):
+        GTCFabricStrategy(gradient_clip_val=1.0, gradient_clip_algorithm="l1")
+    with pytest.raises(ValueError, match="gradient_clip_val"):
+        GTCFabricStrategy(gradient_clip_val=-1.0)
