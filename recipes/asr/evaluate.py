@@ -22,6 +22,7 @@ import json
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch
 from local.compare import compare_runs
 from local.datamodule import splice
 from local.decode import BEAM, MAX_ACTIVE
+from local.features import SAMPLING_RATE
 from local.front_end import FrontEnd
 from local.model import AcousticModel
 
@@ -160,45 +162,96 @@ def decoded(run_dir: Path) -> bool:
 
 
 def load_test_set(test_set: Path, work_dir: Path, train_cmvn: dict):
-    """A Kaldi data dir or a Lhotse cuts manifest -> cuts with fbank computed as in stage 1, and
-    CMVN stats (per speaker of this set, the training set's global stats as fallback)."""
+    """A Kaldi data dir or a Lhotse cuts manifest -> cuts with fbank computed as in stage 1 (other
+    sampling rates resampled to 16 kHz), CMVN stats (per speaker of this set, the training set's
+    global stats as fallback) and what happened to the set's utterances: ``{"input_utterances",
+    "dropped": [(id, reason, detail)], "sampling_rates": {rate: recordings}, "remarks": [...]}``.
+
+    A Kaldi data dir is reconciled as Kaldi's ``utils/fix_data_dir.sh`` does
+    (``local.test_sets``); utterances without readable audio are dropped with their reason."""
     from lhotse import CutSet
     from local.features import _process_shard, _stats
 
     if test_set.is_dir():
-        from lhotse.kaldi import load_kaldi_data_dir
+        from local.test_sets import load_kaldi_test_dir
 
-        if not (test_set / "wav.scp").exists():
-            raise ValueError(f"{test_set} is a directory without wav.scp; give a Kaldi data dir or a cuts manifest")
-        recordings, supervisions, _ = load_kaldi_data_dir(test_set, sampling_rate=16000)
+        recordings, supervisions, drops, info = load_kaldi_test_dir(test_set)
+        if not supervisions:
+            raise ValueError(f"{test_set}: none of its {info['input_utterances']} utterances can be scored "
+                             f"({_reasons(drops)}); fix the data dir (e.g. with Kaldi's utils/fix_data_dir.sh)")
         cuts = CutSet.from_manifests(recordings=recordings, supervisions=supervisions).trim_to_supervisions()
     elif test_set.exists():
         cuts = CutSet.from_file(test_set)
+        rates = Counter(c.sampling_rate for c in cuts)
+        info = {"input_utterances": len(cuts), "sampling_rates": {str(k): v for k, v in sorted(rates.items())},
+                "remarks": []}
+        drops = []
     else:
-        raise ValueError(f"No such test set: {test_set}")
+        raise ValueError(f"No such test set: {test_set}; give a Kaldi data dir (wav.scp, text, utt2spk) "
+                         "or a Lhotse cuts manifest")
     work_dir.mkdir(parents=True, exist_ok=True)
-    dicts, drops, sums = _process_shard(list(cuts), str(work_dir / "feats"))
-    for cut_id, reason, detail in drops:
-        log.warning("test set: dropped %s (%s: %s)", cut_id, reason, detail)
+    dicts, feature_drops, sums = _process_shard(list(cuts), str(work_dir / "feats"))
+    info["dropped"] = drops + list(feature_drops)
+    for cut_id, reason, detail in info["dropped"]:
+        log.warning("test set %s: not scored %s (%s: %s)", test_set.name, cut_id, reason, detail)
     stats = {"global": train_cmvn["global"], "speakers": {s: _stats(*v) for s, v in sums.items() if s is not None}}
-    return CutSet.from_dicts(dicts), stats
+    return CutSet.from_dicts(dicts), stats, info
+
+
+def _reasons(drops: list) -> str:
+    counts = Counter(reason for _, reason, _ in drops)
+    return ", ".join(f"{n} {reason}" for reason, n in counts.most_common()) or "none"
 
 
 def decode_test_set(checkpoint: Path, test_set: Path, data_dir: Path, scale: float, out_dir: Path,
                     beam: float = BEAM, max_active: int = MAX_ACTIVE) -> dict:
-    """WER of ``checkpoint`` on any test set; words outside the lexicon count as errors."""
+    """WER of ``checkpoint`` on any test set; words outside the lexicon count as errors (and are
+    counted: ``oov``). An empty transcript is scored as an empty reference (every hypothesis word
+    an insertion). Writes ``<out_dir>/results-<name>.json`` with the scores, how many utterances were
+    scored and, per reason, how many were not (``not_scored``; each one in ``dropped-<name>.jsonl``)."""
     from local.decode import score
+    from local.lang import read_symbols
+    from local.test_sets import oov_stats
 
     model, context, features = load_checkpoint(checkpoint)
     log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)
     front_end = FrontEnd(data_dir, features)
-    cuts, cmvn = load_test_set(test_set, out_dir / "features", front_end.cmvn)
+    decoder = Decoder(data_dir, beam, max_active)
+    name = test_set.name.removesuffix(".jsonl.gz")
+    cuts, cmvn, info = load_test_set(test_set, out_dir / "features" / name, front_end.cmvn)
+    if not len(cuts):
+        raise ValueError(f"{test_set}: none of its {info['input_utterances']} utterances can be scored "
+                         f"({_reasons(info['dropped'])}); see the warnings above")
     front_end.add_speakers(cuts, cmvn)  # the set's own CMVN statistics and speaker transforms, no transcripts
     logliks = utterance_logliks(model, context, log_prior, cuts, front_end, test_set.name)
-    hyps = Decoder(data_dir, beam, max_active).decode(logliks, scale)
-    name = test_set.name.removesuffix(".jsonl.gz")
-    result = score(references(cuts), hyps, out_dir, name)
+    hyps = decoder.decode(logliks, scale)
+    refs = references(cuts)
+    result = score(refs, hyps, out_dir, name)
+    resampled = {r: n for r, n in info["sampling_rates"].items() if int(float(r)) != SAMPLING_RATE}
+    vocabulary = set(read_symbols(data_dir / "lang" / "words.txt"))
+    result.update({
+        "test_set": str(test_set),
+        "input_utterances": info["input_utterances"],
+        "scored_utterances": result["utterances"],
+        "not_scored": dict(Counter(reason for _, reason, _ in info["dropped"]).most_common()),
+        "empty_references": sum(1 for r in refs.values() if not r.strip()),
+        "resampled_recordings": resampled,
+        "oov": oov_stats(refs, vocabulary),
+        "remarks": info["remarks"],
+    })
+    with (out_dir / f"dropped-{name}.jsonl").open("w") as f:
+        for cut_id, reason, detail in info["dropped"]:
+            f.write(json.dumps({"id": cut_id, "reason": reason, "detail": detail}) + "\n")
     (out_dir / f"results-{name}.json").write_text(json.dumps(result, indent=1))
+    oov = result["oov"]
+    log.info("%s: WER %.2f %% on %d of %d utterances scored; not scored: %s%s; %d empty references; "
+             "%d recordings resampled to %d Hz (from %s); OOV reference words: %d of %d (%.2f %%) in %d utterances%s",
+             name, result["wer"], result["scored_utterances"], result["input_utterances"],
+             _reasons(info["dropped"]),
+             f" (see {out_dir / f'dropped-{name}.jsonl'})" if info["dropped"] else "",
+             result["empty_references"], sum(resampled.values()), SAMPLING_RATE,
+             ", ".join(f"{r} Hz" for r in resampled) or "none", oov["tokens"], oov["words"], oov["rate"],
+             oov["utterances"], f": {', '.join(list(oov['counts'])[:10])}" if oov["counts"] else "")
     return result
 
 

@@ -44,10 +44,24 @@ def _extractors():
     return Fbank(FbankConfig(num_mel_bins=NUM_MEL_BINS)), Mfcc(MfccConfig(num_ceps=NUM_CEPS))
 
 
+def _resample(audio: np.ndarray, rate: int) -> np.ndarray:
+    """``[C, S]`` audio at ``rate`` -> ``SAMPLING_RATE``, with Lhotse's own port of torchaudio's sinc
+    resampler: what ``cut.resample`` applies when torchaudio is installed (without it Lhotse falls
+    back to scipy; neither is a dependency here, and torchaudio does not import with torch 2.13)."""
+    import torch
+    from lhotse.augmentation.torchaudio import get_or_create_resampler
+
+    samples = torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32))
+    return get_or_create_resampler(int(rate), SAMPLING_RATE)(samples).numpy()
+
+
 def _bad_audio(cut) -> tuple[np.ndarray | None, str, str]:
-    """Load a cut's audio as ``[1, S]``; on failure return ``(None, reason, detail)``."""
+    """Load a cut's audio as ``[1, S]`` at ``SAMPLING_RATE`` (resampled from the cut's own rate);
+    on failure return ``(None, reason, detail)``."""
     try:
         audio = cut.load_audio()
+        if cut.sampling_rate != SAMPLING_RATE:
+            audio = _resample(audio, cut.sampling_rate)
     except Exception as e:  # noqa: BLE001  (any decoder error means unreadable audio)
         return None, "unreadable_audio", f"{type(e).__name__}: {e}"[:300]
     if audio.size == 0:
@@ -78,9 +92,9 @@ def _process_shard(cuts: list, storage_path: str) -> tuple[list, list, dict]:
     out, drops, sums = [], [], {}
     with LilcomChunkyWriter(storage_path) as writer:
         for cut in tqdm(cuts, desc=Path(storage_path).name, leave=False, mininterval=2.0):
-            if cut.sampling_rate != SAMPLING_RATE:  # the extractors' filterbanks are built for 16 kHz
+            audio, reason, detail = _bad_audio(cut)  # at 16 kHz, the rate the extractors' filterbanks are built for
+            if cut.sampling_rate != SAMPLING_RATE:  # the cut now describes the resampled audio
                 cut = cut.resample(SAMPLING_RATE)
-            audio, reason, detail = _bad_audio(cut)
             shift = round(FRAME_SHIFT * cut.sampling_rate)
             if audio is not None and (audio.shape[1] + shift // 2) // shift == 0:  # snip_edges=False framing
                 reason, detail = "too_short", f"{audio.shape[1]} samples give no 10 ms frame"
