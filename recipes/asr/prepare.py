@@ -14,6 +14,10 @@ Stages (each skipped when it has already completed; ``--stage`` / ``--stop-stage
   7  adapt     DNN speaker adaptation: fbank UBM, per-speaker fbank fMLLR of every split (no transcripts)
   8  report    report.json and a readable summary
 
+A stage is marked done (``<data-dir>/.done/<stage>``) only when it completed, and before it runs
+what it writes (``STAGE_OUTPUTS``) is cleared: killing a run in the middle of any stage and running
+the same command again gives what an uninterrupted run gives (``local/atomic.py``).
+
 Usage:
   python recipes/asr/prepare.py                                  # embedded corpus, default size
   python recipes/asr/prepare.py --corpus synthetic --size tiny --data-dir data/tiny
@@ -26,18 +30,35 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from local.atomic import write_json, write_text
 from local.drops import clear_drops
 
 log = logging.getLogger("prepare")
 
 STAGES = ["corpus", "features", "lang", "mono", "tri", "sat", "align", "adapt", "report"]
 CORPORA = ["synthetic", "mini_librispeech", "librispeech", "timit", "yesno", "kaldi"]
+# What each stage writes under the data dir (globs), cleared before the stage runs: what a killed
+# run of it left (a truncated manifest, a storage shard of another --num-jobs, a GMM half trained,
+# a corpus mirror) is never taken for its output. The synthetic corpus's audio is its own output;
+# a real corpus's audio stays where it is (--corpus-dir) and is never touched.
+STAGE_OUTPUTS = {
+    "corpus": ["manifests", ".corpus-mirror-*"],
+    "features": ["features"],
+    "lang": ["lang"],
+    "mono": ["exp/mono"],
+    "tri": ["exp/tri"],
+    "sat": ["exp/sat"],
+    "align": ["ali"],
+    "adapt": ["adapt"],
+    "report": ["report.json"],
+}
 
 
 def default_data_dir(corpus: str, size: str) -> Path:
@@ -47,6 +68,21 @@ def default_data_dir(corpus: str, size: str) -> Path:
 
 def _marker(data_dir: Path, stage: str) -> Path:
     return data_dir / ".done" / stage
+
+
+def clear_stage_outputs(data_dir: Path, name: str, corpus: str = "synthetic") -> list[Path]:
+    """Remove what stage ``name`` writes under ``data_dir`` (``STAGE_OUTPUTS``, plus ``audio/``
+    for the synthetic corpus); returns what was removed."""
+    patterns = STAGE_OUTPUTS[name] + (["audio"] if name == "corpus" and corpus == "synthetic" else [])
+    removed = []
+    for pattern in patterns:
+        for path in sorted(data_dir.glob(pattern)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path)
+    return removed
 
 
 def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
@@ -157,7 +193,7 @@ def prepare(
             f"{data_dir} was prepared with {settings.read_text().strip()}, not {wanted}; "
             "use another --data-dir or --force to rebuild it"
         )
-    settings.write_text(json.dumps(wanted))
+    write_text(settings, json.dumps(wanted))
     for i in range(stage, stop_stage + 1):
         name = STAGES[i]
         marker = _marker(data_dir, name)
@@ -166,18 +202,22 @@ def prepare(
             continue
         start, cpu_start = time.perf_counter(), _cpu_seconds()
         log.info("stage %d %-8s ...", i, name)
-        clear_drops(data_dir, name)
         for later in STAGES[i:]:  # what a re-run stage produces invalidates what was built on it
             _marker(data_dir, later).unlink(missing_ok=True)
+        clear_drops(data_dir, name)
+        removed = clear_stage_outputs(data_dir, name, corpus)
+        if removed:
+            log.info("stage %d %-8s: cleared %s (an earlier or interrupted run's)", i, name,
+                     ", ".join(str(p.relative_to(data_dir)) for p in removed))
         line = _run_stage(name, data_dir, args)
         seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
         marker.parent.mkdir(exist_ok=True)
-        marker.write_text(time.strftime("%Y-%m-%d %H:%M:%S") + f" in {seconds:.1f} s\n")
         for file, value in (("stage_seconds.json", seconds), ("stage_cpu_seconds.json", cpu)):
             timings = data_dir / file
             times = json.loads(timings.read_text()) if timings.exists() else {}
             times[name] = round(value, 2)
-            timings.write_text(json.dumps(times, indent=1))
+            write_json(timings, times)
+        write_text(marker, time.strftime("%Y-%m-%d %H:%M:%S") + f" in {seconds:.1f} s\n")  # last: done
         log.info("stage %d %-8s done in %.1f s (%.1f s of CPU): %s", i, name, seconds, cpu, line)
     return data_dir
 

@@ -31,7 +31,6 @@ even at the retry beam are dropped and recorded (stage ``align``).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import defaultdict
@@ -41,6 +40,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from local.atomic import atomic_path, write_json
 from local.drops import clear_drops, record_drop
 from local.features import gmm_cmvn_key
 from local.gmm_common import (
@@ -189,7 +189,8 @@ def write_pdf_alignments(cuts, pdf_alis: dict[str, np.ndarray], out_dir: Path, s
             arr = writer.store_array(cut.id, pdf.astype(np.int32), frame_shift=FRAME_SHIFT, temporal_dim=0, start=0)
             kept.append(cut.with_custom("pdf_ali", arr))
             frames += len(pdf)
-    CutSet.from_cuts(kept).to_file(out_dir / f"{split}_cuts.jsonl.gz")
+    with atomic_path(out_dir / f"{split}_cuts.jsonl.gz") as tmp:
+        CutSet.from_cuts(kept).to_file(tmp)
     return frames
 
 
@@ -295,7 +296,7 @@ def align(data_dir: Path | str, system: str = "sat", beam: float = 10.0, retry_b
         elif system == "sat":
             alis, trans = align_fmllr(final, si, lang, cuts, data_dir, split, beam=beam, retry_beam=retry_beam)
         if system == "sat":
-            with open(out / f"trans_{split}.pkl", "wb") as f:
+            with atomic_path(out / f"trans_{split}.pkl") as tmp, open(tmp, "wb") as f:
                 pickle.dump(trans, f)
         else:
             alis = align_cuts(final, lang, cuts, data_dir, split, beam=beam, retry_beam=retry_beam)
@@ -318,14 +319,15 @@ def align(data_dir: Path | str, system: str = "sat", beam: float = 10.0, retry_b
         else:
             agreement[split] = phone_agreement(cuts, alis, tables, id2phone)["overall"]
         info["splits"][split] = {"utterances": len(pdf_alis), "dropped": len(cuts) - len(pdf_alis), "frames": frames}
-    np.save(out / "priors.npy", pdf_priors(counts, prior_floor))
+    with atomic_path(out / "priors.npy") as tmp:
+        np.save(tmp, pdf_priors(counts, prior_floor))
     info["num_frames"] = int(counts.sum())
     info["pdfs_unseen_in_train"] = int((counts == 0).sum())
     info["pdfs_floored"] = int((counts / counts.sum() < prior_floor / len(counts)).sum())
     info["prior_floor"] = prior_floor
     info["phone_agreement"] = agreement
     info["seconds"] = round(time.perf_counter() - start, 1)
-    (out / "info.json").write_text(json.dumps(info, indent=1))
+    write_json(out / "info.json", info)
     summary = {
         "system": system,
         "num_pdfs": info["num_pdfs"],

@@ -52,7 +52,8 @@ def augment(audio: np.ndarray, aug: Augmentation) -> np.ndarray:
     """
     pcm = (np.clip(audio, -1.0, 1.0) * 32767).astype(np.int16).tobytes()
     fmt = ["-t", "raw", "-r", str(SAMPLE_RATE), "-e", "signed", "-b", "16", "-c", "1"]
-    cmd = ["sox", *fmt, "-", *fmt, "-", "speed", str(aug.speed), "rate", str(SAMPLE_RATE)]
+    # -R: sox dithers its 16-bit output with a random seed unless told to repeat itself
+    cmd = ["sox", "-R", *fmt, "-", *fmt, "-", "speed", str(aug.speed), "rate", str(SAMPLE_RATE)]
     if aug.reverberance:
         cmd += ["reverb", str(aug.reverberance)]
     out = subprocess.run(cmd, input=pcm, capture_output=True, check=True).stdout

@@ -32,6 +32,7 @@ import soundfile as sf
 from lhotse import CutSet, MonoCut, RecordingSet, SupervisionSet
 from lhotse.utils import fastcopy
 
+from local.atomic import atomic_path
 from local.drops import clear_drops, record_drop
 
 log = logging.getLogger(__name__)
@@ -480,7 +481,8 @@ def prepare_real(corpus: str, corpus_dir: Path, data_dir: Path) -> dict[str, Cut
     out_dir = data_dir / "manifests"
     out_dir.mkdir(parents=True, exist_ok=True)
     for split, cs in manifests.items():
-        cs.to_file(out_dir / f"{split}_cuts.jsonl.gz")
+        with atomic_path(out_dir / f"{split}_cuts.jsonl.gz") as tmp:
+            cs.to_file(tmp)
     from local.corpus_synthetic import summarize
 
     log.info("corpus: %s from %s, %s", corpus, corpus_dir, summarize(manifests))

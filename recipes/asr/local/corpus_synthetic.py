@@ -35,6 +35,7 @@ from lhotse.audio import AudioSource
 from lhotse.supervision import AlignmentItem, SupervisionSegment
 from tqdm.auto import tqdm
 
+from local.atomic import atomic_path, die_with_parent
 from local.augment import Augmentation
 from local.drops import clear_drops, record_drop
 from local.synth_jobs import Utterance, synth_chunk
@@ -241,7 +242,7 @@ def prepare_synthetic(
     # so the corpus is the same whatever num_jobs and whatever ran before.
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["local.synth_jobs"])
-    with ctx.Pool(num_jobs, maxtasksperchild=1) as pool:
+    with ctx.Pool(num_jobs, initializer=die_with_parent, maxtasksperchild=1) as pool:
         for res in pool.imap_unordered(synth_chunk, chunks):
             results += res
             bar.update(sum(1 for r in res if not r.get("id", "").endswith("-aug")))
@@ -266,7 +267,8 @@ def prepare_synthetic(
     manifests = {}
     for split in SPLITS:
         cs = CutSet.from_cuts(sorted(cuts[split], key=lambda c: c.id))
-        cs.to_file(out_dir / f"{split}_cuts.jsonl.gz")
+        with atomic_path(out_dir / f"{split}_cuts.jsonl.gz") as tmp:
+            cs.to_file(tmp)
         manifests[split] = cs
     log.info("corpus: synthetic %s, %s", size, summarize(manifests))
     drops = sum(1 for r in results if not r["ok"])

@@ -144,8 +144,10 @@ def _gmm_worker_init(hclg_path: str, models: bytes, beam: float, max_active: int
 
     import torch
 
+    from local.atomic import die_with_parent
     from local.kaldi import kaldifst
 
+    die_with_parent()  # a killed stage's decoding workers stop with it
     torch.set_num_threads(1)
     tm, am = pickle.loads(models)
     _WORKER.update(hclg=kaldifst.StdVectorFst.read(hclg_path), tm=tm, am=am, beam=beam, max_active=max_active,

@@ -11,6 +11,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from local.atomic import write_text
+
 
 def record_drop(data_dir: Path | str, stage: str, split: str, utt_id: str, reason: str, detail: str = "") -> None:
     """Append one dropped utterance to ``<data_dir>/dropped.jsonl``.
@@ -29,10 +31,15 @@ def record_drop(data_dir: Path | str, stage: str, split: str, utt_id: str, reaso
 
 
 def load_drops(data_dir: Path | str) -> list[dict]:
+    """The records; a last line without its newline (an append that a killed run left half
+    written) is not a record."""
     path = Path(data_dir) / "dropped.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    if not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def count_drops(data_dir: Path | str, stage: str | None = None) -> Counter:
@@ -48,4 +55,4 @@ def clear_drops(data_dir: Path | str, stage: str) -> None:
     path = Path(data_dir) / "dropped.jsonl"
     if path.exists():
         kept = [d for d in load_drops(data_dir) if d["stage"] != stage]
-        path.write_text("".join(json.dumps(d) + "\n" for d in kept))
+        write_text(path, "".join(json.dumps(d) + "\n" for d in kept))

@@ -18,7 +18,6 @@ and is used for cuts without a known speaker.
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from local.atomic import atomic_path, die_with_parent, write_json
 from local.drops import clear_drops, record_drop
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,11 @@ def _bad_audio(cut) -> tuple[np.ndarray | None, str, str]:
 
 
 def _one_thread() -> None:
-    """Worker set-up: one torch thread per process (the jobs are the parallelism)."""
+    """Worker set-up: one torch thread per process (the jobs are the parallelism); the worker
+    dies with the stage's process (a killed run's worker must not write into the re-run's outputs)."""
     import torch
+
+    die_with_parent()
 
     torch.set_num_threads(1)
 
@@ -184,7 +187,8 @@ def compute_features(data_dir: Path | str, splits=("train", "dev", "test"), num_
                 acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + s, acc[2] + q
         order = {c.id: i for i, c in enumerate(cuts)}
         kept.sort(key=lambda d: order[d["id"]])
-        CutSet.from_dicts(kept).to_file(out_dir / f"{split}_cuts.jsonl.gz")
+        with atomic_path(out_dir / f"{split}_cuts.jsonl.gz") as tmp:
+            CutSet.from_dicts(kept).to_file(tmp)
         sums_by_split[split] = split_sums
         frames = sum(n for n, _, _ in split_sums.values())
         summary[split] = {"cuts": len(kept), "dropped": len(cuts) - len(kept), "frames": int(frames)}
@@ -216,7 +220,7 @@ def write_cmvn(sums_by_split: dict, path: Path) -> dict:
         "global": _stats(n, sum(v[1] for v in glob.values()), sum(v[2] for v in glob.values())),
         "speakers": {spk: _stats(*v) for spk, v in speakers.items() if spk is not None},
     }
-    path.write_text(json.dumps(stats))
+    write_json(path, stats, indent=None)
     return stats
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
+from local.atomic import atomic_path
 from local.augment import Augmentation, augment
 from local.tts import SAMPLE_RATE, SIL, Voice, synth_espeak, synth_festival_batch, synth_flite, to_alignment
 
@@ -31,7 +32,8 @@ class Utterance:
 
 def _write(path: Path, audio: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    sf.write(str(path), audio, SAMPLE_RATE, subtype="PCM_16")
+    with atomic_path(path) as tmp:
+        sf.write(str(tmp), audio, SAMPLE_RATE, subtype="PCM_16")
 
 
 def synth_chunk(chunk: list[Utterance]) -> list[dict]:

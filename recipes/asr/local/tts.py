@@ -242,12 +242,14 @@ def check_tools() -> None:
 
 
 def _sox_to_16k(data: bytes | Path, in_rate: int, pitch_cents: int = 0) -> np.ndarray:
-    """Resample (and pitch-shift, duration kept) through sox; returns float32 ``[num_samples]``."""
+    """Resample (and pitch-shift, duration kept) through sox; returns float32 ``[num_samples]``.
+    ``-R``: sox dithers its 16-bit output with a random seed unless told to repeat itself, and the
+    corpus must be the same on every run (an interrupted stage 0 re-run included)."""
     if isinstance(data, Path):
-        cmd = ["sox", str(data)]
+        cmd = ["sox", "-R", str(data)]
         inp = None
     else:
-        cmd = ["sox", "-t", "raw", "-r", str(in_rate), "-e", "signed", "-b", "16", "-c", "1", "-"]
+        cmd = ["sox", "-R", "-t", "raw", "-r", str(in_rate), "-e", "signed", "-b", "16", "-c", "1", "-"]
         inp = data
     cmd += ["-t", "raw", "-e", "signed", "-b", "16", "-c", "1", "-r", str(SAMPLE_RATE), "-"]
     if pitch_cents:
