@@ -351,9 +351,10 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
         # Checked before the process group starts, identically on every rank.
         groups = group_ranks(self.num_nodes * self.num_processes, self._group_size)
         super().setup_distributed()
-        # Every rank creates every group, in the same order, as torch requires.
-        handles = [dist.new_group(ranks) for ranks in groups]
-        representatives = dist.new_group([ranks[0] for ranks in groups])
+        # Every rank creates every group, in the same order, as torch requires; with the strategy's
+        # timeout (a group's own default is torch's 30 minutes, whatever the world group has).
+        handles = [dist.new_group(ranks, timeout=self._timeout) for ranks in groups]
+        representatives = dist.new_group([ranks[0] for ranks in groups], timeout=self._timeout)
         mine = self.global_rank // self._group_size
         self._groups = (groups[mine], handles[mine], representatives)
         self._ddp_kwargs["process_group"] = handles[mine]

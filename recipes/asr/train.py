@@ -21,19 +21,38 @@ GPU: 1 or all GPUs); a later
 ``--trainer.* / --model.* / --data.*`` overrides it (``--help`` lists them all).
 
 Data: when ``<data_dir>/ali`` is missing, the data stages (``prepare.py``) run first, in the
-process that will start the others. Output: ``<exp_dir>/<run_name>/`` with ``config.yaml``,
-``metrics.csv`` (CSVLogger), ``checkpoints/last.ckpt`` and ``train_summary.json``.
+process that will start the others (only into a new directory or one prepare.py made). Output:
+``<exp_dir>/<run_name>/`` with ``config.yaml``, ``metrics.csv`` (CSVLogger),
+``checkpoints/last.ckpt`` and ``train_summary.json``.
+
+Checkpoints and resuming: ``checkpoints/last.ckpt`` is rewritten every
+``--checkpoint_every_n_steps`` optimizer steps (default 1000; 0: epoch ends only) and at every
+epoch end. ``--ckpt_path last`` resumes the run directory's newest checkpoint (``--ckpt_path
+PATH``: that file), bit-exactly: parameters, optimizer state, learning rate, the data order
+mid-epoch and GTC's residuals (every rank's, saved beside the checkpoint). Give the same command
+plus ``--ckpt_path last``.
+
+Failures: a collective that waits longer than ``--collective_timeout`` seconds (default 300)
+fails; when a rank dies the others stop with an error naming it, and the command to resume is
+printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import difflib
 import json
 import logging
 import os
 import re
+import shlex
+import signal
+import socket
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +63,8 @@ from jsonargparse import Namespace
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from local.datamodule import AsrDataModule
 from local.model import AcousticModel
 
@@ -58,6 +79,20 @@ SHORTCUTS = {"single": "auto", "ddp": "ddp", "ddp_bf16": "ddp_bf16", "gtc": "gtc
 CPU_PROCESSES = {"bmuf_gtc": "4"}  # processes on CPU: bmuf_gtc needs two groups of 2; the others run on 2
 ALI_FILES = ("ali/train_cuts.jsonl.gz", "ali/dev_cuts.jsonl.gz", "ali/info.json", "features/cmvn.json",
              "adapt/fbank_trans.pkl")
+RECIPE_MARKS = ("settings.json", ".done", "manifests", "ali")  # what prepare.py writes into a data dir
+MODEL_SHAPE = ("input_dim", "num_pdfs", "hidden_dim", "num_layers")  # hyper-parameters that set tensor shapes
+
+
+class RecipeError(ValueError):
+    """Bad input to train.py: the message names the value and the fix (printed without a traceback)."""
+
+
+class DataNotReady(RecipeError, RuntimeError):
+    """The data dir lacks the alignments and train.py may not prepare them here."""
+
+
+class RankLostError(RuntimeError):
+    """A distributed run stopped because a rank was lost; the message names it and how to resume."""
 
 
 def expand_strategy_shortcut(argv: list[str], cuda: bool | None = None) -> list[str]:
@@ -79,8 +114,8 @@ def expand_strategy_shortcut(argv: list[str], cuda: bool | None = None) -> list[
             else:
                 raise ValueError("--strategy needs a value: one of " + ", ".join(SHORTCUTS))
             if name not in SHORTCUTS:
-                raise ValueError(f"--strategy {name!r} is not a shortcut; use one of {', '.join(SHORTCUTS)} "
-                                 "or --trainer.strategy for any Lightning strategy")
+                raise RecipeError(f"--strategy {name!r} is not a shortcut{_did_you_mean(name, SHORTCUTS)}; use "
+                                  f"one of {', '.join(SHORTCUTS)} or --trainer.strategy for any Lightning strategy")
             devices = "1" if name == "single" else ("auto" if cuda else CPU_PROCESSES.get(name, "2"))
             out += [f"--trainer.strategy={SHORTCUTS[name]}", f"--trainer.devices={devices}"]
         else:
@@ -101,8 +136,128 @@ def run_name_for(strategy, devices) -> str:
     return name
 
 
+def _did_you_mean(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+
+
 def data_ready(data_dir: Path) -> bool:
     return all((data_dir / f).exists() for f in ALI_FILES)
+
+
+def check_strategy_name(strategy) -> None:
+    """A strategy given by name must exist: Lightning's own error calls any unknown string invalid
+    without naming the recipe's strategies."""
+    if not isinstance(strategy, str) or strategy == "auto" or strategy in StrategyRegistry:
+        return
+    names = [n for n in StrategyRegistry.available_strategies() if "find_unused" not in n]
+    raise RecipeError(
+        f"--trainer.strategy {strategy!r} does not exist{_did_you_mean(strategy, [*SHORTCUTS, *names])}. Use "
+        f"--strategy {{{','.join(SHORTCUTS)}}} (the recipe's shortcuts), a registered name ({', '.join(names)}) "
+        "or a class path (--trainer.strategy gtc_lightning.GTCStrategy)")
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    """Where the recipe's checkpoints go (the CSV logger's directory is the run directory)."""
+    return run_dir / "checkpoints"
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """``--ckpt_path``: ``None``, ``last`` (the newest ``*.ckpt`` in the run's checkpoint directory) or a file."""
+    if ckpt_path in (None, "", "null", "none"):
+        return None
+    if ckpt_path == "last":
+        ckpt_dir = checkpoint_dir(run_dir)
+        found = sorted(ckpt_dir.glob("*.ckpt"), key=lambda f: f.stat().st_mtime) if ckpt_dir.is_dir() else []
+        if not found:
+            raise RecipeError(
+                f"--ckpt_path last: no checkpoint in {ckpt_dir}, the run directory of this command "
+                f"(<exp_dir>/<run_name>). Give the --exp_dir/--run_name (or --strategy/--config) of the run to "
+                "resume, a checkpoint file (--ckpt_path PATH), or leave --ckpt_path out to start afresh")
+        return str(found[-1])
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise RecipeError(f"--ckpt_path {ckpt_path}: no such file; give a checkpoint file (e.g. "
+                          f"{checkpoint_dir(run_dir) / 'last.ckpt'}) or --ckpt_path last for this run's newest")
+    return str(path)
+
+
+def check_checkpoint(path: str, model: LightningModule) -> None:
+    """Refuse, before anything is written, a checkpoint that cannot be read or holds another model."""
+    fix = ("resume from another checkpoint (--ckpt_path PATH) or leave --ckpt_path out to start afresh")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a truncated zip, garbage bytes, an empty file: torch raises many kinds
+        raise RecipeError(f"--ckpt_path {path}: not a readable checkpoint, it is truncated or corrupt "
+                          f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
+                          f"{fix}") from exc
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "loops" not in ckpt:
+        raise RecipeError(f"--ckpt_path {path}: not a Lightning training checkpoint (no state_dict/loops "
+                          f"entries); give a checkpoints/*.ckpt written by train.py, or {fix}")
+    saved = {k: tuple(v.shape) for k, v in ckpt["state_dict"].items()}
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if saved == wanted:
+        return
+    hp_saved, hp_now = ckpt.get("hyper_parameters", {}), model.hparams
+    differ = [k for k in MODEL_SHAPE if k in hp_saved and hp_saved[k] != hp_now.get(k)]
+    if differ:
+        what = ", ".join(f"{k}={hp_saved[k]} (this run: {hp_now.get(k)})" for k in differ)
+        flags = " ".join(f"--model.{k} {hp_saved[k]}" for k in differ if k not in ("input_dim", "num_pdfs"))
+        hint = (f"resume with the checkpoint's settings ({flags}, or the --config of the run that saved it)"
+                if flags else "resume on the data dir (and --data.features/--data.context) the checkpoint was "
+                "trained on")
+    else:
+        key = next(k for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k))
+        what, hint = f"{key}: {saved.get(key)} in the checkpoint, {wanted.get(key)} here", "resume with its settings"
+    raise RecipeError(f"--ckpt_path {path} holds a model of another size: {what}; {hint}, or leave --ckpt_path "
+                      "out to train this model afresh")
+
+
+def keep_metrics_on_resume(trainer: Trainer) -> None:
+    """Lightning's CSV logger deletes an existing ``metrics.csv``; a resumed run appends to it."""
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+    class AppendingWriter(ExperimentWriter):
+        def _check_log_dir_exists(self) -> None:
+            if self._fs.isfile(self.metrics_file_path):  # keep its rows; new columns rewrite the header
+                with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                    self.metrics_keys = sorted(next(csv.reader(file), []))
+
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger) and logger._experiment is None:
+            logger._experiment = AppendingWriter(log_dir=logger.log_dir)
+
+
+class RecipeCheckpoint(ModelCheckpoint):
+    """``checkpoints/last.ckpt``, rewritten every ``every_n_train_steps`` optimizer steps (0: never
+    mid-epoch) and at the end of every epoch (after validation and the learning-rate update)."""
+
+    def __init__(self, every_n_train_steps: int = 0) -> None:
+        super().__init__(save_last=True, save_top_k=0, enable_version_counter=False,
+                         every_n_train_steps=every_n_train_steps or None)
+
+    def set_every_n_train_steps(self, every_n_train_steps: int) -> None:
+        if every_n_train_steps < 0:
+            raise RecipeError(f"--checkpoint_every_n_steps {every_n_train_steps}: give 0 (epoch ends only) or more")
+        self._every_n_train_steps = every_n_train_steps
+
+    @property
+    def state_key(self) -> str:
+        return "RecipeCheckpoint"  # the same whatever the interval, so a resume may change it
+
+    def _save_epoch_end(self, trainer: Trainer) -> None:
+        if trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._should_save_on_train_epoch_end(trainer):
+            self._save_epoch_end(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._save_epoch_end(trainer)
 
 
 class AsrCLI(LightningCLI):
@@ -117,6 +272,14 @@ class AsrCLI(LightningCLI):
         parser.add_argument("--run_name", default=None, help="default: baseline (1 device) or the strategy name")
         parser.add_argument("--num_threads", default=0, type=int,
                             help="torch threads per process; 0: CPU cores / processes on this node")
+        parser.add_argument("--ckpt_path", default=None, type=str | None,
+                            help="resume from this checkpoint; 'last': the newest in <exp_dir>/<run_name>/checkpoints")
+        parser.add_argument("--checkpoint_every_n_steps", default=1000, type=int,
+                            help="rewrite checkpoints/last.ckpt every N optimizer steps (and at every epoch end); "
+                                 "0: at epoch ends only")
+        parser.add_argument("--collective_timeout", default=300.0, type=float,
+                            help="seconds a collective may wait for the other ranks before the run fails "
+                                 "(torch's default is 1800)")
         parser.link_arguments("data.num_pdfs", "model.num_pdfs", apply_on="instantiate")
         parser.link_arguments("data.input_dim", "model.input_dim", apply_on="instantiate")
 
@@ -126,6 +289,9 @@ class AsrCLI(LightningCLI):
             from prepare import default_data_dir
 
             cfg.data.data_dir = str(default_data_dir(cfg.corpus, cfg.corpus_size))
+        check_strategy_name(cfg.trainer.strategy)
+        if cfg.collective_timeout <= 0:
+            raise RecipeError(f"--collective_timeout {cfg.collective_timeout}: give seconds > 0 (default 300)")
         data_dir = Path(cfg.data.data_dir)
         if not data_ready(data_dir):
             self._prepare_data(data_dir)
@@ -146,14 +312,29 @@ class AsrCLI(LightningCLI):
         label = run_name_for(cfg.trainer.strategy, cfg.trainer.devices)
         trainer.callbacks.append(RunSummary(Path(cfg.trainer.default_root_dir), cfg.run_name, label,
                                             Path(cfg.data.data_dir)))
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, RecipeCheckpoint):
+                callback.set_every_n_train_steps(cfg.checkpoint_every_n_steps)
+        if hasattr(trainer.strategy, "_timeout"):  # DDPStrategy and every strategy of gtc_lightning
+            trainer.strategy._timeout = timedelta(seconds=cfg.collective_timeout)
+        if trainer.world_size > 1:
+            trainer.callbacks.append(RankWatch())
         return trainer
 
     def _prepare_data(self, data_dir: Path) -> None:
         cfg = self.config
         missing = [f for f in ALI_FILES if not (data_dir / f).exists()]
+        if data_dir.is_dir() and any(data_dir.iterdir()) and not any((data_dir / m).exists() for m in RECIPE_MARKS):
+            raise DataNotReady(
+                f"--data.data_dir {data_dir} is not a recipe data dir (none of {', '.join(RECIPE_MARKS)}); train.py "
+                "writes the data stages only into a new directory or one prepare.py made, so it left this one "
+                "untouched. Give the --data-dir that prepare.py wrote, or prepare this corpus into a new one: "
+                f"`python recipes/asr/prepare.py --corpus {{kaldi,librispeech,...}} --corpus-dir {data_dir} "
+                "--data-dir data/<name>`")
         if os.environ.get("LOCAL_RANK", "0") != "0" or not cfg.prepare:
-            raise RuntimeError(f"{data_dir} lacks {missing}; run `python recipes/asr/prepare.py --data-dir "
-                               f"{data_dir}` first (train.py prepares data only in the launching process)")
+            raise DataNotReady(f"{data_dir} lacks {missing} (the alignments of the data stages); run "
+                               f"`python recipes/asr/prepare.py --data-dir {data_dir}` first (train.py prepares "
+                               "data only in the launching process, and only with --prepare true)")
         from prepare import prepare
 
         log.info("%s lacks %s: running the data stages first", data_dir, missing)
@@ -211,9 +392,158 @@ class RunSummary(Callback):
                  summary["train_seconds"], [f"{a:.4f}" for a in summary["dev_frame_acc"]], path)
 
 
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class RankWatch(Callback):
+    """Names the rank a distributed run lost. Each rank publishes its host and pid and a heartbeat
+    (a counter bumped every ``period`` seconds) in the rendezvous store; when training fails,
+    :meth:`on_exception` finds the lost ranks: the launcher's children that died (popen), ranks
+    whose heartbeat stopped, or rank 0 when its store no longer answers (Lightning's launchers
+    start the store in rank 0). With more than 2 ranks, a rank that stopped because of the first
+    loss may be named too."""
+
+    PREFIX = "recipe_rank_watch/"
+
+    def __init__(self, period: float = 1.0) -> None:
+        self.period = period
+        self.lost: dict[int, str] = {}
+        self._store = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.rank, self.world = 0, 1
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        import torch.distributed as dist
+
+        if stage != "fit" or trainer.world_size < 2 or not dist.is_initialized():
+            return
+        self.rank, self.world = trainer.global_rank, trainer.world_size
+        self._address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        try:
+            self._store = self._connect()
+            self._store.set(f"{self.PREFIX}info{self.rank}", json.dumps({"host": socket.gethostname(),
+                                                                         "pid": os.getpid()}))
+        except Exception as exc:  # noqa: BLE001  no TCP store to watch through: report less, never fail the run
+            log.warning("rank %d: no heartbeat (store %s: %s)", self.rank, self._address, exc)
+            self._store = None
+            return
+        log.info("rank %d of %d: pid %d on %s", self.rank, self.world, os.getpid(), socket.gethostname())
+        self._thread = threading.Thread(target=self._beat, name="rank-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _connect(self):
+        import torch.distributed as dist
+
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=10), wait_for_workers=False)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self._store.add(f"{self.PREFIX}beat{self.rank}", 1)
+            except Exception:  # noqa: BLE001  (the store is gone)
+                return  # the store is gone (rank 0 lost or finished): nothing left to beat into
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop.set()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self._store is None or isinstance(exception, KeyboardInterrupt):
+            return
+        self.lost = self.diagnose(trainer)
+
+    def _who(self, rank: int) -> str:
+        try:
+            info = json.loads(self._store.get(f"{self.PREFIX}info{rank}"))
+            return f"pid {info['pid']} on {info['host']}"
+        except Exception:  # noqa: BLE001  (no info: say so)
+            return "pid unknown"
+
+    def diagnose(self, trainer: Trainer) -> dict[int, str]:
+        lost: dict[int, str] = {}
+        procs = getattr(trainer.strategy.launcher, "procs", None) or []
+        first = trainer.strategy.node_rank * trainer.num_devices
+        for i, proc in enumerate(procs):  # the popen launcher's children: local ranks 1..
+            code = proc.poll()
+            if code not in (None, 0):
+                lost[first + i + 1] = f"pid {proc.pid}: {_describe_exit(code)}"
+        if lost:
+            return lost
+        others = [r for r in range(self.world) if r != self.rank]
+        try:
+            before = {r: self._store.add(f"{self.PREFIX}beat{r}", 0) for r in others}
+            time.sleep(2.5 * self.period)
+            after = {r: self._store.add(f"{self.PREFIX}beat{r}", 0) for r in others}
+        except Exception as exc:  # noqa: BLE001  (any store failure means it is gone)
+            if self.rank != 0:
+                lost[0] = f"it held the rendezvous store at {self._address}, which no longer answers: {_first_line(exc)}"
+            return lost
+        for r in others:
+            if after[r] == before[r]:
+                lost[r] = f"{self._who(r)}: not responding, no heartbeat for {2.5 * self.period:.1f} s (hung, stopped or cut off)"
+        return lost
+
+
+_RESUME = {"command": None}  # how to resume this run, for messages printed on failure
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that resumes this run: its arguments, any --ckpt_path replaced by ``last``."""
+    args, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--ckpt_path":
+            i += 2
+            continue
+        if not argv[i].startswith("--ckpt_path="):
+            args.append(argv[i])
+        i += 1
+    script = os.path.relpath(__file__) if not os.path.relpath(__file__).startswith("..") else __file__
+    return shlex.join(["python", script, *args, "--ckpt_path", "last"])
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+
+
+def _lost_message(lost: dict[int, str], cause: BaseException | None = None) -> str:
+    ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(lost.items()))
+    seen = f" This rank saw {_first_line(cause)}." if cause is not None else ""
+    return f"training stopped: lost {ranks}.{seen} To resume from the last checkpoint: {_RESUME['command']}"
+
+
+def _launch_rank_observer(child_processes: list) -> None:
+    """Lightning's popen observer SIGKILLs the launching process within 5 s of a child's death,
+    before it can say which rank died; this one lets the main thread report first."""
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    class _RankObserver(_ChildProcessObserver):
+        grace = 20.0  # seconds the main thread has to report and exit before everything is killed
+
+        def _terminate_all(self) -> None:
+            deadline = time.monotonic() + self.grace
+            while time.monotonic() < deadline:
+                time.sleep(0.2)  # the main thread exits meanwhile (this thread is a daemon): done
+            lost = {i + 1: f"pid {p.pid}: {_describe_exit(p.returncode)}"
+                    for i, p in enumerate(self._child_processes) if p.returncode not in (None, 0)}
+            print(f"train.py: error: {_lost_message(lost)}", file=sys.stderr, flush=True)
+            super()._terminate_all()
+
+    _RankObserver(child_processes=child_processes, main_pid=os.getpid()).start()
+
+
 def build_cli(argv: list[str] | None) -> AsrCLI:
     """Parse ``argv`` (shortcut included; ``None``: ``sys.argv``, already expanded), prepare data if
     needed, instantiate model, data, trainer."""
+    if argv is not None:
+        _RESUME["command"] = resume_command(argv)
     return AsrCLI(
         AcousticModel,
         AsrDataModule,
@@ -221,7 +551,7 @@ def build_cli(argv: list[str] | None) -> AsrCLI:
         run=False,
         parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)], "description": __doc__,
                        "formatter_class": argparse.RawDescriptionHelpFormatter},
-        trainer_defaults={"callbacks": [ModelCheckpoint(save_last=True, save_top_k=0, enable_version_counter=False)]},
+        trainer_defaults={"callbacks": [RecipeCheckpoint()]},
         save_config_kwargs={"overwrite": True},
     )
 
@@ -229,12 +559,48 @@ def build_cli(argv: list[str] | None) -> AsrCLI:
 def main(argv: list[str] | None = None) -> AsrCLI:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if argv is None:
+        # the user's own command line; ranks started by the popen launcher inherit it
+        os.environ.setdefault("RECIPE_RESUME_COMMAND", resume_command(sys.argv[1:]))
+        _RESUME["command"] = os.environ["RECIPE_RESUME_COMMAND"]
         # Expanded in place: Lightning's popen launcher starts the other ranks with sys.argv.
         sys.argv[1:] = expand_strategy_shortcut(sys.argv[1:])
     cli = build_cli(argv)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    fit(cli)
     return cli
 
 
+def fit(cli: AsrCLI) -> None:
+    """``trainer.fit`` from ``--ckpt_path`` (checked first); a lost rank becomes :class:`RankLostError`."""
+    run_dir = Path(cli.config.trainer.default_root_dir)
+    ckpt_path = resolve_ckpt_path(cli.config.ckpt_path, run_dir)
+    if ckpt_path is not None:
+        check_checkpoint(ckpt_path, cli.model)
+        log.info("resuming from %s", ckpt_path)
+        keep_metrics_on_resume(cli.trainer)
+    import lightning.pytorch.strategies.launchers.subprocess_script as popen_launcher
+
+    popen_launcher._launch_process_observer = _launch_rank_observer
+    watch = next((c for c in cli.trainer.callbacks if isinstance(c, RankWatch)), None)
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    except Exception as exc:
+        if watch is not None and watch.lost:
+            for proc in getattr(cli.trainer.strategy.launcher, "procs", None) or []:
+                if proc.poll() is None:
+                    proc.kill()  # the others would wait for the lost rank until their timeout
+            raise RankLostError(_lost_message(watch.lost, exc)) from exc
+        if cli.trainer.world_size > 1 or any(checkpoint_dir(run_dir).glob("*.ckpt")):
+            log.error("training failed (%s: %s); to resume from the last checkpoint: %s", type(exc).__name__,
+                      exc, _RESUME["command"])
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RecipeError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except RankLostError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -19,6 +19,11 @@ Shuffling and sharding: every epoch, all training frames are permuted with a gen
 by ``(seed, epoch)``; rank ``r`` of ``W`` takes permuted positions ``r, r+W, ...`` (disjoint,
 together complete) and every rank cuts its shard into the same number of batches, so DDP/GTC
 ranks never wait on a missing batch.
+
+Resuming mid-epoch: the training loader is stateful (``state_dict``/``load_state_dict``, which
+Lightning saves in every checkpoint and gives back on resume): it records the epoch and how many
+batches of it were drawn, and a resumed run skips exactly those, so the rest of the epoch comes
+in the order an uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -108,21 +113,55 @@ class FrameBatches(IterableDataset):
     """One epoch of this rank's batches (see the module docstring for the schema).
 
     ``epoch_fn`` gives the current epoch each time iteration starts (the trainer's epoch, so a
-    resumed run reshuffles exactly as an uninterrupted one).
+    resumed run reshuffles exactly as an uninterrupted one). :meth:`state_dict` says which epoch
+    is being drawn and how many of its batches were; after :meth:`load_state_dict` the next
+    iteration over that epoch skips them (batches are drawn in the main process: no workers).
     """
 
     def __init__(self, feats: np.ndarray, targets: np.ndarray, offsets: np.ndarray, context: int,
                  batch_fn: Callable[[int], list[np.ndarray]], epoch_fn: Callable[[], int]) -> None:
         self.feats, self.targets, self.offsets, self.context = feats, targets, offsets, context
         self.batch_fn, self.epoch_fn = batch_fn, epoch_fn
+        self._epoch, self._drawn = -1, 0  # the epoch being drawn, batches of it drawn so far
+        self._resume: tuple[int, int] | None = None  # (epoch, batches to skip) from a checkpoint
 
     def __len__(self) -> int:
         return len(self.batch_fn(self.epoch_fn()))
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for frames in self.batch_fn(self.epoch_fn()):
+        epoch = self.epoch_fn()
+        batches = self.batch_fn(epoch)
+        skip = 0
+        if self._resume is not None and self._resume[0] == epoch:
+            skip = self._resume[1]
+            if not 0 <= skip <= len(batches):
+                raise ValueError(f"the checkpoint's data position ({skip} batches into epoch {epoch}) is past "
+                                 f"this run's {len(batches)} batches per epoch: resume with the data settings "
+                                 "(batch_size, seed, number of processes) of the run that saved it")
+            log.info("resuming epoch %d after its first %d of %d batches", epoch, skip, len(batches))
+        self._resume = None
+        self._epoch, self._drawn = epoch, skip
+        for frames in batches[skip:]:
             x = splice(self.feats, self.offsets, frames, self.context)
+            self._drawn += 1
             yield {"x": torch.from_numpy(x), "y": torch.from_numpy(self.targets[frames].astype(np.int64))}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "batches": self._drawn}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = (int(state["epoch"]), int(state["batches"]))
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` over :class:`FrameBatches` with its position in the epoch as state:
+    Lightning saves ``state_dict()`` in checkpoints and calls ``load_state_dict()`` on resume."""
+
+    def state_dict(self) -> dict[str, int]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.dataset.load_state_dict(state)
 
 
 def load_split(cuts_path: Path, front_end: FrontEnd, split: str,
@@ -246,7 +285,8 @@ class AsrDataModule(LightningDataModule):
             return shard_batches(len(feats), rank, world, hp.batch_size, hp.seed, epoch,
                                  warmup_frames=warm if epoch == 0 else 0, warmup_batch_size=hp.warmup_batch_size)
 
-        return DataLoader(FrameBatches(feats, targets, offsets, hp.context, batches, self._epoch), batch_size=None)
+        return ResumableLoader(FrameBatches(feats, targets, offsets, hp.context, batches, self._epoch),
+                               batch_size=None)
 
     def val_dataloader(self) -> DataLoader | list:
         feats, targets, offsets = self.splits["dev"]
