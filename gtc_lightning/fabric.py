@@ -92,7 +92,9 @@ class GTCFabricStrategy(DDPStrategy):
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
-            raise ValueError(f"gradient_clip_val={gradient_clip_val!r}: use a positive number, or None for no clipping")
+            raise ValueError(
+                f"gradient_clip_val={gradient_clip_val!r}: use a positive number, or None for no clipping"
+            )
         self._clip = (gradient_clip_algorithm, float(gradient_clip_val)) if gradient_clip_val else None
         super().__init__(
             accelerator=accelerator,
@@ -166,12 +168,18 @@ class GTCFabricStrategy(DDPStrategy):
         )
 
     @override
-    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int, norm_type: float | int = 2.0,
-                            error_if_nonfinite: bool = True) -> torch.Tensor:
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
         self._refuse_clipping(f"max_norm={max_norm}")
 
     @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
         self._refuse_clipping(f"clip_val={clip_val}")
 
     @override
@@ -191,8 +199,13 @@ class GTCFabricStrategy(DDPStrategy):
     ) -> None:
         # fabric.save calls this on every rank: each writes its own residual shard.
         if self._gtc_state is not None:
-            state = {**state, checkpoint.CHECKPOINT_KEY: checkpoint.checkpoint_entry(self._gtc_state, self.world_size)}
-            checkpoint.save_shard(self._gtc_state, self.checkpoint_io, path, self.global_rank, self.world_size)
+            state = {
+                **state,
+                checkpoint.CHECKPOINT_KEY: checkpoint.checkpoint_entry(self._gtc_state, self.world_size),
+            }
+            checkpoint.save_shard(
+                self._gtc_state, self.checkpoint_io, path, self.global_rank, self.world_size
+            )
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
@@ -260,4 +273,6 @@ def register_trainer_only_names(strategy_registry: _StrategyRegistry) -> None:
         for suffix in ("", "_spawn", "_fork", "_notebook"):
             name = base + suffix
             if name not in strategy_registry:
-                strategy_registry.register(name, _trainer_only(name, why), description=f"not for Fabric: {why}")
+                strategy_registry.register(
+                    name, _trainer_only(name, why), description=f"not for Fabric: {why}"
+                )

@@ -5,27 +5,19 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 
 import pytest
 import torch
-from _strategy_helpers import fit
+from _strategy_helpers import (
+    fit,
+    keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from gtc_lightning import GTCStrategy
 from gtc_lightning.auto_tau import SLOPE, TauController
 
 TARGET = 0.02
-
-
-@pytest.fixture(autouse=True)
-def _keep_master_port():
-    before = os.environ.get("MASTER_PORT")
-    yield
-    if before is None:
-        os.environ.pop("MASTER_PORT", None)
-    else:
-        os.environ["MASTER_PORT"] = before
 
 
 def test_controller_steps_by_hand():

@@ -6,14 +6,16 @@ mean of the ranks' parameters every K steps) and compare bit for bit on 2 ranks.
 """
 
 import csv
-import os
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from _averaging_helpers import LR, fit_recorded, local_step, mean
-from _strategy_helpers import TinyMLP
+from _strategy_helpers import (
+    TinyMLP,
+    keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
@@ -23,17 +25,6 @@ from gtc_lightning.hook import allreduce_bytes
 K = 3  # syncs after steps 3 and 6 of 8 (2 epochs x 4 batches per rank)
 STEPS = 8
 NUMEL = sum(p.numel() for p in TinyMLP().parameters())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _keep_master_port():
-    # The fork launcher writes MASTER_PORT into the parent's environment; don't leak it.
-    before = os.environ.get("MASTER_PORT")
-    yield
-    if before is None:
-        os.environ.pop("MASTER_PORT", None)
-    else:
-        os.environ["MASTER_PORT"] = before
 
 
 @pytest.fixture(scope="module")

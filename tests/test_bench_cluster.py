@@ -30,7 +30,7 @@ def test_parse_strategy_and_burst():
     assert burst_for("100mbit", 1.0) == str(16 * 1024)
 
 
-def test_two_nodes_tiny_model(netns, tmp_path):
+def test_two_nodes_tiny_model(netns, tmp_path):  # noqa: F811  (netns: the fixture imported above)
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "gtc_lightning.bench_cluster", "--models", "2x16:8", "--workers", "1", "2",
                "--rates", "1gbit", "--strategies", "ddp", "gtc", "--steps", "2", "--min-steps", "2", "--rounds", "1",

@@ -12,7 +12,11 @@ import lightning as L
 import pytest
 import torch
 from _averaging_helpers import fit_recorded, local_step, mean
-from _strategy_helpers import TinyMLP, expected_sparse_step
+from _strategy_helpers import (
+    TinyMLP,
+    expected_sparse_step,
+    keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from gtc_lightning import BMUFGTCStrategy, BMUFStrategy
@@ -22,17 +26,6 @@ from gtc_lightning.hook import allreduce_bytes
 K = 3  # block syncs after steps 3 and 6 of 8 (2 epochs x 4 batches per rank)
 TAU = 0.05
 NUMEL = sum(p.numel() for p in TinyMLP().parameters())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _keep_master_port():
-    # The fork launcher writes MASTER_PORT into the parent's environment; don't leak it.
-    before = os.environ.get("MASTER_PORT")
-    yield
-    if before is None:
-        os.environ.pop("MASTER_PORT", None)
-    else:
-        os.environ["MASTER_PORT"] = before
 
 
 # ---- the block update by hand --------------------------------------------------------------------

@@ -11,7 +11,6 @@ setup (before any batch) or at a given batch. The README's table is checked agai
 from __future__ import annotations
 
 import importlib
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,15 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from _strategy_helpers import BATCH, CLASSES, FEATURES, TIMEOUT, TinyMLP, dataset
+from _strategy_helpers import (
+    BATCH,
+    CLASSES,
+    FEATURES,
+    TIMEOUT,
+    TinyMLP,
+    dataset,
+    keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
+)
 from compat_matrix import MATRIX, README, REGENERATE, STRATEGIES, readme_table, render_table
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
@@ -31,17 +38,6 @@ from torch.utils.data import DataLoader
 import gtc_lightning  # noqa: F401  (registers the gtc names)
 
 STEPS = 8  # 2 epochs x 4 batches of 8 per rank
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _keep_master_port():
-    # The fork launcher writes MASTER_PORT into the parent's environment; don't leak it.
-    before = os.environ.get("MASTER_PORT")
-    yield
-    if before is None:
-        os.environ.pop("MASTER_PORT", None)
-    else:
-        os.environ["MASTER_PORT"] = before
 
 
 # ---- recording and running ---------------------------------------------------------------------

@@ -11,21 +11,18 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from _strategy_helpers import CLASSES, FEATURES, HIDDEN, dataset, expected_sparse_step
+from _strategy_helpers import (
+    CLASSES,
+    FEATURES,
+    HIDDEN,
+    dataset,
+    expected_sparse_step,
+    keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
+)
 
 from gtc_lightning.fabric import GTCFabricStrategy
 
 TAU, LR, STEPS, WORLD = 0.05, 0.5, 4, 2
-
-
-@pytest.fixture(autouse=True)
-def _keep_master_port():
-    before = os.environ.get("MASTER_PORT")
-    yield
-    if before is None:
-        os.environ.pop("MASTER_PORT", None)
-    else:
-        os.environ["MASTER_PORT"] = before
 
 
 def make_model() -> torch.nn.Module:

@@ -7,7 +7,6 @@ those records, independently of the package, and compare bit for bit.
 
 import csv
 import math
-import os
 import pickle
 from pathlib import Path
 
@@ -15,7 +14,12 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from _strategy_helpers import TinyMLP, expected_sparse_step, fit
+from _strategy_helpers import (
+    TinyMLP,
+    expected_sparse_step,
+    fit,
+    keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
@@ -27,17 +31,6 @@ TAU = 0.05
 WORLD = 2
 STEPS = 8  # 2 epochs x 4 batches per rank
 LR = 0.5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _keep_master_port():
-    # The fork launcher writes MASTER_PORT into the parent's environment; don't leak it.
-    before = os.environ.get("MASTER_PORT")
-    yield
-    if before is None:
-        os.environ.pop("MASTER_PORT", None)
-    else:
-        os.environ["MASTER_PORT"] = before
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ two thresholds, two model sizes), decoded, with Strom's rows beside; a second ca
 import json
 
 import pytest
-
 import strom_tables
 
 
