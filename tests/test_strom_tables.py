@@ -18,6 +18,9 @@ def test_tables_on_the_tiny_corpus(tiny_aligned, tmp_path, monkeypatch):
             "--epochs", "1", "--sizes", "2x16", "3x32", "--size-steps", "3", "--size-tau", "0.01",
             "--train-args", "--config conf/tiny.yaml --num_threads 1",
             "--eval-args", "--acoustic-scales 0.1 --beam 8 --max-active 1000 --jobs 1"]  # fmt: skip
+    # as in a process that launched ranks before (e.g. after fork-launched tests): not inherited by the runs
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     assert strom_tables.main(argv) == 0
     results = json.loads((tmp_path / "tables.json").read_text())
     t3, t4 = results["table3"], results["table4"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import subprocess
 import sys
@@ -60,10 +61,18 @@ def parse_size(text: str) -> tuple[int, int]:
     return layers, hidden
 
 
+# What a launcher puts in the environment: each run here launches its own ranks, so none may be
+# inherited (with LOCAL_RANK set, Lightning would take a run for an externally launched rank and
+# wait for a second process that never comes).
+LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                "LOCAL_WORLD_SIZE")
+
+
 def _run(cmd: list[str], what: str) -> None:
     log.info("%s: %s", what, " ".join(cmd))
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, check=False)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    proc = subprocess.run(cmd, cwd=REPO, check=False, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"strom_tables: {what} failed (exit {proc.returncode}); command: {' '.join(cmd)}")
     log.info("%s: done in %.0f s", what, time.monotonic() - start)
