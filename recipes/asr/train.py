@@ -519,10 +519,16 @@ def _lost_message(lost: dict[int, str], cause: BaseException | None = None) -> s
     return f"training stopped: lost {ranks}.{seen} To resume from the last checkpoint: {_RESUME['command']}"
 
 
+_LIGHTNING_OBSERVER: dict = {}
+
+
 def _launch_rank_observer(child_processes: list) -> None:
     """Lightning's popen observer SIGKILLs the launching process within 5 s of a child's death,
     before it can say which rank died; this one lets the main thread report first."""
-    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    try:
+        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    except ImportError:  # another Lightning version: its own observer (kills the launcher, names no rank)
+        return _LIGHTNING_OBSERVER["launch"](child_processes)
 
     class _RankObserver(_ChildProcessObserver):
         grace = 20.0  # seconds the main thread has to report and exit before everything is killed
@@ -579,7 +585,9 @@ def fit(cli: AsrCLI) -> None:
         keep_metrics_on_resume(cli.trainer)
     import lightning.pytorch.strategies.launchers.subprocess_script as popen_launcher
 
-    popen_launcher._launch_process_observer = _launch_rank_observer
+    if hasattr(popen_launcher, "_launch_process_observer"):  # Lightning's private hook; keep its own elsewhere
+        _LIGHTNING_OBSERVER["launch"] = popen_launcher._launch_process_observer
+        popen_launcher._launch_process_observer = _launch_rank_observer
     watch = next((c for c in cli.trainer.callbacks if isinstance(c, RankWatch)), None)
     try:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
