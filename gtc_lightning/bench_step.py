@@ -54,6 +54,33 @@ def parse_model(text: str) -> tuple[int, int, int]:
     return tuple(int(x) for x in match.groups())
 
 
+def make_dnn(model_spec: tuple[int, int, int], lr: float):
+    """The benchmarks' acoustic DNN as a LightningModule: ``INPUT_DIM`` in, ``layers`` sigmoid layers of
+    ``hidden`` units, ``outputs`` logits; cross-entropy, plain SGD at ``lr``; seeded (same on every rank)."""
+    import lightning as L
+    import torch
+
+    layers, hidden, outputs = model_spec
+
+    class DNN(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            dims = [INPUT_DIM] + [hidden] * layers
+            body = []
+            for a, b in itertools.pairwise(dims):
+                body += [torch.nn.Linear(a, b), torch.nn.Sigmoid()]
+            self.net = torch.nn.Sequential(*body, torch.nn.Linear(hidden, outputs))
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+    return DNN()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -103,27 +130,11 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    layers, hidden, outputs = model_spec
+    outputs = model_spec[2]
     total = args.warmup + args.steps
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(total * args.batch, INPUT_DIM, generator=g)
     y = torch.randint(0, outputs, (total * args.batch,), generator=g)
-
-    class DNN(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            dims = [INPUT_DIM] + [hidden] * layers
-            body = []
-            for a, b in itertools.pairwise(dims):
-                body += [torch.nn.Linear(a, b), torch.nn.Sigmoid()]
-            self.net = torch.nn.Sequential(*body, torch.nn.Linear(hidden, outputs))
-
-        def training_step(self, batch, batch_idx):
-            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=args.lr)
 
     class Clock(L.Callback):
         def __init__(self):
@@ -139,7 +150,7 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
         enable_model_summary=False, callbacks=[clock, *callbacks], use_distributed_sampler=False,
     )  # fmt: skip
     data = DataLoader(TensorDataset(x, y), batch_size=args.batch, shuffle=False)
-    trainer.fit(DNN(), data)
+    trainer.fit(make_dnn(model_spec, args.lr), data)
     steps = [b - a for a, b in zip(clock.marks[args.warmup - 1 :], clock.marks[args.warmup :])]
     out = {"step_s": statistics.median(steps), "steps": steps}
     stats = getattr(trainer.strategy, "gtc_stats", None)

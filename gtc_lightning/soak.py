@@ -22,41 +22,24 @@ import os
 import time
 from pathlib import Path
 
-from gtc_lightning.bench_step import INPUT_DIM, _free_port, _make_strategy, parse_model
+from gtc_lightning.bench_step import INPUT_DIM, _free_port, _make_strategy, make_dnn, parse_model
 
 IDENTICAL = ("gtc", "gtc_stale", "ddp", "ddp_bf16")  # the strategies that promise identical replicas
 
 
 def _soak_one(args, name: str) -> dict:
-    import itertools
-
     import lightning as L
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
-    layers, hidden, outputs = parse_model(args.model)
+    spec = parse_model(args.model)
+    outputs = spec[2]
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(args.batches * args.batch, INPUT_DIM, generator=g)
     teacher = torch.randn(INPUT_DIM, outputs, generator=g)
     y = (x @ teacher).argmax(dim=1)
     start = time.monotonic()
-
-    class DNN(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            dims = [INPUT_DIM] + [hidden] * layers
-            body = []
-            for a, b in itertools.pairwise(dims):
-                body += [torch.nn.Linear(a, b), torch.nn.Sigmoid()]
-            self.net = torch.nn.Sequential(*body, torch.nn.Linear(hidden, outputs))
-
-        def training_step(self, batch, batch_idx):
-            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=args.lr)
 
     class ReplicaCheck(L.Callback):
         def __init__(self):
@@ -90,7 +73,8 @@ def _soak_one(args, name: str) -> dict:
         max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[check], use_distributed_sampler=True,
     )  # fmt: skip
-    trainer.fit(DNN(), DataLoader(TensorDataset(x, y), batch_size=args.batch, shuffle=False))
+    data = DataLoader(TensorDataset(x, y), batch_size=args.batch, shuffle=False)
+    trainer.fit(make_dnn(spec, args.lr), data)
     stats = getattr(trainer.strategy, "gtc_stats", None)
     return {
         "strategy": name,
