@@ -21,7 +21,7 @@ TINY_SEED = 0
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> Path:
     """Data dir of the tiny synthetic corpus (built once per session, seed 0)."""
-    from local.corpus_synthetic import prepare_synthetic
+    from local.data.corpus_synthetic import prepare_synthetic
 
     data_dir = tmp_path_factory.mktemp("tiny_corpus")
     prepare_synthetic(data_dir, size="tiny", seed=TINY_SEED, num_jobs=2)

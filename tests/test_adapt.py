@@ -1,4 +1,4 @@
-"""local.adapt (fbank UBM and per-speaker fMLLR without transcripts) and local.front_end, on
+"""local.dnn.adapt (fbank UBM and per-speaker fMLLR without transcripts) and local.dnn.front_end, on
 synthetic data with known answers; the stage itself runs on the tiny corpus in ``tiny_aligned``."""
 
 import itertools
@@ -7,8 +7,8 @@ import pickle
 
 import numpy as np
 import pytest
-from local.adapt import DiagGmm, estimate_speaker_transform, identity_transform, speech_frames, train_ubm
-from local.transforms import apply_affine
+from local.dnn.adapt import DiagGmm, estimate_speaker_transform, identity_transform, speech_frames, train_ubm
+from local.gmm.transforms import apply_affine
 
 
 def _mixture(rng, num_gauss=8, dim=4, n=6000):
@@ -71,8 +71,8 @@ def test_adapt_stage_on_the_tiny_corpus(tiny_aligned):
     """Every speaker of every split has a finite transform; the DNN front end applies it, and a
     new set's speakers get theirs from their audio alone."""
     from lhotse import CutSet
-    from local.features import gmm_cmvn_key
-    from local.front_end import FrontEnd
+    from local.data.features import gmm_cmvn_key
+    from local.dnn.front_end import FrontEnd
 
     with open(tiny_aligned / "adapt" / "fbank_trans.pkl", "rb") as f:
         trans = pickle.load(f)

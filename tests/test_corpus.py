@@ -18,9 +18,9 @@ from fixtures_corpus import (
     write_librispeech,
     write_timit,
 )
-from local import corpus_synthetic, tts
-from local.corpus_real import prepare_real
-from local.corpus_synthetic import SIZES, plan, prepare_synthetic
+from local.data import corpus_synthetic, tts
+from local.data.corpus_real import prepare_real
+from local.data.corpus_synthetic import SIZES, plan, prepare_synthetic
 from local.drops import load_drops
 
 ARPABET = {

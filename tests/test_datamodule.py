@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from local.datamodule import FrameBatches, batch_bounds, shard_batches, splice
+from local.dnn.datamodule import FrameBatches, batch_bounds, shard_batches, splice
 
 
 def test_splice_repeats_edge_frames_at_utterance_boundaries():

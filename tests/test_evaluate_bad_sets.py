@@ -102,7 +102,7 @@ def test_empty_transcript_is_scored_as_an_empty_reference(tiny_aligned, checkpoi
     result, dropped = _evaluate(test_set, tiny_aligned, checkpoint, tmp_path / "out")
     assert result["scored_utterances"] == NUM_UTTS and result["not_scored"] == {} and dropped == []
     assert result["empty_references"] == 1
-    from local.lang import normalize_text
+    from local.graph.lang import normalize_text
 
     assert result["words"] == sum(len(normalize_text(u["text"])) for u in utts if u["id"] != empty)
     errors, ref_words = json.loads((tmp_path / "out" / "decode_other" / f"per_utt-{test_set.name}.json")
@@ -167,7 +167,7 @@ def test_8khz_recording_is_resampled(tiny_aligned, checkpoint, tmp_path):
 
 
 def test_oov_words_counted_and_reported(tiny_aligned, checkpoint, tmp_path, caplog):
-    from local.lang import normalize_text, read_symbols
+    from local.graph.lang import normalize_text, read_symbols
 
     utts = _utterances(tiny_aligned)
     wav, text, spk = _maps(utts)

@@ -7,8 +7,8 @@ import pytest
 import soundfile as sf
 from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 from lhotse.audio import AudioSource
+from local.data.features import add_deltas, apply_cmvn, compute_features, gmm_features
 from local.drops import count_drops, load_drops
-from local.features import add_deltas, apply_cmvn, compute_features, gmm_features
 
 SR = 16000
 
@@ -139,8 +139,8 @@ def test_two_jobs_same_result(featdir, tmp_path):
 
 
 def test_gmm_features_per_speaker_cmvn(featdir):
-    from local.features import gmm_cmvn_key, gmm_speaker_stats
-    from local.gmm_common import gmm_front_end
+    from local.data.features import gmm_cmvn_key, gmm_speaker_stats
+    from local.gmm.common import gmm_front_end
 
     d, _, _ = featdir
     cuts = list(CutSet.from_file(d / "features" / "train_cuts.jsonl.gz"))

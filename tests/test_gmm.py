@@ -11,15 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from local.drops import load_drops
+from local.graph.lang import make_topo
 from local.kaldi import khg
-from local.lang import make_topo
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------- unit tests without a corpus
 def _toy_system(num_gauss: int, dim: int, seed: int):
-    from local.gmm_common import GmmSystem, read_topology
+    from local.gmm.common import GmmSystem, read_topology
 
     rng = np.random.default_rng(seed)
     topo = read_topology(make_topo([1, 2, 3], sil_id=1))
@@ -36,7 +36,7 @@ def _toy_system(num_gauss: int, dim: int, seed: int):
 
 
 def test_vectorised_stats_equal_kaldi_per_frame_accumulation():
-    from local.gmm_common import accumulate
+    from local.gmm.common import accumulate
 
     system = _toy_system(num_gauss=3, dim=5, seed=0)
     rng = np.random.default_rng(1)
@@ -63,7 +63,7 @@ def test_vectorised_stats_equal_kaldi_per_frame_accumulation():
 
 
 def test_update_grows_mixtures_to_target():
-    from local.gmm_common import accumulate, update
+    from local.gmm.common import accumulate, update
 
     system = _toy_system(num_gauss=1, dim=4, seed=2)
     rng = np.random.default_rng(3)
@@ -75,7 +75,7 @@ def test_update_grows_mixtures_to_target():
 
 
 def test_priors_are_floored_at_a_fraction_of_uniform_and_sum_to_one():
-    from local.align import pdf_priors
+    from local.gmm.align import pdf_priors
 
     priors = pdf_priors(np.array([1000.0, 0.0, 1.0, 999.0]), floor=0.1)
     assert priors.sum() == pytest.approx(1.0) and priors.dtype == np.float32
@@ -90,9 +90,9 @@ def test_priors_are_floored_at_a_fraction_of_uniform_and_sum_to_one():
 def trained(tmp_path_factory):
     """Tiny corpus through lang, then mono, tri (decoding at one scale) and the align stage."""
     sys.path.insert(0, str(ROOT / "recipes" / "asr"))
-    from local.align import align
-    from local.gmm_mono import train_mono
-    from local.gmm_tri import train_tri
+    from local.gmm.align import align
+    from local.gmm.mono import train_mono
+    from local.gmm.tri import train_tri
     from prepare import prepare
 
     data_dir = tmp_path_factory.mktemp("gmm") / "tiny"
@@ -106,7 +106,7 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sat(trained):
     """The SAT stage on the tiny triphone system: 8 passes, transforms re-estimated at pass 4."""
-    from local.gmm_sat import train_sat
+    from local.gmm.sat import train_sat
 
     data_dir = trained[0]
     return train_sat(data_dir, num_leaves=150, total_gauss=300, num_iters=8, realign_iters=(3,), fmllr_iters=(4,),
@@ -115,8 +115,8 @@ def sat(trained):
 
 def test_sat_has_a_transform_per_training_speaker(trained, sat):
     from lhotse import CutSet
-    from local.features import gmm_cmvn_key
-    from local.gmm_sat import FMLLR_MIN_FRAMES
+    from local.data.features import gmm_cmvn_key
+    from local.gmm.sat import FMLLR_MIN_FRAMES
 
     data_dir = trained[0]
     with open(data_dir / "exp" / "sat" / "trans.pkl", "rb") as f:
@@ -153,10 +153,10 @@ def test_sat_decoding_writes_adapted_and_first_pass_wer(trained, sat):
 def test_speaker_transform_undoes_a_known_distortion(trained):
     """All training frames as one speaker, distorted by y = M x + c: the estimated fMLLR maps
     them back close to x under the triphone model and its alignments."""
-    from local.gmm_common import GmmSystem, load_utterances
-    from local.gmm_sat import SILENCE_WEIGHT_TRAIN, speaker_transforms
-    from local.lang import load_lang
-    from local.transforms import apply_affine
+    from local.gmm.common import GmmSystem, load_utterances
+    from local.gmm.sat import SILENCE_WEIGHT_TRAIN, speaker_transforms
+    from local.gmm.transforms import apply_affine
+    from local.graph.lang import load_lang
 
     data_dir = trained[0]
     tri = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl")
@@ -184,7 +184,7 @@ def test_speaker_transform_undoes_a_known_distortion(trained):
 
 def test_alignments_cover_every_kept_utterance_frame_by_frame(trained):
     from lhotse import CutSet
-    from local.gmm_common import is_augmented
+    from local.gmm.common import is_augmented
 
     data_dir, _mono, tri, _ = trained
     kept = set((data_dir / "lang" / "train_ids.txt").read_text().split())
@@ -209,7 +209,7 @@ def test_alignments_cover_every_kept_utterance_frame_by_frame(trained):
 
 def test_pdf_alignment_cuts_and_priors(trained):
     from lhotse import CutSet
-    from local.gmm_common import GmmSystem
+    from local.gmm.common import GmmSystem
 
     data_dir, _, _, summary = trained
     num_pdfs = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl").tm.num_pdfs
@@ -240,8 +240,8 @@ def test_gmm_decoding_writes_wer(trained):
 
 
 def test_converted_alignment_keeps_phones_and_transitions(trained):
-    from local.gmm_common import GmmSystem, convert_alignments, phones_of
-    from local.tree_stats import TidTables
+    from local.gmm.common import GmmSystem, convert_alignments, phones_of
+    from local.gmm.tree_stats import TidTables
 
     data_dir = trained[0]
     mono = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
@@ -261,10 +261,10 @@ def test_converted_alignment_keeps_phones_and_transitions(trained):
 def test_phone_agreement_is_one_for_gold_equal_to_alignment_and_drops_with_shift(trained):
     from lhotse import CutSet
     from lhotse.supervision import AlignmentItem
-    from local.align import phone_agreement
-    from local.gmm_common import GmmSystem, phone_instances
-    from local.lang import load_lang
-    from local.tree_stats import TidTables
+    from local.gmm.align import phone_agreement
+    from local.gmm.common import GmmSystem, phone_instances
+    from local.gmm.tree_stats import TidTables
+    from local.graph.lang import load_lang
 
     data_dir = trained[0]
     mono = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
@@ -292,10 +292,10 @@ def test_phone_agreement_is_one_for_gold_equal_to_alignment_and_drops_with_shift
 
 def test_too_short_utterances_are_dropped_with_a_reason(trained):
     from lhotse import CutSet
-    from local.align import align_cuts
-    from local.gmm_common import GmmSystem, Utterances, compile_graphs
-    from local.gmm_mono import flat_start
-    from local.lang import cut_words, load_lang
+    from local.gmm.align import align_cuts
+    from local.gmm.common import GmmSystem, Utterances, compile_graphs
+    from local.gmm.mono import flat_start
+    from local.graph.lang import cut_words, load_lang
 
     data_dir = trained[0]
     lang = load_lang(data_dir / "lang")
@@ -316,8 +316,8 @@ def test_too_short_utterances_are_dropped_with_a_reason(trained):
 
 def test_alignment_failure_is_dropped_not_raised(trained):
     from lhotse import CutSet
-    from local.gmm_common import GmmSystem, Utterances, compile_graphs, realign_all
-    from local.lang import cut_words, load_lang
+    from local.gmm.common import GmmSystem, Utterances, compile_graphs, realign_all
+    from local.graph.lang import cut_words, load_lang
 
     data_dir = trained[0]
     lang = load_lang(data_dir / "lang")
@@ -334,9 +334,9 @@ def test_alignment_failure_is_dropped_not_raised(trained):
 
 
 def test_sat_first_pass_reuses_tri_best_paths_and_redecodes_without_them(trained, sat):
-    from local.gmm_common import GmmSystem
-    from local.gmm_sat import decode_sat
-    from local.lang import load_lang
+    from local.gmm.common import GmmSystem
+    from local.gmm.sat import decode_sat
+    from local.graph.lang import load_lang
 
     data_dir = trained[0]
     tri_dir = data_dir / "exp" / "tri"
@@ -356,7 +356,7 @@ def test_sat_first_pass_reuses_tri_best_paths_and_redecodes_without_them(trained
 
 
 def test_next_stage_needs_alignments_of_the_current_training_cuts(trained):
-    from local.gmm_common import GmmSystem
+    from local.gmm.common import GmmSystem
 
     exp = trained[0] / "exp" / "mono"
     with open(exp / "ali.pkl", "rb") as f:
@@ -368,7 +368,7 @@ def test_next_stage_needs_alignments_of_the_current_training_cuts(trained):
 
 
 def test_a_system_trained_on_other_features_is_refused(trained, tmp_path):
-    from local.gmm_common import GmmSystem, front_end_id
+    from local.gmm.common import GmmSystem, front_end_id
 
     src = trained[0] / "exp" / "mono" / "final.pkl"
     with open(src, "rb") as f:
@@ -384,8 +384,8 @@ def test_a_system_trained_on_other_features_is_refused(trained, tmp_path):
 
 
 def test_parallel_gmm_decoding_equals_one_process(trained):
-    from local.decode import decode_gmm_parallel, decode_utterances_gmm
-    from local.gmm_common import GmmSystem, load_utterances
+    from local.gmm.common import GmmSystem, load_utterances
+    from local.graph.decode import decode_gmm_parallel, decode_utterances_gmm
     from local.kaldi import kaldifst
 
     data_dir = trained[0]
@@ -404,8 +404,8 @@ def test_parallel_gmm_decoding_equals_one_process(trained):
 def test_sat_alignments_are_the_dnn_targets(trained, sat):
     """Stage 6 with the SAT system: train from the SAT stage, dev by align_fmllr, transforms saved,
     targets and priors over the SAT system's pdfs, the SAT graph named for decoding."""
-    from local.align import align
-    from local.gmm_common import GmmSystem
+    from local.gmm.align import align
+    from local.gmm.common import GmmSystem
 
     data_dir = trained[0]
     summary = align(data_dir)

@@ -8,12 +8,12 @@ monophone tree and for a triphone tree (N=3, P=1) loaded from Kaldi's binary for
 
 import numpy as np
 import pytest
-from local.decode import decode_utterances, decode_utterances_gmm, score, tid_to_pdf, words_to_text
-from local.event_map import Const, Split, Table, load_context_dependency, write_context_dependency
-from local.graph import make_hclg, training_graph_compiler
+from local.gmm.event_map import Const, Split, Table, load_context_dependency, write_context_dependency
+from local.graph.decode import decode_utterances, decode_utterances_gmm, score, tid_to_pdf, words_to_text
+from local.graph.hclg import make_hclg, training_graph_compiler
+from local.graph.lang import cmu_lexicon, load_lang, write_lang
+from local.graph.lm import compile_G, train_lm
 from local.kaldi import kaldifst, khg
-from local.lang import cmu_lexicon, load_lang, write_lang
-from local.lm import compile_G, train_lm
 
 SENTENCES = [
     "THE CAT SAW THE DOG",

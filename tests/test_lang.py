@@ -4,8 +4,8 @@ import pytest
 from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 from lhotse.audio import AudioSource
 from local.drops import count_drops, load_drops
+from local.graph.lang import add_disambig, load_lang, normalize_text, prepare_lang, split_oov
 from local.kaldi import kaldifst, khg
-from local.lang import add_disambig, load_lang, normalize_text, prepare_lang, split_oov
 
 TRAIN = [
     "the cat saw the dog",

@@ -4,7 +4,7 @@ import math
 import random
 
 import pytest
-from local.lm import BOS, EOS, ArpaLM, compile_G, estimate_kn, kn_discounts, train_lm, write_arpa
+from local.graph.lm import BOS, EOS, ArpaLM, compile_G, estimate_kn, kn_discounts, train_lm, write_arpa
 
 SUBJECTS = ["THE CAT", "A DOG", "MY FRIEND", "THE TEACHER", "OUR NEIGHBOUR"]
 VERBS = ["SAW", "LIKES", "CALLED", "FOUND"]

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from local.model import AcousticModel
+from local.dnn.model import AcousticModel
 
 
 def test_forward_backward_shapes():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import train
-from local.datamodule import AsrDataModule
+from local.dnn.datamodule import AsrDataModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "conf").glob("*.yaml"))

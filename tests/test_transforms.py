@@ -1,10 +1,9 @@
-"""local.transforms: fMLLR statistics, estimation and composition on synthetic data with known answers."""
+"""local.gmm.transforms: fMLLR statistics, estimation and composition on synthetic data with known answers."""
 
 
 import numpy as np
 import pytest
-from local.kaldi import khg
-from local.transforms import (
+from local.gmm.transforms import (
     FmllrStats,
     accumulate_fmllr_stats,
     apply_affine,
@@ -13,6 +12,7 @@ from local.transforms import (
     fmllr_objective,
     gaussian_posteriors,
 )
+from local.kaldi import khg
 
 
 def gmm_am(rng, num_pdfs=3, num_gauss=3, dim=5, spread=4.0):

@@ -4,7 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
-from local.event_map import (
+from local.gmm.event_map import (
     PDF_CLASS_KEY,
     Const,
     Split,
@@ -14,8 +14,8 @@ from local.event_map import (
     parse_event_map,
     write_context_dependency,
 )
+from local.gmm.tree import TidTables, accumulate_tree_stats, build_tree, cluster_phones
 from local.kaldi import kaldifst, khg
-from local.tree import TidTables, accumulate_tree_stats, build_tree, cluster_phones
 
 SIL, PHONES = 1, [1, 2, 3, 4, 5, 6]
 NUM_CLASSES = {1: 5, 2: 3, 3: 3, 4: 3, 5: 3, 6: 3}

@@ -65,7 +65,7 @@ def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path):
     """compare_runs over 2 seeds x (baseline, gtc) with per-utterance counts and a SAT GMM decode."""
     import json
 
-    from local.compare import compare_runs
+    from local.dnn.compare import compare_runs
 
     rng = np.random.default_rng(5)
     ids = [f"u{i:03d}" for i in range(200)]

@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import torch
-from local.compare import compare_runs
-from local.datamodule import splice
-from local.decode import BEAM, MAX_ACTIVE
-from local.features import SAMPLING_RATE
-from local.front_end import FrontEnd
-from local.model import AcousticModel
+from local.data.features import SAMPLING_RATE
+from local.dnn.compare import compare_runs
+from local.dnn.datamodule import splice
+from local.dnn.front_end import FrontEnd
+from local.dnn.model import AcousticModel
+from local.graph.decode import BEAM, MAX_ACTIVE
 
 log = logging.getLogger("evaluate")
 
@@ -82,9 +82,9 @@ class Decoder:
     trained on (``ali/info.json``: ``exp/sat`` by default, ``exp/tri`` for older data dirs)."""
 
     def __init__(self, data_dir: Path, beam: float = BEAM, max_active: int = MAX_ACTIVE) -> None:
-        from local.gmm_common import GmmSystem
+        from local.gmm.common import GmmSystem
+        from local.graph.lang import read_symbols
         from local.kaldi import kaldifst
-        from local.lang import read_symbols
 
         info_path = data_dir / "ali" / "info.json"
         info = json.loads(info_path.read_text()) if info_path.exists() else {}
@@ -102,7 +102,7 @@ class Decoder:
         self.beam, self.max_active = beam, max_active
 
     def decode(self, logliks: list[tuple[str, np.ndarray]], scale: float) -> dict[str, str]:
-        from local.decode import decode_utterances, words_to_text
+        from local.graph.decode import decode_utterances, words_to_text
 
         hyps = decode_utterances(self.hclg, self.trans_model, logliks, acoustic_scale=scale, beam=self.beam,
                                  max_active=self.max_active)
@@ -113,7 +113,7 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
                  max_active: int = MAX_ACTIVE) -> dict:
     """Decode dev for each acoustic scale, test with the best; write ``<run_dir>/decode/``."""
     from lhotse import CutSet
-    from local.decode import score
+    from local.graph.decode import score
 
     start = time.perf_counter()
     summary = json.loads((run_dir / "train_summary.json").read_text())
@@ -168,12 +168,12 @@ def load_test_set(test_set: Path, work_dir: Path, train_cmvn: dict):
     "dropped": [(id, reason, detail)], "sampling_rates": {rate: recordings}, "remarks": [...]}``.
 
     A Kaldi data dir is reconciled as Kaldi's ``utils/fix_data_dir.sh`` does
-    (``local.test_sets``); utterances without readable audio are dropped with their reason."""
+    (``local.data.test_sets``); utterances without readable audio are dropped with their reason."""
     from lhotse import CutSet
-    from local.features import _process_shard, _stats
+    from local.data.features import _process_shard, _stats
 
     if test_set.is_dir():
-        from local.test_sets import load_kaldi_test_dir
+        from local.data.test_sets import load_kaldi_test_dir
 
         recordings, supervisions, drops, info = load_kaldi_test_dir(test_set)
         if not supervisions:
@@ -209,9 +209,9 @@ def decode_test_set(checkpoint: Path, test_set: Path, data_dir: Path, scale: flo
     counted: ``oov``). An empty transcript is scored as an empty reference (every hypothesis word
     an insertion). Writes ``<out_dir>/results-<name>.json`` with the scores, how many utterances were
     scored and, per reason, how many were not (``not_scored``; each one in ``dropped-<name>.jsonl``)."""
-    from local.decode import score
-    from local.lang import read_symbols
-    from local.test_sets import oov_stats
+    from local.data.test_sets import oov_stats
+    from local.graph.decode import score
+    from local.graph.lang import read_symbols
 
     model, context, features = load_checkpoint(checkpoint)
     log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)

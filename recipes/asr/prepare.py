@@ -89,11 +89,11 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
     """Run one stage; return the line that says what it produced."""
     if name == "corpus":
         if args.corpus == "synthetic":
-            from local.corpus_synthetic import prepare_synthetic
+            from local.data.corpus_synthetic import prepare_synthetic
 
             cuts = prepare_synthetic(data_dir, size=args.size, seed=args.seed, num_jobs=args.num_jobs)
         else:
-            from local.corpus_real import prepare_real
+            from local.data.corpus_real import prepare_real
 
             if args.corpus_dir is None:
                 raise SystemExit(f"--corpus {args.corpus} needs --corpus-dir pointing at the corpus on disk")
@@ -101,31 +101,31 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
         parts = [f"{s}: {len(c)} utts {sum(x.duration for x in c) / 3600:.2f} h" for s, c in cuts.items()]
         return "; ".join(parts)
     if name == "features":
-        from local.features import compute_features
+        from local.data.features import compute_features
 
         return _summary(compute_features(data_dir, num_jobs=args.num_jobs))
     if name == "lang":
-        from local.lang import prepare_lang
+        from local.graph.lang import prepare_lang
 
         return _summary(prepare_lang(data_dir))
     if name == "mono":
-        from local.gmm_mono import train_mono
+        from local.gmm.mono import train_mono
 
         return _summary(train_mono(data_dir))
     if name == "tri":
-        from local.gmm_tri import train_tri
+        from local.gmm.tri import train_tri
 
         return _summary(train_tri(data_dir))
     if name == "sat":
-        from local.gmm_sat import train_sat
+        from local.gmm.sat import train_sat
 
         return _summary(train_sat(data_dir))
     if name == "align":
-        from local.align import align
+        from local.gmm.align import align
 
         return _summary(align(data_dir))
     if name == "adapt":
-        from local.adapt import adapt
+        from local.dnn.adapt import adapt
 
         return _summary(adapt(data_dir))
     if name == "report":
@@ -185,7 +185,7 @@ def prepare(
     settings = data_dir / "settings.json"
     wanted = {"corpus": corpus, "corpus_dir": str(corpus_dir) if corpus_dir else None, "size": size, "seed": seed}
     if corpus == "synthetic":
-        from local.corpus_synthetic import VERSION
+        from local.data.corpus_synthetic import VERSION
 
         wanted["version"] = VERSION  # an embedded corpus built by an older recipe is not silently reused
     if settings.exists() and json.loads(settings.read_text()) != wanted and stage == 0 and not force:

@@ -65,8 +65,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from local.datamodule import AsrDataModule
-from local.model import AcousticModel
+from local.dnn.datamodule import AsrDataModule
+from local.dnn.model import AcousticModel
 
 import gtc_lightning  # noqa: F401  (registers the "gtc" strategy, also in re-launched children)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from local.drops import record_drop
-from local.gmm_common import (
+from local.gmm.common import (
     GmmSystem,
     begin_stage,
     compile_graphs,
@@ -106,7 +106,7 @@ def train_mono(
         data_dir=data_dir, stage="mono", beam=beam,
     )
     # Kaldi realigns once more with the final model to give the next stage its alignments.
-    from local.gmm_common import realign_all
+    from local.gmm.common import realign_all
 
     alis = realign_all(system, graphs, utts, list(alis), data_dir, "mono", beam=beam)
     system.save_run(exp, alis, history)
@@ -121,7 +121,7 @@ def train_mono(
     }
     log.info("mono: trained %s", summary)
     if decode:
-        from local.gmm_decode import decode_system
+        from local.gmm.decode import decode_system
 
         summary.update(decode_system(data_dir, "mono", system, lang, **({"scales": scales} if scales else {})))
     summary["seconds"] = round(time.perf_counter() - start, 1)

@@ -18,8 +18,8 @@ import logging
 import time
 from pathlib import Path
 
+from local.graph.lang import load_lang
 from local.kaldi import kaldifst, khg
-from local.lang import load_lang
 
 log = logging.getLogger(__name__)
 

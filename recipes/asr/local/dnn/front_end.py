@@ -5,7 +5,7 @@ Three front ends (``FEATURES``), all speaker-normalised; the DNN splices 17 of t
 - ``fbank``: 40-bin fbank, mean and variance normalised per speaker (``features.apply_cmvn``;
   Kaldi's ``run_dnn_fbank.sh``).
 - ``fbank_fmllr`` (default): ``fbank`` followed by the speaker's affine fbank transform
-  (``local.adapt``: fMLLR against a fbank UBM, estimated without transcripts, so any speaker
+  (``local.dnn.adapt``: fMLLR against a fbank UBM, estimated without transcripts, so any speaker
   of any set can get one).
 - ``mfcc_fmllr``: Kaldi nnet1's classic input, the SAT GMM's own features: 13 MFCC with speaker
   CMVN, Δ, ΔΔ (39 dims), through the speaker's fMLLR transform of the SAT system (training and
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from local.features import apply_cmvn, gmm_cmvn_key
-from local.transforms import apply_affine
+from local.data.features import apply_cmvn, gmm_cmvn_key
+from local.gmm.transforms import apply_affine
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class FrontEnd:
         if cmvn:
             self.cmvn = {"global": self.cmvn["global"], "speakers": {**self.cmvn["speakers"], **cmvn["speakers"]}}
         if self.kind == "fbank_fmllr":
-            from local.adapt import DiagGmm, estimate_transforms, speaker_frames
+            from local.dnn.adapt import DiagGmm, estimate_transforms, speaker_frames
 
             ubm = DiagGmm.load(self.data_dir / "adapt" / "ubm.npz")
             trans, summary = estimate_transforms(ubm, speaker_frames(cuts, self.cmvn))
@@ -102,7 +102,7 @@ class FrontEnd:
         """``(cut, frames [T, dim] float32)`` for every cut of ``cuts`` (all of one ``split``: the
         MFCC front end normalises each speaker over the split's cuts, as the GMMs do)."""
         if self.kind == "mfcc_fmllr":
-            from local.gmm_common import gmm_front_end
+            from local.gmm.common import gmm_front_end
 
             cuts = list(cuts)
             trans = self.mfcc_transforms(split)

@@ -16,7 +16,7 @@ normalisation without leaving the fbank domain.
 3. One transform per speaker (``features.gmm_cmvn_key``: augmented copies apart, as the GMMs
    do), by EM from the identity: posteriors of the UBM's Gaussians on the currently transformed
    frames, fMLLR statistics of the untransformed frames, Gales' row update
-   (``local.transforms``), ``FMLLR_EM_ITERS`` times (``estimate_speaker_transform``).
+   (``local.gmm.transforms``), ``FMLLR_EM_ITERS`` times (``estimate_speaker_transform``).
 4. SAT: the UBM is retrained on the transformed training frames and the transforms
    re-estimated against it, ``sat_rounds`` times (Kaldi's ``train_sat.sh`` does the same for
    the GMMs).
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from local.features import apply_cmvn, gmm_cmvn_key
-from local.transforms import FmllrStats, add_fmllr_stats, apply_affine, estimate_fmllr
+from local.data.features import apply_cmvn, gmm_cmvn_key
+from local.gmm.transforms import FmllrStats, add_fmllr_stats, apply_affine, estimate_fmllr
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,16 @@ import numpy as np
 import soundfile as sf
 
 from local.atomic import atomic_path
-from local.augment import Augmentation, augment
-from local.tts import SAMPLE_RATE, SIL, Voice, synth_espeak, synth_festival_batch, synth_flite, to_alignment
+from local.data.augment import Augmentation, augment
+from local.data.tts import (
+    SAMPLE_RATE,
+    SIL,
+    Voice,
+    synth_espeak,
+    synth_festival_batch,
+    synth_flite,
+    to_alignment,
+)
 
 
 @dataclass

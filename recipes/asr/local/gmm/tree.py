@@ -3,7 +3,7 @@
 kaldi-hmm-gmm has no tree building, so this module grows the tree in numpy and hands it to
 ``khg.ContextDependency`` as Kaldi's binary ``ContextDependency`` blob:
 
-1. ``accumulate_tree_stats`` (``local.tree_stats``): diagonal-Gaussian statistics (count, sum,
+1. ``accumulate_tree_stats`` (``local.gmm.tree_stats``): diagonal-Gaussian statistics (count, sum,
    sum of squares) per context event ``(left, centre, right, pdf_class)`` from transition-id
    alignments (Kaldi's ``acc-tree-stats``; phone 0 stands for the utterance boundary).
 2. ``cluster_phones``: questions (sets of phones) from top-down binary clustering of the
@@ -12,7 +12,7 @@ kaldi-hmm-gmm has no tree building, so this module grows the tree in numpy and h
    splitting of the best leaf by likelihood gain, then bottom-up merging of leaves within a
    root (``--cluster-thresh``); leaves that merge share one pdf. Silence phones get one
    leaf per pdf-class and no context.
-4. The tree as ``local.event_map`` nodes, written in Kaldi's binary format and loaded into
+4. The tree as ``local.gmm.event_map`` nodes, written in Kaldi's binary format and loaded into
    ``khg.ContextDependency`` (``TreeResult.tree``; ``TreeResult.blob`` is the file's bytes).
 
 Event keys (N=3, P=1): 0 left phone, 1 centre phone, 2 right phone, -1 pdf-class.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from local.event_map import (
+from local.gmm.event_map import (
     PDF_CLASS_KEY,
     Const,
     EventMap,
@@ -37,8 +37,8 @@ from local.event_map import (
     map_event,
     write_context_dependency,
 )
+from local.gmm.tree_stats import Stats, TidTables, accumulate_tree_stats
 from local.kaldi import khg
-from local.tree_stats import Stats, TidTables, accumulate_tree_stats
 
 __all__ = ["TidTables", "TreeResult", "accumulate_tree_stats", "build_tree", "cluster_phones"]
 

@@ -36,11 +36,11 @@ from lhotse.supervision import AlignmentItem, SupervisionSegment
 from tqdm.auto import tqdm
 
 from local.atomic import atomic_path, die_with_parent
-from local.augment import Augmentation
+from local.data.augment import Augmentation
+from local.data.synth_jobs import Utterance, synth_chunk
+from local.data.text import make_sentences
+from local.data.tts import SAMPLE_RATE, Voice, check_tools
 from local.drops import clear_drops, record_drop
-from local.synth_jobs import Utterance, synth_chunk
-from local.text import make_sentences
-from local.tts import SAMPLE_RATE, Voice, check_tools
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def prepare_synthetic(
     # clean fork server (never from this process, which may have used libespeak-ng already),
     # so the corpus is the same whatever num_jobs and whatever ran before.
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["local.synth_jobs"])
+    ctx.set_forkserver_preload(["local.data.synth_jobs"])
     with ctx.Pool(num_jobs, initializer=die_with_parent, maxtasksperchild=1) as pool:
         for res in pool.imap_unordered(synth_chunk, chunks):
             results += res

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from local.tts import SAMPLE_RATE
+from local.data.tts import SAMPLE_RATE
 
 
 @dataclass(frozen=True)

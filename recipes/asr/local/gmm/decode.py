@@ -14,9 +14,9 @@ import pickle
 import time
 from pathlib import Path
 
-from local.decode import decode_utterances_gmm, score, words_to_text
-from local.gmm_common import GmmSystem, load_utterances
-from local.graph import make_hclg
+from local.gmm.common import GmmSystem, load_utterances
+from local.graph.decode import decode_utterances_gmm, score, words_to_text
+from local.graph.hclg import make_hclg
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Strom's acoustic DNN: a stack of affine + sigmoid layers, softmax over pdf-ids, cross-entropy.
 
-Batch schema (from ``local.datamodule``): ``x`` ``[B, 17*F]`` float32 windows, ``y`` ``[B]``
+Batch schema (from ``local.dnn.datamodule``): ``x`` ``[B, 17*F]`` float32 windows, ``y`` ``[B]``
 int64 pdf-ids. Learning rate: plain SGD, halved after each epoch (Strom 2015, Table 1), or
 Kaldi's "newbob" (keep the rate while dev frame accuracy improves by at least
 ``newbob_threshold``, then halve it after every epoch).

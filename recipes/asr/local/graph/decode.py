@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from local.graph.lang import normalize_text
 from local.kaldi import khg
-from local.lang import normalize_text
 
 log = logging.getLogger(__name__)
 

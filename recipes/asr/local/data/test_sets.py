@@ -170,7 +170,7 @@ def load_kaldi_test_dir(data: Path) -> tuple[list, list, list[tuple[str, str, st
 def oov_stats(refs: dict[str, str], vocabulary: set[str]) -> dict:
     """Reference words (normalised as scored) outside ``vocabulary`` (the recognizer's words.txt):
     ``{"tokens", "words" (total reference words), "rate" (%), "utterances", "counts": {word: n}}``."""
-    from local.lang import normalize_text
+    from local.graph.lang import normalize_text
 
     counts: Counter = Counter()
     utts, total = 0, 0

@@ -7,7 +7,7 @@ Batch schema (dicts from both loaders)::
     y: [B] int64                      pdf-id of the centre frame t
 
 Legend: B frames in the batch, F feature dims (40 fbank bins; 39 for ``mfcc_fmllr``); the frames
-come from ``local.front_end`` (speaker CMVN, and the speaker's fMLLR transform by default). At utterance boundaries the first/last frame
+come from ``local.dnn.front_end`` (speaker CMVN, and the speaker's fMLLR transform by default). At utterance boundaries the first/last frame
 is repeated, as Kaldi's splicing does.
 
 All frames of a split live in memory as one ``[N, F]`` float32 array (160 bytes per frame at
@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
-from local.front_end import FEATURES, FrontEnd
+from local.dnn.front_end import FEATURES, FrontEnd
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def load_split(cuts_path: Path, front_end: FrontEnd, split: str,
     """Load aligned cuts into memory: the front end's frames and per-frame pdf-ids.
 
     Args:
-        front_end: turns each cut into speaker-normalised frames (``local.front_end``).
+        front_end: turns each cut into speaker-normalised frames (``local.dnn.front_end``).
         split: the split's name (the MFCC front end's speaker transforms are per split).
         allow_empty: return empty arrays for a manifest without cuts instead of raising.
 
@@ -203,7 +203,7 @@ class AsrDataModule(LightningDataModule):
     Args:
         data_dir: the recipe's data directory (``ali/``, ``features/cmvn.json``, ``adapt/``);
             ``train.py`` fills it from ``--corpus``/``--corpus_size`` when left empty.
-        features: the input front end (``local.front_end``): ``fbank_fmllr`` (speaker CMVN and
+        features: the input front end (``local.dnn.front_end``): ``fbank_fmllr`` (speaker CMVN and
             the speaker's fbank fMLLR transform), ``fbank`` (speaker CMVN only) or
             ``mfcc_fmllr`` (the SAT GMM's fMLLR features, Kaldi nnet1's input; for comparison).
         context: frames each side of the centre (8: Strom's 17-frame window).

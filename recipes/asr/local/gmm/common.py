@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from local.graph import training_graph_compiler
+from local.gmm.tree_stats import TidTables, _phone_ends
+from local.graph.hclg import training_graph_compiler
 from local.kaldi import kaldifst, khg
-from local.tree_stats import TidTables, _phone_ends
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +343,7 @@ def load_utterances(data_dir: Path, split: str, clean_only: bool = True, cmvn: s
     normalisation of the GMM features (``gmm_front_end``), None for the module default ``CMVN``."""
     from lhotse import CutSet
 
-    from local.lang import cut_words
+    from local.graph.lang import cut_words
 
     path = Path(data_dir) / "features" / f"{split}_cuts.jsonl.gz"
     if not path.exists():
@@ -363,7 +363,7 @@ def load_utterances(data_dir: Path, split: str, clean_only: bool = True, cmvn: s
 def gmm_front_end(cuts, cmvn: str | None = None) -> dict[str, np.ndarray]:
     """GMM features ``{cut id: [T, 39]}`` of ``cuts`` (one split), normalised per speaker over
     these cuts or per utterance (``cmvn``, None for the module default ``CMVN``)."""
-    from local.features import gmm_features, gmm_speaker_stats
+    from local.data.features import gmm_features, gmm_speaker_stats
 
     cmvn = CMVN if cmvn is None else cmvn
     if cmvn not in ("speaker", "utterance"):
@@ -378,7 +378,7 @@ def begin_stage(data_dir: Path | str, name: str) -> tuple[Path, Path, object]:
     import torch
 
     from local.drops import clear_drops
-    from local.lang import load_lang
+    from local.graph.lang import load_lang
 
     torch.set_num_threads(1)
     data_dir = Path(data_dir)

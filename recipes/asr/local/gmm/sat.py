@@ -4,7 +4,7 @@ and fMLLR decoding of dev/test (``steps/decode_fmllr.sh``).
 The test voices of the embedded corpus are never heard in training, and a speaker-independent
 triphone system spends its tree on voice differences (bigger trees got worse on test). SAT
 takes the voices out: every speaker gets an affine feature transform (fMLLR,
-``local.transforms``), and the tree and Gaussians are trained on the transformed features.
+``local.gmm.transforms``), and the tree and Gaussians are trained on the transformed features.
 
 1. Per-speaker fMLLR of the training data from the speaker-independent triphone system
    (``exp/tri``) and its alignments; silence frames get weight 0 (``train_sat.sh``).
@@ -31,9 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from local.decode import decode_utterances_gmm, score, words_to_text
-from local.features import gmm_cmvn_key
-from local.gmm_common import (
+from local.data.features import gmm_cmvn_key
+from local.gmm.common import (
     GmmSystem,
     Utterances,
     begin_stage,
@@ -43,10 +42,17 @@ from local.gmm_common import (
     realign_all,
     train_iterations,
 )
-from local.gmm_decode import DECODE_JOBS
-from local.graph import make_hclg
+from local.gmm.decode import DECODE_JOBS
+from local.gmm.transforms import (
+    FmllrStats,
+    accumulate_fmllr_stats,
+    apply_affine,
+    compose_affine,
+    estimate_fmllr,
+)
+from local.graph.decode import decode_utterances_gmm, score, words_to_text
+from local.graph.hclg import make_hclg
 from local.kaldi import kaldifst
-from local.transforms import FmllrStats, accumulate_fmllr_stats, apply_affine, compose_affine, estimate_fmllr
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +136,7 @@ def train_sat(
     Returns:
         a summary: speakers, leaves, pdfs, Gaussians, log-likelihood, seconds, WERs.
     """
-    from local.gmm_tri import build_triphone_system
+    from local.gmm.tri import build_triphone_system
 
     start = time.perf_counter()
     data_dir, exp, lang = begin_stage(data_dir, "sat")

@@ -41,9 +41,9 @@ import torch
 from tqdm import tqdm
 
 from local.atomic import atomic_path, write_json
+from local.data.features import gmm_cmvn_key
 from local.drops import clear_drops, record_drop
-from local.features import gmm_cmvn_key
-from local.gmm_common import (
+from local.gmm.common import (
     GmmSystem,
     compile_graphs,
     equal_alignment,
@@ -51,8 +51,8 @@ from local.gmm_common import (
     is_augmented,
     viterbi_align,
 )
-from local.lang import cut_words, load_lang
-from local.tree_stats import TidTables
+from local.gmm.tree_stats import TidTables
+from local.graph.lang import cut_words, load_lang
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +203,8 @@ def align_fmllr(sat: GmmSystem, si: GmmSystem, lang, cuts, data_dir: Path | None
     Returns:
         ``({cut id: SAT transition-ids [T]}, {speaker: W [D, D+1]})``.
     """
-    from local.gmm_common import convert_alignments
-    from local.gmm_sat import SILENCE_WEIGHT_TRAIN, speaker_transforms, transformed
+    from local.gmm.common import convert_alignments
+    from local.gmm.sat import SILENCE_WEIGHT_TRAIN, speaker_transforms, transformed
 
     raw = gmm_front_end(cuts)
     speakers = {c.id: gmm_cmvn_key(c) for c in cuts}

@@ -11,7 +11,7 @@ Choices (Kaldi's ``prepare_lang.sh`` conventions, without word-position phones):
   missing from it are OOV: the decoder can never output them and they count as errors at
   scoring. Adding dev/test words would leak test knowledge into the system (and the LM,
   trained on the training transcripts only, would give them no more than backoff mass).
-- The LM (``local/lm.py``) is estimated on the distinct kept training sentences.
+- The LM (``local/graph/lm.py``) is estimated on the distinct kept training sentences.
 - OOV policy: a training utterance with any word not in CMUdict is dropped (reason ``oov``);
   dev/test utterances are kept.
 - Phones: ``<eps>``=0, ``SIL``=1, the 39 CMU phones, then ``#0``..``#K`` (``#0`` is G's
@@ -300,7 +300,7 @@ def prepare_lang(data_dir: Path | str, lm_order: int = 3) -> dict:
     """
     from lhotse import CutSet
 
-    from local.lm import compile_G, train_lm
+    from local.graph.lm import compile_G, train_lm
 
     data_dir = Path(data_dir)
     lang_dir = data_dir / "lang"

@@ -483,7 +483,7 @@ def prepare_real(corpus: str, corpus_dir: Path, data_dir: Path) -> dict[str, Cut
     for split, cs in manifests.items():
         with atomic_path(out_dir / f"{split}_cuts.jsonl.gz") as tmp:
             cs.to_file(tmp)
-    from local.corpus_synthetic import summarize
+    from local.data.corpus_synthetic import summarize
 
     log.info("corpus: %s from %s, %s", corpus, corpus_dir, summarize(manifests))
     return manifests

@@ -3,7 +3,7 @@ then decoding of dev/test.
 
 1. Tree statistics (per triphone context and pdf-class) from the monophone alignments
    (``acc-tree-stats``); questions by phone clustering; tree grown by likelihood gain
-   (``local.tree.build_tree``).
+   (``local.gmm.tree.build_tree``).
 2. One Gaussian per leaf from the tree statistics (``gmm-init-model``); the monophone
    alignments mapped onto the new tree frame by frame (``convert-ali``).
 3. ``num_iters`` Viterbi passes with re-alignment and mixture growth to ``total_gauss``.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from local.gmm_common import (
+from local.gmm.common import (
     GmmSystem,
     begin_stage,
     compile_graphs,
@@ -31,9 +31,9 @@ from local.gmm_common import (
     single_gaussian_am,
     train_iterations,
 )
+from local.gmm.tree import build_tree
+from local.gmm.tree_stats import TidTables, accumulate_tree_stats
 from local.kaldi import khg
-from local.tree import build_tree
-from local.tree_stats import TidTables, accumulate_tree_stats
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def train_tri(
     }
     log.info("tri: trained %s", summary)
     if decode:
-        from local.gmm_decode import decode_system
+        from local.gmm.decode import decode_system
 
         summary.update(decode_system(data_dir, "tri", system, lang, **({"scales": scales} if scales else {})))
     summary["seconds"] = round(time.perf_counter() - start, 1)
