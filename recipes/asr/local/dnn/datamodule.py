@@ -10,12 +10,16 @@ Legend: B frames in the batch, F feature dims (40 fbank bins; 39 for ``mfcc_fmll
 come from ``local.dnn.front_end`` (speaker CMVN, and the speaker's fMLLR transform by default). At utterance boundaries the first/last frame
 is repeated, as Kaldi's splicing does.
 
-All frames of a split live in memory as one ``[N, F]`` float32 array (160 bytes per frame at
-F = 40: one hour of speech is ~58 MB); windows are gathered per batch, so memory does not grow
-17-fold. Fine for the corpora this recipe builds (hours); a corpus of thousands of hours needs
-a streaming shuffle buffer instead.
+Two training loaders (``loader``):
 
-Shuffling and sharding: every epoch, all training frames are permuted with a generator seeded
+- ``memory`` (default): all frames of a split live in memory as one ``[N, F]`` float32 array (160
+  bytes per frame at F = 40: one hour of speech is ~58 MB); windows are gathered per batch, so
+  memory does not grow 17-fold. Fine for the corpora this recipe builds (hours).
+- ``stream``: ``local.dnn.stream``: Lhotse's ``DynamicCutSampler`` over the lazy manifest feeds a
+  frame shuffle buffer of ``buffer_frames``; memory is bounded by the buffer, not the corpus.
+  The dev set stays in memory (it is small and fixed).
+
+Shuffling and sharding (``memory``): every epoch, all training frames are permuted with a generator seeded
 by ``(seed, epoch)``; rank ``r`` of ``W`` takes permuted positions ``r, r+W, ...`` (disjoint,
 together complete) and every rank cuts its shard into the same number of batches, so DDP/GTC
 ranks never wait on a missing batch.
@@ -40,6 +44,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
 from local.dnn.front_end import FEATURES, FrontEnd
+from local.dnn.stream import StreamingFrameBatches
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +118,15 @@ class FrameBatches(IterableDataset):
     """One epoch of this rank's batches (see the module docstring for the schema).
 
     ``epoch_fn`` gives the current epoch each time iteration starts (the trainer's epoch, so a
-    resumed run reshuffles exactly as an uninterrupted one). :meth:`state_dict` says which epoch
-    is being drawn and how many of its batches were; after :meth:`load_state_dict` the next
-    iteration over that epoch skips them (batches are drawn in the main process: no workers).
+    resumed run reshuffles exactly as an uninterrupted one). After :meth:`load_state_dict`
+    (the epoch and how many of its batches were drawn, counted by :class:`ResumableLoader`) the
+    next iteration over that epoch skips them.
     """
 
     def __init__(self, feats: np.ndarray, targets: np.ndarray, offsets: np.ndarray, context: int,
                  batch_fn: Callable[[int], list[np.ndarray]], epoch_fn: Callable[[], int]) -> None:
         self.feats, self.targets, self.offsets, self.context = feats, targets, offsets, context
         self.batch_fn, self.epoch_fn = batch_fn, epoch_fn
-        self._epoch, self._drawn = -1, 0  # the epoch being drawn, batches of it drawn so far
         self._resume: tuple[int, int] | None = None  # (epoch, batches to skip) from a checkpoint
 
     def __len__(self) -> int:
@@ -140,25 +144,45 @@ class FrameBatches(IterableDataset):
                                  "(batch_size, seed, number of processes) of the run that saved it")
             log.info("resuming epoch %d after its first %d of %d batches", epoch, skip, len(batches))
         self._resume = None
-        self._epoch, self._drawn = epoch, skip
         for frames in batches[skip:]:
             x = splice(self.feats, self.offsets, frames, self.context)
-            self._drawn += 1
             yield {"x": torch.from_numpy(x), "y": torch.from_numpy(self.targets[frames].astype(np.int64))}
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "batches": self._drawn}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._resume = (int(state["epoch"]), int(state["batches"]))
 
 
 class ResumableLoader(DataLoader):
-    """A ``DataLoader`` over :class:`FrameBatches` with its position in the epoch as state:
-    Lightning saves ``state_dict()`` in checkpoints and calls ``load_state_dict()`` on resume."""
+    """A ``DataLoader`` over :class:`FrameBatches` or ``StreamingFrameBatches`` with its position in
+    the epoch as state: Lightning saves ``state_dict()`` in checkpoints and calls
+    ``load_state_dict()`` on resume. The position is counted here, in the process that consumes
+    the batches, so it is right with a reading-ahead worker process (``num_workers=1``) too.
+    More workers would each produce the whole epoch, so 0 or 1 only.
+    """
+
+    def __init__(self, dataset: IterableDataset, num_workers: int = 0) -> None:
+        if num_workers not in (0, 1):
+            raise ValueError(f"num_workers={num_workers}: the frame loaders take 0 (batches made in the training "
+                             "process) or 1 (one process reading ahead); more would repeat the epoch")
+        super().__init__(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=4 if num_workers else None)
+        self._epoch, self._drawn = -1, 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        epoch, resume = self.dataset.epoch_fn(), self.dataset._resume
+        skip = resume[1] if resume is not None and resume[0] == epoch else 0
+        batches = super().__iter__()  # a worker starts here, with the dataset's resume point
+        if self.num_workers:
+            self.dataset._resume = None  # (without workers the dataset clears it when it starts)
+        self._epoch, self._drawn = epoch, skip
+        return self._counted(batches)
+
+    def _counted(self, batches: Iterator) -> Iterator[dict[str, torch.Tensor]]:
+        for batch in batches:
+            self._drawn += 1
+            yield batch
 
     def state_dict(self) -> dict[str, int]:
-        return self.dataset.state_dict()
+        return {"epoch": self._epoch, "batches": self._drawn}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.dataset.load_state_dict(state)
@@ -212,14 +236,33 @@ class AsrDataModule(LightningDataModule):
         warmup_fraction: Strom's gentler start: this fraction of epoch 1 uses ``warmup_batch_size``.
         warmup_batch_size: the smaller batch of the first part of epoch 1.
         seed: seed of the frame permutation (combined with the epoch).
+        loader: ``memory`` (every training frame in memory) or ``stream`` (a bounded frame
+            shuffle buffer fed by Lhotse's cut sampler; ``local.dnn.stream``).
+        buffer_frames: ``stream``: undrawn frames the shuffle buffer holds before each batch.
+        chunk_seconds: ``stream``: speech per chunk of cuts taken from the sampler.
+        cut_shuffle_buffer: ``stream``: cuts in Lhotse's shuffling reservoir.
+        num_workers: 0 (training batches made in the training process) or 1 (one process reads
+            ahead, overlapping feature reading with the training step).
     """
 
     def __init__(self, data_dir: str | None = None,
                  features: Literal["fbank_fmllr", "fbank", "mfcc_fmllr"] = "fbank_fmllr", context: int = 8, batch_size: int = 256, dev_batch_size: int = 4096, warmup_fraction: float = 0.0,
-                 warmup_batch_size: int = 64, seed: int = 0) -> None:
+                 warmup_batch_size: int = 64, seed: int = 0, loader: Literal["memory", "stream"] = "memory",
+                 buffer_frames: int = 100_000, chunk_seconds: float = 30.0, cut_shuffle_buffer: int = 2000,
+                 num_workers: int = 0) -> None:
         super().__init__()
         if features not in FEATURES:
             raise ValueError(f"features={features!r}; use one of {FEATURES}")
+        if loader not in ("memory", "stream"):
+            raise ValueError(f"loader={loader!r}; use 'memory' or 'stream'")
+        if loader == "stream" and features == "mfcc_fmllr":
+            raise ValueError("loader='stream' needs a per-cut front end; features='mfcc_fmllr' normalises each "
+                             "speaker over the whole split: use loader='memory' or features fbank/fbank_fmllr")
+        if num_workers not in (0, 1):
+            raise ValueError(f"num_workers={num_workers}: use 0 or 1 (one process reading ahead)")
+        if buffer_frames < 1 or chunk_seconds <= 0 or cut_shuffle_buffer < 1:
+            raise ValueError(f"bad streaming settings: buffer_frames={buffer_frames} (>= 1), chunk_seconds="
+                             f"{chunk_seconds} (> 0), cut_shuffle_buffer={cut_shuffle_buffer} (>= 1)")
         if context < 0 or batch_size < 1 or dev_batch_size < 1 or not 0.0 <= warmup_fraction <= 1.0:
             raise ValueError(f"bad data settings: context={context} (>= 0), batch_size={batch_size} (>= 1), "
                              f"dev_batch_size={dev_batch_size} (>= 1), warmup_fraction={warmup_fraction} (0..1)")
@@ -257,6 +300,8 @@ class AsrDataModule(LightningDataModule):
 
     def setup(self, stage: str) -> None:
         for split in ("train", "dev"):
+            if split == "train" and self.hparams.loader == "stream":
+                continue
             if split not in self.splits:
                 self.splits[split] = load_split(self.data_dir / "ali" / f"{split}_cuts.jsonl.gz", self.front_end,
                                                 split, allow_empty=split == "dev")
@@ -275,10 +320,27 @@ class AsrDataModule(LightningDataModule):
     def _epoch(self) -> int:
         return self.trainer.current_epoch if self.trainer is not None else 0
 
+    def load_cut(self, cut) -> tuple[np.ndarray, np.ndarray]:
+        """One aligned cut's front-end frames ``[T, F]`` and pdf-ids ``[T]`` (the streaming loader's reader)."""
+        (_, feats), = self.front_end([cut], "train")
+        ali = np.asarray(cut.load_custom("pdf_ali"))
+        if len(ali) != len(feats):
+            raise ValueError(f"cut {cut.id}: {len(feats)} feature frames but {len(ali)} pdf_ali entries; "
+                             "features and alignments must come from the same framing (re-run stage 6)")
+        return feats, ali.astype(np.int32)
+
     def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        if hp.loader == "stream":
+            def layout(share: int, epoch: int) -> list[tuple[int, int]]:
+                warm = int(hp.warmup_fraction * share) if epoch == 0 else 0
+                return batch_bounds([share], 0, hp.batch_size, warm, hp.warmup_batch_size)
+
+            return ResumableLoader(StreamingFrameBatches(
+                self.data_dir / "ali" / "train_cuts.jsonl.gz", self.load_cut, hp.context, layout, self._epoch,
+                self._rank, hp.seed, hp.buffer_frames, hp.chunk_seconds, hp.cut_shuffle_buffer), hp.num_workers)
         feats, targets, offsets = self.splits["train"]
         rank, world = self._rank()
-        hp = self.hparams
         warm = int(hp.warmup_fraction * len(feats) / world)
 
         def batches(epoch: int) -> list[np.ndarray]:
@@ -286,7 +348,7 @@ class AsrDataModule(LightningDataModule):
                                  warmup_frames=warm if epoch == 0 else 0, warmup_batch_size=hp.warmup_batch_size)
 
         return ResumableLoader(FrameBatches(feats, targets, offsets, hp.context, batches, self._epoch),
-                               batch_size=None)
+                               hp.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
         feats, targets, offsets = self.splits["dev"]

@@ -1,0 +1,135 @@
+"""Peak memory and throughput of the DNN's training loaders as the corpus grows.
+
+    python recipes/asr/bench_loader.py --data-dir data/synthetic-default --out docs/loader
+
+Each measurement runs in a fresh Python process (peak RSS is per process: ``ru_maxrss`` after
+the run, imports included), draws ``--batches`` training batches and reports frames/s:
+
+- ``memory`` (``--data.loader memory``) on the corpus and on copies of it repeated to each of
+  ``--memory-hours`` (a manifest file of repeated cuts with new ids); its memory grows with the
+  corpus, so it is measured only where it fits;
+- ``stream`` (``--data.loader stream``) on the corpus and on a lazy manifest of its cuts repeated
+  to each of ``--stream-hours`` (Lhotse's ``CutSet.repeat`` over the manifest file, new cut ids:
+  the same code path as a real manifest of that size, the same speakers and features).
+
+Frames/s counts the loader alone, after ``setup_s`` (``memory``: reading the split into memory;
+``stream``: counting the manifest's frames for the epoch's length). Peak RSS of the training
+process, and of the reading-ahead worker where there is one (``ru_maxrss`` of the children). Writes ``<out>.json`` and ``<out>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def measure(data_dir: str, loader: str, hours: float | None, batches: int, batch_size: int, buffer_frames: int,
+            workers: int) -> dict:
+    """One measurement, in this process."""
+    sys.path.insert(0, str(HERE))
+    from lhotse import CutSet
+    from local.dnn.datamodule import AsrDataModule, ResumableLoader, batch_bounds, load_split
+    from local.dnn.stream import StreamingFrameBatches
+
+    dm = AsrDataModule(data_dir, loader=loader, batch_size=batch_size, buffer_frames=buffer_frames,
+                       num_workers=workers)
+    path = Path(data_dir) / "ali" / "train_cuts.jsonl.gz"
+    corpus_hours = sum(c.duration for c in CutSet.from_jsonl_lazy(path)) / 3600
+    times = max(1, round(hours / corpus_hours)) if hours else 1
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        if loader == "memory":
+            if times > 1:
+                repeated = Path(tmp) / "train_cuts.jsonl.gz"
+                CutSet.from_jsonl_lazy(path).repeat(times, preserve_id=False).to_file(repeated)
+                path = repeated
+            dm.splits["train"] = load_split(path, dm.front_end, "train")
+            dl = dm.train_dataloader()
+        else:
+            def layout(share: int, epoch: int) -> list[tuple[int, int]]:
+                return batch_bounds([share], 0, batch_size)
+
+            source = (lambda: CutSet.from_jsonl_lazy(path).repeat(times, preserve_id=False)) if times > 1 else path
+            ds = StreamingFrameBatches(source, dm.load_cut, 8, layout, lambda: 0, lambda: (0, 1), 0,
+                                       buffer_frames, dm.hparams.chunk_seconds, dm.hparams.cut_shuffle_buffer)
+            dl = ResumableLoader(ds, workers)
+        epoch_batches = len(dl)  # stream: counts the manifest's frames
+        setup_s = time.perf_counter() - start
+        start = time.perf_counter()
+        frames = drawn = 0
+        for batch in dl:
+            frames += len(batch["y"])
+            drawn += 1
+            if drawn == batches:
+                break
+        seconds = time.perf_counter() - start
+    peak = getattr(getattr(dl.dataset, "last_buffer", None), "peak_resident", None)
+    return {"loader": loader, "workers": workers, "hours": round(corpus_hours * times, 2), "repeats": times,
+            "epoch_batches": epoch_batches, "batches": drawn, "frames": frames, "setup_s": round(setup_s, 2),
+            "seconds": round(seconds, 2), "frames_per_s": round(frames / seconds),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "worker_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024) if workers else 0,
+            "buffer_peak_resident_frames": peak}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", default="data/synthetic-default", help="a recipe data dir with ali/ (stage 6)")
+    parser.add_argument("--out", default="docs/loader", help="writes <out>.json and <out>.md")
+    parser.add_argument("--batches", type=int, default=3000, help="training batches drawn per measurement")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--buffer-frames", type=int, default=100_000)
+    parser.add_argument("--memory-hours", type=float, nargs="*", default=[10.0],
+                        help="corpus sizes (hours, by repeating cuts) for the in-memory loader, besides the corpus")
+    parser.add_argument("--stream-hours", type=float, nargs="*", default=[100.0, 1000.0],
+                        help="corpus sizes (hours, by repeating cuts) for the streaming loader, besides the corpus")
+    parser.add_argument("--workers", type=int, nargs="*", default=[0, 1], help="streaming loader worker settings")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one measurement as JSON
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure(args.data_dir, **json.loads(args.one))))
+        return 0
+    if not (Path(args.data_dir) / "ali" / "train_cuts.jsonl.gz").exists():
+        parser.error(f"--data-dir {args.data_dir}: no ali/train_cuts.jsonl.gz; run recipes/asr/prepare.py (stages 0-7)")
+    plan = [("memory", None, 0), *[("memory", h, 0) for h in args.memory_hours]]
+    plan += [("stream", h, w) for h in [None, *args.stream_hours] for w in args.workers]
+    rows = []
+    for loader, hours, workers in plan:
+        spec = {"loader": loader, "hours": hours, "batches": args.batches, "batch_size": args.batch_size,
+                "buffer_frames": args.buffer_frames, "workers": workers}
+        print(f"bench_loader: {loader} loader, {hours or 'corpus'} h, {workers} workers ...", flush=True)
+        done = subprocess.run([sys.executable, __file__, "--data-dir", args.data_dir, "--one", json.dumps(spec)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"bench_loader: the {loader} measurement at {hours} h failed:\n{done.stderr[-3000:]}")
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"  {row['hours']} h: {row['frames_per_s']} frames/s, peak RSS {row['peak_rss_mb']} MB, "
+              f"setup {row['setup_s']} s", flush=True)
+        rows.append(row)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python recipes/asr/bench_loader.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    header = (f"`{command}` ({time.strftime('%Y-%m-%d')}; {args.batches} batches of {args.batch_size} frames per "
+              f"row, buffer {args.buffer_frames} frames)")
+    columns = ("| loader | workers | corpus (h) | setup (s) | frames/s | peak RSS (MB) | worker peak RSS (MB) | "
+               "buffer peak (frames) |")
+    lines = [header, "", columns, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['loader']} | {r['workers']} | {r['hours']} | {r['setup_s']} | {r['frames_per_s']:,} | "
+                     f"{r['peak_rss_mb']:,} | {r['worker_peak_rss_mb'] or ''} | {r['buffer_peak_resident_frames'] or ''} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

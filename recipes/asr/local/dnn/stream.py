@@ -1,0 +1,287 @@
+"""Streaming training frames: Lhotse's cut sampler feeds a frame shuffle buffer of bounded size.
+
+The in-memory loader (``datamodule.FrameBatches``) holds every training frame of the corpus; this
+one holds only what its buffer needs, so memory does not grow with the corpus::
+
+    lazy manifest ──DynamicCutSampler──▶ chunks of cuts ──▶ FrameBuffer ──▶ batches of windows
+    (CutSet.from_jsonl_lazy)  (shuffled by Lhotse's             (tickets: one per frame not yet
+                               reservoir, this rank's share     drawn; each batch draws tickets
+                               of every world_size chunks)      uniformly at random)
+
+- Cut order: ``lhotse.dataset.DynamicCutSampler`` (``shuffle=True``, seeded by ``seed`` and the
+  epoch through ``set_epoch``, ``rank``/``world_size`` from the trainer) yields this rank's chunks
+  of about ``chunk_seconds`` of speech; the chunks of all ranks are disjoint and cover the split.
+- Frame order: before each batch the buffer is filled until it holds ``buffer_frames`` undrawn
+  frames (or the rank's share is exhausted), then the batch takes that many frames uniformly at
+  random among the undrawn ones. A frame's cut stays in memory (one ``[T, F]`` array in an
+  arena) until its last frame is drawn, so the resident frames are a small multiple of
+  ``buffer_frames`` (about ``ln T`` for cuts of ``T`` frames), whatever the corpus size.
+- Equal batch counts on every rank (DDP/GTC need them), with no exchange: cut-level sharding gives
+  the ranks slightly different numbers of frames, so every rank lays out the nominal share (the
+  split's frames / world size, counted once from the manifest) in batches as the in-memory loader
+  does and draws those sizes until its share of cuts runs out; from then on it knows exactly how
+  many frames are left and splits them evenly over the batches left (:func:`even_split`). The
+  same number of batches everywhere and in every epoch, no frame left out, and batch sizes off
+  the nominal ones only by (share - nominal share) / (batches left), a few frames with the
+  default buffer. Should a rank's share outlast the layout (a buffer smaller than the imbalance),
+  its last batch takes the rest.
+- Deterministic per ``(seed, epoch, rank)``. Resuming mid-epoch replays the epoch's draws on
+  frame counts alone and loads the features of the cuts still in the buffer: skipping ``k``
+  batches reads only the manifest.
+
+Only the per-cut front ends stream (``fbank``, ``fbank_fmllr``); ``mfcc_fmllr`` normalises each
+speaker over the whole split and needs the in-memory loader.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+log = logging.getLogger(__name__)
+
+
+class FrameBuffer:
+    """Undrawn frames ("tickets") of the cuts put in, drawn uniformly at random in batches.
+
+    Each cut gets a slot; its frames are loaded into an arena only when one of its tickets is
+    first drawn (``load_fn(key) -> (feats [T, F], targets [T])``), and the slot is freed (and
+    reused) when its last ticket is drawn. Drawing alone (a replay on frame counts) loads nothing.
+    Every array here is sized by what the buffer holds, never by the corpus.
+
+    Args:
+        context: frames on each side of a window's centre (clamped inside the cut).
+        rng: the generator that picks the frames.
+    """
+
+    def __init__(self, context: int, rng: np.random.Generator) -> None:
+        self.context, self.rng = context, rng
+        self.tickets = np.zeros((2, 1024), np.int64)  # [slot, frame within the slot's cut] per undrawn frame
+        self.pending = 0
+        self.keys: list[object] = []                  # per slot: what load_fn needs (the cut)
+        self.length = np.zeros(0, np.int64)           # per slot: frames of its cut
+        self.left = np.zeros(0, np.int64)             # per slot: tickets not yet drawn
+        self.start = np.zeros(0, np.int64)            # per slot: first arena row, -1 until loaded
+        self.free: list[int] = []
+        self.arena = np.zeros((0, 0), np.float32)
+        self.arena_targets = np.zeros(0, np.int32)
+        self.used = 0                                 # arena rows in use (bump allocation, then compaction)
+        self.resident = 0                             # frames of the loaded cuts
+        self.peak_resident = 0                        # most frames ever held at once
+
+    def _new_slot(self) -> int:
+        if self.free:
+            return self.free.pop()
+        slot = len(self.keys)
+        self.keys.append(None)
+        if slot >= len(self.length):
+            grow = max(64, len(self.length))
+            self.length, self.left = (np.concatenate([a, np.zeros(grow, np.int64)]) for a in (self.length, self.left))
+            self.start = np.concatenate([self.start, np.full(grow, -1, np.int64)])
+        return slot
+
+    def put(self, key: object, num_frames: int) -> None:
+        """Adds a cut of ``num_frames`` frames (no data read yet)."""
+        if num_frames <= 0:
+            return
+        slot = self._new_slot()
+        self.keys[slot], self.length[slot], self.left[slot], self.start[slot] = key, num_frames, num_frames, -1
+        end = self.pending + num_frames
+        if end > self.tickets.shape[1]:
+            grown = np.zeros((2, max(end, 2 * self.tickets.shape[1])), np.int64)
+            grown[:, :self.pending] = self.tickets[:, :self.pending]
+            self.tickets = grown
+        self.tickets[0, self.pending:end] = slot
+        self.tickets[1, self.pending:end] = np.arange(num_frames)
+        self.pending = end
+
+    def draw(self, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Takes ``size`` tickets uniformly at random: their ``(slots, frames)``."""
+        n = self.pending
+        if not 0 < size <= n:
+            raise ValueError(f"asked for {size} frames, {n} left")
+        pick = self.rng.choice(n, size=size, replace=False)
+        slots, frames = self.tickets[0, pick], self.tickets[1, pick]
+        # fill the holes below n - size with the unpicked tickets at or above it
+        tail = np.ones(size, bool)
+        tail[pick[pick >= n - size] - (n - size)] = False
+        holes = pick[pick < n - size]
+        self.tickets[:, holes] = self.tickets[:, n - size + np.flatnonzero(tail)]
+        self.pending = n - size
+        return slots, frames
+
+    def release(self, slots: np.ndarray) -> None:
+        """Counts drawn tickets off their slots; frees the slots with none left."""
+        np.subtract.at(self.left, slots, 1)
+        for s in np.unique(slots[self.left[slots] == 0]).tolist():
+            if self.start[s] >= 0:
+                self.resident -= int(self.length[s])
+            self.keys[s], self.start[s] = None, -1
+            self.free.append(s)
+
+    def _load(self, slots: np.ndarray, load_fn: Callable[[object], tuple[np.ndarray, np.ndarray]]) -> None:
+        for s in np.unique(slots[self.start[slots] < 0]).tolist():
+            feats, targets = load_fn(self.keys[s])
+            n = int(self.length[s])
+            if len(feats) != n:
+                raise ValueError(f"cut {getattr(self.keys[s], 'id', self.keys[s])}: the manifest says {n} "
+                                 f"frames, its features have {len(feats)}; re-run stage 6")
+            self._reserve(n, feats.shape[1])
+            self.start[s] = self.used
+            self.arena[self.used:self.used + n] = feats
+            self.arena_targets[self.used:self.used + n] = targets
+            self.used += n
+            self.resident += n
+            self.peak_resident = max(self.peak_resident, self.resident)
+
+    def _reserve(self, rows: int, dim: int) -> None:
+        """Room for ``rows`` more rows: compact the loaded cuts to the front, grow if still short."""
+        if self.used + rows <= len(self.arena):
+            return
+        live = np.flatnonzero(self.start >= 0)
+        live = live[np.argsort(self.start[live])]
+        index = (np.concatenate([np.arange(self.start[s], self.start[s] + self.length[s]) for s in live])
+                 if len(live) else np.zeros(0, np.int64))
+        feats, targets = self.arena[index], self.arena_targets[index]
+        need = len(index) + rows
+        if need > 0.8 * len(self.arena):  # grow by a quarter beyond the need: bounded, few compactions
+            self.arena = np.empty((max(int(1.25 * need), 4096), dim), np.float32)
+            self.arena_targets = np.empty(len(self.arena), np.int32)
+        if len(index):
+            self.arena[:len(index)], self.arena_targets[:len(index)] = feats, targets
+        self.start[live] = np.concatenate([[0], np.cumsum(self.length[live])[:-1]]) if len(live) else live
+        self.used = len(index)
+
+    def windows(self, slots: np.ndarray, frames: np.ndarray,
+                load_fn: Callable[[object], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        """The spliced windows ``[B, (2*context+1)*F]`` and targets ``[B]`` of drawn tickets."""
+        self._load(slots, load_fn)
+        first = self.start[slots]
+        last = first + self.length[slots] - 1
+        centre = first + frames
+        window = np.clip(centre[:, None] + np.arange(-self.context, self.context + 1)[None, :],
+                         first[:, None], last[:, None])
+        return self.arena[window].reshape(len(slots), -1), self.arena_targets[centre]
+
+
+def even_split(frames: int, batches: int) -> list[int]:
+    """``frames`` in ``batches`` sizes that differ by at most one (the larger ones first)."""
+    q, r = divmod(frames, batches)
+    return [q + 1] * r + [q] * (batches - r)
+
+
+class StreamingFrameBatches(IterableDataset):
+    """One epoch of this rank's batches from a lazy Lhotse manifest (schema: ``datamodule``).
+
+    Args:
+        cuts: aligned cuts (``ali/train_cuts.jsonl.gz``), read lazily; or a function returning a
+            lazy ``CutSet`` (e.g. ``lambda: CutSet.from_jsonl_lazy(path).repeat(400, preserve_id=False)``).
+        load_fn: ``cut -> (frames [T, F] float32, pdf-ids [T])`` (front end + alignment).
+        context: frames each side of the centre.
+        batch_fn: ``(share, epoch) -> [(start, end), ...]``: the batch layout of a share of
+            ``share`` frames (the nominal share, the same on every rank).
+        epoch_fn, rank_fn: the trainer's epoch; ``(rank, world_size)``.
+        seed: seeds the sampler and the buffer with the epoch.
+        buffer_frames: undrawn frames the buffer is filled to before each batch.
+        chunk_seconds: speech per chunk of cuts from the sampler.
+        cut_shuffle_buffer: cuts in Lhotse's shuffling reservoir.
+    """
+
+    def __init__(self, cuts: Path | str | Callable, load_fn: Callable, context: int, batch_fn: Callable,
+                 epoch_fn: Callable[[], int], rank_fn: Callable[[], tuple[int, int]], seed: int,
+                 buffer_frames: int, chunk_seconds: float, cut_shuffle_buffer: int) -> None:
+        if buffer_frames < 1 or chunk_seconds <= 0 or cut_shuffle_buffer < 1:
+            raise ValueError(f"bad streaming settings: buffer_frames={buffer_frames} (>= 1), chunk_seconds="
+                             f"{chunk_seconds} (> 0), cut_shuffle_buffer={cut_shuffle_buffer} (>= 1)")
+        if not callable(cuts) and not Path(cuts).exists():
+            raise ValueError(f"No such file: {cuts}; run `python recipes/asr/prepare.py` (stages 0-6) first")
+        self.cuts, self.load_fn, self.context = cuts, load_fn, context
+        self.batch_fn, self.epoch_fn, self.rank_fn, self.seed = batch_fn, epoch_fn, rank_fn, seed
+        self.buffer_frames, self.chunk_seconds, self.cut_shuffle_buffer = buffer_frames, chunk_seconds, cut_shuffle_buffer
+        self._resume: tuple[int, int] | None = None
+        self._total: int | None = None
+        self.last_buffer: FrameBuffer | None = None
+
+    def manifest(self):
+        """The lazy ``CutSet`` of the split."""
+        from lhotse import CutSet
+
+        return self.cuts() if callable(self.cuts) else CutSet.from_jsonl_lazy(self.cuts)
+
+    def chunks(self, epoch: int) -> Iterator:
+        """This rank's chunks of cuts for ``epoch`` (lazy: no features read)."""
+        from lhotse.dataset import DynamicCutSampler
+
+        rank, world = self.rank_fn()
+        sampler = DynamicCutSampler(self.manifest(), max_duration=self.chunk_seconds,
+                                    shuffle=True, shuffle_buffer_size=self.cut_shuffle_buffer, seed=self.seed,
+                                    rank=rank, world_size=world, drop_last=False)
+        sampler.set_epoch(epoch)
+        yield from sampler
+
+    def total_frames(self) -> int:
+        """Frames of the whole split, from the manifest (counted once)."""
+        if self._total is None:
+            self._total = sum(cut.num_frames for cut in self.manifest())
+        return self._total
+
+    def nominal(self, epoch: int) -> list[tuple[int, int]]:
+        """The batch layout every rank shares (its length is the epoch's number of batches)."""
+        _, world = self.rank_fn()
+        if self.total_frames() < world:
+            raise ValueError(f"{self.cuts}: {self.total_frames()} frames for {world} ranks; use fewer devices")
+        return self.batch_fn(self.total_frames() // world, epoch)
+
+    def __len__(self) -> int:
+        return len(self.nominal(self.epoch_fn()))
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        epoch = self.epoch_fn()
+        rank, _ = self.rank_fn()
+        sizes = [end - start for start, end in self.nominal(epoch)]
+        skip = 0
+        if self._resume is not None and self._resume[0] == epoch:
+            skip = self._resume[1]
+            if not 0 <= skip <= len(sizes):
+                raise ValueError(f"the checkpoint's data position ({skip} batches into epoch {epoch}) is past "
+                                 f"this run's {len(sizes)} batches per epoch: resume with the data settings "
+                                 "(batch_size, seed, buffer, number of processes) of the run that saved it")
+            log.info("resuming epoch %d after its first %d of %d batches (replayed on frame counts)",
+                     epoch, skip, len(sizes))
+        self._resume = None
+        buffer = self.last_buffer = FrameBuffer(self.context, np.random.default_rng([self.seed, epoch, rank, 7]))
+        stream = (cut for chunk in self.chunks(epoch) for cut in chunk)
+        exhausted = False
+        for i in range(len(sizes)):
+            while not exhausted and buffer.pending < max(self.buffer_frames, sizes[i]):
+                cut = next(stream, None)
+                if cut is None:
+                    exhausted = True
+                    left = len(sizes) - i
+                    if buffer.pending < left:
+                        raise ValueError(
+                            f"epoch {epoch}: this rank's share of the cuts ran out with {buffer.pending} frames "
+                            f"for the {left} batches left (every rank draws {len(sizes)}): the cuts are too few "
+                            "or too long for this many ranks; lower --data.chunk_seconds or use --data.loader memory")
+                    sizes[i:] = even_split(buffer.pending, left)
+                    break
+                buffer.put(cut, cut.num_frames)
+            if i == len(sizes) - 1 and not exhausted:  # the share outlasts the layout: the rest joins the last batch
+                for cut in stream:
+                    buffer.put(cut, cut.num_frames)
+                sizes[i] = buffer.pending
+            slots, frames = buffer.draw(sizes[i])
+            if i >= skip:
+                x, y = buffer.windows(slots, frames, self.load_fn)
+                buffer.release(slots)
+                yield {"x": torch.from_numpy(x), "y": torch.from_numpy(y.astype(np.int64))}
+            else:
+                buffer.release(slots)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = (int(state["epoch"]), int(state["batches"]))

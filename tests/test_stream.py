@@ -1,0 +1,168 @@
+"""The streaming frame loader (``local.dnn.stream``): coverage, equal batch counts, determinism,
+mid-epoch resume, bounded memory, and training through it (1 process and 2 forked ranks)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lhotse import CutSet
+from local.dnn.datamodule import AsrDataModule, ResumableLoader, batch_bounds, splice
+from local.dnn.stream import FrameBuffer, StreamingFrameBatches, even_split
+from test_train import ROOT, _run, write_aligned_dir
+
+
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory) -> Path:
+    return write_aligned_dir(tmp_path_factory.mktemp("stream") / "d", {"train": 40, "dev": 8})
+
+
+def tagged(cut) -> tuple[np.ndarray, np.ndarray]:
+    """Frames that say where they come from: bin 0 the cut's number, bin 1 the frame's index."""
+    n = cut.num_frames
+    feats = np.stack([np.full(n, int(cut.id.split("-")[-1].split("_")[0])), np.arange(n)], 1)
+    return feats.astype(np.float32), np.arange(n, dtype=np.int32)
+
+
+def dataset(cuts, rank=0, world=1, epoch=0, seed=0, batch=16, buffer=64, load_fn=tagged, context=0):
+    def layout(share, ep):
+        return batch_bounds([share], 0, batch)
+
+    return StreamingFrameBatches(cuts, load_fn, context, layout, lambda: epoch, lambda: (rank, world), seed,
+                                 buffer_frames=buffer, chunk_seconds=0.3, cut_shuffle_buffer=8)
+
+
+def frames_of(batches) -> list[tuple[int, int]]:
+    return [(int(c), int(f)) for b in batches for c, f in b["x"].numpy().reshape(-1, 2)]
+
+
+def test_buffer_draws_every_frame_once_and_splices_like_the_in_memory_loader():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 30, size=60)
+    data = [rng.standard_normal((n, 3)).astype(np.float32) for n in lengths]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    feats = np.concatenate(data)
+    buf = FrameBuffer(context=2, rng=np.random.default_rng(1))
+    loaded, drawn, cuts = [], [], iter(range(len(data)))
+    while True:  # keep about 40 frames undrawn, draw 7 at a time: many loads, frees and compactions
+        while buf.pending < 40 and (c := next(cuts, None)) is not None:
+            buf.put(c, int(lengths[c]))
+        if buf.pending == 0:
+            break
+        slots, frames = buf.draw(min(7, buf.pending))
+        x, y = buf.windows(slots, frames, lambda c: (loaded.append(c), (data[c], np.full(len(data[c]), c)))[1])
+        cut_of = y.astype(np.int64)
+        np.testing.assert_array_equal(x, splice(feats, offsets, offsets[cut_of] + frames, 2))
+        drawn += list(zip(cut_of.tolist(), frames.tolist(), strict=True))
+        buf.release(slots)
+    assert sorted(drawn) == [(c, f) for c in range(len(data)) for f in range(lengths[c])]
+    assert sorted(loaded) == list(range(len(data))), "each cut is read once"
+    assert buf.resident == 0 and buf.free != [] and buf.peak_resident < feats.shape[0] / 2
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ranks_cover_the_split_once_with_equal_batch_counts(aligned, world):
+    cuts = aligned / "ali" / "train_cuts.jsonl.gz"
+    per_rank = [list(dataset(cuts, rank=r, world=world)) for r in range(world)]
+    assert len({len(b) for b in per_rank}) == 1, "every rank must draw the same number of batches"
+    assert len(per_rank[0]) == len(dataset(cuts, world=world))
+    got = sorted(f for batches in per_rank for f in frames_of(batches))
+    want = sorted((int(c.id.split("-")[-1]), f) for c in CutSet.from_file(cuts) for f in range(c.num_frames))
+    assert got == want
+    sizes = [len(b["y"]) for batches in per_rank for b in batches]
+    assert min(sizes) >= 1 and max(sizes) <= 16 + 16, sizes
+
+
+def test_even_split():
+    assert even_split(10, 3) == [4, 3, 3] and sum(even_split(1001, 17)) == 1001
+
+
+def test_deterministic_per_seed_and_epoch_and_resumes_mid_epoch(aligned):
+    cuts = aligned / "ali" / "train_cuts.jsonl.gz"
+    full = frames_of(dataset(cuts, epoch=1))
+    assert full == frames_of(dataset(cuts, epoch=1))
+    assert full != frames_of(dataset(cuts, epoch=0)) and full != frames_of(dataset(cuts, epoch=1, seed=5))
+    batches = list(dataset(cuts, epoch=1))
+    resumed = dataset(cuts, epoch=1)
+    resumed.load_state_dict({"epoch": 1, "batches": 7})
+    rest = list(resumed)
+    assert len(rest) == len(batches) - 7
+    for a, b in zip(rest, batches[7:], strict=True):
+        assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"])
+    bad = dataset(cuts, epoch=1)
+    bad.load_state_dict({"epoch": 1, "batches": 10_000})
+    with pytest.raises(ValueError, match="past this run's"):
+        list(bad)
+
+
+def test_memory_is_bounded_by_the_buffer_not_the_manifest(aligned):
+    path = aligned / "ali" / "train_cuts.jsonl.gz"
+    peaks = {}
+    for times in (1, 12):
+        ds = dataset(lambda t=times: CutSet.from_jsonl_lazy(path).repeat(t, preserve_id=False), buffer=64)
+        n = sum(len(b["y"]) for b in ds)
+        assert n == times * sum(c.num_frames for c in CutSet.from_file(path))
+        peaks[times] = ds.last_buffer.peak_resident
+    assert peaks[12] <= 2 * peaks[1] + 40, peaks  # 12x the frames, the same bound (+ one cut)
+    assert peaks[12] < n / 10
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_loader_position_is_counted_where_batches_are_consumed(aligned, workers):
+    cuts = aligned / "ali" / "train_cuts.jsonl.gz"
+    everything = list(dataset(cuts, epoch=2))
+    loader = ResumableLoader(dataset(cuts, epoch=2), num_workers=workers)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = loader.state_dict()
+    assert state == {"epoch": 2, "batches": 5}
+    again = ResumableLoader(dataset(cuts, epoch=2), num_workers=workers)
+    again.load_state_dict(state)
+    rest = list(again)
+    assert [b["x"].tolist() for b in rest] == [b["x"].tolist() for b in everything[5:]]
+    assert again.state_dict() == {"epoch": 2, "batches": len(everything)}
+
+
+def test_bad_settings_name_the_fix(aligned):
+    with pytest.raises(ValueError, match="mfcc_fmllr"):
+        AsrDataModule(str(aligned), features="mfcc_fmllr", loader="stream")
+    with pytest.raises(ValueError, match="num_workers=2"):
+        AsrDataModule(str(aligned), num_workers=2)
+    with pytest.raises(ValueError, match="buffer_frames=0"):
+        AsrDataModule(str(aligned), loader="stream", buffer_frames=0)
+    with pytest.raises(ValueError, match="No such file"):
+        dataset(aligned / "nothing.jsonl.gz")
+    errors = []  # 40 cuts of 5-40 frames over 30 ranks: some shares hold fewer frames than the batches
+    for rank in range(30):
+        try:
+            list(dataset(aligned / "ali" / "train_cuts.jsonl.gz", world=30, rank=rank, batch=1, buffer=1))
+        except ValueError as exc:
+            errors.append(str(exc))
+    assert errors and all("too few or too long" in e and "--data.loader memory" in e for e in errors)
+
+
+def test_streamed_frames_match_the_in_memory_loader(aligned):
+    mem = AsrDataModule(str(aligned), batch_size=16)
+    mem.setup("fit")
+    feats, _, offsets = mem.splits["train"]
+    stream = AsrDataModule(str(aligned), batch_size=16, loader="stream", buffer_frames=50, chunk_seconds=0.3)
+    stream.setup("fit")
+    assert "train" not in stream.splits
+    x = torch.cat([b["x"] for b in stream.train_dataloader()]).numpy()
+    want = splice(feats, offsets, np.arange(len(feats)), 8)  # the same windows, in another order
+    assert x.shape == want.shape
+    key = lambda a: np.lexsort(a.T[::-1])
+    np.testing.assert_array_equal(x[key(x)], want[key(want)])
+
+
+@pytest.mark.parametrize("strategy,devices", [("single", 1), ("gtc_fork", 2)])
+def test_training_streams(aligned, tmp_path, strategy, devices):
+    args = ["--config", str(ROOT / "conf" / "tiny.yaml"), "--data.data_dir", str(aligned), "--exp_dir",
+            str(tmp_path), "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "null", "--data.loader", "stream", "--data.buffer_frames", "200",
+            "--data.chunk_seconds", "0.5", "--num_threads", "1"]
+    args += ["--strategy", "single"] if devices == 1 else ["--trainer.strategy", strategy, "--trainer.devices", "2"]
+    summary = _run(args)
+    assert summary["world_size"] == devices and len(summary["dev_frame_acc"]) == 2
+    per_epoch = len(dataset(aligned / "ali" / "train_cuts.jsonl.gz", world=devices, batch=32))
+    assert summary["data"]["loader"] == "stream" and summary["global_steps"] == 2 * per_epoch > 2, summary
