@@ -407,9 +407,16 @@ class RankWatch(Callback):
     :meth:`on_exception` finds the lost ranks: the launcher's children that died (popen), ranks
     whose heartbeat stopped, or rank 0 when its store no longer answers (Lightning's launchers
     start the store in rank 0). With more than 2 ranks, a rank that stopped because of the first
-    loss may be named too."""
+    loss may be named too. A rank whose own link is down (its ``GLOO_SOCKET_IFNAME`` interface not
+    up) says so instead of blaming the others.
+
+    The store is asked through a fresh connection in a thread given at most ``2.5 * period + 2 *
+    probe_timeout`` seconds: once a link is cut, a TCP store client waits forever in ``recv`` (it
+    has no timeout after connecting and a cut link sends no reset), and the heartbeat thread's
+    connection holds the client's lock while it waits, which hung the rank that was cut off."""
 
     PREFIX = "recipe_rank_watch/"
+    probe_timeout = 5.0  # seconds the diagnosis may spend connecting to the store
 
     def __init__(self, period: float = 1.0) -> None:
         self.period = period
@@ -438,11 +445,11 @@ class RankWatch(Callback):
         self._thread = threading.Thread(target=self._beat, name="rank-heartbeat", daemon=True)
         self._thread.start()
 
-    def _connect(self):
+    def _connect(self, timeout: float = 10.0):
         import torch.distributed as dist
 
         return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=10), wait_for_workers=False)
+                             timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.period):
@@ -459,36 +466,72 @@ class RankWatch(Callback):
             return
         self.lost = self.diagnose(trainer)
 
-    def _who(self, rank: int) -> str:
+    def _who(self, store, rank: int) -> str:
         try:
-            info = json.loads(self._store.get(f"{self.PREFIX}info{rank}"))
+            info = json.loads(store.get(f"{self.PREFIX}info{rank}"))
             return f"pid {info['pid']} on {info['host']}"
         except Exception:  # noqa: BLE001  (no info: say so)
             return "pid unknown"
+
+    def _silent(self, others: list[int]) -> dict[int, str]:
+        """The ranks among ``others`` whose heartbeat stood still for 2.5 periods, with their pid and
+        host, asked through a connection of its own (the heartbeat's may be stuck)."""
+        store = self._connect(self.probe_timeout)
+        before = {r: store.add(f"{self.PREFIX}beat{r}", 0) for r in others}
+        time.sleep(2.5 * self.period)
+        after = {r: store.add(f"{self.PREFIX}beat{r}", 0) for r in others}
+        return {r: self._who(store, r) for r in others if after[r] == before[r]}
 
     def diagnose(self, trainer: Trainer) -> dict[int, str]:
         lost: dict[int, str] = {}
         procs = getattr(trainer.strategy.launcher, "procs", None) or []
         first = trainer.strategy.node_rank * trainer.num_devices
-        for i, proc in enumerate(procs):  # the popen launcher's children: local ranks 1..
-            code = proc.poll()
-            if code not in (None, 0):
-                lost[first + i + 1] = f"pid {proc.pid}: {_describe_exit(code)}"
+        deadline = time.monotonic() + 1.0  # a killed child's sockets close before it can be waited for
+        while procs and not lost and time.monotonic() < deadline:
+            for i, proc in enumerate(procs):  # the popen launcher's children: local ranks 1..
+                code = proc.poll()
+                if code not in (None, 0):
+                    lost[first + i + 1] = f"pid {proc.pid}: {_describe_exit(code)}"
+            time.sleep(0.05)
         if lost:
             return lost
         others = [r for r in range(self.world) if r != self.rank]
-        try:
-            before = {r: self._store.add(f"{self.PREFIX}beat{r}", 0) for r in others}
-            time.sleep(2.5 * self.period)
-            after = {r: self._store.add(f"{self.PREFIX}beat{r}", 0) for r in others}
-        except Exception as exc:  # noqa: BLE001  (any store failure means it is gone)
-            if self.rank != 0:
-                lost[0] = f"it held the rendezvous store at {self._address}, which no longer answers: {_first_line(exc)}"
+        answer: dict[str, Any] = {}
+
+        def probe() -> None:
+            try:
+                answer["silent"] = self._silent(others)
+            except Exception as exc:  # noqa: BLE001  (any store failure means it is gone)
+                answer["error"] = exc
+
+        limit = 2.5 * self.period + 2 * self.probe_timeout
+        thread = threading.Thread(target=probe, name="rank-probe", daemon=True)
+        thread.start()
+        thread.join(limit)
+        if "silent" in answer:
+            for r, who in answer["silent"].items():
+                lost[r] = f"{who}: not responding, no heartbeat for {2.5 * self.period:.1f} s (hung, stopped or cut off)"
             return lost
-        for r in others:
-            if after[r] == before[r]:
-                lost[r] = f"{self._who(r)}: not responding, no heartbeat for {2.5 * self.period:.1f} s (hung, stopped or cut off)"
+        why = _first_line(answer["error"]) if "error" in answer else f"no answer within {limit:.1f} s"
+        link = _link_down()
+        if link:  # this rank is the one cut off: every other rank is out of reach
+            return {r: f"unreachable: {link}, so this rank is cut off from the others" for r in others}
+        if self.rank != 0:
+            lost[0] = f"it held the rendezvous store at {self._address}, which no longer answers: {why}"
         return lost
+
+
+def _link_down() -> str | None:
+    """``this rank's network link veth1 is down`` when an interface named by ``GLOO_SOCKET_IFNAME``
+    (the one gloo was told to use) is not up; None when they are up or none is named."""
+    for name in filter(None, os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")):
+        try:
+            state = Path("/sys/class/net", name, "operstate").read_text().strip()
+        except OSError:
+            return f"this rank's network interface {name} (GLOO_SOCKET_IFNAME) is gone"
+        if state not in ("up", "unknown"):  # "unknown": interfaces without carrier state, such as lo
+            return f"this rank's network link {name} (GLOO_SOCKET_IFNAME) is {state}"
+    return None
 
 
 _RESUME = {"command": None}  # how to resume this run, for messages printed on failure
