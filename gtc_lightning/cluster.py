@@ -35,6 +35,8 @@ The Python API keeps one cluster up for several commands::
         cluster.set_rate("1gbit")
         result = cluster.run([...], out="exp/c/1g")
         print(result.status, result.total["tx_bytes"])
+        cluster.set_rate("100mbit", nodes=[1])      # one slow link: a straggler
+        cluster.set_link(1, up=False)               # node 1 cut off (``ip link set veth1 down``)
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ class ProcessResult:
     wall_s: float
     stopped_by: str | None  # None (ended by itself), "timeout", "peer_failed" or "interrupted"
     log: str
+    ended_at: float | None = None  # Unix time the tool saw it end (polled every 50 ms)
 
 
 @dataclass
@@ -325,6 +328,8 @@ class Cluster:
         self.master_addr = self.addresses[0]
         # Internal state: what exists now, so that close() removes exactly that.
         self._created: list[str] = []
+        self.link_rates: list[str] = ["none"] * nodes  # each node's link as set_rate left it
+        self.links_up: list[bool] = [True] * nodes
         self._route: tuple[str, ...] | None = None
         self._lock_fd: int | None = None
         self._old_handlers: dict[int, Any] | None = None
@@ -413,25 +418,48 @@ class Cluster:
         return bits, burst_bytes, latency_s
 
     def set_rate(self, rate: str, burst: str | None = None, tbf_latency: str | None = None,
-                 *, quiet: bool = False) -> None:
-        """Shape every link, both ways, to ``rate`` (``none``: remove the shaping)."""
+                 *, nodes: Sequence[int] | None = None, quiet: bool = False) -> None:
+        """Shape every link, both ways, to ``rate`` (``none``: remove the shaping); with ``nodes``
+        only those nodes' links (a straggler), leaving the cluster's rate as it was."""
         burst = burst or self._burst
         tbf_latency = tbf_latency or self._tbf_latency
         bits, burst_bytes, latency_s = self._check_shaping(rate, burst, tbf_latency)
         if not self._started:
             raise RuntimeError("the cluster is not up: call start() or use `with Cluster(...)` first")
-        ends = [(ns, dev) for ns, dev in zip(self.namespaces, self.interfaces)]
-        ends += [(self.bridge_namespace, port) for port in self.ports]
+        chosen = range(self.nodes) if nodes is None else sorted(set(nodes))
+        if any(not 0 <= k < self.nodes for k in chosen):
+            raise ValueError(f"nodes={list(nodes)}: this cluster has nodes 0 to {self.nodes - 1}")
+        ends = [(self.namespaces[k], self.interfaces[k]) for k in chosen]
+        ends += [(self.bridge_namespace, self.ports[k]) for k in chosen]
         for ns, dev in ends:
             if bits is None:
                 _sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
             else:
                 _sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{bits}bit",
                     "burst", str(burst_bytes), "latency", f"{round(latency_s * 1e6)}us")
+        for k in chosen:
+            self.link_rates[k] = rate
+        if nodes is not None:
+            if not quiet:
+                self._say(f"link of node{'s' if len(chosen) > 1 else ''} {', '.join(map(str, chosen))} now {rate}")
+            return
         self._rate, self._burst, self._tbf_latency = rate, burst, tbf_latency
         self.rate, self.rate_bits, self.burst_bytes, self.tbf_latency_s = rate, bits, burst_bytes, latency_s
         if not quiet:
             self._say(f"links now {self._shaping_text()}")
+
+    def set_link(self, node: int, up: bool, *, quiet: bool = False) -> None:
+        """Take node ``node``'s link down (``ip link set veth<k> down`` in its namespace: the node is
+        cut off, its connected route gone) or bring it back up (address, route and shaping return)."""
+        if not self._started:
+            raise RuntimeError("the cluster is not up: call start() or use `with Cluster(...)` first")
+        if not 0 <= node < self.nodes:
+            raise ValueError(f"node={node}: this cluster has nodes 0 to {self.nodes - 1}")
+        state = "up" if up else "down"
+        _sh("ip", "-n", self.namespaces[node], "link", "set", self.interfaces[node], state)
+        self.links_up[node] = up
+        if not quiet:
+            self._say(f"node {node}: {self.interfaces[node]} {state}")
 
     def _shaping_text(self) -> str:
         if parse_rate(self._rate) is None:
@@ -507,7 +535,8 @@ class Cluster:
         """The configuration as ``cluster.json`` records it."""
         return {
             "nodes": self.nodes, "devices_per_node": self.devices_per_node, "world_size": self.world_size,
-            "rate": self.rate, "rate_bits_per_s": self.rate_bits,
+            "rate": self.rate, "rate_bits_per_s": self.rate_bits, "link_rates": list(self.link_rates),
+            "links_up": list(self.links_up),
             "burst_bytes": self.burst_bytes if self.rate_bits else None,
             "tbf_latency_s": self.tbf_latency_s if self.rate_bits else None,
             "added_delay_s": 0.0, "mtu": self.mtu, "subnet": str(self.subnet),
@@ -730,7 +759,8 @@ class _Process:
     def result(self) -> ProcessResult:
         return ProcessResult(node_rank=self.node_rank, local_rank=self.local_rank, rank=self.rank,
                              exit_code=self.popen.returncode, wall_s=round((self.end or self.start) - self.start, 3),
-                             stopped_by=self.stopped_by, log=str(self.log))
+                             stopped_by=self.stopped_by, log=str(self.log),
+                             ended_at=None if self.end is None else round(time.time() - (time.monotonic() - self.end), 3))
 
 
 def _stop(procs: list[_Process], reason: str | None, kill_after: float, hurry: threading.Event) -> None:
