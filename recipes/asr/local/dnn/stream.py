@@ -140,22 +140,23 @@ class FrameBuffer:
             self.peak_resident = max(self.peak_resident, self.resident)
 
     def _reserve(self, rows: int, dim: int) -> None:
-        """Room for ``rows`` more rows: compact the loaded cuts to the front, grow if still short."""
+        """Room for ``rows`` more rows: compact the loaded cuts to the front (in place, cut by cut),
+        into a larger arena when they would fill more than 80 % of this one."""
         if self.used + rows <= len(self.arena):
             return
         live = np.flatnonzero(self.start >= 0)
         live = live[np.argsort(self.start[live])]
-        index = (np.concatenate([np.arange(self.start[s], self.start[s] + self.length[s]) for s in live])
-                 if len(live) else np.zeros(0, np.int64))
-        feats, targets = self.arena[index], self.arena_targets[index]
-        need = len(index) + rows
+        need = int(self.length[live].sum()) + rows
+        old, old_targets = self.arena, self.arena_targets
         if need > 0.8 * len(self.arena):  # grow by a quarter beyond the need: bounded, few compactions
             self.arena = np.empty((max(int(1.25 * need), 4096), dim), np.float32)
             self.arena_targets = np.empty(len(self.arena), np.int32)
-        if len(index):
-            self.arena[:len(index)], self.arena_targets[:len(index)] = feats, targets
-        self.start[live] = np.concatenate([[0], np.cumsum(self.length[live])[:-1]]) if len(live) else live
-        self.used = len(index)
+        pos = 0
+        for s in live.tolist():  # ascending starts: in place, every move goes to a lower row
+            a, n = int(self.start[s]), int(self.length[s])
+            self.arena[pos:pos + n], self.arena_targets[pos:pos + n] = old[a:a + n], old_targets[a:a + n]
+            self.start[s], pos = pos, pos + n
+        self.used = pos
 
     def windows(self, slots: np.ndarray, frames: np.ndarray,
                 load_fn: Callable[[object], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
