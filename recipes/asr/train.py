@@ -496,6 +496,9 @@ class RankWatch(Callback):
         if lost:
             return lost
         others = [r for r in range(self.world) if r != self.rank]
+        link = _link_down()
+        if link:  # this rank is the one cut off: every other rank is out of reach
+            return {r: f"unreachable: {link}, so this rank is cut off from the others" for r in others}
         answer: dict[str, Any] = {}
 
         def probe() -> None:
@@ -513,9 +516,6 @@ class RankWatch(Callback):
                 lost[r] = f"{who}: not responding, no heartbeat for {2.5 * self.period:.1f} s (hung, stopped or cut off)"
             return lost
         why = _first_line(answer["error"]) if "error" in answer else f"no answer within {limit:.1f} s"
-        link = _link_down()
-        if link:  # this rank is the one cut off: every other rank is out of reach
-            return {r: f"unreachable: {link}, so this rank is cut off from the others" for r in others}
         if self.rank != 0:
             lost[0] = f"it held the rendezvous store at {self._address}, which no longer answers: {why}"
         return lost
