@@ -79,11 +79,26 @@ CASES = [("single", 6, 6), ("single", 5, 4), ("ddp_fork", 6, 6), ("gtc_fork", 6,
          ("ma_fork", 6, 6), ("bmuf_fork", 6, 6), ("dpsgd_fork", 6, 6)]
 
 
+# the streaming loader (local/dnn/stream.py), in the training process and with a reading-ahead worker
+STREAM = ["--data.loader", "stream", "--data.buffer_frames", "300", "--data.chunk_seconds", "1"]
+STREAM_CASES = [("single", 6, 6, STREAM + ["--data.num_workers", "1"]), ("gtc_fork", 6, 6, STREAM)]
+
+
 @pytest.mark.parametrize("strategy,dies_at,saved_at", CASES, ids=[f"{c[0]}-dies-at-{c[1]}" for c in CASES])
 def test_resume_continues_bit_exactly(strategy, dies_at, saved_at, tiny_aligned, tmp_path):
     """12 steps straight == a run killed at step ``dies_at`` + ``--ckpt_path last``, bit for bit on every
     rank: parameters, optimizer state, learning rate, dev accuracy history, GTC residuals."""
-    common = _common(tiny_aligned, strategy)
+    check_resume(strategy, dies_at, saved_at, tiny_aligned, tmp_path, [])
+
+
+@pytest.mark.parametrize("strategy,dies_at,saved_at,extra", STREAM_CASES, ids=["single-worker", "gtc_fork"])
+def test_resume_continues_bit_exactly_when_streaming(strategy, dies_at, saved_at, extra, tiny_aligned, tmp_path):
+    check_resume(strategy, dies_at, saved_at, tiny_aligned, tmp_path, extra)
+
+
+def check_resume(strategy: str, dies_at: int, saved_at: int, tiny_aligned: Path, tmp_path: Path,
+                 extra: list[str]) -> None:
+    common = _common(tiny_aligned, strategy) + extra
     _fit(common + ["--exp_dir", str(tmp_path / "straight")], FinalState(tmp_path / "straight_state"))
 
     with pytest.raises(Exception) as died:
