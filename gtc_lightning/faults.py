@@ -278,13 +278,14 @@ def link_down_stage(args: argparse.Namespace) -> list[dict]:
     from gtc_lightning.cluster import Cluster
 
     records = []
-    with Cluster(nodes=args.nodes, rate=args.rate, verbose=False) as cluster:
-        for strategy in args.down_strategies:
-            if strategy == "bmuf_gtc" and args.nodes < 4:
-                say(f"{strategy}: skipped, it needs at least 2 groups of 2 ranks (--nodes 4)")
-                records.append({"strategy": strategy, "skipped": "needs --nodes 4 (2 groups of 2 ranks)"})
-                continue
-            records.append(link_down_case(cluster, strategy, args, args.out / "link_down" / strategy))
+    for nodes in args.down_nodes:
+        with Cluster(nodes=nodes, rate=args.rate, verbose=False) as cluster:
+            for strategy in args.down_strategies:
+                if strategy == "bmuf_gtc" and nodes < 4:
+                    say(f"{strategy}: skipped on {nodes} nodes, it needs 2 groups of 2 ranks (4 nodes)")
+                    records.append({"strategy": strategy, "nodes": nodes, "skipped": "needs 4 nodes"})
+                    continue
+                records.append(link_down_case(cluster, strategy, args, args.out / "link_down" / f"n{nodes}" / strategy))
     return records
 
 
@@ -297,31 +298,32 @@ def straggler_stage(args: argparse.Namespace) -> dict[str, Any]:
 
     slow_bits = parse_rate(args.rate) / args.slow_factor
     slow = f"{slow_bits / 1e6:g}mbit"
-    node = args.straggler_node % args.nodes
+    nodes = args.straggler_nodes
+    node = args.straggler_node % nodes
     bargs = bc.build_parser().parse_args(["--steps", str(args.steps), "--min-steps", str(args.steps),
                                           "--rounds", str(args.rounds)])
     bargs.tau = {}
     names = args.straggler_strategies or bc.available_strategies()
-    strategies = bc._strategies_for(args.nodes, [bc.parse_strategy(s) for s in names])
-    say(f"straggler: {args.model} model, {args.nodes} nodes at {args.rate}, then node {node} at {slow}; "
+    strategies = bc._strategies_for(nodes, [bc.parse_strategy(s) for s in names])
+    say(f"straggler: {args.model} model, {nodes} nodes at {args.rate}, then node {node} at {slow}; "
         f"{', '.join(s['label'] for s in strategies)}; {args.repeats} repeats")
     runs = []
     burst = bc.burst_for(args.rate, bargs.burst_ms)
-    with Cluster(nodes=args.nodes, rate=args.rate, burst=burst, verbose=False) as cluster:
+    with Cluster(nodes=nodes, rate=args.rate, burst=burst, verbose=False) as cluster:
         for rep in range(args.repeats):
             for links in (("equal", "straggler") if rep % 2 == 0 else ("straggler", "equal")):
                 cluster.set_rate(args.rate, burst=burst, quiet=True)
                 if links == "straggler":
                     cluster.set_rate(slow, burst=bc.burst_for(slow, bargs.burst_ms), nodes=[node], quiet=True)
                 bargs.out = args.out / "straggler" / f"rep{rep}" / links
-                rec = bc.run_config(cluster, args.model, args.nodes, args.rate, strategies, bargs)
+                rec = bc.run_config(cluster, args.model, nodes, args.rate, strategies, bargs)
                 steps = {r["strategy"]: r["step_s"] for r in rec["rows"]}
                 runs.append({"repeat": rep, "links": links, "link_rates": list(cluster.link_rates),
                              "status": rec["status"], "wall_s": rec["wall_s"], "load_before": rec["load_before"],
                              "load_after": rec["load_after"], "rows": rec["rows"], "step_s": steps})
                 say(f"straggler rep {rep} {links} ({', '.join(cluster.link_rates)}): {rec['status']} in "
                     f"{rec['wall_s']:.0f} s; " + "; ".join(f"{k} {v:.3f} s" for k, v in steps.items()))
-    return {"model": args.model, "nodes": args.nodes, "rate": args.rate, "slow_rate": slow, "slow_node": node,
+    return {"model": args.model, "nodes": nodes, "rate": args.rate, "slow_rate": slow, "slow_node": node,
             "strategies": [s["label"] for s in strategies], "runs": runs,
             "summary": summarize_straggler(runs)}
 
@@ -381,27 +383,27 @@ def render(results: dict) -> str:
             "",
             "## A link taken down mid-training",
             "",
-            (f"`recipes/asr/train.py --config conf/tiny.yaml` on {done[0]['nodes'] if done else '?'} nodes at "
+            (f"`recipes/asr/train.py --config conf/tiny.yaml` on the emulated cluster at "
             f"{results['args']['rate']} (`{results['args']['train_args']}`, a checkpoint every "
             f"{results['args']['every']} steps, `--collective_timeout {results['args']['timeout']:g}`); the cut "
             f"node's link taken down (`ip link set veth<k> down` in its namespace) {results['args']['cut_fraction']:g} "
             f"of a checkpoint interval after the run's second checkpoint. Pass: every rank exits non-zero by itself within timeout + "
             f"{results['args']['slack']:g} s with a clear message, and the resume is bit-exact."),
             "",
-            ("| strategy | cut node | checkpoint step at the cut | ranks' exit codes | seconds from cut to exit | "
+            ("| nodes | strategy | cut node | checkpoint step at the cut | ranks' exit codes | seconds from cut to exit | "
             "messages clear | resumed to step | bit-exact (files, tensors) | passed |"),
-            "|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in down:
             if "skipped" in r:
-                lines.append(f"| {r['strategy']} | skipped: {r['skipped']} | | | | | | | |")
+                lines.append(f"| {r['nodes']} | {r['strategy']} | skipped: {r['skipped']} | | | | | | | |")
                 continue
             ranks = r.get("ranks", [])
             comp = r.get("comparison")
             exact = "-" if comp is None else (f"{'yes' if r['bit_exact'] else '**no**'} "
                                               f"({len(comp['files'])}, {comp['tensors']})")
             lines.append(
-                f"| {r['strategy']} | {r['cut_node']} ({r['cut_interface']}) | {r.get('checkpoint_step_at_cut', '-')} "
+                f"| {r['nodes']} | {r['strategy']} | {r['cut_node']} ({r['cut_interface']}) | {r.get('checkpoint_step_at_cut', '-')} "
                 f"| {', '.join(str(x['exit_code']) for x in ranks) or '-'} "
                 f"| {', '.join(_seconds(x['exit_after_cut_s']) for x in ranks) or '-'} "
                 f"| {'yes' if ranks and all(x['clear'] for x in ranks) else '**no**'} "
@@ -409,10 +411,12 @@ def render(results: dict) -> str:
         for r in done:
             if r.get("problem"):
                 lines += ["", f"{r['strategy']}: {r['problem']}"]
-        example = next((r for r in done if r.get("ranks")), None)
-        if example:
-            lines += ["", f"What the ranks printed ({example['strategy']}):", ""]
-            lines += [f"- rank {x['rank']}: `{x['message']}`" for x in example["ranks"]]
+        for nodes in dict.fromkeys(r["nodes"] for r in done):
+            example = next((r for r in done if r["nodes"] == nodes and r.get("ranks")), None)
+            if example:
+                lines += ["", (f"What the ranks printed ({example['strategy']}, {nodes} nodes, node "
+                          f"{example['cut_node']} cut):"), ""]
+                lines += [f"- rank {x['rank']}: `{x['message']}`" for x in example["ranks"]]
     st = results.get("straggler")
     if st:
         lines += [
@@ -445,13 +449,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--stages", nargs="+", choices=["link_down", "straggler"], default=["link_down", "straggler"])
-    add("--nodes", type=int, default=2, help="emulated nodes, one rank each (default 2; 4 for bmuf_gtc)")
     add("--rate", default="100mbit", help="every link's rate (the straggler's base rate; default 100mbit)")
     add("--out", type=Path, default=Path("exp/faults"), help="logs and results (default exp/faults)")
     add("--md", type=Path, default=None, help="the report (default <out>/faults.md)")
     add("--json", type=Path, default=None, help="the results (default <out>/faults.json)")
     add("--report-only", action="store_true", help="re-render --md from --json")
     g = parser.add_argument_group("link down")
+    g.add_argument("--down-nodes", nargs="+", type=int, default=[2],
+                   help="emulated nodes, one rank each; several counts run in turn (default 2; bmuf_gtc needs 4)")
     g.add_argument("--down-strategies", nargs="+", default=["gtc"], help="train.py strategies (default gtc)")
     g.add_argument("--down-node", type=int, default=-1, help="whose link goes down (default -1: the last node)")
     g.add_argument("--timeout", type=float, default=20.0, help="train.py --collective_timeout (default 20)")
@@ -470,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'%(default)s': 40 steps per epoch, 2 epochs)")
     g.add_argument("--run-limit", type=float, default=600.0, help="seconds any one train.py run may take")
     g = parser.add_argument_group("straggler")
+    g.add_argument("--straggler-nodes", type=int, default=2, help="emulated nodes, one rank each (default 2)")
     g.add_argument("--straggler-strategies", nargs="+", default=None,
                    help="bench_cluster names (default: every strategy bench_cluster knows that exists)")
     g.add_argument("--model", default="recipe", help="bench_cluster model: recipe, strom or LxH:K (default recipe)")
@@ -524,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         md.write_text(render(results))
 
     if "link_down" in args.stages:
-        say(f"stage link_down: {', '.join(args.down_strategies)} on {args.nodes} nodes")
+        say(f"stage link_down: {', '.join(args.down_strategies)} on {' and '.join(map(str, args.down_nodes))} nodes")
         prepare_data(args.data_dir)
         results["link_down"] = link_down_stage(args)
         save()

@@ -118,7 +118,7 @@ def test_render_states_command_machine_and_failures():
         "host": {"cpus": 2, "load_at_start": [1.0, 1, 1], "load_at_end": [2.0, 1, 1]},
         "args": {"rate": "100mbit", "train_args": "--trainer.max_epochs 2", "every": 10, "timeout": 20.0,
                  "slack": 15.0, "cut_fraction": 0.5, "steps": 5, "rounds": 2, "repeats": 2},
-        "link_down": [{"strategy": "bmuf_gtc", "skipped": "needs --nodes 4"},
+        "link_down": [{"strategy": "bmuf_gtc", "nodes": 2, "skipped": "needs 4 nodes"},
                       {"strategy": "gtc", "nodes": 2, "cut_node": 1, "cut_interface": "veth1", "passed": False,
                        "problem": "the run ended (ok) before the link was cut; give it more steps"}],
         "straggler": {"model": "recipe", "nodes": 2, "rate": "100mbit", "slow_rate": "10mbit", "slow_node": 1,
@@ -128,7 +128,7 @@ def test_render_states_command_machine_and_failures():
     }
     text = faults.render(results)
     assert "Made by `python -m gtc_lightning.faults`" in text and "2 CPU cores" in text
-    assert "| bmuf_gtc | skipped: needs --nodes 4 |" in text
+    assert "| 2 | bmuf_gtc | skipped: needs 4 nodes |" in text
     assert "gtc: the run ended (ok) before the link was cut" in text
     assert "| ddp | 1.000 | - | - |" in text and "Runs that failed: rep 0 equal (failed)" in text
 
