@@ -100,3 +100,19 @@ def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path):
     assert "vs_baseline" not in report["runs"]["baseline"]
     md = (tmp_path / "cmp" / "comparison.md").read_text()
     assert "| gtc | 2 |" in md and "vs SAT GMM" in md
+
+
+@pytest.mark.parametrize("summary,want", [
+    ({"strategy": "baseline", "world_size": 1}, 0.0),
+    ({"strategy": "ddp", "world_size": 2}, 4000.0),  # 2 (W-1)/W x 4 bytes x 1000 weights
+    ({"strategy": "ddp_bf16", "world_size": 2}, 2000.0),
+    ({"strategy": "gtc", "world_size": 2, "gtc": {"step": 10, "total": {"bytes_sent": 500}}}, 50.0),
+    ({"strategy": "ma", "world_size": 4, "sync": {"step": 8, "total": {"bytes_sent": 12_000}}}, 1500.0),
+    ({"strategy": "bmuf_gtc", "world_size": 4, "gtc": {"step": 10, "total": {"bytes_sent": 300}},
+      "sync": {"step": 10, "total": {"bytes_sent": 2000}}}, 230.0),
+])
+def test_bytes_per_step_follow_each_strategys_own_counts(summary, want):
+    from local.dnn.compare import bytes_sent_per_step
+
+    world = summary["world_size"]
+    assert bytes_sent_per_step(summary, 2.0 * (world - 1) / world * 4 * 1000) == pytest.approx(want)

@@ -31,6 +31,20 @@ def _column_means(metrics_csv: Path) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
+def bytes_sent_per_step(summary: dict, fp32: float) -> float:
+    """Bytes rank 0 sent per optimizer step: what the strategy's own statistics counted (``gtc``:
+    GTC's messages; ``sync``: ma/bmuf/dpsgd's averaging, and bmuf_gtc's block syncs beside its GTC
+    words), else the dense all-reduce the strategy runs (DDP: ``fp32``; ``ddp_bf16``: half of it)."""
+    counted = [(s["total"]["bytes_sent"], s["step"]) for s in (summary.get("gtc"), summary.get("sync"))
+               if s and s.get("total") and s.get("step")]
+    if counted:
+        return sum(sent / steps for sent, steps in counted)
+    if int(summary["world_size"]) == 1:
+        return 0.0
+    bf16 = summary.get("strategy") == "ddp_bf16" or summary.get("strategy_class") == "BF16AllReduceStrategy"
+    return fp32 / 2 if bf16 else fp32
+
+
 def run_row(run_dir: Path | str) -> dict:
     """Everything the report says about one run, from the files its training and decoding wrote."""
     run_dir = Path(run_dir)
@@ -42,16 +56,9 @@ def run_row(run_dir: Path | str) -> dict:
     decoded = json.loads(decode_path.read_text()) if decode_path.exists() else {}
     means = _column_means(run_dir / "metrics.csv")
     world = int(summary["world_size"])
-    gtc = (summary.get("gtc") or {}).get("total")
-    steps = (summary.get("gtc") or {}).get("step") or 0
     # What a dense ring all-reduce sends per worker and step: 2 (W-1)/W of the gradient.
     fp32 = 2.0 * (world - 1) / world * 4 * summary["num_weights"]
-    if gtc and steps:
-        bytes_per_step = gtc["bytes_sent"] / steps
-    elif world > 1:  # DDP: the fp32 ring all-reduce itself
-        bytes_per_step = fp32
-    else:
-        bytes_per_step = 0.0
+    bytes_per_step = bytes_sent_per_step(summary, fp32)
     ratio_fp32 = fp32 / bytes_per_step if bytes_per_step else None
     ratio_bf16 = fp32 / 2 / bytes_per_step if bytes_per_step else None
     accs = summary.get("dev_frame_acc") or []
