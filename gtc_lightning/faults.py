@@ -105,6 +105,7 @@ def compare_runs(a: Path, b: Path) -> dict[str, Any]:
     """
     import torch
 
+    a, b = a.resolve(), b.resolve()  # train.py's last.ckpt is a link; the shards sit beside its target
     out: list[str] = []
     counts = {"tensors": 0, "values": 0, "timers": 0}
     files = []
@@ -529,15 +530,21 @@ def main(argv: list[str] | None = None) -> int:
         js.write_text(json.dumps(results, indent=1) + "\n")
         md.write_text(render(results))
 
-    if "link_down" in args.stages:
-        say(f"stage link_down: {', '.join(args.down_strategies)} on {' and '.join(map(str, args.down_nodes))} nodes")
-        prepare_data(args.data_dir)
-        results["link_down"] = link_down_stage(args)
-        save()
-    if "straggler" in args.stages:
-        say("stage straggler")
-        results["straggler"] = straggler_stage(args)
-        save()
+    from gtc_lightning.cluster import Interrupted
+
+    try:
+        if "link_down" in args.stages:
+            say(f"stage link_down: {', '.join(args.down_strategies)} on {' and '.join(map(str, args.down_nodes))} nodes")
+            prepare_data(args.data_dir)
+            results["link_down"] = link_down_stage(args)
+            save()
+        if "straggler" in args.stages:
+            say("stage straggler")
+            results["straggler"] = straggler_stage(args)
+            save()
+    except Interrupted as err:  # the cluster was torn down on the way out
+        say(f"stopped by {err.args[0]}; {js} and {md} hold the stages that finished")
+        return 128 + err.signum
     print(md.read_text())
     ok = all(r.get("passed") or "skipped" in r for r in results.get("link_down", []))
     ok = ok and all(r["status"] == "ok" for r in results.get("straggler", {}).get("runs", []))

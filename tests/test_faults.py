@@ -189,5 +189,10 @@ def test_link_down_stops_every_rank_in_time_and_the_resume_is_bit_exact(netns, t
     assert record["final_steps"] == [20, 20]
     comparison = record["comparison"]
     assert comparison["differences"] == [] and record["bit_exact"] and record["passed"]
-    assert "last.ckpt.gtc/rank0.pt" in comparison["files"] and "last.ckpt.gtc/rank1.pt" in comparison["files"]
+    assert comparison["files"] == ["step20-end.ckpt", "step20-end.ckpt.gtc/rank0.pt", "step20-end.ckpt.gtc/rank1.pt"]
     assert comparison["tensors"] >= 8
+    # last.ckpt links to the last checkpoint every rank finished; the ones it replaced are gone
+    for run in ("straight", "cut"):
+        checkpoints = tmp_path / "gtc" / run / "gtc" / "checkpoints"
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step20-end.ckpt", "step20-end.ckpt.gtc"]
+        assert (checkpoints / "last.ckpt").readlink() == Path("step20-end.ckpt")

@@ -40,8 +40,10 @@ printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import difflib
+import functools
 import json
 import logging
 import os
@@ -168,6 +170,8 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
         return None
     if ckpt_path == "last":
         ckpt_dir = checkpoint_dir(run_dir)
+        if (ckpt_dir / RecipeCheckpoint.LINK).is_file():  # the last checkpoint every rank finished
+            return str(ckpt_dir / RecipeCheckpoint.LINK)
         found = sorted(ckpt_dir.glob("*.ckpt"), key=lambda f: f.stat().st_mtime) if ckpt_dir.is_dir() else []
         if not found:
             raise RecipeError(
@@ -231,7 +235,17 @@ def keep_metrics_on_resume(trainer: Trainer) -> None:
 
 class RecipeCheckpoint(ModelCheckpoint):
     """``checkpoints/last.ckpt``, rewritten every ``every_n_train_steps`` optimizer steps (0: never
-    mid-epoch) and at the end of every epoch (after validation and the learning-rate update)."""
+    mid-epoch) and at the end of every epoch (after validation and the learning-rate update).
+
+    Each save goes to a file of its own, ``step<S>.ckpt`` (``step<S>-end.ckpt`` at an epoch end),
+    with every rank's shards beside it, and ``last.ckpt`` is a link that moves to it only after
+    every rank has written (Lightning's barrier ends ``Trainer.save_checkpoint``); the checkpoint it
+    pointed to is removed then. A rank lost while the others save (a cut link) thus leaves the
+    previous checkpoint complete as ``last.ckpt``: rewriting ``last.ckpt`` in place left rank 0's
+    step with shards of other ranks from an earlier step (seen with bmuf_gtc, whose groups run
+    apart between syncs), and the resumed ranks then waited for each other's collectives."""
+
+    LINK = "last.ckpt"
 
     def __init__(self, every_n_train_steps: int = 0) -> None:
         super().__init__(save_last=True, save_top_k=0, enable_version_counter=False,
@@ -246,10 +260,26 @@ class RecipeCheckpoint(ModelCheckpoint):
     def state_key(self) -> str:
         return "RecipeCheckpoint"  # the same whatever the interval, so a resume may change it
 
+    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict, end: bool = False) -> None:
+        # the same name on every rank (each writes its shards beside it), chosen without looking at files
+        target = Path(self.dirpath) / f"step{trainer.global_step}{'-end' if end else ''}.ckpt"
+        link = Path(self.dirpath) / self.LINK
+        self.last_model_path = str(link)
+        self._save_checkpoint(trainer, str(target))  # returns after every rank has written its part
+        if not trainer.is_global_zero:
+            return
+        temporary = link.with_name(f".{self.LINK}.{os.getpid()}")
+        temporary.unlink(missing_ok=True)
+        temporary.symlink_to(target.name)
+        os.replace(temporary, link)  # atomic: last.ckpt is the old checkpoint or the new one
+        for old in Path(self.dirpath).glob("*.ckpt"):  # the replaced one, and any a failed save left
+            if old.name not in (target.name, self.LINK) and not old.is_symlink():
+                trainer.strategy.remove_checkpoint(str(old))
+
     def _save_epoch_end(self, trainer: Trainer) -> None:
         if trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer), end=True)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._should_save_on_train_epoch_end(trainer):
@@ -258,6 +288,24 @@ class RecipeCheckpoint(ModelCheckpoint):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._should_save_on_train_epoch_end(trainer):
             self._save_epoch_end(trainer)
+
+
+class OneBucketLayout(Callback):
+    """Lays DDP's gradient buckets out once, in parameter order, before the first step.
+
+    DDP lays them out twice: in parameter order for the first step after it is built, then in the
+    order the gradients came ready. With more than 2 ranks the sum of each element depends on where
+    it sits in its bucket (gloo's ring adds each chunk starting at another rank), so a resumed
+    run's first step, in the first layout where the uninterrupted run was already in the second,
+    differed in the last bits (4 ranks of ddp or ddp_bf16: ~1e-7 on most weights after 60 steps).
+    Pushing every parameter as "rebuilt" makes DDP's one rebuild, at the first forward, use
+    parameter order in every run. Only with more than 2 ranks: the sum of 2 numbers has no order.
+    """
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        reducer = getattr(trainer.strategy.model, "reducer", None)
+        if trainer.world_size > 2 and hasattr(reducer, "_push_all_rebuilt_params"):  # torch's private API
+            reducer._push_all_rebuilt_params()
 
 
 class AsrCLI(LightningCLI):
@@ -319,6 +367,8 @@ class AsrCLI(LightningCLI):
             trainer.strategy._timeout = timedelta(seconds=cfg.collective_timeout)
         if trainer.world_size > 1:
             trainer.callbacks.append(RankWatch())
+        if trainer.world_size > 2:
+            trainer.callbacks.append(OneBucketLayout())
         return trainer
 
     def _prepare_data(self, data_dir: Path) -> None:
@@ -565,6 +615,21 @@ def _lost_message(lost: dict[int, str], cause: BaseException | None = None) -> s
 _LIGHTNING_OBSERVER: dict = {}
 
 
+def _broadcast_sigterm_strictly(loop) -> None:
+    """Lightning's per-step broadcast of rank 0's SIGTERM flag, minus its ``except Exception``: a
+    rank cut off from rank 0 waited out the collective timeout there, went on, and waited it out
+    again in its step's own collective (41 s for a 20 s timeout, seen with bmuf_gtc on 4 nodes)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    trainer = loop.trainer
+    flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0], device=trainer.strategy.root_device)
+    torch.distributed.broadcast(flag, src=0)
+    if flag.item() == 1:
+        with contextlib.suppress(Exception):  # stopping anyway
+            torch.distributed.barrier()  # as Lightning: every rank stops at the same step
+        raise SIGTERMException()
+
+
 def _launch_rank_observer(child_processes: list) -> None:
     """Lightning's popen observer SIGKILLs the launching process within 5 s of a child's death,
     before it can say which rank died; this one lets the main thread report first."""
@@ -632,8 +697,13 @@ def fit(cli: AsrCLI) -> None:
         _LIGHTNING_OBSERVER["launch"] = popen_launcher._launch_process_observer
         popen_launcher._launch_process_observer = _launch_rank_observer
     watch = next((c for c in cli.trainer.callbacks if isinstance(c, RankWatch)), None)
+    epoch_loop = cli.trainer.fit_loop.epoch_loop
+    if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # Lightning's private method (2.6)
+        epoch_loop._broadcast_sigterm_tensor = functools.partial(_broadcast_sigterm_strictly, epoch_loop)
     try:
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+        # through a link: the strategies' shards sit beside the file it points to
+        real = None if ckpt_path is None else os.path.realpath(ckpt_path)
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=real)
     except Exception as exc:
         if watch is not None and watch.lost:
             for proc in getattr(cli.trainer.strategy.launcher, "procs", None) or []:
