@@ -240,7 +240,9 @@ class AsrDataModule(LightningDataModule):
             shuffle buffer fed by Lhotse's cut sampler; ``local.dnn.stream``).
         buffer_frames: ``stream``: undrawn frames the shuffle buffer holds before each batch.
         chunk_seconds: ``stream``: speech per chunk of cuts taken from the sampler.
-        cut_shuffle_buffer: ``stream``: cuts in Lhotse's shuffling reservoir.
+        cut_shuffle_buffer: ``stream``: cuts in Lhotse's shuffling reservoir (its default, 20,000;
+            about 5 KB each). The cut order is shuffled only within it, and the recipe's manifests
+            are sorted by voice: keep it larger than a few voices' cuts.
         num_workers: 0 (training batches made in the training process) or 1 (one process reads
             ahead, overlapping feature reading with the training step).
     """
@@ -248,7 +250,7 @@ class AsrDataModule(LightningDataModule):
     def __init__(self, data_dir: str | None = None,
                  features: Literal["fbank_fmllr", "fbank", "mfcc_fmllr"] = "fbank_fmllr", context: int = 8, batch_size: int = 256, dev_batch_size: int = 4096, warmup_fraction: float = 0.0,
                  warmup_batch_size: int = 64, seed: int = 0, loader: Literal["memory", "stream"] = "memory",
-                 buffer_frames: int = 100_000, chunk_seconds: float = 30.0, cut_shuffle_buffer: int = 2000,
+                 buffer_frames: int = 100_000, chunk_seconds: float = 30.0, cut_shuffle_buffer: int = 20_000,
                  num_workers: int = 0) -> None:
         super().__init__()
         if features not in FEATURES:

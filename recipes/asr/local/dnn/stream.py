@@ -209,10 +209,12 @@ class StreamingFrameBatches(IterableDataset):
         self.last_buffer: FrameBuffer | None = None
 
     def manifest(self):
-        """The lazy ``CutSet`` of the split."""
+        """The lazy ``CutSet`` of the split, without the supervisions' alignments (the TTS phone
+        timings: half of a cut's memory in Lhotse's shuffling reservoir, and unused here)."""
         from lhotse import CutSet
 
-        return self.cuts() if callable(self.cuts) else CutSet.from_jsonl_lazy(self.cuts)
+        cuts = self.cuts() if callable(self.cuts) else CutSet.from_jsonl_lazy(self.cuts)
+        return cuts.drop_alignments()
 
     def chunks(self, epoch: int) -> Iterator:
         """This rank's chunks of cuts for ``epoch`` (lazy: no features read)."""
