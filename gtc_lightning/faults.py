@@ -4,8 +4,8 @@ Two stages, each on :class:`gtc_lightning.cluster.Cluster` (needs root, like the
 
 **link down.** ``recipes/asr/train.py`` trains on N nodes (``conf/tiny.yaml`` on the tiny corpus,
 a checkpoint every few steps, ``--collective_timeout`` seconds). First an uninterrupted run; then
-the same command again, and once its first checkpoint exists and about half of the uninterrupted
-run's training time after that has passed, one node's link goes down (``ip link set veth<k> down``
+the same command again, and halfway between its second and third checkpoint (timed from the first
+two writes, whatever the steps cost today) one node's link goes down (``ip link set veth<k> down``
 in its namespace). Every rank must exit non-zero by itself within the collective timeout plus a
 stated slack (the diagnosis of who was lost, a few seconds, and the exit), and its last
 ``train.py: error:`` line must name the problem: the cut node says its own link is down, the others
@@ -22,11 +22,12 @@ the order alternating, so that each strategy's slowdown comes with its spread.
 
 Example (the README's run)::
 
-    python -m gtc_lightning.faults --md docs/faults.md --json docs/faults.json
-    python -m gtc_lightning.faults --stages link_down --nodes 4 --down-strategies gtc ddp
+    python -m gtc_lightning.faults --down-nodes 2 4 --down-strategies gtc ddp ddp_bf16 gtc_stale ma bmuf \
+        bmuf_gtc dpsgd --repeats 3 --md docs/faults.md --json docs/faults.json
+    python -m gtc_lightning.faults --stages link_down --down-nodes 4 --down-strategies gtc ddp
 
 Writes ``<out>/faults.json`` and ``<out>/faults.md`` (or ``--json``/``--md``); every run's node logs
-and ``cluster.json`` under ``<out>/link_down/<strategy>/`` and ``<out>/straggler/rep<r>/<links>/``.
+and ``cluster.json`` under ``<out>/link_down/n<N>/<strategy>/`` and ``<out>/straggler/rep<r>/<links>/``.
 """
 
 from __future__ import annotations
