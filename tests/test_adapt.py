@@ -7,7 +7,15 @@ import pickle
 
 import numpy as np
 import pytest
-from local.dnn.adapt import DiagGmm, estimate_speaker_transform, identity_transform, speech_frames, train_ubm
+from local.dnn.adapt import (
+    DiagGmm,
+    estimate_aligned_transform,
+    estimate_speaker_transform,
+    identity_transform,
+    pdf_gaussians,
+    speech_frames,
+    train_ubm,
+)
 from local.gmm.transforms import apply_affine
 
 
@@ -52,6 +60,44 @@ def test_speaker_transform_undoes_a_known_distortion_without_labels():
     assert np.abs(restored - x).mean() < 0.25 * np.abs(distorted - x).mean()
 
 
+def test_pdf_gaussians_are_each_pdfs_mean_and_variance():
+    x = np.array([[0.0, 1.0], [2.0, 3.0], [10.0, 10.0], [12.0, 14.0], [5.0, 5.0]])
+    pdf = np.array([0, 0, 2, 2, 3])
+    g = pdf_gaussians([(x[:3], pdf[:3]), (x[3:], pdf[3:])], num_pdfs=4)
+    np.testing.assert_allclose(g.means[0], [1.0, 2.0])
+    np.testing.assert_allclose(g.variances[0], [1.0, 1.0])
+    np.testing.assert_allclose(g.means[2], [11.0, 12.0])
+    np.testing.assert_allclose(g.variances[2], [1.0, 4.0])
+    # pdf 1 has no frames and pdf 3 one: both take the data's mean and variance
+    np.testing.assert_allclose(g.means[1], x.mean(0))
+    np.testing.assert_allclose(g.means[3], x.mean(0))
+    np.testing.assert_allclose(g.variances[1], x.var(0))
+    np.testing.assert_allclose(g.weights, np.array([2, 1, 2, 1]) / 6)
+    with pytest.raises(ValueError, match="align stage"):
+        pdf_gaussians([], num_pdfs=4)
+
+
+def test_aligned_transform_undoes_a_distortion_that_fools_the_ubm():
+    """Labels decide which Gaussian each frame belongs to: a distortion large enough to move frames
+    onto other Gaussians is undone with the alignment, and not without it."""
+    rng = np.random.default_rng(5)
+    truth, _ = _mixture(rng, num_gauss=6, dim=3, n=10)
+    pdf = rng.integers(0, 6, 4000)
+    x = truth.means[pdf] + np.sqrt(truth.variances[pdf]) * rng.normal(size=(4000, 3))
+    M = np.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]) * 1.3  # a rotation of the axes, scaled
+    c = rng.normal(0, 1.0, 3)
+    distorted = x @ M.T + c
+    W, info = estimate_aligned_transform(truth, distorted, pdf)
+    assert info["gain_per_frame"] > 0
+    restored = apply_affine(W, distorted)
+    assert np.abs(restored - x).mean() < 0.05 * np.abs(distorted - x).mean()
+    W_ubm, _ = estimate_speaker_transform(truth, distorted, num_em=6)
+    assert np.abs(apply_affine(W_ubm, distorted) - x).mean() > 5 * np.abs(restored - x).mean()
+    W_few, info_few = estimate_aligned_transform(truth, distorted[:50], pdf[:50], min_frames=100)
+    np.testing.assert_array_equal(W_few, identity_transform(3))
+    assert info_few["gain_per_frame"] == 0.0
+
+
 def test_too_few_frames_keep_the_identity():
     rng = np.random.default_rng(3)
     ubm, x = _mixture(rng, n=50)
@@ -92,3 +138,29 @@ def test_adapt_stage_on_the_tiny_corpus(tiny_aligned):
         next(iter(fresh(test[:1], "test")))
     fresh.add_speakers(test)
     assert set(fresh.fbank_trans) == {gmm_cmvn_key(c) for c in test}
+
+
+def test_adapt_stage_fbank_sat_on_the_tiny_corpus(tiny_aligned):
+    """The SAT-aligned transforms: every speaker of every split has one (dev and test from the SAT
+    system's decoding, kept in adapt/), the front end applies them, a new set is refused clearly."""
+    from lhotse import CutSet
+    from local.data.features import gmm_cmvn_key
+    from local.dnn.front_end import FrontEnd
+
+    with open(tiny_aligned / "adapt" / "fbank_sat_trans.pkl", "rb") as f:
+        trans = pickle.load(f)
+    info = json.loads((tiny_aligned / "adapt" / "sat_info.json").read_text())
+    for split in ("train", "dev", "test"):
+        cuts = CutSet.from_file(tiny_aligned / "features" / f"{split}_cuts.jsonl.gz")
+        assert {gmm_cmvn_key(c) for c in cuts} <= set(trans), split
+        assert info["splits"][split]["speakers"] > 0
+    for split in ("dev", "test"):
+        with open(tiny_aligned / "adapt" / f"sat_best_path_{split}.pkl", "rb") as f:
+            assert len(pickle.load(f)) > 0
+    assert all(W.shape == (40, 41) and np.isfinite(W).all() for W in trans.values())
+    test = list(CutSet.from_file(tiny_aligned / "features" / "test_cuts.jsonl.gz"))
+    plain, adapted = FrontEnd(tiny_aligned, "fbank"), FrontEnd(tiny_aligned, "fbank_sat")
+    (cut, x), (_, y) = next(iter(plain(test[:1], "test"))), next(iter(adapted(test[:1], "test")))
+    np.testing.assert_allclose(y, apply_affine(trans[gmm_cmvn_key(cut)], x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="fbank_sat.*SAT GMM's fMLLR decoding"):
+        adapted.add_speakers(test)

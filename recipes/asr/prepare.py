@@ -11,7 +11,9 @@ Stages (each skipped when it has already completed; ``--stage`` / ``--stop-stage
   5  sat       speaker-adaptive triphone GMM-HMM (per-speaker fMLLR); decode dev/test with fMLLR
   6  align     DNN targets: fMLLR alignments with the SAT system (align_fmllr.sh), pdf priors,
                agreement with TTS gold timings
-  7  adapt     DNN speaker adaptation: fbank UBM, per-speaker fbank fMLLR of every split (no transcripts)
+  7  adapt     DNN speaker adaptation: per-speaker fbank fMLLR of every split, against a fbank UBM (no
+               transcripts) and against per-pdf fbank Gaussians on the SAT system's alignments
+               (training) and fMLLR decoding (dev, test)
   8  report    report.json and a readable summary
 
 A stage is marked done (``<data-dir>/.done/<stage>``) only when it completed, and before it runs
@@ -125,9 +127,13 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
 
         return _summary(align(data_dir))
     if name == "adapt":
-        from local.dnn.adapt import adapt
+        from local.dnn.adapt import adapt, adapt_sat
 
-        return _summary(adapt(data_dir))
+        summary = adapt(data_dir)
+        sat = adapt_sat(data_dir)
+        summary["fbank_sat"] = {split: v["gain_per_frame"] for split, v in sat["splits"].items()}
+        summary["seconds"] = round(summary["seconds"] + sat["seconds"], 1)
+        return _summary(summary)
     if name == "report":
         from local.report import make_report
 

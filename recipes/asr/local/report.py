@@ -81,6 +81,7 @@ def make_report(data_dir: Path, corpus: str = "synthetic") -> dict:
         "lang": _read_json(data_dir / "lang" / "summary.json"),
         "alignment": ali_info,
         "adaptation": _read_json(data_dir / "adapt" / "info.json"),
+        "adaptation_sat": _read_json(data_dir / "adapt" / "sat_info.json"),
     }
     (data_dir / "report.json").write_text(json.dumps(report, indent=1))
     print(format_summary(report))
@@ -114,6 +115,10 @@ def format_summary(report: dict) -> str:
     if adapt:
         gains = ", ".join(f"{k} {v['gain_per_frame']}" for k, v in adapt["splits"].items())
         lines.append(f"  fbank fMLLR (UBM of {adapt['num_gauss']} Gaussians): log-likelihood gain per frame {gains}")
+    adapt_sat = report.get("adaptation_sat")
+    if adapt_sat:
+        gains = ", ".join(f"{k} {v['gain_per_frame']}" for k, v in adapt_sat["splits"].items())
+        lines.append(f"  fbank fMLLR (per-pdf Gaussians, SAT alignments / decoding): log-likelihood gain per frame {gains}")
     d = report["dropped"]
     lines.append(f"  dropped utterances: {d['total']} {d['by_reason'] if d['total'] else ''}")
     if report["stage_seconds"]:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from local.atomic import atomic_path
 from local.data.features import apply_cmvn, gmm_cmvn_key
 from local.gmm.transforms import FmllrStats, add_fmllr_stats, apply_affine, estimate_fmllr
 
@@ -252,3 +253,189 @@ def adapt(data_dir: Path | str, num_gauss: int = NUM_GAUSS, sat_rounds: int = 1,
               "seconds": info["seconds"]}
     log.info("adapt: %s", result)
     return result
+
+
+# ---------------------------------------------------------------- fbank_sat: transforms from the SAT system's alignments
+# The UBM above knows nothing of phones: its transform maps a voice onto "some speech". With the
+# SAT GMM's frame alignments each frame has a phonetic class (pdf) and the transform maps the
+# voice onto the training voices' Gaussian of that class, as the SAT GMM's own fMLLR does in the
+# MFCC domain. Training speakers: the SAT system's training alignments (``ali/``, with their
+# transcripts, as Kaldi's SAT training uses). Dev, test: the best paths of the SAT system's fMLLR
+# decoding of the split (first pass, no transcripts), the same way for both.
+SAT_TRANS = "fbank_sat_trans.pkl"
+SAT_MODEL = "pdf_gauss.npz"
+
+
+def pdf_gaussians(pairs, num_pdfs: int) -> DiagGmm:
+    """One diagonal Gaussian per pdf from ``(frames [T, D], pdfs [T])`` pairs: weights are the
+    pdfs' frame shares; a pdf with fewer than 2 frames takes the data's mean and variance.
+    Variances are floored at ``VARIANCE_FLOOR`` times the data's."""
+    occ, first, second = np.zeros(num_pdfs), None, None
+    for x, pdf in pairs:
+        x = np.asarray(x, np.float64)
+        if first is None:
+            first, second = np.zeros((num_pdfs, x.shape[1])), np.zeros((num_pdfs, x.shape[1]))
+        occ += np.bincount(pdf, minlength=num_pdfs)
+        np.add.at(first, pdf, x)
+        np.add.at(second, pdf, x * x)
+    if first is None or occ.sum() < 2:
+        raise ValueError("no aligned frames to train the pdf Gaussians on; run the align stage (prepare.py --stage 6)")
+    total = occ.sum()
+    mean_all = first.sum(0) / total
+    var_all = second.sum(0) / total - mean_all**2
+    seen = occ >= 2
+    means = np.where(seen[:, None], first / np.maximum(occ, 1)[:, None], mean_all)
+    variances = np.where(seen[:, None], second / np.maximum(occ, 1)[:, None] - means**2, var_all)
+    variances = np.maximum(variances, VARIANCE_FLOOR * var_all)
+    weights = np.maximum(occ, 1.0) / np.maximum(occ, 1.0).sum()
+    return DiagGmm(weights, means, variances)
+
+
+def aligned_log_like(model: DiagGmm, x: np.ndarray, pdf: np.ndarray) -> float:
+    """Total log-likelihood of frames ``x`` under their aligned pdfs' Gaussians."""
+    x = np.asarray(x, np.float64)
+    mu, var = model.means[pdf], model.variances[pdf]
+    return float(-0.5 * (np.log(2 * np.pi * var) + (x - mu) ** 2 / var).sum())
+
+
+def estimate_aligned_transform(model: DiagGmm, x: np.ndarray, pdf: np.ndarray,
+                               min_frames: float = FMLLR_MIN_FRAMES) -> tuple[np.ndarray, dict]:
+    """fMLLR ``W [D, D+1]`` of one speaker's frames ``x`` ``[T, D]`` whose pdfs ``[T]`` are known:
+    each frame's posterior is 1 on its pdf's Gaussian, so one estimation is exact (no EM)."""
+    x = np.asarray(x, np.float64)
+    D = x.shape[1]
+    W = identity_transform(D)
+    if len(x) < min_frames:
+        return W, {"frames": len(x), "gain_per_frame": 0.0}
+    post = np.zeros((len(x), len(model.weights)))
+    post[np.arange(len(x)), pdf] = 1.0
+    stats = add_fmllr_stats(FmllrStats.zeros(D), x, post, model.means, model.variances)
+    W, _ = estimate_fmllr(stats, init=W, num_iters=FMLLR_ROW_PASSES * FMLLR_EM_ITERS, min_count=0.0)
+    before = aligned_log_like(model, x, pdf)
+    after = aligned_log_like(model, apply_affine(W, x), pdf) + len(x) * np.linalg.slogdet(W[:, :D])[1]
+    return W, {"frames": len(x), "gain_per_frame": float((after - before) / len(x))}
+
+
+def aligned_speaker_frames(cuts, pdf_alis: dict[str, np.ndarray], cmvn: dict,
+                           max_frames: int | None = FMLLR_MAX_FRAMES) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{speaker: (CMVN fbank speech frames [n, F], their pdfs [n])}`` of the cuts that have an
+    alignment, at most ``max_frames`` per speaker, evenly spaced."""
+    groups: dict[str, tuple[list, list]] = {}
+    for cut in cuts:
+        pdf = pdf_alis.get(cut.id)
+        if pdf is None:
+            continue
+        raw = cut.load_features()
+        if len(pdf) != len(raw):
+            raise RuntimeError(f"{cut.id}: {len(pdf)} alignment frames but {len(raw)} fbank frames; "
+                               "re-run the align stage (prepare.py --stage 6 --force)")
+        speaker = cut.supervisions[0].speaker if cut.supervisions else None
+        keep = speech_frames(raw)
+        xs, ps = groups.setdefault(gmm_cmvn_key(cut), ([], []))
+        xs.append(apply_cmvn(raw, speaker, cmvn)[keep])
+        ps.append(np.asarray(pdf, np.int64)[keep])
+    out = {}
+    for spk, (xs, ps) in groups.items():
+        x, p = np.concatenate(xs), np.concatenate(ps)
+        if max_frames and len(x) > max_frames:
+            pick = np.linspace(0, len(x) - 1, max_frames).astype(np.int64)
+            x, p = x[pick], p[pick]
+        out[spk] = (x, p)
+    return out
+
+
+def sat_first_pass_pdfs(data_dir: Path, split: str) -> dict[str, np.ndarray]:
+    """pdf alignments of the SAT system's fMLLR decoding of ``split`` (no transcripts): the best
+    paths of a decoding with the speakers' final transforms (``exp/sat/decode_<split>/trans.pkl``)
+    at the acoustic scale chosen there, kept in ``adapt/sat_best_path_<split>.pkl``."""
+    from local.gmm.common import GmmSystem, load_utterances
+    from local.gmm.decode import DECODE_JOBS
+    from local.gmm.sat import transformed
+    from local.graph.decode import decode_utterances_gmm
+    from local.kaldi import kaldifst
+
+    exp = data_dir / "exp" / "sat"
+    decode_dir = exp / f"decode_{split}"
+    system = GmmSystem.load(exp / "final.pkl")
+    cache = data_dir / "adapt" / f"sat_best_path_{split}.pkl"
+    if cache.exists():
+        with open(cache, "rb") as f:
+            alis = pickle.load(f)
+    else:
+        fix = f"decode {split} with the SAT system first: python recipes/asr/prepare.py --data-dir {data_dir} --stage 5"
+        trans = _load_or_fail(decode_dir / "trans.pkl", fix)
+        scale = json.loads(_require(decode_dir / "wer.json", fix).read_text())["acoustic_scale"]
+        utts = load_utterances(data_dir, split)
+        speakers = {c.id: gmm_cmvn_key(c) for c in utts.cuts}
+        hclg_path = _require(exp / "graph" / "HCLG.fst", fix)
+        alis = {}
+        decode_utterances_gmm(kaldifst.StdVectorFst.read(str(hclg_path)), system.tm, system.am,
+                              transformed(utts.feats, speakers, trans).items(), acoustic_scale=scale,
+                              alignments=alis, hclg_path=hclg_path, num_jobs=DECODE_JOBS)
+        with atomic_path(cache) as tmp, open(tmp, "wb") as f:
+            pickle.dump(alis, f)
+        log.info("adapt: SAT first pass of %s: %d of %d utterances aligned", split, len(alis), len(utts.ids))
+    tid2pdf = system.tid2pdf()
+    return {u: tid2pdf[np.asarray(a, np.int64)] for u, a in alis.items()}
+
+
+def _require(path: Path, fix: str) -> Path:
+    if not path.exists():
+        raise RuntimeError(f"No such file: {path}; {fix}")
+    return path
+
+
+def _load_or_fail(path: Path, fix: str):
+    with open(_require(path, fix), "rb") as f:
+        return pickle.load(f)
+
+
+def adapt_sat(data_dir: Path | str, sat_rounds: int = 1) -> dict:
+    """``fbank_sat`` transforms of every split's speakers (see above): per-pdf fbank Gaussians on
+    the training speakers' aligned speech frames, one transform per speaker, ``sat_rounds`` times
+    the Gaussians retrained on the transformed frames and the transforms re-estimated; then dev and
+    test from the SAT decoding's best paths. Writes ``adapt/pdf_gauss.npz`` and
+    ``adapt/fbank_sat_trans.pkl``; returns a summary."""
+    from lhotse import CutSet
+
+    start = time.perf_counter()
+    data_dir = Path(data_dir)
+    out = data_dir / "adapt"
+    out.mkdir(parents=True, exist_ok=True)
+    cmvn = json.loads((data_dir / "features" / "cmvn.json").read_text())
+    ali_dir = data_dir / "ali"
+    fix = f"run the align stage: python recipes/asr/prepare.py --data-dir {data_dir} --stage 6"
+    num_pdfs = int(json.loads(_require(ali_dir / "info.json", fix).read_text())["num_pdfs"])
+    train_cuts = CutSet.from_file(_require(ali_dir / "train_cuts.jsonl.gz", fix))
+    train_alis = {c.id: np.asarray(c.load_custom("pdf_ali")) for c in train_cuts}
+    train = aligned_speaker_frames(train_cuts, train_alis, cmvn)
+
+    def summarise(results: dict) -> dict:
+        gains = [i["gain_per_frame"] for _, i in results.values() if i["frames"] >= FMLLR_MIN_FRAMES]
+        return {"speakers": len(results), "kept_identity": len(results) - len(gains),
+                "gain_per_frame": round(float(np.mean(gains)), 3) if gains else None}
+
+    trans: dict[str, np.ndarray] = {}
+    rounds = []
+    for r in range(sat_rounds + 1):
+        model = pdf_gaussians(((apply_affine(trans[s], x) if trans else x, p) for s, (x, p) in train.items()), num_pdfs)
+        results = {s: estimate_aligned_transform(model, x, p) for s, (x, p) in train.items()}
+        trans = {s: w for s, (w, _) in results.items()}
+        rounds.append(summarise(results))
+        log.info("adapt (fbank_sat): round %d, training speakers: %s", r, rounds[-1])
+    info = {"sat_rounds": sat_rounds, "rounds": rounds, "splits": {"train": rounds[-1]}}
+    for split in ("dev", "test"):
+        path = data_dir / "features" / f"{split}_cuts.jsonl.gz"
+        if not path.exists():
+            continue
+        frames = aligned_speaker_frames(CutSet.from_file(path), sat_first_pass_pdfs(data_dir, split), cmvn)
+        results = {s: estimate_aligned_transform(model, x, p) for s, (x, p) in frames.items()}
+        trans.update({s: w for s, (w, _) in results.items()})
+        info["splits"][split] = summarise(results)
+        log.info("adapt (fbank_sat): %s speakers: %s", split, info["splits"][split])
+    model.save(out / SAT_MODEL)
+    with atomic_path(out / SAT_TRANS) as tmp, open(tmp, "wb") as f:
+        pickle.dump(trans, f)
+    info["seconds"] = round(time.perf_counter() - start, 1)
+    (out / "sat_info.json").write_text(json.dumps(info, indent=1))
+    return info

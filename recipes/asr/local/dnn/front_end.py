@@ -7,6 +7,11 @@ Three front ends (``FEATURES``), all speaker-normalised; the DNN splices 17 of t
 - ``fbank_fmllr`` (default): ``fbank`` followed by the speaker's affine fbank transform
   (``local.dnn.adapt``: fMLLR against a fbank UBM, estimated without transcripts, so any speaker
   of any set can get one).
+- ``fbank_sat``: ``fbank`` followed by the speaker's affine fbank transform estimated against
+  per-pdf fbank Gaussians on the SAT system's frame alignments (``local.dnn.adapt.adapt_sat``):
+  training speakers from their training alignments, dev and test speakers from the best paths of
+  the SAT system's fMLLR decoding (a first pass, no transcripts). Stays in the fbank domain but,
+  like ``mfcc_fmllr``, needs the GMM's decoding of a set first.
 - ``mfcc_fmllr``: Kaldi nnet1's classic input, the SAT GMM's own features: 13 MFCC with speaker
   CMVN, Δ, ΔΔ (39 dims), through the speaker's fMLLR transform of the SAT system (training and
   dev speakers: from ``align_fmllr``, ``ali/trans_{split}.pkl``; test speakers: from the SAT
@@ -31,7 +36,7 @@ from local.gmm.transforms import apply_affine
 
 log = logging.getLogger(__name__)
 
-FEATURES = ("fbank", "fbank_fmllr", "mfcc_fmllr")
+FEATURES = ("fbank", "fbank_fmllr", "fbank_sat", "mfcc_fmllr")
 
 
 def _load_pickle(path: Path, fix: str) -> dict:
@@ -60,9 +65,9 @@ class FrontEnd:
                              f"{self.data_dir}` (stage 1) first")
         self.cmvn = json.loads(cmvn_path.read_text())
         self.fbank_trans: dict[str, np.ndarray] = {}
-        if kind == "fbank_fmllr":
+        if kind in ("fbank_fmllr", "fbank_sat"):
             self.fbank_trans = _load_pickle(
-                self.data_dir / "adapt" / "fbank_trans.pkl",
+                self.data_dir / "adapt" / ("fbank_trans.pkl" if kind == "fbank_fmllr" else "fbank_sat_trans.pkl"),
                 f"run the adapt stage: python recipes/asr/prepare.py --data-dir {self.data_dir} --stage 7")
 
     @property
@@ -94,9 +99,10 @@ class FrontEnd:
             trans, summary = estimate_transforms(ubm, speaker_frames(cuts, self.cmvn))
             log.info("fbank fMLLR of the new set's speakers: %s", summary)
             self.fbank_trans.update(trans)
-        elif self.kind == "mfcc_fmllr":
-            raise ValueError("features='mfcc_fmllr' needs the SAT GMM's fMLLR decoding of a set first; "
-                             "decode new sets with a fbank model (features fbank or fbank_fmllr)")
+        elif self.kind in ("mfcc_fmllr", "fbank_sat"):
+            raise ValueError(f"features={self.kind!r} needs the SAT GMM's fMLLR decoding of a set first, which "
+                             "evaluate.py does for the recipe's own dev and test only; decode new sets with a "
+                             "model trained on features fbank or fbank_fmllr")
 
     def __call__(self, cuts, split: str) -> Iterator[tuple[object, np.ndarray]]:
         """``(cut, frames [T, dim] float32)`` for every cut of ``cuts`` (all of one ``split``: the
@@ -115,7 +121,7 @@ class FrontEnd:
         for cut in cuts:
             speaker = cut.supervisions[0].speaker if cut.supervisions else None
             x = np.asarray(apply_cmvn(cut.load_features(), speaker, self.cmvn), dtype=np.float32)
-            if self.kind == "fbank_fmllr":
+            if self.kind in ("fbank_fmllr", "fbank_sat"):
                 key = gmm_cmvn_key(cut)
                 if key not in self.fbank_trans:
                     raise ValueError(f"no fbank transform for speaker {key!r} of cut {cut.id}; re-run the adapt "

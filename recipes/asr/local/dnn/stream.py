@@ -29,7 +29,7 @@ one holds only what its buffer needs, so memory does not grow with the corpus::
   frame counts alone and loads the features of the cuts still in the buffer: skipping ``k``
   batches reads only the manifest.
 
-Only the per-cut front ends stream (``fbank``, ``fbank_fmllr``); ``mfcc_fmllr`` normalises each
+Only the per-cut front ends stream (``fbank``, ``fbank_fmllr``, ``fbank_sat``); ``mfcc_fmllr`` normalises each
 speaker over the whole split and needs the in-memory loader.
 """
 
