@@ -6,7 +6,7 @@ Two stages, each on :class:`gtc_lightning.cluster.Cluster` (needs root, like the
 a checkpoint every few steps, ``--collective_timeout`` seconds). First an uninterrupted run; then
 the same command again, and halfway between its second and third checkpoint (timed from the first
 two writes, whatever the steps cost today) one node's link goes down (``ip link set veth<k> down``
-in its namespace). Every rank must exit non-zero by itself within the collective timeout plus a
+in its namespace). Every rank must exit with status 1 by itself within the collective timeout plus a
 stated slack (the diagnosis of who was lost, a few seconds, and the exit), and its last
 ``train.py: error:`` line must name the problem: the cut node says its own link is down, the others
 name the cut rank as lost. Then the link comes back up, the same command with ``--ckpt_path last``
@@ -247,7 +247,8 @@ def link_down_case(cluster, strategy: str, args: argparse.Namespace, out: Path) 
             ranks.append({"rank": p.rank, "node": n.node_rank, "exit_code": p.exit_code, "stopped_by": p.stopped_by,
                           "exit_after_cut_s": after, "message": line, "log": p.log,
                           "clear": message_is_clear(line, p.rank, node, cluster.interfaces[node]),
-                          "in_time": p.exit_code not in (0, None) and p.stopped_by is None and after is not None
+                          # train.py's status for a lost rank; a signal (an abort in teardown) is a failure
+                          "in_time": p.exit_code == 1 and p.stopped_by is None and after is not None
                           and after <= args.timeout + args.slack})
     record["ranks"] = ranks
     saved = torch.load(ckpt_of[cut_exp], map_location="cpu", weights_only=False)
@@ -389,7 +390,7 @@ def render(results: dict) -> str:
             f"{results['args']['rate']} (`{results['args']['train_args']}`, a checkpoint every "
             f"{results['args']['every']} steps, `--collective_timeout {results['args']['timeout']:g}`); the cut "
             f"node's link taken down (`ip link set veth<k> down` in its namespace) {results['args']['cut_fraction']:g} "
-            f"of a checkpoint interval after the run's second checkpoint. Pass: every rank exits non-zero by itself within timeout + "
+            f"of a checkpoint interval after the run's second checkpoint. Pass: every rank exits with status 1 by itself within timeout + "
             f"{results['args']['slack']:g} s with a clear message, and the resume is bit-exact."),
             "",
             ("| nodes | strategy | cut node | checkpoint step at the cut | ranks' exit codes | seconds from cut to exit | "

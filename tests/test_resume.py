@@ -197,7 +197,7 @@ def test_lost_rank_stops_the_other_with_its_name(how, victim, tiny_aligned, tmp_
         reader.join(timeout + 30)  # the pipe closes when both ranks have exited
         elapsed = time.monotonic() - lost_at
         if victim != 0:
-            assert proc.wait(5) != 0
+            assert proc.wait(5) == 1  # train.py's status for a lost rank, not a signal from teardown
         text = "".join(out)
         assert not reader.is_alive(), f"the survivor still runs {elapsed:.0f} s after the loss:\n{text[-3000:]}"
         assert elapsed < timeout + 15, f"{elapsed:.0f} s to stop (timeout {timeout} s)"
