@@ -19,7 +19,7 @@ NUM_PDFS, FEAT_DIM = 6, 5
 
 def write_aligned_dir(data_dir: Path, utts: dict[str, int], seed: int = 0) -> Path:
     """A data dir with what the DNN stage reads: ``ali/{train,dev}_cuts.jsonl.gz`` (fbank features and
-    ``pdf_ali``), ``ali/info.json``, ``ali/priors.npy``, ``features/cmvn.json`` and ``adapt/fbank_trans.pkl``.
+    ``pdf_ali``), ``ali/info.json``, ``ali/priors.npy``, ``features/cmvn.json`` and ``adapt/fbank_{,sat_}trans.pkl``.
 
     Each frame's pdf-id is the argmax of its first ``NUM_PDFS`` feature bins, so it can be learnt.
     """
@@ -51,8 +51,9 @@ def write_aligned_dir(data_dir: Path, utts: dict[str, int], seed: int = 0) -> Pa
     (data_dir / "features" / "cmvn.json").write_text(json.dumps({"global": zero, "speakers": {"spk0": zero}}))
     (data_dir / "adapt").mkdir()  # the speakers' fbank transforms (stage 7): identity
     identity = np.hstack([np.eye(FEAT_DIM), np.zeros((FEAT_DIM, 1))])
-    with open(data_dir / "adapt" / "fbank_trans.pkl", "wb") as f:
-        pickle.dump({"spk0": identity, "spk1": identity}, f)
+    for name in ("fbank_trans.pkl", "fbank_sat_trans.pkl"):  # fbank_fmllr's and fbank_sat's
+        with open(data_dir / "adapt" / name, "wb") as f:
+            pickle.dump({"spk0": identity, "spk1": identity}, f)
     return data_dir
 
 

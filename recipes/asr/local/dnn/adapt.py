@@ -439,3 +439,26 @@ def adapt_sat(data_dir: Path | str, sat_rounds: int = 1) -> dict:
     info["seconds"] = round(time.perf_counter() - start, 1)
     (out / "sat_info.json").write_text(json.dumps(info, indent=1))
     return info
+
+
+def new_set_transforms(data_dir: Path | str, cuts, cmvn: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """``fbank_sat`` transforms of a new set's speakers (``evaluate.py --test-set``): the SAT GMM
+    decodes the set (``local.gmm.sat.decode_new_set``: no transcripts), its best paths give each
+    frame's pdf, and each speaker's transform is estimated against ``adapt/pdf_gauss.npz``."""
+    from local.gmm.common import GmmSystem
+    from local.gmm.sat import decode_new_set
+
+    data_dir = Path(data_dir)
+    model = DiagGmm.load(data_dir / "adapt" / SAT_MODEL)
+    cuts = list(cuts)
+    _, _, best_paths = decode_new_set(data_dir, cuts)
+    tid2pdf = GmmSystem.load(data_dir / "exp" / "sat" / "final.pkl").tid2pdf()
+    pdfs = {u: tid2pdf[np.asarray(a, np.int64)] for u, a in best_paths.items()}
+    frames = aligned_speaker_frames(cuts, pdfs, cmvn)
+    results = {s: estimate_aligned_transform(model, x, p) for s, (x, p) in frames.items()}
+    speakers = {gmm_cmvn_key(c) for c in cuts}
+    trans = {s: results[s][0] if s in results else identity_transform(model.means.shape[1]) for s in speakers}
+    gains = [i["gain_per_frame"] for _, i in results.values() if i["frames"] >= FMLLR_MIN_FRAMES]
+    return trans, {"speakers": len(trans), "decoded_utterances": len(best_paths), "utterances": len(cuts),
+                   "kept_identity": len(trans) - len(gains),
+                   "gain_per_frame": round(float(np.mean(gains)), 3) if gains else None}

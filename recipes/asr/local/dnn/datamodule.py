@@ -227,10 +227,10 @@ class AsrDataModule(LightningDataModule):
     Args:
         data_dir: the recipe's data directory (``ali/``, ``features/cmvn.json``, ``adapt/``);
             ``train.py`` fills it from ``--corpus``/``--corpus_size`` when left empty.
-        features: the input front end (``local.dnn.front_end``): ``fbank_fmllr`` (speaker CMVN and
-            the speaker's fbank fMLLR transform against a UBM), ``fbank_sat`` (speaker CMVN and the
-            speaker's fbank transform from the SAT system's alignments), ``fbank`` (speaker CMVN
-            only) or ``mfcc_fmllr`` (the SAT GMM's fMLLR features, Kaldi nnet1's input; for comparison).
+        features: the input front end (``local.dnn.front_end``): ``fbank_sat`` (default: speaker
+            CMVN and the speaker's fbank transform from the SAT system's alignments), ``fbank_fmllr``
+            (speaker CMVN and the speaker's fbank fMLLR transform against a UBM), ``fbank`` (speaker
+            CMVN only) or ``mfcc_fmllr`` (the SAT GMM's fMLLR features, Kaldi nnet1's input; for comparison).
         context: frames each side of the centre (8: Strom's 17-frame window).
         batch_size: frames per batch per rank.
         dev_batch_size: frames per dev batch per rank.
@@ -249,7 +249,7 @@ class AsrDataModule(LightningDataModule):
     """
 
     def __init__(self, data_dir: str | None = None,
-                 features: Literal["fbank_fmllr", "fbank_sat", "fbank", "mfcc_fmllr"] = "fbank_fmllr", context: int = 8, batch_size: int = 256, dev_batch_size: int = 4096, warmup_fraction: float = 0.0,
+                 features: Literal["fbank_sat", "fbank_fmllr", "fbank", "mfcc_fmllr"] = "fbank_sat", context: int = 8, batch_size: int = 256, dev_batch_size: int = 4096, warmup_fraction: float = 0.0,
                  warmup_batch_size: int = 64, seed: int = 0, loader: Literal["memory", "stream"] = "memory",
                  buffer_frames: int = 100_000, chunk_seconds: float = 30.0, cut_shuffle_buffer: int = 20_000,
                  num_workers: int = 0) -> None:

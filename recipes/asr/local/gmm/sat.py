@@ -38,6 +38,7 @@ from local.gmm.common import (
     begin_stage,
     compile_graphs,
     convert_alignments,
+    gmm_front_end,
     load_utterances,
     realign_all,
     train_iterations,
@@ -187,17 +188,56 @@ def train_sat(
 
 
 def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
-                    first_trans: dict, scale: float, hclg_path: Path | None = None) -> tuple[dict, dict]:
+                    first_trans: dict, scale: float, hclg_path: Path | None = None,
+                    best_paths: dict | None = None) -> tuple[dict, dict]:
     """Two adapted passes from the first-pass transforms: decode, re-estimate, decode (in
-    ``DECODE_JOBS`` processes with ``hclg_path``). Returns (hyps, transforms)."""
+    ``DECODE_JOBS`` processes with ``hclg_path``). Returns (hyps, transforms); ``best_paths``
+    receives the last pass's transition-ids."""
     alis: dict = {}
     adapted = transformed(utts.feats, speakers, first_trans)
     decode_utterances_gmm(hclg, system.tm, system.am, adapted.items(), acoustic_scale=scale, alignments=alis,
                           hclg_path=hclg_path, num_jobs=DECODE_JOBS)
     trans = speaker_transforms(system, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_DECODE, first_trans)
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, transformed(utts.feats, speakers, trans).items(),
-                                 acoustic_scale=scale, hclg_path=hclg_path, num_jobs=DECODE_JOBS)
+                                 acoustic_scale=scale, alignments=best_paths, hclg_path=hclg_path,
+                                 num_jobs=DECODE_JOBS)
     return hyps, trans
+
+
+def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
+    """fMLLR decoding of any other set's ``cuts`` (stage 1's features, ``cut.mfcc``) as
+    ``decode_sat`` decodes test: the speaker-independent first pass with ``exp/tri``, fMLLR per
+    speaker (``gmm_cmvn_key``) from it, two adapted passes with ``exp/sat``, at the acoustic scales
+    both systems chose on dev. No transcripts are used. Returns ``(hyps {utt: word ids},
+    transforms {speaker: W}, best paths {utt: transition-ids of exp/sat})``."""
+    data_dir = Path(data_dir)
+    fix = f"run the GMM stages first: python recipes/asr/prepare.py --data-dir {data_dir} --stop-stage 5"
+    paths = {name: data_dir / "exp" / name for name in ("tri", "sat")}
+    for name, exp in paths.items():
+        for needed in ("final.pkl", "graph/HCLG.fst", "decode_dev/wer.json"):
+            if not (exp / needed).exists():
+                raise RuntimeError(f"No such file: {exp / needed}; {fix}")
+    from local.graph.lang import load_lang
+
+    lang = load_lang(data_dir / "lang")
+    si, system = GmmSystem.load(paths["tri"] / "final.pkl"), GmmSystem.load(paths["sat"] / "final.pkl")
+    scales = {n: json.loads((e / "decode_dev" / "wer.json").read_text())["acoustic_scale"] for n, e in paths.items()}
+    cuts = list(cuts)
+    utts = Utterances(cuts, gmm_front_end(cuts), {c.id: [] for c in cuts})
+    speakers = {c.id: gmm_cmvn_key(c) for c in cuts}
+    si_alis: dict = {}
+    si_graph = paths["tri"] / "graph" / "HCLG.fst"
+    decode_utterances_gmm(kaldifst.StdVectorFst.read(str(si_graph)), si.tm, si.am, utts.feats.items(),
+                          acoustic_scale=scales["tri"], alignments=si_alis, hclg_path=si_graph, num_jobs=DECODE_JOBS)
+    first = speaker_transforms(system, utts.feats, convert_alignments(si_alis, si, system), speakers, lang.sil_id,
+                               SILENCE_WEIGHT_DECODE)
+    graph = paths["sat"] / "graph" / "HCLG.fst"
+    best_paths: dict = {}
+    hyps, trans = _decode_adapted(kaldifst.StdVectorFst.read(str(graph)), system, utts, speakers, lang.sil_id, first,
+                                  scales["sat"], graph, best_paths)
+    log.info("sat decoding of a new set: %d of %d utterances decoded, %d speakers", len(best_paths), len(cuts),
+             len(set(speakers.values())))
+    return hyps, trans, best_paths
 
 
 def _first_pass(decode_dir: Path, utt_ids: set[str]) -> tuple[dict | None, float | None]:
