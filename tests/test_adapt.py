@@ -170,3 +170,26 @@ def test_adapt_stage_fbank_sat_on_the_tiny_corpus(tiny_aligned):
     assert set(fresh.fbank_trans) == {gmm_cmvn_key(c) for c in test}
     for spk, W in fresh.fbank_trans.items():
         np.testing.assert_allclose(W, trans[spk], rtol=1e-6, atol=1e-6)
+
+
+def test_a_data_dir_of_an_older_recipe_gets_fbank_sat_by_running_the_adapt_stage_again(tiny_aligned, tmp_path,
+                                                                                        caplog):
+    """A data dir whose adapt stage is marked done but has no fbank_sat transforms (made before
+    they existed) runs that stage again, and only the stages from it on."""
+    import logging
+    import shutil
+
+    from prepare import prepare
+
+    data_dir = tmp_path / "old"
+    shutil.copytree(tiny_aligned, data_dir, symlinks=True)
+    for name in ("fbank_sat_trans.pkl", "pdf_gauss.npz", "sat_info.json", "sat_best_path_dev.pkl",
+                 "sat_best_path_test.pkl"):
+        (data_dir / "adapt" / name).unlink()
+    before = {s: (data_dir / ".done" / s).read_text() for s in ("align", "adapt")}
+    with caplog.at_level(logging.INFO):
+        prepare(corpus="synthetic", size="tiny", data_dir=data_dir, stage=1, stop_stage=8, num_jobs=1)
+    assert (data_dir / "adapt" / "fbank_sat_trans.pkl").exists()
+    assert "done by an older version of the recipe (no adapt/fbank_sat_trans.pkl)" in caplog.text
+    assert (data_dir / ".done" / "align").read_text() == before["align"]  # not run again
+    assert (data_dir / ".done" / "adapt").exists()

@@ -63,6 +63,11 @@ STAGE_OUTPUTS = {
 }
 
 
+# files a completed stage must have written today; a stage marked done without them (an older
+# version of the recipe) runs again, and the stages after it with it
+STAGE_REQUIRES = {"adapt": ["adapt/fbank_sat_trans.pkl"]}
+
+
 def default_data_dir(corpus: str, size: str) -> Path:
     """``data/synthetic-<size>`` for the embedded corpus, ``data/<corpus>`` otherwise."""
     return Path("data") / (f"synthetic-{size}" if corpus == "synthetic" else corpus)
@@ -203,9 +208,13 @@ def prepare(
     for i in range(stage, stop_stage + 1):
         name = STAGES[i]
         marker = _marker(data_dir, name)
-        if marker.exists() and not force:
+        lacking = [f for f in STAGE_REQUIRES.get(name, ()) if not (data_dir / f).exists()]
+        if marker.exists() and not force and not lacking:
             log.info("stage %d %-8s skipped: done on %s (delete %s to redo)", i, name, marker.read_text().strip(), marker)
             continue
+        if marker.exists() and lacking:
+            log.info("stage %d %-8s: done by an older version of the recipe (no %s): running it again", i, name,
+                     ", ".join(lacking))
         start, cpu_start = time.perf_counter(), _cpu_seconds()
         log.info("stage %d %-8s ...", i, name)
         for later in STAGES[i:]:  # what a re-run stage produces invalidates what was built on it

@@ -80,7 +80,7 @@ SHORTCUTS = {"single": "auto", "ddp": "ddp", "ddp_bf16": "ddp_bf16", "gtc": "gtc
              "ma": "ma", "bmuf": "bmuf", "bmuf_gtc": "bmuf_gtc", "dpsgd": "dpsgd"}
 CPU_PROCESSES = {"bmuf_gtc": "4"}  # processes on CPU: bmuf_gtc needs two groups of 2; the others run on 2
 ALI_FILES = ("ali/train_cuts.jsonl.gz", "ali/dev_cuts.jsonl.gz", "ali/info.json", "features/cmvn.json",
-             "adapt/fbank_trans.pkl")
+             "adapt/fbank_trans.pkl", "adapt/fbank_sat_trans.pkl")
 RECIPE_MARKS = ("settings.json", ".done", "manifests", "ali")  # what prepare.py writes into a data dir
 MODEL_SHAPE = ("input_dim", "num_pdfs", "hidden_dim", "num_layers")  # hyper-parameters that set tensor shapes
 
