@@ -472,6 +472,7 @@ class RankWatch(Callback):
         self.period = period
         self.lost: dict[int, str] = {}
         self._store = None
+        self._store_answered = False  # the diagnosis reached the store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rank, self.world = 0, 1
@@ -515,6 +516,37 @@ class RankWatch(Callback):
         if self._store is None or isinstance(exception, KeyboardInterrupt):
             return
         self.lost = self.diagnose(trainer)
+        if self.rank != 0 and self._store_answered:  # tell rank 0 this rank is done with its store
+            self._bounded(lambda: self._connect(self.probe_timeout).set(f"{self.PREFIX}diagnosed{self.rank}", "1"),
+                          self.probe_timeout + 1)
+
+    @staticmethod
+    def _bounded(fn, seconds: float) -> None:
+        """``fn()`` in a daemon thread, given at most ``seconds`` (a store client can hang)."""
+        def run() -> None:
+            with contextlib.suppress(Exception):
+                fn()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(seconds)
+
+    def wait_for_diagnoses(self) -> None:
+        """Rank 0 holds the store: before it exits, the ranks still running get the time to find the
+        lost ones through it (at most one diagnosis's time); without it a rank still probing found
+        the store gone and blamed rank 0 instead of the rank that was cut off."""
+        if self.rank != 0 or self._store is None or not self.lost:
+            return
+        waiting = [r for r in range(1, self.world) if r not in self.lost]
+        deadline = time.monotonic() + 2.5 * self.period + 2 * self.probe_timeout
+
+        def poll() -> None:
+            store = self._connect(self.probe_timeout)
+            while waiting and time.monotonic() < deadline:
+                waiting[:] = [r for r in waiting if not store.check([f"{self.PREFIX}diagnosed{r}"])]
+                time.sleep(0.1)
+
+        self._bounded(poll, deadline - time.monotonic() + 1)
 
     def _who(self, store, rank: int) -> str:
         try:
@@ -561,6 +593,7 @@ class RankWatch(Callback):
         thread = threading.Thread(target=probe, name="rank-probe", daemon=True)
         thread.start()
         thread.join(limit)
+        self._store_answered = "silent" in answer
         if "silent" in answer:
             for r, who in answer["silent"].items():
                 lost[r] = f"{who}: not responding, no heartbeat for {2.5 * self.period:.1f} s (hung, stopped or cut off)"
@@ -706,6 +739,7 @@ def fit(cli: AsrCLI) -> None:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=real)
     except Exception as exc:
         if watch is not None and watch.lost:
+            watch.wait_for_diagnoses()
             for proc in getattr(cli.trainer.strategy.launcher, "procs", None) or []:
                 if proc.poll() is None:
                     proc.kill()  # the others would wait for the lost rank until their timeout
