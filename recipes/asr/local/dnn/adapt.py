@@ -347,7 +347,8 @@ def aligned_speaker_frames(cuts, pdf_alis: dict[str, np.ndarray], cmvn: dict,
 def sat_first_pass_pdfs(data_dir: Path, split: str) -> dict[str, np.ndarray]:
     """pdf alignments of the SAT system's fMLLR decoding of ``split`` (no transcripts): the best
     paths of a decoding with the speakers' final transforms (``exp/sat/decode_<split>/trans.pkl``)
-    at the acoustic scale chosen there, kept in ``adapt/sat_best_path_<split>.pkl``."""
+    at the acoustic scale chosen there (the sat stage's ``best_path.pkl``, or decoded again for a
+    data dir of an older recipe), kept in ``adapt/sat_best_path_<split>.pkl``."""
     from local.gmm.common import GmmSystem, load_utterances
     from local.gmm.decode import DECODE_JOBS
     from local.gmm.sat import transformed
@@ -358,9 +359,13 @@ def sat_first_pass_pdfs(data_dir: Path, split: str) -> dict[str, np.ndarray]:
     decode_dir = exp / f"decode_{split}"
     system = GmmSystem.load(exp / "final.pkl")
     cache = data_dir / "adapt" / f"sat_best_path_{split}.pkl"
-    if cache.exists():
-        with open(cache, "rb") as f:
+    saved = decode_dir / "best_path.pkl"  # written by the sat stage's own decoding (since it saves them)
+    if cache.exists() or saved.exists():
+        with open(cache if cache.exists() else saved, "rb") as f:
             alis = pickle.load(f)
+        if not cache.exists():
+            with atomic_path(cache) as tmp, open(tmp, "wb") as f:
+                pickle.dump(alis, f)
     else:
         fix = f"decode {split} with the SAT system first: python recipes/asr/prepare.py --data-dir {data_dir} --stage 5"
         trans = _load_or_fail(decode_dir / "trans.pkl", fix)

@@ -18,7 +18,7 @@ takes the voices out: every speaker gets an affine feature transform (fMLLR,
 
 Writes ``exp/sat/final.pkl``, ``tree``, ``ali.pkl``, ``history.json``, ``trans.pkl``
 (``{speaker: W [D, D+1]}`` of the training speakers), ``summary.json`` and
-``decode_{dev,test}/`` (``recogs-*``, ``errs-*``, ``wer.json``, ``trans.pkl``).
+``decode_{dev,test}/`` (``recogs-*``, ``errs-*``, ``wer.json``, ``trans.pkl``, ``best_path.pkl``).
 """
 
 from __future__ import annotations
@@ -293,10 +293,10 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
         first = speaker_transforms(system, utts.feats, convert_alignments(si_alis, si, system), speakers,
                                    lang.sil_id, SILENCE_WEIGHT_DECODE)
         tried = scales if best_scale is None else (best_scale,)
-        by_scale, trans_by_scale = {}, {}
+        by_scale, trans_by_scale, paths_by_scale = {}, {}, {}
         for scale in tried:
             hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first, scale,
-                                                          hclg_path)
+                                                          hclg_path, paths_by_scale.setdefault(scale, {}))
             texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
             by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
         scale = min(by_scale, key=lambda s: (by_scale[s]["wer"], abs(s - 0.0833)))
@@ -308,6 +308,8 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
         (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
         with open(out_dir / "trans.pkl", "wb") as f:
             pickle.dump(trans_by_scale[scale], f)
+        with open(out_dir / "best_path.pkl", "wb") as f:  # the DNN's fbank_sat transforms start from them
+            pickle.dump(paths_by_scale[scale], f)
         results[f"{split}_wer"], results[f"{split}_si_wer"] = res["wer"], si_wer
         log.info("sat %s: WER %.2f %% with fMLLR at acoustic scale %g (first pass %.2f %%)", split, res["wer"],
                  scale, si_wer)
