@@ -433,10 +433,14 @@ def adapt_sat(data_dir: Path | str, sat_rounds: int = 1) -> dict:
         path = data_dir / "features" / f"{split}_cuts.jsonl.gz"
         if not path.exists():
             continue
-        frames = aligned_speaker_frames(CutSet.from_file(path), sat_first_pass_pdfs(data_dir, split), cmvn)
+        split_cuts = CutSet.from_file(path)
+        frames = aligned_speaker_frames(split_cuts, sat_first_pass_pdfs(data_dir, split), cmvn)
         results = {s: estimate_aligned_transform(model, x, p) for s, (x, p) in frames.items()}
         trans.update({s: w for s, (w, _) in results.items()})
         info["splits"][split] = summarise(results)
+        undecoded = {gmm_cmvn_key(c) for c in split_cuts} - set(results)  # no utterance of theirs decoded
+        trans.update({s: identity_transform(model.means.shape[1]) for s in undecoded})
+        info["splits"][split]["undecoded_speakers_kept_identity"] = len(undecoded)
         log.info("adapt (fbank_sat): %s speakers: %s", split, info["splits"][split])
     model.save(out / SAT_MODEL)
     with atomic_path(out / SAT_TRANS) as tmp, open(tmp, "wb") as f:
