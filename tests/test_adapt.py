@@ -113,25 +113,35 @@ def test_speech_frames_leave_out_digital_silence():
     assert not mask[:30].any() and mask[30:80].all() and not mask[80:].any()
 
 
-def test_adapt_stage_on_the_tiny_corpus(tiny_aligned):
-    """Every speaker of every split has a finite transform; the DNN front end applies it, and a
-    new set's speakers get theirs from their audio alone."""
+def _stage_transforms(data_dir, kind: str, trans_file: str, info_file: str):
+    """The stage's transforms of ``kind``: every speaker of every split has a finite one, and the
+    front end applies it. Returns them and the test cuts."""
     from lhotse import CutSet
     from local.data.features import gmm_cmvn_key
     from local.dnn.front_end import FrontEnd
 
-    with open(tiny_aligned / "adapt" / "fbank_trans.pkl", "rb") as f:
+    with open(data_dir / "adapt" / trans_file, "rb") as f:
         trans = pickle.load(f)
-    info = json.loads((tiny_aligned / "adapt" / "info.json").read_text())
+    info = json.loads((data_dir / "adapt" / info_file).read_text())
     for split in ("train", "dev", "test"):
-        cuts = CutSet.from_file(tiny_aligned / "features" / f"{split}_cuts.jsonl.gz")
+        cuts = CutSet.from_file(data_dir / "features" / f"{split}_cuts.jsonl.gz")
         assert {gmm_cmvn_key(c) for c in cuts} <= set(trans), split
         assert info["splits"][split]["speakers"] > 0
     assert all(W.shape == (40, 41) and np.isfinite(W).all() for W in trans.values())
-    test = list(CutSet.from_file(tiny_aligned / "features" / "test_cuts.jsonl.gz"))
-    plain, adapted = FrontEnd(tiny_aligned, "fbank"), FrontEnd(tiny_aligned, "fbank_fmllr")
+    test = list(CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz"))
+    plain, adapted = FrontEnd(data_dir, "fbank"), FrontEnd(data_dir, kind)
     (cut, x), (_, y) = next(iter(plain(test[:1], "test"))), next(iter(adapted(test[:1], "test")))
     np.testing.assert_allclose(y, apply_affine(trans[gmm_cmvn_key(cut)], x), rtol=1e-5, atol=1e-5)
+    return trans, test
+
+
+def test_adapt_stage_on_the_tiny_corpus(tiny_aligned):
+    """UBM transforms: every speaker of every split has one, the DNN front end applies it, and a
+    new set's speakers get theirs from their audio alone."""
+    from local.data.features import gmm_cmvn_key
+    from local.dnn.front_end import FrontEnd
+
+    _, test = _stage_transforms(tiny_aligned, "fbank_fmllr", "fbank_trans.pkl", "info.json")
     fresh = FrontEnd(tiny_aligned, "fbank_fmllr")
     fresh.fbank_trans = {}
     with pytest.raises(ValueError, match="add_speakers"):
@@ -142,26 +152,15 @@ def test_adapt_stage_on_the_tiny_corpus(tiny_aligned):
 
 def test_adapt_stage_fbank_sat_on_the_tiny_corpus(tiny_aligned):
     """The SAT-aligned transforms: every speaker of every split has one (dev and test from the SAT
-    system's decoding, kept in adapt/), the front end applies them, a new set is refused clearly."""
-    from lhotse import CutSet
+    system's decoding, kept in adapt/), the front end applies them, and a new set decoded by the
+    SAT GMM from scratch gets the same ones."""
     from local.data.features import gmm_cmvn_key
     from local.dnn.front_end import FrontEnd
 
-    with open(tiny_aligned / "adapt" / "fbank_sat_trans.pkl", "rb") as f:
-        trans = pickle.load(f)
-    info = json.loads((tiny_aligned / "adapt" / "sat_info.json").read_text())
-    for split in ("train", "dev", "test"):
-        cuts = CutSet.from_file(tiny_aligned / "features" / f"{split}_cuts.jsonl.gz")
-        assert {gmm_cmvn_key(c) for c in cuts} <= set(trans), split
-        assert info["splits"][split]["speakers"] > 0
+    trans, test = _stage_transforms(tiny_aligned, "fbank_sat", "fbank_sat_trans.pkl", "sat_info.json")
     for split in ("dev", "test"):
         with open(tiny_aligned / "adapt" / f"sat_best_path_{split}.pkl", "rb") as f:
             assert len(pickle.load(f)) > 0
-    assert all(W.shape == (40, 41) and np.isfinite(W).all() for W in trans.values())
-    test = list(CutSet.from_file(tiny_aligned / "features" / "test_cuts.jsonl.gz"))
-    plain, adapted = FrontEnd(tiny_aligned, "fbank"), FrontEnd(tiny_aligned, "fbank_sat")
-    (cut, x), (_, y) = next(iter(plain(test[:1], "test"))), next(iter(adapted(test[:1], "test")))
-    np.testing.assert_allclose(y, apply_affine(trans[gmm_cmvn_key(cut)], x), rtol=1e-5, atol=1e-5)
     # a new set (here: test again, as evaluate.py --test-set would get it) is decoded by the SAT
     # GMM from scratch, without transcripts: the same best paths, so the same transforms
     fresh = FrontEnd(tiny_aligned, "fbank_sat")

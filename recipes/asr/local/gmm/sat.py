@@ -213,7 +213,7 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     data_dir = Path(data_dir)
     fix = f"run the GMM stages first: python recipes/asr/prepare.py --data-dir {data_dir} --stop-stage 5"
     paths = {name: data_dir / "exp" / name for name in ("tri", "sat")}
-    for name, exp in paths.items():
+    for exp in paths.values():
         for needed in ("final.pkl", "graph/HCLG.fst", "decode_dev/wer.json"):
             if not (exp / needed).exists():
                 raise RuntimeError(f"No such file: {exp / needed}; {fix}")
