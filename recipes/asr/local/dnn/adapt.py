@@ -347,39 +347,24 @@ def aligned_speaker_frames(cuts, pdf_alis: dict[str, np.ndarray], cmvn: dict,
 def sat_first_pass_pdfs(data_dir: Path, split: str) -> dict[str, np.ndarray]:
     """pdf alignments of the SAT system's fMLLR decoding of ``split`` (no transcripts): the best
     paths of a decoding with the speakers' final transforms (``exp/sat/decode_<split>/trans.pkl``)
-    at the acoustic scale chosen there (the sat stage's ``best_path.pkl``, or decoded again for a
-    data dir of an older recipe), kept in ``adapt/sat_best_path_<split>.pkl``."""
-    from local.gmm.common import GmmSystem, load_utterances
-    from local.gmm.decode import DECODE_JOBS
-    from local.gmm.sat import transformed
-    from local.graph.decode import decode_utterances_gmm
-    from local.kaldi import kaldifst
+    at the acoustic scale chosen there (the sat stage's ``best_path.pkl``; a data dir of an older
+    recipe has none and is decoded as a new set), kept in ``adapt/sat_best_path_<split>.pkl``."""
+    from lhotse import CutSet
 
-    exp = data_dir / "exp" / "sat"
-    decode_dir = exp / f"decode_{split}"
-    system = GmmSystem.load(exp / "final.pkl")
+    from local.gmm.common import GmmSystem
+    from local.gmm.sat import decode_new_set
+
+    system = GmmSystem.load(data_dir / "exp" / "sat" / "final.pkl")
     cache = data_dir / "adapt" / f"sat_best_path_{split}.pkl"
-    saved = decode_dir / "best_path.pkl"  # written by the sat stage's own decoding (since it saves them)
+    saved = data_dir / "exp" / "sat" / f"decode_{split}" / "best_path.pkl"  # the sat stage's own decoding
     if cache.exists() or saved.exists():
         with open(cache if cache.exists() else saved, "rb") as f:
             alis = pickle.load(f)
-        if not cache.exists():
-            with atomic_path(cache) as tmp, open(tmp, "wb") as f:
-                pickle.dump(alis, f)
-    else:
-        fix = f"decode {split} with the SAT system first: python recipes/asr/prepare.py --data-dir {data_dir} --stage 5"
-        trans = _load_or_fail(decode_dir / "trans.pkl", fix)
-        scale = json.loads(_require(decode_dir / "wer.json", fix).read_text())["acoustic_scale"]
-        utts = load_utterances(data_dir, split)
-        speakers = {c.id: gmm_cmvn_key(c) for c in utts.cuts}
-        hclg_path = _require(exp / "graph" / "HCLG.fst", fix)
-        alis = {}
-        decode_utterances_gmm(kaldifst.StdVectorFst.read(str(hclg_path)), system.tm, system.am,
-                              transformed(utts.feats, speakers, trans).items(), acoustic_scale=scale,
-                              alignments=alis, hclg_path=hclg_path, num_jobs=DECODE_JOBS)
+    else:  # a data dir of an older recipe: decode the split as any new set (the same best paths)
+        _, _, alis = decode_new_set(data_dir, CutSet.from_file(data_dir / "features" / f"{split}_cuts.jsonl.gz"))
+    if not cache.exists():
         with atomic_path(cache) as tmp, open(tmp, "wb") as f:
             pickle.dump(alis, f)
-        log.info("adapt: SAT first pass of %s: %d of %d utterances aligned", split, len(alis), len(utts.ids))
     tid2pdf = system.tid2pdf()
     return {u: tid2pdf[np.asarray(a, np.int64)] for u, a in alis.items()}
 
@@ -390,9 +375,23 @@ def _require(path: Path, fix: str) -> Path:
     return path
 
 
-def _load_or_fail(path: Path, fix: str):
-    with open(_require(path, fix), "rb") as f:
-        return pickle.load(f)
+def _summarise(results: dict) -> dict:
+    """``{speaker: (W, info)}`` -> speakers, how many kept the identity (too few frames), mean gain."""
+    gains = [i["gain_per_frame"] for _, i in results.values() if i["frames"] >= FMLLR_MIN_FRAMES]
+    return {"speakers": len(results), "kept_identity": len(results) - len(gains),
+            "gain_per_frame": round(float(np.mean(gains)), 3) if gains else None}
+
+
+def transforms_from_pdfs(model: DiagGmm, cuts, pdfs: dict[str, np.ndarray], cmvn: dict) -> tuple[dict, dict]:
+    """Every speaker of ``cuts`` gets its transform against ``model`` from its frames' ``pdfs``
+    (``{utt: [T]}``); a speaker none of whose utterances has pdfs (the decoder found no path)
+    keeps the identity. Returns the transforms and a summary."""
+    cuts = list(cuts)
+    results = {s: estimate_aligned_transform(model, x, p)
+               for s, (x, p) in aligned_speaker_frames(cuts, pdfs, cmvn).items()}
+    speakers = {gmm_cmvn_key(c) for c in cuts}
+    trans = {s: results[s][0] if s in results else identity_transform(model.means.shape[1]) for s in speakers}
+    return trans, {**_summarise(results), "undecoded_speakers_kept_identity": len(speakers - set(results))}
 
 
 def adapt_sat(data_dir: Path | str, sat_rounds: int = 1) -> dict:
@@ -415,32 +414,22 @@ def adapt_sat(data_dir: Path | str, sat_rounds: int = 1) -> dict:
     train_alis = {c.id: np.asarray(c.load_custom("pdf_ali")) for c in train_cuts}
     train = aligned_speaker_frames(train_cuts, train_alis, cmvn)
 
-    def summarise(results: dict) -> dict:
-        gains = [i["gain_per_frame"] for _, i in results.values() if i["frames"] >= FMLLR_MIN_FRAMES]
-        return {"speakers": len(results), "kept_identity": len(results) - len(gains),
-                "gain_per_frame": round(float(np.mean(gains)), 3) if gains else None}
-
     trans: dict[str, np.ndarray] = {}
     rounds = []
     for r in range(sat_rounds + 1):
         model = pdf_gaussians(((apply_affine(trans[s], x) if trans else x, p) for s, (x, p) in train.items()), num_pdfs)
         results = {s: estimate_aligned_transform(model, x, p) for s, (x, p) in train.items()}
         trans = {s: w for s, (w, _) in results.items()}
-        rounds.append(summarise(results))
+        rounds.append(_summarise(results))
         log.info("adapt (fbank_sat): round %d, training speakers: %s", r, rounds[-1])
     info = {"sat_rounds": sat_rounds, "rounds": rounds, "splits": {"train": rounds[-1]}}
     for split in ("dev", "test"):
         path = data_dir / "features" / f"{split}_cuts.jsonl.gz"
         if not path.exists():
             continue
-        split_cuts = CutSet.from_file(path)
-        frames = aligned_speaker_frames(split_cuts, sat_first_pass_pdfs(data_dir, split), cmvn)
-        results = {s: estimate_aligned_transform(model, x, p) for s, (x, p) in frames.items()}
-        trans.update({s: w for s, (w, _) in results.items()})
-        info["splits"][split] = summarise(results)
-        undecoded = {gmm_cmvn_key(c) for c in split_cuts} - set(results)  # no utterance of theirs decoded
-        trans.update({s: identity_transform(model.means.shape[1]) for s in undecoded})
-        info["splits"][split]["undecoded_speakers_kept_identity"] = len(undecoded)
+        split_trans, info["splits"][split] = transforms_from_pdfs(model, CutSet.from_file(path),
+                                                                  sat_first_pass_pdfs(data_dir, split), cmvn)
+        trans.update(split_trans)
         log.info("adapt (fbank_sat): %s speakers: %s", split, info["splits"][split])
     model.save(out / SAT_MODEL)
     with atomic_path(out / SAT_TRANS) as tmp, open(tmp, "wb") as f:
@@ -463,11 +452,5 @@ def new_set_transforms(data_dir: Path | str, cuts, cmvn: dict) -> tuple[dict[str
     _, _, best_paths = decode_new_set(data_dir, cuts)
     tid2pdf = GmmSystem.load(data_dir / "exp" / "sat" / "final.pkl").tid2pdf()
     pdfs = {u: tid2pdf[np.asarray(a, np.int64)] for u, a in best_paths.items()}
-    frames = aligned_speaker_frames(cuts, pdfs, cmvn)
-    results = {s: estimate_aligned_transform(model, x, p) for s, (x, p) in frames.items()}
-    speakers = {gmm_cmvn_key(c) for c in cuts}
-    trans = {s: results[s][0] if s in results else identity_transform(model.means.shape[1]) for s in speakers}
-    gains = [i["gain_per_frame"] for _, i in results.values() if i["frames"] >= FMLLR_MIN_FRAMES]
-    return trans, {"speakers": len(trans), "decoded_utterances": len(best_paths), "utterances": len(cuts),
-                   "kept_identity": len(trans) - len(gains),
-                   "gain_per_frame": round(float(np.mean(gains)), 3) if gains else None}
+    trans, summary = transforms_from_pdfs(model, cuts, pdfs, cmvn)
+    return trans, {**summary, "decoded_utterances": len(best_paths), "utterances": len(cuts)}
