@@ -9,7 +9,16 @@ monophone tree and for a triphone tree (N=3, P=1) loaded from Kaldi's binary for
 import numpy as np
 import pytest
 from local.gmm.event_map import Const, Split, Table, load_context_dependency, write_context_dependency
-from local.graph.decode import decode_utterances, decode_utterances_gmm, score, tid_to_pdf, words_to_text
+from local.graph.decode import (
+    BEAM,
+    MAX_ACTIVE,
+    _decode_all,
+    decode_utterances,
+    decode_utterances_gmm,
+    score,
+    tid_to_pdf,
+    words_to_text,
+)
 from local.graph.hclg import make_hclg, training_graph_compiler
 from local.graph.lang import cmu_lexicon, load_lang, write_lang
 from local.graph.lm import compile_G, train_lm
@@ -130,8 +139,34 @@ def test_decode_gmm(lang):
     text = TESTS[1]
     pdfs = aligned_pdfs(lang, tree, tm, text, frames=200, seed=3)
     feats = (means[pdfs] + 0.3 * rng.standard_normal((len(pdfs), dim))).astype(np.float32)
-    hyps = decode_utterances_gmm(hclg, tm, am, [("g", feats)], acoustic_scale=0.1)
+    alis = {}
+    hyps = decode_utterances_gmm(hclg, tm, am, [("g", feats)], acoustic_scale=0.1, alignments=alis)
     assert words_to_text(hyps["g"], lang.id2word) == text
+    assert len(alis["g"]) == len(pdfs)  # the best path's transition-ids: one per frame
+    assert np.mean(tid_to_pdf(tm)[alis["g"] - 1] == pdfs) > 0.9
+
+
+def test_best_path_decoder_agrees_with_lattice_decoder(system, lang):
+    """The recipe decodes with Kaldi's FasterDecoder; Kaldi's LatticeFasterDecoder with the same beams
+    finds the same best path (words and transition-ids) on noisy log-likelihoods."""
+    _, tree, tm, hclg = system
+    rng = np.random.default_rng(7)
+    tid2pdf = tid_to_pdf(tm)
+    config = khg.LatticeFasterDecoderConfig(beam=BEAM, max_active=MAX_ACTIVE, lattice_beam=6.0)
+    lattice_decoder = khg.LatticeFasterDecoder(hclg, config)
+    for i, text in enumerate(TESTS):
+        pdfs = aligned_pdfs(lang, tree, tm, text, frames=30 * len(text.split()), seed=10 + i)
+        loglik = rng.normal(-6.0, 2.0, (len(pdfs), tm.num_pdfs)).astype(np.float32)
+        loglik[np.arange(len(pdfs)), pdfs] += 4.0
+        words = decode_utterances(hclg, tm, [("u", loglik)], acoustic_scale=0.5)["u"]
+        alis = {}
+        per_tid = np.ascontiguousarray(0.5 * loglik[:, tid2pdf])
+        _decode_all(hclg, [("u", len(pdfs), khg.DecodableCtc(per_tid))], BEAM, MAX_ACTIVE, alis)
+        ok, tids, lattice_words, _ = khg.decode_utterance_lattice_faster(
+            decoder=lattice_decoder, decodable=khg.DecodableCtc(per_tid), trans_model=tm, utt="u", allow_partial=True
+        )
+        assert ok and list(lattice_words) == words
+        assert np.array_equal(np.asarray(tids), alis["u"])
 
 
 def test_score_counts_and_files(tmp_path):

@@ -2,7 +2,7 @@
 """Decode with trained DNN acoustic models (hybrid DNN-HMM) and compare runs.
 
 For each run: pseudo log-likelihoods ``log p(pdf | x) - log p(pdf)`` of ``checkpoints/last.ckpt``
--> ``LatticeFasterDecoder`` on ``exp/tri/graph/HCLG.fst``; the acoustic scale is picked on dev
+-> ``FasterDecoder`` on the HCLG of the aligning GMM system (``exp/sat/graph``); the acoustic scale is picked on dev
 from ``--acoustic-scales``, then test is decoded once with it. Writes ``<run>/decode/``
 (``recogs-*``, ``errs-*``, ``results.json``), then the comparison over runs (markdown, JSON and
 the dev frame accuracy plot) under ``--out``.
