@@ -204,6 +204,22 @@ def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, s
     return hyps, trans
 
 
+def _si_decode(si_hclg, si_graph: Path, si: GmmSystem, utts: Utterances, scale: float) -> tuple[dict, dict]:
+    """The speaker-independent first pass of fMLLR decoding (``DECODE_JOBS`` processes reading
+    ``si_graph``). Returns (hyps, best paths' transition-ids of ``si``)."""
+    alis: dict = {}
+    hyps = decode_utterances_gmm(si_hclg, si.tm, si.am, utts.feats.items(), acoustic_scale=scale, alignments=alis,
+                                 hclg_path=si_graph, num_jobs=DECODE_JOBS)
+    return hyps, alis
+
+
+def _first_transforms(system: GmmSystem, si: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
+                      si_alis: dict) -> dict:
+    """Each speaker's first fMLLR transform for ``system`` from the first pass's best paths."""
+    return speaker_transforms(system, utts.feats, convert_alignments(si_alis, si, system), speakers, sil_id,
+                              SILENCE_WEIGHT_DECODE)
+
+
 def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     """fMLLR decoding of any other set's ``cuts`` (stage 1's features, ``cut.mfcc``) as
     ``decode_sat`` decodes test: the speaker-independent first pass with ``exp/tri``, fMLLR per
@@ -225,12 +241,9 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     cuts = list(cuts)
     utts = Utterances(cuts, gmm_front_end(cuts), {c.id: [] for c in cuts})
     speakers = {c.id: gmm_cmvn_key(c) for c in cuts}
-    si_alis: dict = {}
     si_graph = paths["tri"] / "graph" / "HCLG.fst"
-    decode_utterances_gmm(kaldifst.StdVectorFst.read(str(si_graph)), si.tm, si.am, utts.feats.items(),
-                          acoustic_scale=scales["tri"], alignments=si_alis, hclg_path=si_graph, num_jobs=DECODE_JOBS)
-    first = speaker_transforms(system, utts.feats, convert_alignments(si_alis, si, system), speakers, lang.sil_id,
-                               SILENCE_WEIGHT_DECODE)
+    _, si_alis = _si_decode(kaldifst.StdVectorFst.read(str(si_graph)), si_graph, si, utts, scales["tri"])
+    first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
     graph = paths["sat"] / "graph" / "HCLG.fst"
     best_paths: dict = {}
     hyps, trans = _decode_adapted(kaldifst.StdVectorFst.read(str(graph)), system, utts, speakers, lang.sil_id, first,
@@ -283,15 +296,14 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
         si_alis, si_wer = _first_pass(si_dir / f"decode_{split}", set(utts.ids))
         if si_alis is None:  # the tri stage's best paths are missing or stale: decode again
             if si_hclg is None:
-                graph = si_dir / "graph" / "HCLG.fst"
-                si_hclg = kaldifst.StdVectorFst.read(str(graph)) if graph.exists() else make_hclg(lang.dir, si.tree, si.tm)
-            si_alis = {}
-            si_hyps = decode_utterances_gmm(si_hclg, si.tm, si.am, utts.feats.items(), acoustic_scale=si_scale,
-                                            alignments=si_alis)
+                si_graph = si_dir / "graph" / "HCLG.fst"
+                if not si_graph.exists():
+                    make_hclg(lang.dir, si.tree, si.tm, out_path=si_graph)
+                si_hclg = kaldifst.StdVectorFst.read(str(si_graph))
+            si_hyps, si_alis = _si_decode(si_hclg, si_graph, si, utts, si_scale)
             si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
                            f"{split}-si-acwt{si_scale:g}")["wer"]
-        first = speaker_transforms(system, utts.feats, convert_alignments(si_alis, si, system), speakers,
-                                   lang.sil_id, SILENCE_WEIGHT_DECODE)
+        first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
         tried = scales if best_scale is None else (best_scale,)
         by_scale, trans_by_scale, paths_by_scale = {}, {}, {}
         for scale in tried:
