@@ -163,3 +163,26 @@ def test_gmm_features_per_speaker_cmvn(featdir):
         gmm_features(cuts[0], {})
     with pytest.raises(ValueError, match="cmvn='global'"):
         gmm_front_end(cuts, "global")
+
+
+def test_stored_features_describe_what_lhotse_would(tmp_path):
+    """The stage stores the fbank it computed once; the manifest is the one Lhotse's
+    extract_from_samples_and_store writes (itself computing the filterbank again), and the
+    stored matrix is the filterbank up to lilcom's compression."""
+    from lhotse import LilcomChunkyWriter
+    from local.data.features import _extractors, _stored_features
+
+    sf.write(tmp_path / "x.wav", tone(1.37, 440, 0.3, 5), SR)
+    cut = cut_for(tmp_path / "x.wav", "x", "s")
+    audio = cut.load_audio()
+    fbank, _ = _extractors()
+    feats = fbank.extract(audio, SR)
+    with LilcomChunkyWriter(tmp_path / "ours") as w1, LilcomChunkyWriter(tmp_path / "lhotse") as w2:
+        ours = _stored_features(fbank, feats, audio, cut, w1)
+        theirs = fbank.extract_from_samples_and_store(
+            samples=audio, storage=w2, sampling_rate=SR, offset=cut.start, channel=cut.channel
+        )
+    fields = lambda m: {k: v for k, v in m.to_dict().items() if k not in ("storage_path", "storage_key")}
+    assert fields(ours) == fields(theirs)
+    assert np.allclose(ours.load(), feats, atol=0.05)
+    assert np.array_equal(ours.load(), theirs.load())

@@ -81,6 +81,27 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
+def _stored_features(fbank, feats: np.ndarray, audio: np.ndarray, cut, writer):
+    """Store ``feats`` (``fbank``'s output for ``audio``) and describe them as Lhotse's
+    ``extract_from_samples_and_store`` does, without computing the filterbank a second time."""
+    from lhotse import Features
+    from lhotse.features.base import store_feature_array
+
+    return Features(
+        start=cut.start,
+        duration=round(audio.shape[1] / cut.sampling_rate, ndigits=8),
+        type=fbank.name,
+        num_frames=feats.shape[0],
+        num_features=feats.shape[1],
+        frame_shift=fbank.frame_shift,
+        sampling_rate=cut.sampling_rate,
+        channels=cut.channel,
+        storage_type=writer.name,
+        storage_path=str(writer.storage_path),
+        storage_key=store_feature_array(feats, storage=writer),
+    )
+
+
 def _process_shard(cuts: list, storage_path: str) -> tuple[list, list, dict]:
     """Compute and store fbank + MFCC for ``cuts``.
 
@@ -115,14 +136,7 @@ def _process_shard(cuts: list, storage_path: str) -> tuple[list, list, dict]:
                     f"cut {cut.id}: {feats.shape[0]} fbank frames but {ceps.shape[0]} MFCC frames; "
                     "both extractors must use the same framing"
                 )
-            features = fbank.extract_from_samples_and_store(
-                samples=audio,
-                storage=writer,
-                sampling_rate=cut.sampling_rate,
-                offset=cut.start,
-                channel=cut.channel,
-            )
-            cut = fastcopy(cut, features=features)
+            cut = fastcopy(cut, features=_stored_features(fbank, feats, audio, cut, writer))
             cut.mfcc = writer.store_array(cut.id, ceps, frame_shift=FRAME_SHIFT, temporal_dim=0)
             spk = cut.supervisions[0].speaker if cut.supervisions else None
             acc = sums.setdefault(spk, [0, np.zeros(feats.shape[1]), np.zeros(feats.shape[1])])
