@@ -61,6 +61,33 @@ def test_mismatched_utterances_name_the_fix():
     np.testing.assert_array_equal(words, [3, 5])
 
 
+def test_comparison_names_automatic_tau_and_coding(tmp_path):
+    """A GTC run with automatic tau and Rice coding (its config.yaml's strategy init_args) shows
+    the target density, the coding, words per step and bits per word; a plain one does not."""
+    import json
+
+    from local.dnn.compare import markdown_table, run_row
+
+    rows = []
+    for name, init_args in (("auto", "{tau: auto, target_density: 0.003, coding: rice}"), ("plain", None)):
+        d = tmp_path / name
+        d.mkdir()
+        strategy = f"{{class_path: gtc_lightning.GTCStrategy, init_args: {init_args}}}" if init_args else "gtc"
+        (d / "config.yaml").write_text(f"seed_everything: 0\ntrainer: {{strategy: {strategy}}}\n")
+        (d / "train_summary.json").write_text(json.dumps({
+            "run_name": name, "strategy": "gtc", "world_size": 2, "num_weights": 1000, "tau": 0.0123,
+            "gtc": {"step": 10, "total": {"words": 200, "bytes_sent": 275 if init_args else 840}}}))
+        rows.append(run_row(d))
+        rows[-1]["rel_wer_change_pct"] = None
+    auto, plain = rows
+    assert (auto["target_density"], auto["coding"], plain["coding"]) == (0.003, "rice", "none")
+    assert auto["words_per_step"] == 20 and auto["bits_per_word"] == pytest.approx(11.0)
+    assert plain["bits_per_word"] == pytest.approx(33.6)
+    md = markdown_table(rows)
+    assert "| auto | gtc, rice | 2 | auto, density 0.003 (last 0.0123) |" in md
+    assert "| plain | gtc | 2 | 0.0123 |" in md
+
+
 def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path):
     """compare_runs over 2 seeds x (baseline, gtc) with per-utterance counts and a SAT GMM decode."""
     import json

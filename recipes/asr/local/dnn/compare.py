@@ -45,6 +45,24 @@ def bytes_sent_per_step(summary: dict, fp32: float) -> float:
     return fp32 / 2 if bf16 else fp32
 
 
+def strategy_args(run_dir: Path | str) -> dict:
+    """The strategy's ``init_args`` in a run's ``config.yaml`` (``{}`` when the strategy was named by
+    a string or the file is missing): where automatic tau's ``target_density`` and ``coding`` live."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    config = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    strategy = (config.get("trainer") or {}).get("strategy")
+    return (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+
+
+def words_per_step(summary: dict) -> float | None:
+    """GTC words rank 0 sent per optimizer step (``None`` for a run without GTC's statistics)."""
+    gtc = summary.get("gtc") or {}
+    total, steps = gtc.get("total") or {}, gtc.get("step")
+    return total["words"] / steps if steps and "words" in total else None
+
+
 def run_row(run_dir: Path | str) -> dict:
     """Everything the report says about one run, from the files its training and decoding wrote."""
     run_dir = Path(run_dir)
@@ -62,11 +80,19 @@ def run_row(run_dir: Path | str) -> dict:
     ratio_fp32 = fp32 / bytes_per_step if bytes_per_step else None
     ratio_bf16 = fp32 / 2 / bytes_per_step if bytes_per_step else None
     accs = summary.get("dev_frame_acc") or []
+    args = strategy_args(run_dir)
+    words = words_per_step(summary)
+    gtc_bytes = (summary.get("gtc") or {}).get("total", {}).get("bytes_sent")
     return {
         "run": summary.get("run_name", run_dir.name),
         "strategy": summary["strategy"],
         "workers": world,
-        "tau": summary.get("tau"),
+        "tau": summary.get("tau"),  # the last one where it moved (target_density)
+        "target_density": args.get("target_density"),
+        "coding": args.get("coding") or ("none" if summary.get("gtc") else None),
+        "words_per_step": words,
+        # bits on the wire per word, headers included: 32+ uncoded, ~10-11 Golomb-Rice coded
+        "bits_per_word": 8 * gtc_bytes / (words * summary["gtc"]["step"]) if words and gtc_bytes else None,
         "epochs": summary.get("epochs"),
         "num_weights": summary.get("num_weights"),
         "dev_frame_acc": accs[-1] if accs else None,
@@ -104,14 +130,20 @@ def _fmt(value, spec: str, unit: str = "") -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| run | strategy | workers | τ | epochs | dev frame acc. | dev WER | test WER | rel. WER change "
-            "| bytes sent / step / worker | vs fp32 all-reduce | vs bf16 all-reduce | frames / s | train time |")
+            "| words / step / worker | bits / word | bytes sent / step / worker | vs fp32 all-reduce "
+            "| vs bf16 all-reduce | frames / s | train time |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
+        tau = _fmt(r["tau"], ".3g")
+        if r.get("target_density") is not None:
+            tau = f"auto, density {r['target_density']:g} (last {tau})"
+        strategy = r["strategy"] + (f", {r['coding']}" if r.get("coding") not in (None, "none") else "")
         lines.append(" | ".join([
-            f"| {r['run']}", r["strategy"], str(r["workers"]), _fmt(r["tau"], "g"), _fmt(r["epochs"], "d"),
+            f"| {r['run']}", strategy, str(r["workers"]), tau, _fmt(r["epochs"], "d"),
             _fmt(100 * r["dev_frame_acc"] if r["dev_frame_acc"] is not None else None, ".2f", " %"),
             _fmt(r["dev_wer"], ".2f", " %"), _fmt(r["test_wer"], ".2f", " %"),
-            _fmt(r["rel_wer_change_pct"], "+.1f", " %"), _fmt(r["bytes_per_step"], ",.0f"),
+            _fmt(r["rel_wer_change_pct"], "+.1f", " %"), _fmt(r.get("words_per_step"), ",.0f"),
+            _fmt(r.get("bits_per_word"), ".1f"), _fmt(r["bytes_per_step"], ",.0f"),
             _fmt(r["ratio_fp32"], ",.1f", "×"), _fmt(r["ratio_bf16"], ",.1f", "×"),
             _fmt(r["frames_per_sec"], ",.0f"), _fmt(r["train_seconds"], ".0f", " s") + " |",
         ]))
@@ -246,7 +278,9 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
     table = markdown_table(rows) + "\n\n" + seeds_markdown(seeds)
     note = (f"Relative WER change against `{base['run']}`; bytes sent: what one worker puts on the wire per "
             "optimizer step (for DDP its fp32 ring all-reduce, 2 (W-1)/W x 4 bytes per weight); vs fp32 / bf16 "
-            "all-reduce: the bytes such an all-reduce sends per worker, divided by the bytes sent.") if base else \
+            "all-reduce: the bytes such an all-reduce sends per worker, divided by the bytes sent (at 2 workers also "
+            "Strom's measure, the gradient's fp32 bytes over the message's); words and bits per word: GTC's "
+            "messages (32 bits a word and a header uncoded, about 10-11 Golomb-Rice coded).") if base else \
         "No single-worker baseline among the runs: relative WER change not computed."
     (out_dir / "comparison.md").write_text(table + "\n\n" + note + "\n")
     (out_dir / "comparison.json").write_text(json.dumps({"baseline": base and base["run"], "runs": rows,
