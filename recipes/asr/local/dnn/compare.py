@@ -158,15 +158,23 @@ def plot_accuracy(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    several_seeds = len({r.get("seed") for r in rows}) > 1
+    colors = {}  # one colour per run name, one line style per seed
     for r in rows:
         accs = r["dev_frame_acc_per_epoch"]
         label = f"{r['run']} ({r['workers']} worker{'s' if r['workers'] > 1 else ''})"
-        ax.plot(range(1, len(accs) + 1), [100 * a for a in accs], marker="o", label=label)
+        style = {}
+        if several_seeds:
+            label += f", seed {r.get('seed')}"
+            color = colors.setdefault(r["run"], f"C{len(colors)}")
+            seeds = sorted({x.get("seed") for x in rows if x["run"] == r["run"]}, key=str)
+            style = {"color": color, "linestyle": ("-", "--", ":", "-.")[seeds.index(r.get("seed")) % 4]}
+        ax.plot(range(1, len(accs) + 1), [100 * a for a in accs], marker="o", label=label, **style)
     ax.set_xlabel("epoch")
     ax.set_ylabel("dev frame accuracy (%)")
     ax.set_title("Convergence: baseline vs. distributed training")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
