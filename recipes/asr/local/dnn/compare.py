@@ -45,22 +45,29 @@ def bytes_sent_per_step(summary: dict, fp32: float) -> float:
     return fp32 / 2 if bf16 else fp32
 
 
-def strategy_args(run_dir: Path | str) -> dict:
-    """The strategy's ``init_args`` in a run's ``config.yaml`` (``{}`` when the strategy was named by
-    a string or the file is missing): where automatic tau's ``target_density`` and ``coding`` live."""
+def run_config(run_dir: Path | str) -> dict:
+    """A run's ``config.yaml`` (LightningCLI's record of its settings), ``{}`` when missing."""
     import yaml
 
     path = Path(run_dir) / "config.yaml"
-    config = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
-    strategy = (config.get("trainer") or {}).get("strategy")
+    return (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+
+
+def strategy_args(run_dir: Path | str) -> dict:
+    """The strategy's ``init_args`` in a run's config (``{}`` when the strategy was named by a
+    string): where automatic tau's ``target_density`` and ``coding`` live."""
+    strategy = (run_config(run_dir).get("trainer") or {}).get("strategy")
     return (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
 
 
-def words_per_step(summary: dict) -> float | None:
-    """GTC words rank 0 sent per optimizer step (``None`` for a run without GTC's statistics)."""
+def gtc_message_stats(summary: dict) -> tuple[float | None, float | None]:
+    """(words, bits per word) of the GTC messages rank 0 sent per optimizer step, headers included;
+    ``(None, None)`` for a run without GTC's statistics."""
     gtc = summary.get("gtc") or {}
     total, steps = gtc.get("total") or {}, gtc.get("step")
-    return total["words"] / steps if steps and "words" in total else None
+    if not steps or not total.get("words"):
+        return None, None
+    return total["words"] / steps, 8 * total["bytes_sent"] / total["words"]
 
 
 def run_row(run_dir: Path | str) -> dict:
@@ -81,8 +88,7 @@ def run_row(run_dir: Path | str) -> dict:
     ratio_bf16 = fp32 / 2 / bytes_per_step if bytes_per_step else None
     accs = summary.get("dev_frame_acc") or []
     args = strategy_args(run_dir)
-    words = words_per_step(summary)
-    gtc_bytes = (summary.get("gtc") or {}).get("total", {}).get("bytes_sent")
+    words, bits = gtc_message_stats(summary)
     return {
         "run": summary.get("run_name", run_dir.name),
         "strategy": summary["strategy"],
@@ -91,8 +97,7 @@ def run_row(run_dir: Path | str) -> dict:
         "target_density": args.get("target_density"),
         "coding": args.get("coding") or ("none" if summary.get("gtc") else None),
         "words_per_step": words,
-        # bits on the wire per word, headers included: 32+ uncoded, ~10-11 Golomb-Rice coded
-        "bits_per_word": 8 * gtc_bytes / (words * summary["gtc"]["step"]) if words and gtc_bytes else None,
+        "bits_per_word": bits,  # 32+ uncoded, ~10-13 Golomb-Rice coded
         "epochs": summary.get("epochs"),
         "num_weights": summary.get("num_weights"),
         "dev_frame_acc": accs[-1] if accs else None,
@@ -184,12 +189,7 @@ def plot_accuracy(rows: list[dict], path: Path) -> Path:
 # ---------------------------------------------------------------- intervals over utterances and seeds
 def run_seed(run_dir: Path) -> int | None:
     """``seed_everything`` of a run (its ``config.yaml``), None when unknown."""
-    import yaml
-
-    path = Path(run_dir) / "config.yaml"
-    if not path.exists():
-        return None
-    seed = (yaml.safe_load(path.read_text()) or {}).get("seed_everything")
+    seed = run_config(run_dir).get("seed_everything")
     return int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 

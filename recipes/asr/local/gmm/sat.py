@@ -297,9 +297,8 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
         if si_alis is None:  # the tri stage's best paths are missing or stale: decode again
             if si_hclg is None:
                 si_graph = si_dir / "graph" / "HCLG.fst"
-                if not si_graph.exists():
-                    make_hclg(lang.dir, si.tree, si.tm, out_path=si_graph)
-                si_hclg = kaldifst.StdVectorFst.read(str(si_graph))
+                si_hclg = (kaldifst.StdVectorFst.read(str(si_graph)) if si_graph.exists()
+                           else make_hclg(lang.dir, si.tree, si.tm, out_path=si_graph))
             si_hyps, si_alis = _si_decode(si_hclg, si_graph, si, utts, si_scale)
             si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
                            f"{split}-si-acwt{si_scale:g}")["wer"]
