@@ -143,3 +143,23 @@ def test_bytes_per_step_follow_each_strategys_own_counts(summary, want):
 
     world = summary["world_size"]
     assert bytes_sent_per_step(summary, 2.0 * (world - 1) / world * 4 * 1000) == pytest.approx(want)
+
+
+def test_accuracy_bands_average_seeds_over_the_epochs_all_reached(tmp_path):
+    """The convergence plot of many strategies draws each run name's mean over its seeds, with the
+    lowest and highest seed as a band, over the epochs every seed reached; the PNG is written."""
+    from local.dnn.compare import accuracy_bands, plot_accuracy
+
+    rows = [{"run": "ma", "workers": 2, "seed": 0, "dev_frame_acc_per_epoch": [0.40, 0.50, 0.60]},
+            {"run": "ma", "workers": 2, "seed": 1, "dev_frame_acc_per_epoch": [0.44, 0.54]},
+            {"run": "bmuf", "workers": 4, "seed": 0, "dev_frame_acc_per_epoch": [0.30]},
+            {"run": "none", "workers": 2, "seed": 2, "dev_frame_acc_per_epoch": []}]
+    bands = accuracy_bands(rows)
+    assert list(bands) == ["ma", "bmuf"]
+    assert bands["ma"]["seeds"] == 2 and bands["ma"]["workers"] == 2
+    np.testing.assert_allclose(bands["ma"]["mean"], [42.0, 52.0])
+    np.testing.assert_allclose(bands["ma"]["min"], [40.0, 50.0])
+    np.testing.assert_allclose(bands["ma"]["max"], [44.0, 54.0])
+    assert bands["bmuf"]["mean"] == bands["bmuf"]["max"] == [30.0]
+    for limit in (1, 3):  # mean-and-band mode, then one line per seed
+        assert plot_accuracy(rows, tmp_path / f"acc{limit}.png", max_seed_lines=limit).stat().st_size > 0

@@ -155,8 +155,25 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_accuracy(rows: list[dict], path: Path) -> Path:
-    """Dev frame accuracy per epoch, one line per run (Strom 2015, Figure 1)."""
+def accuracy_bands(rows: list[dict]) -> dict[str, dict]:
+    """Per run name: dev frame accuracy (%) per epoch as the mean, lowest and highest over its seeds,
+    over the epochs every seed reached; with the run's workers and its number of seeds."""
+    bands = {}
+    for name in dict.fromkeys(r["run"] for r in rows):
+        runs = [r for r in rows if r["run"] == name and r["dev_frame_acc_per_epoch"]]
+        if not runs:
+            continue
+        epochs = min(len(r["dev_frame_acc_per_epoch"]) for r in runs)
+        accs = np.array([[100 * a for a in r["dev_frame_acc_per_epoch"][:epochs]] for r in runs])
+        bands[name] = {"workers": runs[0]["workers"], "seeds": len(runs), "mean": accs.mean(axis=0).tolist(),
+                       "min": accs.min(axis=0).tolist(), "max": accs.max(axis=0).tolist()}
+    return bands
+
+
+def plot_accuracy(rows: list[dict], path: Path, max_seed_lines: int = 3) -> Path:
+    """Dev frame accuracy per epoch (Strom 2015, Figure 1): one line per run; with several seeds one
+    colour per run name and one line style per seed, or, beyond ``max_seed_lines`` run names, one line
+    per run name (the mean over its seeds, epoch by epoch) in a band from the lowest to the highest seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,17 +181,31 @@ def plot_accuracy(rows: list[dict], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     several_seeds = len({r.get("seed") for r in rows}) > 1
-    colors = {}  # one colour per run name, one line style per seed
-    for r in rows:
-        accs = r["dev_frame_acc_per_epoch"]
-        label = f"{r['run']} ({r['workers']} worker{'s' if r['workers'] > 1 else ''})"
-        style = {}
-        if several_seeds:
-            label += f", seed {r.get('seed')}"
-            color = colors.setdefault(r["run"], f"C{len(colors)}")
-            seeds = sorted({x.get("seed") for x in rows if x["run"] == r["run"]}, key=str)
-            style = {"color": color, "linestyle": ("-", "--", ":", "-.")[seeds.index(r.get("seed")) % 4]}
-        ax.plot(range(1, len(accs) + 1), [100 * a for a in accs], marker="o", label=label, **style)
+    names = list(dict.fromkeys(r["run"] for r in rows))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
+
+    def workers(r: dict) -> str:
+        return f"{r['workers']} worker{'s' if r['workers'] > 1 else ''}"
+
+    if several_seeds and len(names) > max_seed_lines:
+        for name, band in accuracy_bands(rows).items():
+            x = range(1, len(band["mean"]) + 1)
+            seeds = band["seeds"]
+            ax.plot(x, band["mean"], marker="o", color=colors[name],
+                    label=f"{name} ({workers(band)}), mean of {seeds} seed{'s' if seeds > 1 else ''}")
+            if seeds > 1:
+                ax.fill_between(x, band["min"], band["max"], color=colors[name], alpha=0.15)
+    else:
+        for r in rows:
+            accs = r["dev_frame_acc_per_epoch"]
+            label = f"{r['run']} ({workers(r)})"
+            style = {}
+            if several_seeds:
+                label += f", seed {r.get('seed')}"
+                seeds = sorted({x.get("seed") for x in rows if x["run"] == r["run"]}, key=str)
+                style = {"color": colors[r["run"]],
+                         "linestyle": ("-", "--", ":", "-.")[seeds.index(r.get("seed")) % 4]}
+            ax.plot(range(1, len(accs) + 1), [100 * a for a in accs], marker="o", label=label, **style)
     ax.set_xlabel("epoch")
     ax.set_ylabel("dev frame accuracy (%)")
     ax.set_title("Convergence: baseline vs. distributed training")
