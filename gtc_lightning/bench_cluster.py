@@ -969,11 +969,13 @@ def finish(results: dict, out: Path, png: Path | None = None) -> None:
 
 
 def _strategies_for(world: int, strategies: list[dict]) -> list[dict]:
-    """A world's strategies plus ``nocomm`` (its compute); ``bmuf_gtc`` needs at least two groups."""
+    """A world's strategies plus ``nocomm`` (its compute) once, also when it was asked for;
+    ``bmuf_gtc`` needs at least two groups."""
     out = [
         s
         for s in strategies
-        if not (s["name"] == "bmuf_gtc" and world < 2 * int(s["options"].get("group_size", 2)))
+        if s["name"] != "nocomm"
+        and not (s["name"] == "bmuf_gtc" and world < 2 * int(s["options"].get("group_size", 2)))
     ]
     return out + [parse_strategy("nocomm")]
 

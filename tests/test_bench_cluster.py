@@ -30,6 +30,17 @@ def test_parse_strategy_and_burst():
     assert burst_for("100mbit", 1.0) == str(16 * 1024)
 
 
+def test_nocomm_runs_once_and_bmuf_gtc_needs_two_groups():
+    """nocomm (the compute) is added to every world once, also when the user names it; bmuf_gtc is
+    left out of a world with fewer than two groups."""
+    def names(world, given):
+        return [s["label"] for s in bench_cluster._strategies_for(world, [parse_strategy(g) for g in given])]
+
+    assert names(4, ["gtc", "nocomm", "gtc_rice"]) == ["gtc", "gtc_rice", "nocomm"]
+    assert names(2, ["bmuf_gtc", "gtc"]) == ["gtc", "nocomm"]
+    assert names(4, ["bmuf_gtc"]) == ["bmuf_gtc", "nocomm"]
+
+
 def test_two_nodes_tiny_model(netns, tmp_path):  # noqa: F811  (netns: the fixture imported above)
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "gtc_lightning.bench_cluster", "--models", "2x16:8", "--workers", "1", "2",
