@@ -379,6 +379,8 @@ def _run_collective(c: scaling.Collective, strategy: str, ranks: tuple[int, ...]
     import torch
     import torch.distributed as dist
 
+    from gtc_lightning.dpsgd import neighbour_ops
+
     p = len(ranks)
     if c.kind == "allreduce":
         dtype, width = (torch.bfloat16, 2) if strategy == "ddp_bf16" else (torch.float32, 4)
@@ -398,8 +400,7 @@ def _run_collective(c: scaling.Collective, strategy: str, ranks: tuple[int, ...]
     elif c.kind == "neighbours":
         buf = torch.ones(int(c.size // 4))
         peers = sorted({(rank - 1) % p, (rank + 1) % p} - {rank})
-        ops = [dist.P2POp(dist.isend, buf, q) for q in peers]
-        ops += [dist.P2POp(dist.irecv, torch.empty_like(buf), q) for q in peers]
+        ops = neighbour_ops(buf, [torch.empty_like(buf) for _ in peers], peers)  # as dpsgd sends
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     else:

@@ -9,7 +9,7 @@ followed by an averaging):
 1. Dense warmup: for the first ``warmup_steps`` steps DDP's all-reduce averages the gradients (the
    replicas stay identical) and nothing else is sent.
 2. Exchange: before the forward pass, send a flat copy of x_i(k) (the parameters the optimizer
-   updates) to the ring neighbours ``i - 1`` and ``i + 1`` and receive theirs (``batch_isend_irecv``,
+   updates) to the ring neighbours ``i - 1`` and ``i + 1`` and receive theirs (``batch_isend_irecv``, the receives posted first,
    asynchronous: it runs while the forward and backward passes compute the gradient at x_i(k)).
 3. Average, after the backward pass: x_i ← x_i + ((x_{i-1} - x_i) + (x_{i+1} - x_i)) / 3 in the
    parameters' dtype, i.e. weights 1/3 for self, left and right (a symmetric, doubly stochastic
@@ -86,6 +86,18 @@ def ring_neighbours(rank: int, world: int) -> list[int]:
     return [left] if left == right else [left, right]
 
 
+
+def neighbour_ops(sent: torch.Tensor, received: list[torch.Tensor], peers: list[int], group=None) -> list:
+    """The point-to-point ops of one neighbour exchange, every receive posted before any send.
+
+    On gloo the order decides the speed: with the sends first, two ranks that send to each other
+    take turns on the link (measured on 2 and 4 emulated nodes at 100 Mbit/s, 6.2 MB to each
+    neighbour: 0.9-1.0 s on 2 nodes, 1.9-2.1 s on 4, about twice the wire time); with the receives
+    posted first both directions flow at once (0.53 s and 1.07 s, the wire time). What arrives is
+    the same either way."""
+    ops = [dist.P2POp(dist.irecv, buf, peer, group) for peer, buf in zip(peers, received)]
+    return ops + [dist.P2POp(dist.isend, sent, peer, group) for peer in peers]
+
 class DPSGDState(AveragingState):
     """State of D-PSGD: the ring, the exchange in flight and the statistics of
     :class:`~gtc_lightning.averaging.AveragingState` (a sync every step, ``period=1``), plus the
@@ -135,9 +147,7 @@ class DPSGDState(AveragingState):
         sent, received = buffers[0], buffers[1:]
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1).to(dtype) for p in params], out=sent)
-        ops = [dist.P2POp(dist.isend, sent, peer, self.process_group) for peer in self.neighbours]
-        ops += [dist.P2POp(dist.irecv, buf, peer, self.process_group) for peer, buf in zip(self.neighbours, received)]
-        self._works = dist.batch_isend_irecv(ops)
+        self._works = dist.batch_isend_irecv(neighbour_ops(sent, received, self.neighbours, self.process_group))
         self._current = (params, sent, received)
         self._host_s = time.perf_counter() - started
 

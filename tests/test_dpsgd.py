@@ -173,3 +173,21 @@ def test_registered_names(name):
 def test_bad_configuration_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DPSGDStrategy(**kwargs)
+
+
+def test_neighbour_exchange_posts_every_receive_before_any_send(monkeypatch):
+    """gloo serialises two ranks that send to each other before receiving (about twice the wire time
+    on an emulated 100 Mbit/s link); the exchange posts its receives first, with one buffer a neighbour.
+    (P2POp recorded as built: a real one needs a process group.)"""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from gtc_lightning.dpsgd import neighbour_ops
+
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None: SimpleNamespace(
+        op=op, tensor=tensor, peer=peer))
+    sent, received = torch.zeros(4), [torch.zeros(4), torch.zeros(4)]
+    ops = neighbour_ops(sent, received, [3, 1])
+    assert [(op.op, op.peer) for op in ops] == [(dist.irecv, 3), (dist.irecv, 1), (dist.isend, 3), (dist.isend, 1)]
+    assert ops[0].tensor is received[0] and ops[1].tensor is received[1] and ops[2].tensor is sent
