@@ -206,6 +206,7 @@ def plot_accuracy(rows: list[dict], path: Path, max_seed_lines: int = 3) -> Path
                 style = {"color": colors[r["run"]],
                          "linestyle": ("-", "--", ":", "-.")[seeds.index(r.get("seed")) % 4]}
             ax.plot(range(1, len(accs) + 1), [100 * a for a in accs], marker="o", label=label, **style)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # epochs
     ax.set_xlabel("epoch")
     ax.set_ylabel("dev frame accuracy (%)")
     ax.set_title("Convergence: baseline vs. distributed training")
