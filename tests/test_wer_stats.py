@@ -163,3 +163,29 @@ def test_accuracy_bands_average_seeds_over_the_epochs_all_reached(tmp_path):
     assert bands["bmuf"]["mean"] == bands["bmuf"]["max"] == [30.0]
     for limit in (1, 3):  # mean-and-band mode, then one line per seed
         assert plot_accuracy(rows, tmp_path / f"acc{limit}.png", max_seed_lines=limit).stat().st_size > 0
+
+
+def test_strategy_names_are_the_registered_ones(tmp_path):
+    """Runs are labelled with the names users type: ma for ModelAveragingStrategy, gtc_stale for
+    GTCStrategy(stale=True), launcher suffixes dropped, baseline for one device; a run whose
+    summary kept an older label is named from its config.yaml."""
+    import json
+
+    from jsonargparse import Namespace
+
+    from local.dnn.compare import run_row, strategy_name
+
+    assert strategy_name("gtc_spawn", 2) == "gtc" and strategy_name("auto", 1) == "baseline"
+    assert strategy_name("ddp_find_unused_parameters_true", 2) == "ddp"
+    assert strategy_name({"class_path": "gtc_lightning.GTCStrategy", "init_args": {"stale": True}}, 2) == "gtc_stale"
+    assert strategy_name({"class_path": "gtc_lightning.GTCStrategy", "init_args": {"tau": 0.01}}, 2) == "gtc"
+    assert strategy_name(Namespace(class_path="gtc_lightning.ModelAveragingStrategy", init_args=Namespace(period=10)),
+                         2) == "ma"
+    assert strategy_name({"class_path": "gtc_lightning.BMUFGTCStrategy"}, 4) == "bmuf_gtc"
+    assert strategy_name({"class_path": "gtc_lightning.BF16AllReduceStrategy"}, 2) == "ddp_bf16"
+    assert strategy_name({"class_path": "lightning.pytorch.strategies.SingleDeviceStrategy"}, 1) == "baseline"
+    d = tmp_path
+    (d / "config.yaml").write_text("trainer: {devices: 2, strategy: {class_path: gtc_lightning.ModelAveragingStrategy}}\n")
+    (d / "train_summary.json").write_text(json.dumps(
+        {"run_name": "ma", "strategy": "modelaveraging", "world_size": 2, "num_weights": 10}))
+    assert run_row(d)["strategy"] == "ma"

@@ -47,7 +47,6 @@ import functools
 import json
 import logging
 import os
-import re
 import shlex
 import signal
 import socket
@@ -67,6 +66,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from local.dnn.compare import strategy_name
 from local.dnn.datamodule import AsrDataModule
 from local.dnn.model import AcousticModel
 
@@ -127,15 +127,8 @@ def expand_strategy_shortcut(argv: list[str], cuda: bool | None = None) -> list[
 
 
 def run_name_for(strategy, devices) -> str:
-    """``baseline`` for one device, else the strategy's name (``gtc``, ``ddp``, ...)."""
-    if isinstance(strategy, str):
-        name = re.sub(r"(_spawn|_fork|_notebook)?(_find_unused_parameters_(true|false))?$", "", strategy)
-    else:
-        class_path = strategy.get("class_path", "") if isinstance(strategy, (dict, Namespace)) else ""
-        name = class_path.rsplit(".", 1)[-1].lower().removesuffix("strategy") or type(strategy).__name__.lower()
-    if name in ("auto", "single_device") and str(devices) in ("1", "[0]"):
-        return "baseline"
-    return name
+    """``baseline`` for one device, else the strategy's name (``gtc``, ``ddp``, ``ma``, ...)."""
+    return strategy_name(strategy, devices)
 
 
 def _did_you_mean(name: str, choices) -> str:

@@ -11,6 +11,7 @@ import csv
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,28 @@ def bytes_sent_per_step(summary: dict, fp32: float) -> float:
     return fp32 / 2 if bf16 else fp32
 
 
+# Registered names of the strategy classes whose lower-cased class name (less "Strategy") differs
+CLASS_NAMES = {"modelaveraging": "ma", "bmufgtc": "bmuf_gtc", "bf16allreduce": "ddp_bf16", "singledevice": "auto"}
+
+
+def strategy_name(strategy, devices) -> str:
+    """A run's strategy as the recipe names it: ``baseline`` for one device, else the registered
+    name (``gtc``, ``gtc_stale``, ``ddp``, ``ma``, ...) of ``strategy``, a name or a LightningCLI
+    ``class_path``/``init_args`` dict (or Namespace); launcher suffixes (``_spawn``, ...) dropped."""
+    if isinstance(strategy, str):
+        name = re.sub(r"(_spawn|_fork|_notebook)?(_find_unused_parameters_(true|false))?$", "", strategy)
+    else:
+        get = (lambda k: strategy.get(k)) if hasattr(strategy, "get") else (lambda k: None)
+        class_path, init_args = get("class_path") or "", get("init_args") or {}
+        name = class_path.rsplit(".", 1)[-1].lower().removesuffix("strategy") or type(strategy).__name__.lower()
+        name = CLASS_NAMES.get(name, name)
+        if name == "gtc" and (init_args.get("stale") if hasattr(init_args, "get") else False):
+            name = "gtc_stale"
+    if name in ("auto", "single_device") and str(devices) in ("1", "[0]"):
+        return "baseline"
+    return name
+
+
 def run_config(run_dir: Path | str) -> dict:
     """A run's ``config.yaml`` (LightningCLI's record of its settings), ``{}`` when missing."""
     import yaml
@@ -70,6 +93,15 @@ def gtc_message_stats(summary: dict) -> tuple[float | None, float | None]:
     return total["words"] / steps, 8 * total["bytes_sent"] / total["words"]
 
 
+def _run_strategy(run_dir: Path, summary: dict) -> str:
+    """The strategy's name from the run's config (also for runs whose summary has an older label,
+    such as ``modelaveraging``), else the summary's."""
+    trainer = run_config(run_dir).get("trainer") or {}
+    if trainer.get("strategy") is not None and summary.get("strategy") != "baseline":
+        return strategy_name(trainer["strategy"], trainer.get("devices", summary.get("world_size")))
+    return summary["strategy"]
+
+
 def run_row(run_dir: Path | str) -> dict:
     """Everything the report says about one run, from the files its training and decoding wrote."""
     run_dir = Path(run_dir)
@@ -91,7 +123,7 @@ def run_row(run_dir: Path | str) -> dict:
     words, bits = gtc_message_stats(summary)
     return {
         "run": summary.get("run_name", run_dir.name),
-        "strategy": summary["strategy"],
+        "strategy": _run_strategy(run_dir, summary),
         "workers": world,
         "tau": summary.get("tau"),  # the last one where it moved (target_density)
         "target_density": args.get("target_density"),
