@@ -172,7 +172,6 @@ def test_strategy_names_are_the_registered_ones(tmp_path):
     import json
 
     from jsonargparse import Namespace
-
     from local.dnn.compare import run_row, strategy_name
 
     assert strategy_name("gtc_spawn", 2) == "gtc" and strategy_name("auto", 1) == "baseline"
