@@ -197,8 +197,10 @@ def accuracy_bands(rows: list[dict]) -> dict[str, dict]:
             continue
         epochs = min(len(r["dev_frame_acc_per_epoch"]) for r in runs)
         accs = np.array([[100 * a for a in r["dev_frame_acc_per_epoch"][:epochs]] for r in runs])
-        bands[name] = {"workers": runs[0]["workers"], "seeds": len(runs), "mean": accs.mean(axis=0).tolist(),
-                       "min": accs.min(axis=0).tolist(), "max": accs.max(axis=0).tolist()}
+        bands[name] = {"strategy": runs[0].get("strategy", name), "workers": runs[0]["workers"],
+                       "seeds": len(runs), "seed_ids": [r.get("seed") for r in runs],
+                       "mean": accs.mean(axis=0).tolist(), "min": accs.min(axis=0).tolist(),
+                       "max": accs.max(axis=0).tolist()}
     return bands
 
 
@@ -220,13 +222,22 @@ def plot_accuracy(rows: list[dict], path: Path, max_seed_lines: int = 3) -> Path
         return f"{r['workers']} worker{'s' if r['workers'] > 1 else ''}"
 
     if several_seeds and len(names) > max_seed_lines:
-        for name, band in accuracy_bands(rows).items():
+        # one colour per strategy, one line style per number of workers (solid: the fewest)
+        bands = accuracy_bands(rows)
+        strategy_colors = {st: f"C{i % 10}" for i, st in enumerate(dict.fromkeys(b["strategy"] for b in bands.values()))}
+        worker_counts = sorted({b["workers"] for b in bands.values() if b["workers"] > 1})
+        for band in bands.values():
             x = range(1, len(band["mean"]) + 1)
             seeds = band["seeds"]
-            ax.plot(x, band["mean"], marker="o", color=colors[name],
-                    label=f"{name} ({workers(band)}), mean of {seeds} seed{'s' if seeds > 1 else ''}")
+            style = ("-", "--", ":", "-.")[worker_counts.index(band["workers"]) % 4] if band["workers"] > 1 else "-"
+            what = f"mean of {seeds} seeds" if seeds > 1 else f"seed {band['seed_ids'][0]}"
+            color = strategy_colors[band["strategy"]]
+            ax.plot(x, band["mean"], marker="o", color=color, linestyle=style,
+                    label=f"{band['strategy']} ({workers(band)}), {what}")
             if seeds > 1:
-                ax.fill_between(x, band["min"], band["max"], color=colors[name], alpha=0.15)
+                ax.fill_between(x, band["min"], band["max"], color=color, alpha=0.15)
+        fig.set_size_inches(8.5, 4.5)
+        ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.02, 0.5))
     else:
         for r in rows:
             accs = r["dev_frame_acc_per_epoch"]
@@ -243,7 +254,8 @@ def plot_accuracy(rows: list[dict], path: Path, max_seed_lines: int = 3) -> Path
     ax.set_ylabel("dev frame accuracy (%)")
     ax.set_title("Convergence: baseline vs. distributed training")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if ax.get_legend() is None:
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
