@@ -9,8 +9,8 @@ followed by an averaging):
 1. Dense warmup: for the first ``warmup_steps`` steps DDP's all-reduce averages the gradients (the
    replicas stay identical) and nothing else is sent.
 2. Exchange: before the forward pass, send a flat copy of x_i(k) (the parameters the optimizer
-   updates) to the ring neighbours ``i - 1`` and ``i + 1`` and receive theirs (``batch_isend_irecv``, the receives posted first,
-   asynchronous: it runs while the forward and backward passes compute the gradient at x_i(k)).
+   updates) to the ring neighbours ``i - 1`` and ``i + 1`` and receive theirs (``batch_isend_irecv``,
+   the receives posted first; asynchronous: it runs while the forward and backward passes compute the gradient at x_i(k)).
 3. Average, after the backward pass: x_i ← x_i + ((x_{i-1} - x_i) + (x_{i+1} - x_i)) / 3 in the
    parameters' dtype, i.e. weights 1/3 for self, left and right (a symmetric, doubly stochastic
    mixing matrix); a rank that agrees with its neighbours keeps its parameters bit for bit.
@@ -86,7 +86,6 @@ def ring_neighbours(rank: int, world: int) -> list[int]:
     return [left] if left == right else [left, right]
 
 
-
 def neighbour_ops(sent: torch.Tensor, received: list[torch.Tensor], peers: list[int], group=None) -> list:
     """The point-to-point ops of one neighbour exchange, every receive posted before any send.
 
@@ -97,6 +96,7 @@ def neighbour_ops(sent: torch.Tensor, received: list[torch.Tensor], peers: list[
     the same either way."""
     ops = [dist.P2POp(dist.irecv, buf, peer, group) for peer, buf in zip(peers, received)]
     return ops + [dist.P2POp(dist.isend, sent, peer, group) for peer in peers]
+
 
 class DPSGDState(AveragingState):
     """State of D-PSGD: the ring, the exchange in flight and the statistics of

@@ -207,7 +207,8 @@ def accuracy_bands(rows: list[dict]) -> dict[str, dict]:
 def plot_accuracy(rows: list[dict], path: Path, max_seed_lines: int = 3) -> Path:
     """Dev frame accuracy per epoch (Strom 2015, Figure 1): one line per run; with several seeds one
     colour per run name and one line style per seed, or, beyond ``max_seed_lines`` run names, one line
-    per run name (the mean over its seeds, epoch by epoch) in a band from the lowest to the highest seed."""
+    per run name (the mean over its seeds, epoch by epoch) in a band from the lowest to the highest
+    seed, one colour per strategy and one line style per number of workers."""
     import matplotlib
 
     matplotlib.use("Agg")
