@@ -129,6 +129,24 @@ def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path):
     assert "| gtc | 2 |" in md and "vs SAT GMM" in md
 
 
+def test_relative_wer_change_is_against_the_baseline_of_the_same_seed():
+    """Seed 1's GTC run is compared with seed 1's baseline, not seed 0's; a seed without a
+    baseline run falls back to the first baseline."""
+    from local.dnn.compare import add_relative_wer
+
+    rows = [{"run": "baseline", "workers": 1, "seed": 0, "test_wer": 8.0},
+            {"run": "baseline", "workers": 1, "seed": 1, "test_wer": 10.0},
+            {"run": "gtc", "workers": 2, "seed": 0, "test_wer": 8.4},
+            {"run": "gtc", "workers": 2, "seed": 1, "test_wer": 9.0},
+            {"run": "gtc", "workers": 2, "seed": 2, "test_wer": 8.8},
+            {"run": "ma", "workers": 2, "seed": 1, "test_wer": None}]
+    base = add_relative_wer(rows)
+    assert base is rows[0]
+    assert [r["rel_wer_change_pct"] for r in rows[:5]] == pytest.approx([0.0, 0.0, 5.0, -10.0, 10.0])
+    assert [r["rel_wer_base_seed"] for r in rows] == [0, 1, 0, 1, 0, None]
+    assert rows[5]["rel_wer_change_pct"] is None
+
+
 @pytest.mark.parametrize("summary,want", [
     ({"strategy": "baseline", "world_size": 1}, 0.0),
     ({"strategy": "ddp", "world_size": 2}, 4000.0),  # 2 (W-1)/W x 4 bytes x 1000 weights

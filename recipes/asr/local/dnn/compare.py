@@ -147,15 +147,24 @@ def run_row(run_dir: Path | str) -> dict:
 
 
 def add_relative_wer(rows: list[dict], baseline: str | None = None) -> dict | None:
-    """Set ``rel_wer_change_pct`` = 100 (WER - WER_base) / WER_base (negative: better than the baseline).
+    """Set ``rel_wer_change_pct`` = 100 (WER - WER_base) / WER_base (negative: better than the baseline)
+    and ``rel_wer_base_seed``, the seed of the baseline run it was computed against.
 
-    The baseline is the run named ``baseline`` or else the first single-worker run.
+    The baseline is the run named ``baseline`` or else the first single-worker run; each row is
+    compared with that baseline's run of its own seed (``row["seed"]``), and with the first one
+    where its seed has none. Returns the first baseline row.
     """
     base = next((r for r in rows if r["run"] == baseline), None) if baseline else None
     base = base or next((r for r in rows if r["workers"] == 1), None)
+    by_seed = {}
     for r in rows:
-        ok = base is not None and base["test_wer"] and r["test_wer"] is not None
-        r["rel_wer_change_pct"] = 100.0 * (r["test_wer"] - base["test_wer"]) / base["test_wer"] if ok else None
+        if base is not None and r["run"] == base["run"] and r.get("seed") is not None:
+            by_seed.setdefault(r["seed"], r)
+    for r in rows:
+        ref = by_seed.get(r.get("seed"), base)
+        ok = ref is not None and ref["test_wer"] and r["test_wer"] is not None
+        r["rel_wer_change_pct"] = 100.0 * (r["test_wer"] - ref["test_wer"]) / ref["test_wer"] if ok else None
+        r["rel_wer_base_seed"] = ref.get("seed") if ok else None
     return base
 
 
@@ -361,7 +370,8 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
     reference = gmm_reference(data_dir) if data_dir else None
     seeds = seeds_report([Path(d) for d in run_dirs], base["run"] if base else "baseline", reference)
     table = markdown_table(rows) + "\n\n" + seeds_markdown(seeds)
-    note = (f"Relative WER change against `{base['run']}`; bytes sent: what one worker puts on the wire per "
+    note = (f"Relative WER change against `{base['run']}` of the same seed (its first run where the seed has "
+            "none); bytes sent: what one worker puts on the wire per "
             "optimizer step (for DDP its fp32 ring all-reduce, 2 (W-1)/W x 4 bytes per weight); vs fp32 / bf16 "
             "all-reduce: the bytes such an all-reduce sends per worker, divided by the bytes sent (at 2 workers also "
             "Strom's measure, the gradient's fp32 bytes over the message's); words and bits per word: GTC's "
