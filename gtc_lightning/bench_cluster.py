@@ -807,13 +807,14 @@ def render(results: dict) -> str:
             f"| {_fmt(r['wire_bound_s'])} | {r['frames_per_s']:,.0f} | {_mb(r['wire_tx_bytes'])} "
             f"| {_mb(r['hook_bytes'])} | {_fmt(r['wire_over_hook'], 2)} | {predicted} | {load} |"
         )
-    lines += [
-        "",
-        "Targets (4 workers, Strom's model):",
-        "",
-        "| rate | target | measured | goal | met |",
-        "|---|---|---|---|---|",
-    ]
+    if results["targets"]:  # none without GTC and DDP on 4 workers with Strom's model
+        lines += [
+            "",
+            "Targets (4 workers, Strom's model):",
+            "",
+            "| rate | target | measured | goal | met |",
+            "|---|---|---|---|---|",
+        ]
     for t in results["targets"]:
         met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
         lines.append(f"| {t['rate']} | {t['target']} | {_fmt(t['measured'], 2)} | {t['goal']} | {met} |")

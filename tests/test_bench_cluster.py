@@ -41,6 +41,20 @@ def test_nocomm_runs_once_and_bmuf_gtc_needs_two_groups():
     assert names(4, ["bmuf_gtc"]) == ["bmuf_gtc", "nocomm"]
 
 
+def test_report_names_targets_only_where_they_can_be_read():
+    """The published records re-render: the full run lists the issue's targets for 4 workers and
+    Strom's model; a run without GTC on them (ddp and dpsgd only) has no targets section."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    full = bench_cluster.render(json.loads((docs / "bench_cluster.json").read_text()))
+    assert "Targets (4 workers, Strom's model):" in full and "| 100mbit | step, fp32 DDP / GTC |" in full
+    dpsgd = json.loads((docs / "bench_dpsgd_strom.json").read_text())
+    assert dpsgd["targets"] == []
+    text = bench_cluster.render(dpsgd)
+    assert "Targets" not in text and "| strom | 4 | 100mbit | dpsgd |" in text
+
+
 def test_two_nodes_tiny_model(netns, tmp_path):  # noqa: F811  (netns: the fixture imported above)
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "gtc_lightning.bench_cluster", "--models", "2x16:8", "--workers", "1", "2",
