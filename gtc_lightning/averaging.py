@@ -50,12 +50,11 @@ from typing_extensions import override
 
 from gtc_lightning.baselines import no_comm_hook
 from gtc_lightning.hook import all_gather_equal, allreduce_bytes
-from gtc_lightning.strategy import _HOOK_ARGS, _check_int
+from gtc_lightning.strategy import _HOOK_ARGS, _check_int, register_names
 
 log = logging.getLogger(__name__)
 
 OPTIMIZER_STATES = ("keep", "reset", "average")
-_LAUNCHERS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
 _TOTAL_KEYS = (
     "steps",
     "syncs",
@@ -452,26 +451,6 @@ def hint_unused_parameters(exception: BaseException, name: str) -> None:
             f" `strategy='{name}_find_unused_parameters_true'` or with `find_unused_parameters=True`."
         ),
     )
-
-
-def register_names(registry: _StrategyRegistry, cls: type, name: str, description: str) -> None:
-    """``name``, ``name_spawn``, ``name_fork``, ``name_notebook``, each also with
-    ``_find_unused_parameters_true`` / ``_false``, as Lightning names its DDP variants."""
-    for suffix, start_method in _LAUNCHERS:
-        registry.register(
-            f"{name}{suffix}",
-            cls,
-            description=f"{description}, start_method '{start_method}'",
-            start_method=start_method,
-        )
-        for unused in (True, False):
-            registry.register(
-                f"{name}{suffix}_find_unused_parameters_{str(unused).lower()}",
-                cls,
-                description=f"{description}, find_unused_parameters={unused}, start_method '{start_method}'",
-                start_method=start_method,
-                find_unused_parameters=unused,
-            )
 
 
 def scale_learning_rates(strategy: Strategy, factor: float) -> None:

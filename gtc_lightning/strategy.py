@@ -9,7 +9,6 @@ residuals in checkpoints (one shard per rank), and logs statistics.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -429,27 +428,10 @@ class GTCStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        launchers = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
-        for (suffix, start_method), stale in itertools.product(launchers, (False, True)):
-            name = f"gtc_stale{suffix}" if stale else f"gtc{suffix}"
-            what = f"DDP with {'one-step-stale ' if stale else ''}gradient threshold compression"
-            extra = {"stale": True} if stale else {}
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"{what}, start_method '{start_method}'",
-                start_method=start_method,
-                **extra,
-            )
-            for unused in (True, False):
-                strategy_registry.register(
-                    f"{name}_find_unused_parameters_{str(unused).lower()}",
-                    cls,
-                    description=f"{what}, find_unused_parameters={unused}, start_method '{start_method}'",
-                    start_method=start_method,
-                    find_unused_parameters=unused,
-                    **extra,
-                )
+        register_names(strategy_registry, cls, "gtc", "DDP with gradient threshold compression")
+        register_names(
+            strategy_registry, cls, "gtc_stale", "DDP with one-step-stale gradient threshold compression", stale=True
+        )
 
 
 class _GTCStatsLogger(Callback):
@@ -500,3 +482,29 @@ class _GTCStatsLogger(Callback):
         if state.controller is not None:
             bar["gtc_tau"] = state.tau
         pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
+
+
+_LAUNCHERS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
+
+
+def register_names(registry: _StrategyRegistry, cls: type, name: str, description: str, **init_args: Any) -> None:
+    """``name``, ``name_spawn``, ``name_fork``, ``name_notebook``, each also with
+    ``_find_unused_parameters_true`` / ``_false``, as Lightning names its DDP variants; ``init_args``
+    go to every one of them."""
+    for suffix, start_method in _LAUNCHERS:
+        registry.register(
+            f"{name}{suffix}",
+            cls,
+            description=f"{description}, start_method '{start_method}'",
+            start_method=start_method,
+            **init_args,
+        )
+        for unused in (True, False):
+            registry.register(
+                f"{name}{suffix}_find_unused_parameters_{str(unused).lower()}",
+                cls,
+                description=f"{description}, find_unused_parameters={unused}, start_method '{start_method}'",
+                start_method=start_method,
+                find_unused_parameters=unused,
+                **init_args,
+            )
