@@ -83,6 +83,14 @@ def test_comparison_names_automatic_tau_and_coding(tmp_path):
     assert (auto["target_density"], auto["coding"], plain["coding"]) == (0.003, "rice", "none")
     assert auto["words_per_step"] == 20 and auto["bits_per_word"] == pytest.approx(11.0)
     assert plain["bits_per_word"] == pytest.approx(33.6)
+    # 4 ranks: each word goes to 3 peers, and is still 32 bits (plus its share of the headers)
+    d = tmp_path / "four"
+    d.mkdir()
+    (d / "config.yaml").write_text("seed_everything: 0\ntrainer: {strategy: gtc}\n")
+    (d / "train_summary.json").write_text(json.dumps({
+        "run_name": "four", "strategy": "gtc", "world_size": 4, "num_weights": 1000, "tau": 0.01,
+        "gtc": {"step": 10, "last": {"world_size": 4}, "total": {"words": 200, "bytes_sent": 3 * 840}}}))
+    assert run_row(d)["bits_per_word"] == pytest.approx(33.6)
     md = markdown_table(rows)
     assert "| auto | gtc, rice | 2 | auto, density 0.003 (last 0.0123) |" in md
     assert "| plain | gtc | 2 | 0.0123 |" in md

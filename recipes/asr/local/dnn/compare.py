@@ -85,12 +85,16 @@ def strategy_args(run_dir: Path | str) -> dict:
 
 def gtc_message_stats(summary: dict) -> tuple[float | None, float | None]:
     """(words, bits per word) of the GTC messages rank 0 sent per optimizer step, headers included;
-    ``(None, None)`` for a run without GTC's statistics."""
+    ``(None, None)`` for a run without GTC's statistics.
+
+    Every word goes to each of the other ranks of the GTC group (the world, or a ``bmuf_gtc`` group:
+    the ``world_size`` of the last step's record), so the bytes sent count it once per peer."""
     gtc = summary.get("gtc") or {}
     total, steps = gtc.get("total") or {}, gtc.get("step")
     if not steps or not total.get("words"):
         return None, None
-    return total["words"] / steps, 8 * total["bytes_sent"] / total["words"]
+    group = (gtc.get("last") or {}).get("world_size") or summary.get("world_size") or 2
+    return total["words"] / steps, 8 * total["bytes_sent"] / total["words"] / max(int(group) - 1, 1)
 
 
 def _run_strategy(run_dir: Path, summary: dict) -> str:
