@@ -230,7 +230,6 @@ def plot_accuracy(rows: list[dict], path: Path, max_seed_lines: int = 3) -> Path
     fig, ax = plt.subplots(figsize=(6, 4))
     several_seeds = len({r.get("seed") for r in rows}) > 1
     names = list(dict.fromkeys(r["run"] for r in rows))
-    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
 
     def workers(r: dict) -> str:
         return f"{r['workers']} worker{'s' if r['workers'] > 1 else ''}"
@@ -253,6 +252,7 @@ def plot_accuracy(rows: list[dict], path: Path, max_seed_lines: int = 3) -> Path
         fig.set_size_inches(8.5, 4.5)
         ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.02, 0.5))
     else:
+        colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
         for r in rows:
             accs = r["dev_frame_acc_per_epoch"]
             label = f"{r['run']} ({workers(r)})"
@@ -263,13 +263,12 @@ def plot_accuracy(rows: list[dict], path: Path, max_seed_lines: int = 3) -> Path
                 style = {"color": colors[r["run"]],
                          "linestyle": ("-", "--", ":", "-.")[seeds.index(r.get("seed")) % 4]}
             ax.plot(range(1, len(accs) + 1), [100 * a for a in accs], marker="o", label=label, **style)
+        ax.legend(fontsize="small")
     ax.xaxis.get_major_locator().set_params(integer=True)  # epochs
     ax.set_xlabel("epoch")
     ax.set_ylabel("dev frame accuracy (%)")
     ax.set_title("Convergence: baseline vs. distributed training")
     ax.grid(alpha=0.3)
-    if ax.get_legend() is None:
-        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
