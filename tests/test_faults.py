@@ -172,7 +172,9 @@ def test_link_down_stops_every_rank_in_time_and_the_resume_is_bit_exact(netns, t
     uninterrupted run's bit for bit."""
     args = faults.build_parser().parse_args([
         "--timeout", "10", "--every", "5", "--data-dir", str(tiny_aligned), "--out", str(tmp_path), "--run-limit", "180",
-        "--train-args=--trainer.limit_train_batches 20 --trainer.max_epochs 1"])
+        # a wider model: steps of a few ms (an idle host, the tiny model) let the run pass its step-15 and
+        # step-20 checkpoints before the watcher, polling every 20 ms, could cut between them
+        "--train-args=--trainer.limit_train_batches 20 --trainer.max_epochs 1 --model.hidden_dim 1024"])
     with Cluster(nodes=2, rate="100mbit", verbose=False) as cluster:
         record = faults.link_down_case(cluster, "gtc", args, tmp_path / "gtc")
     summary = json.dumps({k: v for k, v in record.items() if k != "comparison"}, indent=1)
