@@ -166,3 +166,23 @@ def test_training_streams(aligned, tmp_path, strategy, devices):
     assert summary["world_size"] == devices and len(summary["dev_frame_acc"]) == 2
     per_epoch = len(dataset(aligned / "ali" / "train_cuts.jsonl.gz", world=devices, batch=32))
     assert summary["data"]["loader"] == "stream" and summary["global_steps"] == 2 * per_epoch > 2, summary
+
+
+def test_both_loaders_put_numpys_blas_on_one_thread(aligned):
+    """The per-cut front-end products must not compete with torch's threads (``one_blas_thread``)."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    def blas_threads():
+        return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+    if not blas_threads():
+        pytest.skip("numpy has no BLAS that threadpoolctl can see")
+    threadpool_limits(limits=2, user_api="blas")
+    assert blas_threads() == {2}
+    AsrDataModule(str(aligned), batch_size=16).setup("fit")  # reads the splits into memory
+    assert blas_threads() == {1}
+    stream = AsrDataModule(str(aligned), batch_size=16, loader="stream", buffer_frames=50, chunk_seconds=0.3)
+    stream.setup("fit")
+    threadpool_limits(limits=2, user_api="blas")
+    next(iter(stream.train_dataloader()))  # streams the training split
+    assert blas_threads() == {1}

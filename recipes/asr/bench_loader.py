@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/loader", help="writes <out>.json and <out>.md")
     parser.add_argument("--batches", type=int, default=3000, help="training batches drawn per measurement")
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--buffer-frames", type=int, default=100_000)
+    parser.add_argument("--buffer-frames", type=int, default=400_000)
     parser.add_argument("--memory-hours", type=float, nargs="*", default=[10.0],
                         help="corpus sizes (hours, by repeating cuts) for the in-memory loader, besides the corpus")
     parser.add_argument("--stream-hours", type=float, nargs="*", default=[100.0, 1000.0],

@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from local.dnn.front_end import one_blas_thread
+
 log = logging.getLogger(__name__)
 
 
@@ -257,6 +259,7 @@ class StreamingFrameBatches(IterableDataset):
             log.info("resuming epoch %d after its first %d of %d batches (replayed on frame counts)",
                      epoch, skip, len(sizes))
         self._resume = None
+        one_blas_thread()  # (also in a reading-ahead worker process)
         buffer = self.last_buffer = FrameBuffer(self.context, np.random.default_rng([self.seed, epoch, rank, 7]))
         stream = (cut for chunk in self.chunks(epoch) for cut in chunk)
         exhausted = False
