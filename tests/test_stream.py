@@ -186,3 +186,23 @@ def test_both_loaders_put_numpys_blas_on_one_thread(aligned):
     threadpool_limits(limits=2, user_api="blas")
     next(iter(stream.train_dataloader()))  # streams the training split
     assert blas_threads() == {1}
+
+
+def test_bench_loader_measures_each_loader_in_its_own_process(aligned, tmp_path):
+    import json
+
+    import bench_loader
+
+    out = tmp_path / "loader"
+    assert bench_loader.main(["--data-dir", str(aligned), "--out", str(out), "--batches", "4", "--batch-size", "16",
+                              "--buffer-frames", "50", "--memory-hours", "--stream-hours", "0.05", "--workers", "0"]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    hours = sum(c.duration for c in CutSet.from_file(aligned / "ali" / "train_cuts.jsonl.gz")) / 3600
+    times = round(0.05 / hours)
+    assert [(r["loader"], r["repeats"]) for r in rows] == [("memory", 1), ("stream", 1), ("stream", times)]
+    for r in rows:
+        assert r["batches"] == 4 and r["frames"] == 4 * 16 and r["frames_per_s"] > 0 and r["peak_rss_mb"] > 100
+    assert rows[0]["epoch_batches"] == rows[1]["epoch_batches"]  # the same split, laid out alike
+    assert abs(rows[2]["epoch_batches"] - times * rows[1]["epoch_batches"]) <= times  # counted on the repeats
+    assert 0 < rows[2]["buffer_peak_resident_frames"] < 20 * 50
+    assert out.with_suffix(".md").read_text().count("\n| stream | 0 |") == 2

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default="data/synthetic-default", help="a recipe data dir with ali/ (stage 6)")
     parser.add_argument("--out", default="docs/loader", help="writes <out>.json and <out>.md")
-    parser.add_argument("--batches", type=int, default=3000, help="training batches drawn per measurement")
+    parser.add_argument("--batches", type=int, default=3000, help="training batches drawn per measurement (at most one epoch; the buffer reaches its steady size after about 5 * buffer / batch size batches)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--buffer-frames", type=int, default=400_000)
     parser.add_argument("--memory-hours", type=float, nargs="*", default=[10.0],
@@ -118,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python recipes/asr/bench_loader.py " + " ".join(argv if argv is not None else sys.argv[1:])
     out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    header = (f"`{command}` ({time.strftime('%Y-%m-%d')}; {args.batches} batches of {args.batch_size} frames per "
-              f"row, buffer {args.buffer_frames} frames)")
-    columns = ("| loader | workers | corpus (h) | setup (s) | frames/s | peak RSS (MB) | worker peak RSS (MB) | "
+    header = (f"`{command}` ({time.strftime('%Y-%m-%d')}; up to {args.batches} batches of {args.batch_size} frames "
+              f"per row, at most one epoch; buffer {args.buffer_frames} frames)")
+    columns = ("| loader | workers | corpus (h) | batches | setup (s) | frames/s | peak RSS (MB) | worker peak RSS (MB) | "
                "buffer peak (frames) |")
-    lines = [header, "", columns, "|---|---|---|---|---|---|---|---|"]
+    lines = [header, "", columns, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['loader']} | {r['workers']} | {r['hours']} | {r['setup_s']} | {r['frames_per_s']:,} | "
+        lines.append(f"| {r['loader']} | {r['workers']} | {r['hours']} | {r['batches']} | {r['setup_s']} | {r['frames_per_s']:,} | "
                      f"{r['peak_rss_mb']:,} | {r['worker_peak_rss_mb'] or ''} | {r['buffer_peak_resident_frames'] or ''} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -143,22 +143,24 @@ class FrameBuffer:
 
     def _reserve(self, rows: int, dim: int) -> None:
         """Room for ``rows`` more rows: compact the loaded cuts to the front (in place, cut by cut),
-        into a larger arena when they would fill more than 80 % of this one."""
+        then enlarge the arena in place when they would fill more than 80 % of it."""
         if self.used + rows <= len(self.arena):
             return
         live = np.flatnonzero(self.start >= 0)
         live = live[np.argsort(self.start[live])]
-        need = int(self.length[live].sum()) + rows
-        old, old_targets = self.arena, self.arena_targets
-        if need > 0.8 * len(self.arena):  # grow by a quarter beyond the need: bounded, few compactions
-            self.arena = np.empty((max(int(1.25 * need), 4096), dim), np.float32)
-            self.arena_targets = np.empty(len(self.arena), np.int32)
         pos = 0
-        for s in live.tolist():  # ascending starts: in place, every move goes to a lower row
+        for s in live.tolist():  # ascending starts: every move goes to a lower row
             a, n = int(self.start[s]), int(self.length[s])
-            self.arena[pos:pos + n], self.arena_targets[pos:pos + n] = old[a:a + n], old_targets[a:a + n]
+            self.arena[pos:pos + n], self.arena_targets[pos:pos + n] = self.arena[a:a + n], self.arena_targets[a:a + n]
             self.start[s], pos = pos, pos + n
         self.used = pos
+        if pos + rows > 0.8 * len(self.arena):  # grow by a quarter beyond the need: bounded, few compactions
+            size = max(int(1.25 * (pos + rows)), 4096)
+            if self.arena.shape[1] != dim:
+                self.arena = np.empty((0, dim), np.float32)
+            # in place (realloc): a large arena is moved by remapping its pages, not copied beside itself
+            self.arena.resize((size, dim), refcheck=False)
+            self.arena_targets.resize(size, refcheck=False)
 
     def windows(self, slots: np.ndarray, frames: np.ndarray,
                 load_fn: Callable[[object], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
