@@ -206,3 +206,11 @@ def test_bench_loader_measures_each_loader_in_its_own_process(aligned, tmp_path)
     assert abs(rows[2]["epoch_batches"] - times * rows[1]["epoch_batches"]) <= times  # counted on the repeats
     assert 0 < rows[2]["buffer_peak_resident_frames"] < 20 * 50
     assert out.with_suffix(".md").read_text().count("\n| stream | 0 |") == 2
+
+
+def test_a_small_buffer_makes_more_correlated_batches(aligned):
+    import bench_loader
+
+    pairs = bench_loader.same_cut_pairs(str(aligned), 16, [20, 10**6])
+    assert pairs["stream 20"] > 2 * pairs["memory"] > 0  # a batch from a buffer of about one cut
+    assert pairs["stream 1000000"] < 1.5 * pairs["memory"]  # a buffer of the whole split: a full shuffle

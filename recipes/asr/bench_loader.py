@@ -15,6 +15,9 @@ the run, imports included), draws ``--batches`` training batches and reports fra
 Frames/s counts the loader alone, after ``setup_s`` (``memory``: reading the split into memory;
 ``stream``: counting the manifest's frames for the epoch's length). Peak RSS of the training
 process, and of the reading-ahead worker where there is one (``ru_maxrss`` of the children). Writes ``<out>.json`` and ``<out>.md``.
+
+``--pairs 100000 400000 --batch-size 512`` prints instead how correlated the batches are (pairs of
+frames from the same cut per batch) in memory and with each buffer size, from frame counts alone.
 """
 
 from __future__ import annotations
@@ -80,6 +83,39 @@ def measure(data_dir: str, loader: str, hours: float | None, batches: int, batch
             "buffer_peak_resident_frames": peak}
 
 
+def same_cut_pairs(data_dir: str, batch_size: int, buffers: list[int], seed: int = 0) -> dict[str, float]:
+    """How correlated each loader's batches are: pairs of frames from the same cut per batch, mean
+    over one epoch, from the manifest's frame counts alone (the streaming buffer's draws replayed
+    without loading anything; the cut order a uniform shuffle, as Lhotse's reservoir gives when it
+    holds the split)."""
+    import numpy as np
+    from lhotse import CutSet
+
+    sys.path.insert(0, str(HERE))
+    from local.dnn.stream import FrameBuffer
+
+    lengths = np.array([c.num_frames for c in CutSet.from_jsonl_lazy(Path(data_dir) / "ali" / "train_cuts.jsonl.gz")])
+    rng = np.random.default_rng(seed)
+    batches = int(lengths.sum()) // batch_size
+
+    def pairs(cut_ids: np.ndarray) -> int:
+        counts = np.unique(cut_ids, return_counts=True)[1]
+        return int((counts * (counts - 1) // 2).sum())
+
+    owner = np.repeat(np.arange(len(lengths)), lengths)[rng.permutation(int(lengths.sum()))]
+    out = {"memory": float(np.mean([pairs(owner[i * batch_size:(i + 1) * batch_size]) for i in range(batches)]))}
+    for size in buffers:
+        buffer, order, per_batch = FrameBuffer(0, np.random.default_rng(seed)), iter(rng.permutation(len(lengths))), []
+        for _ in range(batches):
+            while buffer.pending < size and (cut := next(order, None)) is not None:
+                buffer.put(int(cut), int(lengths[cut]))
+            slots, _ = buffer.draw(batch_size)
+            per_batch.append(pairs(np.array([buffer.keys[s] for s in slots])))
+            buffer.release(slots)
+        out[f"stream {size}"] = float(np.mean(per_batch))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default="data/synthetic-default", help="a recipe data dir with ali/ (stage 6)")
@@ -92,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-hours", type=float, nargs="*", default=[100.0, 1000.0],
                         help="corpus sizes (hours, by repeating cuts) for the streaming loader, besides the corpus")
     parser.add_argument("--workers", type=int, nargs="*", default=[0, 1], help="streaming loader worker settings")
+    parser.add_argument("--pairs", type=int, nargs="*", metavar="BUFFER",
+                        help="only print how correlated the batches are: pairs of frames from the same cut per batch "
+                             "of --batch-size, in memory and with each of these buffer sizes (no timing)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one measurement as JSON
     args = parser.parse_args(argv)
     if args.one:
@@ -99,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (Path(args.data_dir) / "ali" / "train_cuts.jsonl.gz").exists():
         parser.error(f"--data-dir {args.data_dir}: no ali/train_cuts.jsonl.gz; run recipes/asr/prepare.py (stages 0-7)")
+    if args.pairs is not None:
+        for name, value in same_cut_pairs(args.data_dir, args.batch_size, args.pairs or [args.buffer_frames]).items():
+            print(f"{name}: {value:.1f} pairs of frames from the same cut per batch of {args.batch_size}")
+        return 0
     plan = [("memory", None, 0), *[("memory", h, 0) for h in args.memory_hours]]
     plan += [("stream", h, w) for h in [None, *args.stream_hours] for w in args.workers]
     rows = []
