@@ -42,3 +42,34 @@ def test_tables_on_the_tiny_corpus(tiny_aligned, tmp_path, monkeypatch):
     assert strom_tables.main([*argv, "--no-decode"]) == 0
     assert json.loads((tmp_path / "tables.json").read_text())["table3"]["rows"][0]["test_wer"] is None
     assert decoded["runs"][0]["run"] == "baseline"
+
+
+def test_combine_makes_table3_over_seeds(tmp_path):
+    def run(name, seed, tau=None, acc=0.6, wer=8.0, size=6000.0):
+        return {"run": name, "seed": seed, "tau": tau, "dev_frame_acc": acc, "test_wer": wer,
+                "bytes_per_step": size, "words_per_step": size / 4, "ratio_fp32": 6e6 / size}
+
+    band = {"wer": 8.0, "lo": 7.5, "hi": 8.5}
+    comparison = {
+        "runs": [run("baseline", 0, wer=7.5), run("baseline", 1, wer=8.5), run("tau0.02", 1, 0.02, 0.61, 9.0, 2000.0),
+                 run("tau0.02", 0, 0.02, 0.62, 8.0, 3000.0), run("tau0.01", 0, 0.01, size=5000.0),
+                 run("tau0.01", 1, 0.01, size=5000.0)],
+        "intervals": {"runs": {
+            "baseline": {"mean": band},
+            "tau0.01": {"mean": band, "vs_baseline": {"mean": {"rel_pct": 0.0, "rel_lo": -2.0, "rel_hi": 2.0}}},
+            "tau0.02": {"mean": {"wer": 8.5, "lo": 8.0, "hi": 9.0},
+                        "vs_baseline": {"mean": {"rel_pct": 6.25, "rel_lo": 1.04, "rel_hi": 11.5}}}}},
+    }
+    path = tmp_path / "comparison.json"
+    path.write_text(json.dumps(comparison))
+    rows = strom_tables.combined_table3(comparison).splitlines()
+    assert "seeds 0/1" in rows[0] and len(rows) == 5
+    assert rows[2].startswith("| baseline (1 device) |") and "7.50/8.50 %" in rows[2]
+    assert rows[3].startswith("| 0.01 | 5.0-5.0 KB |")  # sorted by tau
+    assert rows[4] == ("| 0.02 | 2.0-3.0 KB | 500-750 | 2,000-3,000× | 62.00/61.00 % | 8.00/9.00 % | "
+                       "8.50 % [8.00, 9.00] | +6.2 % [+1.0, +11.5] |")  # per seed in seed order
+    with pytest.raises(SystemExit, match="no such file"):
+        strom_tables.main(["--combine", str(tmp_path / "missing.json")])
+    comparison["runs"] = [r for r in comparison["runs"] if r["run"] != "baseline"]
+    with pytest.raises(SystemExit, match="no run named 'baseline'"):
+        strom_tables.combined_table3(comparison)

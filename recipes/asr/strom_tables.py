@@ -19,6 +19,10 @@ Usage:
   python recipes/asr/strom_tables.py --taus 0.01 0.04 --sizes 5x512 5x1024 --epochs 2 --size-steps 200
   python recipes/asr/strom_tables.py --tables 4 --data-dir data/synthetic-default
   python recipes/asr/strom_tables.py --train-args "--config conf/tiny.yaml" --taus 0.01 --sizes 2x32 --epochs 1
+  # Table 3 over seeds: one call per seed (--seed N --exp-dir exp/strom/seedN), then
+  python recipes/asr/evaluate.py --compare-only --baseline baseline --out exp/strom/compare \\
+      --runs exp/strom/seed*/{baseline,tau*}
+  python recipes/asr/strom_tables.py --combine exp/strom/compare/comparison.json
 """
 
 from __future__ import annotations
@@ -208,6 +212,44 @@ def markdown(results: dict) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def combined_table3(comparison: dict) -> str:
+    """Table 3 over several seeds, from ``evaluate.py --compare-only --baseline baseline`` over the
+    seeds' runs (its ``comparison.json``): per tau the range of update size, words and compression
+    over the seeds, dev frame accuracy and test WER per seed, the mean test WER with its 95 %
+    interval and the paired relative change against the baseline of the same seeds."""
+    intervals = comparison["intervals"]["runs"]
+    runs: dict[str, list[dict]] = {}
+    for r in comparison["runs"]:
+        runs.setdefault(r["run"], []).append(r)
+    if "baseline" not in runs:
+        raise SystemExit("strom_tables --combine: the comparison has no run named 'baseline'; build it with "
+                         "evaluate.py --compare-only --baseline baseline --runs <exp>/seed*/{baseline,tau*}")
+    seeds = "/".join(str(s) for s in sorted({r["seed"] for r in comparison["runs"]}))
+    taus = sorted((n for n in runs if n != "baseline" and runs[n][0].get("tau") is not None),
+                  key=lambda n: runs[n][0]["tau"])
+
+    def span(values: list[float], fmt: str) -> str:
+        return f"{min(values):{fmt}}-{max(values):{fmt}}"
+
+    lines = [f"| τ | update size per step | words per step | compression | dev frame acc. (seeds {seeds}) | "
+             f"test WER (seeds {seeds}) | mean test WER | vs baseline, paired |", "|---|---|---|---|---|---|---|---|"]
+    for name in ["baseline", *taus]:
+        rs = sorted(runs[name], key=lambda r: r["seed"])
+        dev = "/".join(f"{100 * r['dev_frame_acc']:.2f}" for r in rs) + " %"
+        wer = "/".join(f"{r['test_wer']:.2f}" for r in rs) + " %"
+        m = intervals[name]["mean"]
+        mean = f"{m['wer']:.2f} % [{m['lo']:.2f}, {m['hi']:.2f}]"
+        if name == "baseline":
+            lines.append(f"| baseline (1 device) | – | – | – | {dev} | {wer} | {mean} | – |")
+            continue
+        vs = intervals[name]["vs_baseline"]["mean"]
+        lines.append(
+            f"| {rs[0]['tau']:g} | {span([r['bytes_per_step'] / 1000 for r in rs], '.1f')} KB | "
+            f"{span([r['words_per_step'] for r in rs], ',.0f')} | {span([r['ratio_fp32'] for r in rs], ',.0f')}× | "
+            f"{dev} | {wer} | {mean} | {vs['rel_pct']:+.1f} % [{vs['rel_lo']:+.1f}, {vs['rel_hi']:+.1f}] |")
+    return "\n".join(lines) + "\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", type=Path, default=Path("data/synthetic-default"),
@@ -226,12 +268,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-args", default="", help="more train.py arguments, before the table's own "
                    "(e.g. '--config conf/tiny.yaml' or '--trainer.limit_train_batches 200')")
     p.add_argument("--eval-args", default="", help="more evaluate.py arguments (e.g. '--jobs 1 --beam 8')")
+    p.add_argument("--combine", type=Path, metavar="COMPARISON_JSON",
+                   help="only print Table 3 over several seeds from evaluate.py's comparison.json of their runs")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
+    if args.combine:
+        if not args.combine.exists():
+            raise SystemExit(f"strom_tables --combine: no such file {args.combine}; run evaluate.py --compare-only "
+                             "--baseline baseline --out DIR --runs <exp>/seed*/{baseline,tau*} first (DIR/comparison.json)")
+        print(combined_table3(json.loads(args.combine.read_text())), end="")
+        return 0
     bad = [t for t in args.taus + [args.size_tau] if not t > 0]
     if bad or args.epochs < 1 or args.size_steps < 1:
         raise SystemExit(f"strom_tables: need tau > 0 (got {bad}), --epochs >= 1 and --size-steps >= 1")
