@@ -60,8 +60,6 @@ def test_combine_makes_table3_over_seeds(tmp_path):
             "tau0.02": {"mean": {"wer": 8.5, "lo": 8.0, "hi": 9.0},
                         "vs_baseline": {"mean": {"rel_pct": 6.25, "rel_lo": 1.04, "rel_hi": 11.5}}}}},
     }
-    path = tmp_path / "comparison.json"
-    path.write_text(json.dumps(comparison))
     rows = strom_tables.combined_table3(comparison).splitlines()
     assert "seeds 0/1" in rows[0] and len(rows) == 5
     assert rows[2].startswith("| baseline (1 device) |") and "7.50/8.50 %" in rows[2]

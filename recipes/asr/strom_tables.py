@@ -231,8 +231,9 @@ def combined_table3(comparison: dict) -> str:
     def span(values: list[float], fmt: str) -> str:
         return f"{min(values):{fmt}}-{max(values):{fmt}}"
 
-    lines = [f"| τ | update size per step | words per step | compression | dev frame acc. (seeds {seeds}) | "
-             f"test WER (seeds {seeds}) | mean test WER | vs baseline, paired |", "|---|---|---|---|---|---|---|---|"]
+    header = (f"| τ | update size per step | words per step | compression | dev frame acc. (seeds {seeds}) | "
+              f"test WER (seeds {seeds}) | mean test WER | vs baseline, paired |")
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
     for name in ["baseline", *taus]:
         rs = sorted(runs[name], key=lambda r: r["seed"])
         dev = "/".join(f"{100 * r['dev_frame_acc']:.2f}" for r in rs) + " %"

@@ -156,7 +156,7 @@ class FrameBuffer:
         self.used = pos
         if pos + rows > 0.8 * len(self.arena):  # grow by a quarter beyond the need: bounded, few compactions
             size = max(int(1.25 * (pos + rows)), 4096)
-            if self.arena.shape[1] != dim:
+            if not len(self.arena):  # the first cut sets the width (a later cut of another width fails to fit)
                 self.arena = np.empty((0, dim), np.float32)
             # in place (realloc): a large arena is moved by remapping its pages, not copied beside itself
             self.arena.resize((size, dim), refcheck=False)
