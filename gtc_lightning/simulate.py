@@ -1,0 +1,228 @@
+"""Many data-parallel workers in one process: GTC, model averaging, BMUF and BMUF-GTC, step for step.
+
+The WER of a scheme at 32, 64 or 128 workers (the trade-off of ``seeds/004_…``) needs that many
+workers' training, not that many machines: what a worker contributes is a function of its own batch,
+its own model (or the shared one) and its own residual. :class:`VirtualWorkers` keeps those for
+``workers`` workers and runs each step as the strategies do, one worker after the other:
+
+- every worker's gradient is the mean loss of its own batch, by autograd on its model;
+- ``gtc``: the worker's words from :func:`gtc_lightning.ops.compress` on its own residual, the
+  update from :func:`gtc_lightning.ops.decompress` of all workers' words divided by the workers
+  (Strom's ``tau / N`` per vote), and the hook's dense fallback: a step whose longest message would
+  send more than a dense fp32 all-reduce (1.0x to enter, 0.5x to leave) all-reduces residual +
+  gradient and restarts the residuals from zero;
+- ``ma``: every worker its own model and optimizer, every ``period`` steps the mean (each model
+  divided by N, then summed in rank order, as :func:`gtc_lightning.averaging.all_mean`);
+- ``bmuf``: the same mean through :func:`gtc_lightning.bmuf.block_update_` (η = 1 - 1/N by default);
+- ``bmuf_gtc``: ``gtc`` within groups of ``group_size`` consecutive workers (one model per group),
+  BMUF across the groups every ``period`` steps; residuals carry over a block sync.
+
+With 2 workers the parameters equal a 2-process run of the strategy bit for bit (tests/test_simulate.py
+checks every step against ``GTCStrategy``, ``ModelAveragingStrategy``, ``BMUFStrategy``); with more,
+sums are taken in rank order where gloo's ring may add in another, so the last bits may differ.
+Not simulated: dense warmup steps, gradient clipping, automatic tau, the stale exchange, Golomb-Rice
+coding (lossless: it changes bytes, not updates) and time: this measures what the schemes learn, the
+scaling model (:mod:`gtc_lightning.scaling`) what they cost.
+
+The work per step grows with the workers: one forward/backward per worker and, for GTC, one pass over
+a residual per worker (``workers x weights`` floats). On a GPU that is milliseconds even at 128
+workers; on a 2-core CPU about 11 ms per worker and million weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gtc_lightning.averaging import flatten, unflatten_
+from gtc_lightning.bmuf import block_update_, check_block_args, default_block_momentum, group_ranks
+from gtc_lightning.hook import _HEADER, FALLBACK_ENTER, FALLBACK_EXIT, allreduce_bytes
+from gtc_lightning.ops import compress, decompress, step_ops
+
+SCHEMES = ("gtc", "ma", "bmuf", "bmuf_gtc")
+WORD_BYTES = 4
+
+
+class VirtualWorkers:
+    """``workers`` data-parallel workers of one scheme, simulated in this process.
+
+    Args:
+        module: the model; worker 0 trains it in place (the others train deep copies of it, where
+            the scheme gives them models of their own).
+        optimizer_fn: ``parameters -> torch.optim.Optimizer``, called once per model.
+        loss_fn: ``(model, batch) -> scalar loss`` (the mean over the batch, as a LightningModule's
+            ``training_step`` returns it).
+        scheme: one of :data:`SCHEMES`.
+        workers: number of workers, >= 2.
+        tau: GTC's threshold (``gtc``, ``bmuf_gtc``).
+        period: K, optimizer steps between syncs (``ma``, ``bmuf``, ``bmuf_gtc``).
+        block_momentum: η; ``None``: 1 - 1/N for N learners (workers, or groups for ``bmuf_gtc``).
+        block_lr: ζ.
+        nesterov: Nesterov block momentum.
+        group_size: workers per GTC group (``bmuf_gtc``).
+        dense_fallback: GTC's fallback to a dense all-reduce, as ``GTCStrategy(dense_fallback=...)``.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer_fn: Callable[[Any], torch.optim.Optimizer],
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        scheme: str,
+        workers: int,
+        *,
+        tau: float = 0.01,
+        period: int = 50,
+        block_momentum: float | None = None,
+        block_lr: float = 1.0,
+        nesterov: bool = True,
+        group_size: int = 2,
+        dense_fallback: bool = True,
+    ) -> None:
+        if scheme not in SCHEMES:
+            raise ValueError(f"Expect scheme in {SCHEMES}, got {scheme!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
+            raise ValueError(f"Expect workers to be an int >= 2, got {workers!r}: one worker is the baseline")
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"Expect period (K) to be an int >= 1, got {period!r}")
+        if not tau > 0:
+            raise ValueError(f"Expect tau > 0, got {tau!r}")
+        check_block_args(block_momentum, block_lr)
+        self.scheme, self.workers, self.tau, self.period = scheme, workers, float(tau), period
+        self.loss_fn, self.dense_fallback = loss_fn, bool(dense_fallback)
+        # Which model each worker trains and which workers exchange GTC words together.
+        if scheme == "gtc":
+            self.groups = [list(range(workers))]
+        elif scheme == "bmuf_gtc":
+            self.groups = group_ranks(workers, group_size)
+        else:
+            self.groups = [[w] for w in range(workers)]
+        self.models = [module] + [copy.deepcopy(module) for _ in self.groups[1:]]
+        self.params = [[p for p in m.parameters() if p.requires_grad] for m in self.models]
+        self.optimizers = [optimizer_fn(params) for params in self.params]
+        self.numel = sum(p.numel() for p in self.params[0])
+        device = self.params[0][0].device
+        self.ops = step_ops(device)
+        self.compressed = scheme in ("gtc", "bmuf_gtc")
+        self.residuals = torch.zeros(workers, self.numel, device=device) if self.compressed else None
+        self.dense_mode = [False] * len(self.groups)
+        self.block = scheme in ("bmuf", "bmuf_gtc")
+        learners = len(self.groups)
+        self.block_momentum = default_block_momentum(learners) if block_momentum is None else float(block_momentum)
+        self.block_lr, self.nesterov = float(block_lr), bool(nesterov)
+        if self.block:
+            self.global_params = flatten(self.params[0]).float().clone()
+            self.delta = torch.zeros_like(self.global_params)
+        self.step_count = 0
+        # Worker 0's traffic, counted as the strategies count rank 0's.
+        self.totals = {"steps": 0, "dense_steps": 0, "words": 0, "gtc_bytes_sent": 0, "syncs": 0, "sync_bytes_sent": 0}
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model worker 0 holds: what Lightning validates and checkpoints on rank 0."""
+        return self.models[0]
+
+    def _gradient(self, g: int, batch: Any) -> tuple[torch.Tensor, float]:
+        model, params = self.models[g], self.params[g]
+        for p in params:
+            p.grad = None
+        loss = self.loss_fn(model, batch)
+        loss.backward()
+        grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+        return grad.float(), float(loss.detach())
+
+    def step(self, batches: Sequence[Any]) -> float:
+        """One optimizer step of every worker on its batch (``batches[w]`` for worker ``w``).
+
+        Returns:
+            the mean of the workers' losses.
+        """
+        if len(batches) != self.workers:
+            raise ValueError(f"Expect one batch per worker ({self.workers}), got {len(batches)}")
+        losses = []
+        for g, members in enumerate(self.groups):
+            if self.compressed:
+                words = []
+                for w in members:
+                    grad, loss = self._gradient(g, batches[w])
+                    words.append(compress(grad, self.residuals[w], self.tau))
+                    losses.append(loss)
+                update = self._exchange(g, members, words)
+                unflatten_(update, [p.grad for p in self.params[g]])
+            else:
+                _, loss = self._gradient(g, batches[members[0]])
+                losses.append(loss)
+            self.optimizers[g].step()
+        self.step_count += 1
+        self.totals["steps"] += 1
+        if self.scheme != "gtc" and self.step_count % self.period == 0:
+            self._sync()
+        return sum(losses) / len(losses)
+
+    def _exchange(self, g: int, members: list[int], words: list[torch.Tensor]) -> torch.Tensor:
+        """GTC within one group, as the hook decides and decodes (steps 3-6 of ``gtc_lightning.hook``)."""
+        size = len(members)
+        peers = size - 1
+        fp32_bytes = allreduce_bytes(self.numel, size)
+        header = peers * _HEADER * 8
+        if self.dense_fallback and size > 1:
+            share = peers * max(WORD_BYTES * len(m) for m in words) / fp32_bytes
+            self.dense_mode[g] = share > (FALLBACK_EXIT if self.dense_mode[g] else FALLBACK_ENTER)
+        first = members[0] == 0
+        if self.dense_mode[g]:
+            total = None
+            for w, message in zip(members, words):
+                self.ops.apply_words_(self.residuals[w], message, -self._tau32())
+                total = self.residuals[w].clone() if total is None else total.add_(self.residuals[w])
+                self.residuals[w].zero_()
+            if first:
+                self.totals["dense_steps"] += 1
+                self.totals["gtc_bytes_sent"] += header + fp32_bytes
+            return total.div_(size)
+        if first:
+            self.totals["words"] += len(words[0])
+            self.totals["gtc_bytes_sent"] += header + peers * WORD_BYTES * len(words[0])
+        return decompress(torch.cat(words), self.numel, self.tau, divisor=size)
+
+    def _tau32(self) -> float:
+        return float(torch.tensor(self.tau, dtype=torch.float32))
+
+    def _sync(self) -> None:
+        """The averaging (``ma``) or block update (``bmuf``, ``bmuf_gtc``) over one model per learner."""
+        learners = len(self.models)
+        mean = None
+        for params in self.params:
+            part = flatten(params).float().div_(learners)
+            mean = part if mean is None else mean.add_(part)
+        if self.block:
+            mean = block_update_(self.global_params, self.delta, mean, self.block_momentum, self.block_lr,
+                                 self.nesterov)
+        for params in self.params:
+            unflatten_(mean, params)
+        self.totals["syncs"] += 1
+        sent = allreduce_bytes(self.numel, learners)
+        if self.scheme == "bmuf_gtc" and len(self.groups[0]) > 1:
+            sent += (len(self.groups[0]) - 1) * self.numel * 4  # the representative's broadcast in its group
+        self.totals["sync_bytes_sent"] += sent
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply every worker's learning rate (an epoch-end schedule, as on every rank)."""
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
+
+    def stats(self) -> dict:
+        """Worker 0's statistics in the shape of the strategies' ``gtc_stats`` / ``sync_stats``:
+        ``{"gtc": ... or None, "sync": ... or None}``."""
+        t, steps = self.totals, self.step_count
+        gtc = sync = None
+        if self.compressed:
+            gtc = {"step": steps, "last": {"world_size": len(self.groups[0])},
+                   "total": {"steps": steps, "dense_steps": t["dense_steps"], "words": t["words"],
+                             "bytes_sent": t["gtc_bytes_sent"]}}
+        if self.scheme != "gtc":
+            sync = {"step": steps, "total": {"steps": steps, "syncs": t["syncs"], "bytes_sent": t["sync_bytes_sent"]}}
+        return {"gtc": gtc, "sync": sync}

@@ -1,0 +1,96 @@
+"""The one-process simulation of many workers (gtc_lightning.simulate) against real multi-process runs
+of the strategies: the same parameters after every step (bit for bit on 2 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _averaging_helpers import fit_recorded
+from _strategy_helpers import BATCH, SAMPLES, TinyMLP, dataset, fit, keep_master_port  # noqa: F401
+
+from gtc_lightning import BMUFGTCStrategy, BMUFStrategy, GTCStrategy, ModelAveragingStrategy
+from gtc_lightning.simulate import VirtualWorkers
+
+LR = 0.5
+
+
+def simulate(scheme: str, workers: int, epochs: int = 2, samples: int = SAMPLES, **options) -> list[torch.Tensor]:
+    """TinyMLP trained by ``workers`` simulated workers on the batches Lightning's distributed sampler
+    gives each rank (torch's ``DistributedSampler``, shuffled with seed 0 + epoch: rank r takes every
+    W-th sample of the permutation from r); worker 0's flat parameters after each step."""
+    module = TinyMLP(momentum=0.0, samples=samples)
+    sim = VirtualWorkers(module, lambda ps: torch.optim.SGD(ps, lr=LR), lambda m, b: m.loss(b), scheme, workers,
+                         **options)
+    x, y = dataset(samples).tensors
+    out = []
+    for epoch in range(epochs):
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(epoch))
+        shards = [order[r::workers] for r in range(workers)]
+        for k in range(len(shards[0]) // BATCH):
+            batches = [(x[s[k * BATCH:(k + 1) * BATCH]], y[s[k * BATCH:(k + 1) * BATCH]]) for s in shards]
+            sim.step(batches)
+            out.append(torch.cat([p.detach().reshape(-1) for p in sim.model.parameters()]).clone())
+    return out, sim
+
+
+def check(real: list[dict], simulated: list[torch.Tensor], exact: bool) -> None:
+    assert len(real) == len(simulated)
+    for t, (rec, params) in enumerate(zip(real, simulated)):
+        if exact:
+            assert torch.equal(rec["params"], params), f"step {t + 1}: max diff {(rec['params'] - params).abs().max()}"
+        else:
+            torch.testing.assert_close(params, rec["params"], atol=2e-5, rtol=0, msg=f"step {t + 1}")
+
+
+def test_gtc_on_two_workers_equals_the_strategy_bit_for_bit(tmp_path):
+    _, ranks = fit(tmp_path, GTCStrategy, tau=0.01, model_kwargs={"momentum": 0.0})
+    params, sim = simulate("gtc", 2, tau=0.01)
+    check(ranks[0]["records"], params, exact=True)
+    stats = sim.stats()["gtc"]
+    real = ranks[0]["records"][-1]["stats"]["total"]
+    assert stats["total"]["words"] == real["words"] > 0
+    assert stats["total"]["bytes_sent"] == real["bytes_sent"]
+
+
+def test_gtc_on_four_workers_with_the_dense_fallback_equals_the_strategy(tmp_path):
+    """tau small enough that the sparse exchange would send more than an all-reduce on some steps."""
+    _, ranks = fit(tmp_path, GTCStrategy, devices=4, tau=0.03, model_kwargs={"momentum": 0.0, "samples": 128})
+    params, sim = simulate("gtc", 4, samples=128, tau=0.03)
+    check(ranks[0]["records"], params, exact=False)
+    real = ranks[0]["records"][-1]["stats"]["total"]
+    assert sim.totals["dense_steps"] == real["dense_steps"] > 0
+    assert sim.totals["dense_steps"] < sim.step_count  # and some sparse steps
+
+
+@pytest.mark.parametrize("scheme,strategy", [("ma", ModelAveragingStrategy), ("bmuf", BMUFStrategy)])
+def test_local_step_schemes_on_two_workers_equal_the_strategies_bit_for_bit(tmp_path, scheme, strategy):
+    _, ranks, syncs = fit_recorded(tmp_path, strategy, period=3, model_kwargs={"momentum": 0.0})
+    params, sim = simulate(scheme, 2, period=3)
+    check(ranks[0]["records"], params, exact=True)
+    assert sim.stats()["sync"]["total"]["bytes_sent"] == syncs[0][-1]["total"]["bytes_sent"]
+    assert sim.totals["syncs"] == syncs[0][-1]["total"]["syncs"] == 2
+
+
+def test_bmuf_gtc_on_four_workers_equals_the_strategy(tmp_path):
+    _, ranks, syncs = fit_recorded(tmp_path, BMUFGTCStrategy, devices=4, period=3, tau=0.01,
+                                   model_kwargs={"momentum": 0.0, "samples": 128})  # fmt: skip
+    params, sim = simulate("bmuf_gtc", 4, samples=128, period=3, tau=0.01, group_size=2)
+    check(ranks[0]["records"], params, exact=False)
+    assert sim.block_momentum == 0.5  # 1 - 1/N for N = 2 groups
+    assert sim.totals["syncs"] == syncs[0][-1]["total"]["syncs"]
+
+
+def test_bad_settings_say_what_is_wrong():
+    module = TinyMLP(momentum=0.0)
+    make = lambda **kw: VirtualWorkers(module, lambda ps: torch.optim.SGD(ps, lr=LR), lambda m, b: m.loss(b), **kw)
+    with pytest.raises(ValueError, match="scheme in"):
+        make(scheme="dpsgd", workers=2)
+    with pytest.raises(ValueError, match="workers to be an int >= 2"):
+        make(scheme="gtc", workers=1)
+    with pytest.raises(ValueError, match="does not divide"):
+        make(scheme="bmuf_gtc", workers=6, group_size=4)
+    with pytest.raises(ValueError, match="period"):
+        make(scheme="bmuf", workers=2, period=0)
+    sim = make(scheme="ma", workers=2)
+    with pytest.raises(ValueError, match="one batch per worker"):
+        sim.step([None])
