@@ -235,3 +235,34 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
                    "--out", str(tmp_path / "other"), "--acoustic-scale", "0.1", "--beam", "8", "--max-active", "1000"])
     other = json.loads((tmp_path / "other" / "decode_other" / "results-test_cuts.json").read_text())
     assert other["utterances"] > 0 and other["words"] > 0
+
+
+@pytest.mark.parametrize("scheme", ["gtc", "bmuf"])
+def test_simulated_workers_match_a_two_rank_run(aligned, tmp_path, scheme):
+    """recipes/asr/simulate.py with 2 workers against train.py on 2 forked ranks, same settings: the same
+    final model (rank 0's), bit for bit, and for GTC (one model on every rank) the same dev frame
+    accuracy after every epoch. (Between bmuf's syncs each real rank scores its own model on its share
+    of dev; the simulation scores worker 0's on all of it.)"""
+    import simulate
+
+    strategy = {"gtc": ["--trainer.strategy", "gtc_fork"],
+                "bmuf": ["--trainer.strategy", "gtc_lightning.BMUFStrategy", "--trainer.strategy.period", "3",
+                         "--trainer.strategy.start_method", "fork"]}[scheme]
+    summary = _run(["--config", str(ROOT / "conf" / "tiny.yaml"), *strategy, "--trainer.devices", "2",
+                    "--data.data_dir", str(aligned), "--exp_dir", str(tmp_path / "real"), "--num_threads", "1",
+                    "--trainer.limit_train_batches", "null", "--trainer.limit_val_batches", "null",
+                    "--data.batch_size", "8", "--model.schedule", "halve"])
+    sim = simulate.main(["--scheme", scheme, "--workers", "2", "--data-dir", str(aligned), "--global-batch", "16",
+                         "--epochs", "2", "--hidden-dim", "32", "--num-layers", "2", "--lr", "0.5",
+                         "--period", "3", "--exp-dir", str(tmp_path / "sim")])
+    assert sim["global_steps"] == summary["global_steps"] > 6
+    if scheme == "gtc":
+        assert sim["dev_frame_acc"] == summary["dev_frame_acc"]
+    real = torch.load(summary["checkpoint"], weights_only=False)["state_dict"]
+    mine = torch.load(sim["checkpoint"], weights_only=False)["state_dict"]
+    assert real.keys() == mine.keys()
+    assert all(torch.equal(real[k], mine[k]) for k in real)
+    from evaluate import load_checkpoint
+
+    model, context, features = load_checkpoint(sim["checkpoint"])
+    assert (context, features, model.hparams.hidden_dim) == (8, "fbank_sat", 32)

@@ -99,16 +99,19 @@ class AcousticModel(LightningModule):
         # lockstep under DDP/GTC
         seconds = max(self._last_batch_end - self._epoch_start, 1e-9)
         self.log("frames_per_sec", self._epoch_frames * self.trainer.world_size / seconds, sync_dist=True)
+        if self.halve_after_epoch(self.current_epoch):
+            for group in self.optimizers().param_groups:
+                group["lr"] *= 0.5
+
+    def halve_after_epoch(self, epoch: int) -> bool:
+        """Whether the schedule halves the learning rate after ``epoch`` (0-based), given the dev
+        accuracies in ``dev_acc_history`` (newbob: once it starts halving it halves every epoch)."""
         hp, history = self.hparams, self.dev_acc_history
         if hp.schedule == "newbob":
             gain = history[-1] - history[-2] if len(history) >= 2 else float("inf")
-            self._newbob_halving |= gain < hp.newbob_threshold and self.current_epoch >= hp.hold_epochs
-            halve = self._newbob_halving
-        else:
-            halve = self.current_epoch >= hp.hold_epochs
-        if halve:
-            for group in self.optimizers().param_groups:
-                group["lr"] *= 0.5
+            self._newbob_halving |= gain < hp.newbob_threshold and epoch >= hp.hold_epochs
+            return self._newbob_halving
+        return epoch >= hp.hold_epochs
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["dev_acc_history"] = list(self.dev_acc_history)
