@@ -653,9 +653,14 @@ def _collectives_of(row: dict, words: float | None = None) -> list[scaling.Colle
     return scaling.collectives(row["base"], row["world"], msg)
 
 
-def calibrate(rows: list[dict], configs: list[dict]) -> dict:
+def calibrate(rows: list[dict], configs: list[dict], cpus: int | None = None, threads: int = 1) -> dict:
     """Fit the network's latency and host throughput on the replays (network alone), then predict
-    every training step from its measured compute and codec time and its measured message sizes."""
+    every training step from its measured compute and codec time and its measured message sizes.
+
+    The schemes that overlap their exchange with compute (``scaling.OVERLAPPED``) are predicted as
+    overlapped only where the host has a core for it beside every worker's ``threads`` torch threads
+    (``cpus >= workers x (threads + 1)``; ``cpus`` None: assumed). On this 2-core host with 2 or 4
+    single-threaded workers every core runs a rank's compute and the exchange adds to the step."""
     burst = {(c["model"], c["world"], c["rate"]): c.get("burst_bytes", 0) for c in configs}
     net_rows = [r for r in rows if r["world"] > 1 and r["replay"] and r["network_s"] is not None]
     ratios = [
@@ -690,7 +695,8 @@ def calibrate(rows: list[dict], configs: list[dict]) -> dict:
         )
         comm = scaling.comm_seconds(colls, net)
         work = r["compute_s"] + r["codec_s"]
-        step = max(work, comm) if r["base"] in scaling.OVERLAPPED else work + comm
+        overlap = r["base"] in scaling.OVERLAPPED and (cpus is None or cpus >= r["world"] * (threads + 1))
+        step = max(work, comm) if overlap else work + comm
         network = None
         if r["replay"]:
             network = scaling.comm_seconds([scaling.Collective(**c) for c in r["replay"]["collectives"]], net)
@@ -953,7 +959,8 @@ def projections(rows: list[dict], model: dict) -> dict[str, dict]:
 def finish(results: dict, out: Path, png: Path | None = None) -> None:
     rows = [row for c in results["configs"] for row in c["rows"]]
     results["rows"] = rows
-    results["model"] = calibrate(rows, results["configs"])
+    results["model"] = calibrate(rows, results["configs"], results.get("host", {}).get("cpus"),
+                                 results.get("args", {}).get("threads", 1))
     results["targets"] = targets(rows)
     results["projections"] = projections(rows, results["model"])
     (out / "results.json").write_text(json.dumps(results, indent=1))

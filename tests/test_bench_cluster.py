@@ -11,6 +11,7 @@ otherwise. About 30-60 s (three Lightning processes start; each fits a few tiny 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_cluster import netns  # noqa: F401  (the fixture: nothing of the cluster left behind)
@@ -109,3 +110,23 @@ def test_two_nodes_tiny_model(netns, tmp_path):  # noqa: F811  (netns: the fixtu
     other = subprocess.run([*command, "--resume", "--batch", "8"], capture_output=True, text=True, timeout=300,
                            check=False)
     assert other.returncode == 2 and "other settings (batch)" in other.stderr
+
+
+def test_overlapped_exchange_is_added_to_the_step_where_no_core_is_spare():
+    """dpsgd and gtc_stale overlap their exchange with compute only on a host with a core beside every
+    worker's threads; on the 2-core host of the published run, with 2 and 4 workers, it adds."""
+    published = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench_cluster.json").read_text())
+    rows = {(r["model"], r["world"], r["rate"], r["strategy"]): r for r in published["rows"]}
+    shared = bench_cluster.calibrate(published["rows"], published["configs"], cpus=2, threads=1)
+    spare = bench_cluster.calibrate(published["rows"], published["configs"], cpus=64, threads=1)
+    checked = 0
+    for a, b in zip(shared["predictions"], spare["predictions"], strict=True):
+        row = rows[a["model"], a["world"], a["rate"], a["strategy"]]
+        work = row["compute_s"] + row["codec_s"]
+        assert a["step_s"] == pytest.approx(work + a["comm_s"])
+        if row["base"] in scaling.OVERLAPPED:
+            assert b["step_s"] == pytest.approx(max(work, b["comm_s"]))
+            checked += 1
+        else:
+            assert b["step_s"] == a["step_s"]
+    assert checked == 24  # dpsgd and gtc_stale, 2 models x 2 world sizes x 3 rates
