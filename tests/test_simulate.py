@@ -62,6 +62,15 @@ def test_gtc_on_four_workers_with_the_dense_fallback_equals_the_strategy(tmp_pat
     assert sim.totals["dense_steps"] < sim.step_count  # and some sparse steps
 
 
+def test_gtc_on_four_workers_without_dense_steps_equals_the_strategy_bit_for_bit(tmp_path):
+    """The decoded update is a count of votes (exact in any order), so without the dense fallback's
+    float sums nothing depends on the order the ranks' words are added in."""
+    _, ranks = fit(tmp_path, GTCStrategy, devices=4, tau=0.05, model_kwargs={"momentum": 0.0, "samples": 128})
+    params, sim = simulate("gtc", 4, samples=128, tau=0.05)
+    assert sim.totals["dense_steps"] == 0 and sim.totals["words"] > 0
+    check(ranks[0]["records"], params, exact=True)
+
+
 @pytest.mark.parametrize("scheme,strategy", [("ma", ModelAveragingStrategy), ("bmuf", BMUFStrategy)])
 def test_local_step_schemes_on_two_workers_equal_the_strategies_bit_for_bit(tmp_path, scheme, strategy):
     _, ranks, syncs = fit_recorded(tmp_path, strategy, period=3, model_kwargs={"momentum": 0.0})
