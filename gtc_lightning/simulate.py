@@ -128,12 +128,15 @@ class VirtualWorkers:
         """The model worker 0 holds: what Lightning validates and checkpoints on rank 0."""
         return self.models[0]
 
-    def _gradient(self, g: int, batch: Any) -> tuple[torch.Tensor, float]:
+    def _gradient(self, g: int, batch: Any, flat: bool = True) -> tuple[torch.Tensor | None, float]:
+        """Model ``g``'s gradient on ``batch`` in its parameters' ``.grad`` (and flat, float32, when ``flat``)."""
         model, params = self.models[g], self.params[g]
         for p in params:
             p.grad = None
         loss = self.loss_fn(model, batch)
         loss.backward()
+        if not flat:
+            return None, float(loss.detach())
         grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
         return grad.float(), float(loss.detach())
 
@@ -156,7 +159,7 @@ class VirtualWorkers:
                 update = self._exchange(g, members, words)
                 unflatten_(update, [p.grad for p in self.params[g]])
             else:
-                _, loss = self._gradient(g, batches[members[0]])
+                _, loss = self._gradient(g, batches[members[0]], flat=False)
                 losses.append(loss)
             self.optimizers[g].step()
         self.step_count += 1
