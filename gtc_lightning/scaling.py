@@ -425,7 +425,7 @@ H100 = {
     )
     for rate in (25, 100)
 }
-SCENARIO_STRATEGIES = ("ddp", "ddp_bf16", "gtc", "bmuf_gtc")
+SCENARIO_STRATEGIES = ("ddp", "ddp_bf16", "gtc", "bmuf", "bmuf_gtc")
 
 
 def scenario_rows(scenario: Scenario, nodes=NODES, strategies=SCENARIO_STRATEGIES) -> list[dict]:
