@@ -266,3 +266,16 @@ def test_simulated_workers_match_a_two_rank_run(aligned, tmp_path, scheme):
 
     model, context, features = load_checkpoint(sim["checkpoint"])
     assert (context, features, model.hparams.hidden_dim) == (8, "fbank_sat", 32)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--workers", "1"], "simulate 2 or more"),
+    (["--workers", "3"], "does not split into 3 equal batches"),
+    (["--workers", "2", "--epochs", "0"], "train at least one"),
+])
+def test_simulate_names_bad_settings(argv, message, capsys):
+    import simulate
+
+    with pytest.raises(SystemExit):
+        simulate.parse_args(["--scheme", "gtc", *argv])
+    assert message in capsys.readouterr().err
