@@ -42,11 +42,10 @@ import torch
 
 from gtc_lightning.averaging import flatten, unflatten_
 from gtc_lightning.bmuf import block_update_, check_block_args, default_block_momentum, group_ranks
-from gtc_lightning.hook import _HEADER, FALLBACK_ENTER, FALLBACK_EXIT, allreduce_bytes
+from gtc_lightning.hook import _HEADER, _WORD_BYTES, FALLBACK_ENTER, FALLBACK_EXIT, _f32, allreduce_bytes
 from gtc_lightning.ops import compress, decompress, step_ops
 
 SCHEMES = ("gtc", "ma", "bmuf", "bmuf_gtc")
-WORD_BYTES = 4
 
 
 class VirtualWorkers:
@@ -95,6 +94,7 @@ class VirtualWorkers:
             raise ValueError(f"Expect tau > 0, got {tau!r}")
         check_block_args(block_momentum, block_lr)
         self.scheme, self.workers, self.tau, self.period = scheme, workers, float(tau), period
+        self.tau32 = _f32(self.tau)  # the threshold as the float32 arithmetic sees it
         self.loss_fn, self.dense_fallback = loss_fn, bool(dense_fallback)
         # Which model each worker trains and which workers exchange GTC words together.
         if scheme == "gtc":
@@ -121,7 +121,7 @@ class VirtualWorkers:
             self.delta = torch.zeros_like(self.global_params)
         self.step_count = 0
         # Worker 0's traffic, counted as the strategies count rank 0's.
-        self.totals = {"steps": 0, "dense_steps": 0, "words": 0, "gtc_bytes_sent": 0, "syncs": 0, "sync_bytes_sent": 0}
+        self.totals = {"dense_steps": 0, "words": 0, "gtc_bytes_sent": 0, "syncs": 0, "sync_bytes_sent": 0}
 
     @property
     def model(self) -> torch.nn.Module:
@@ -163,7 +163,6 @@ class VirtualWorkers:
                 losses.append(loss)
             self.optimizers[g].step()
         self.step_count += 1
-        self.totals["steps"] += 1
         if self.scheme != "gtc" and self.step_count % self.period == 0:
             self._sync()
         return sum(losses) / len(losses)
@@ -175,13 +174,13 @@ class VirtualWorkers:
         fp32_bytes = allreduce_bytes(self.numel, size)
         header = peers * _HEADER * 8
         if self.dense_fallback and size > 1:
-            share = peers * max(WORD_BYTES * len(m) for m in words) / fp32_bytes
+            share = peers * max(_WORD_BYTES * len(m) for m in words) / fp32_bytes
             self.dense_mode[g] = share > (FALLBACK_EXIT if self.dense_mode[g] else FALLBACK_ENTER)
         first = members[0] == 0
         if self.dense_mode[g]:
             total = None
             for w, message in zip(members, words):
-                self.ops.apply_words_(self.residuals[w], message, -self._tau32())
+                self.ops.apply_words_(self.residuals[w], message, -self.tau32)
                 total = self.residuals[w].clone() if total is None else total.add_(self.residuals[w])
                 self.residuals[w].zero_()
             if first:
@@ -190,11 +189,8 @@ class VirtualWorkers:
             return total.div_(size)
         if first:
             self.totals["words"] += len(words[0])
-            self.totals["gtc_bytes_sent"] += header + peers * WORD_BYTES * len(words[0])
+            self.totals["gtc_bytes_sent"] += header + peers * _WORD_BYTES * len(words[0])
         return decompress(torch.cat(words), self.numel, self.tau, divisor=size)
-
-    def _tau32(self) -> float:
-        return float(torch.tensor(self.tau, dtype=torch.float32))
 
     def _sync(self) -> None:
         """The averaging (``ma``) or block update (``bmuf``, ``bmuf_gtc``) over one model per learner."""

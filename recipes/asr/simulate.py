@@ -38,33 +38,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import torch
 import yaml
-from local.dnn.datamodule import AsrDataModule, shard_batches, splice
+from local.dnn.datamodule import AsrDataModule, FrameBatches, shard_batches
 from local.dnn.model import AcousticModel
 
 log = logging.getLogger("simulate")
 
 
-def worker_batches(feats: np.ndarray, targets: np.ndarray, offsets: np.ndarray, context: int, workers: int,
-                   batch_size: int, seed: int, epoch: int):
-    """Per step, each worker's ``(x, y)`` batch: rank r's batches of ``train.py`` on N devices."""
-    shards = [shard_batches(len(feats), r, workers, batch_size, seed, epoch) for r in range(workers)]
-    for frames in zip(*shards, strict=True):
-        yield [(torch.from_numpy(splice(feats, offsets, f, context)), torch.from_numpy(targets[f].astype(np.int64)))
-               for f in frames]
+def worker_batches(dm: AsrDataModule, workers: int, batch_size: int, seed: int, epoch: int):
+    """Per step, each worker's batch (``{"x", "y"}``): rank r's batches of ``train.py`` on N devices,
+    from the data module's training frames through its own ``FrameBatches``."""
+    feats, targets, offsets = dm.splits["train"]
+    loaders = [FrameBatches(feats, targets, offsets, dm.hparams.context,
+                            lambda e, r=r: shard_batches(len(feats), r, workers, batch_size, seed, e), lambda: epoch)
+               for r in range(workers)]
+    yield from zip(*loaders, strict=True)
 
 
 @torch.no_grad()
-def frame_accuracy(model: torch.nn.Module, split: tuple, context: int, batch_size: int, device: torch.device) -> float:
-    """Frame accuracy of ``model`` on a ``(feats, targets, offsets)`` split, in corpus order."""
-    feats, targets, offsets = split
+def frame_accuracy(model: torch.nn.Module, dm: AsrDataModule, device: torch.device) -> float:
+    """Frame accuracy of ``model`` on the data module's dev batches (all of dev: no trainer, one rank)."""
     model.eval()
-    correct = 0
-    for start in range(0, len(feats), batch_size):
-        frames = np.arange(start, min(start + batch_size, len(feats)))
-        x = torch.from_numpy(splice(feats, offsets, frames, context)).to(device)
-        correct += int((model(x).argmax(dim=-1).cpu() == torch.from_numpy(targets[frames].astype(np.int64))).sum())
+    correct = total = 0
+    for batch in dm.val_dataloader():
+        correct += int((model(batch["x"].to(device)).argmax(dim=-1).cpu() == batch["y"]).sum())
+        total += batch["y"].numel()
     model.train()
-    return correct / max(len(feats), 1)
+    return correct / max(total, 1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,22 +123,20 @@ def main(argv: list[str] | None = None) -> dict:
                           num_layers=a.num_layers, lr=a.lr, schedule=a.schedule, hold_epochs=a.hold_epochs).to(device)
     sim = VirtualWorkers(
         model, lambda params: torch.optim.SGD(params, lr=a.lr, momentum=model.hparams.momentum),
-        lambda m, b: torch.nn.functional.cross_entropy(m(b[0].to(device)), b[1].to(device)),
+        lambda m, b: torch.nn.functional.cross_entropy(m(b["x"].to(device)), b["y"].to(device)),
         a.scheme, a.workers, tau=a.tau, period=a.period, block_momentum=a.block_momentum,
         block_lr=a.block_lr, nesterov=not a.no_nesterov, group_size=a.group_size,
     )  # fmt: skip
-    feats, targets, offsets = dm.splits["train"]
-    context = dm.hparams.context
     log.info("%s on %d simulated workers (%d frames each per step) on %s: %d weights, %d training frames",
-             a.scheme, a.workers, batch, device, sim.numel, len(feats))
+             a.scheme, a.workers, batch, device, sim.numel, len(dm.splits["train"][0]))
     start = time.perf_counter()
     for epoch in range(a.epochs):
         t0, losses = time.perf_counter(), []
-        for i, batches in enumerate(worker_batches(feats, targets, offsets, context, a.workers, batch, a.seed, epoch)):
+        for i, batches in enumerate(worker_batches(dm, a.workers, batch, a.seed, epoch)):
             losses.append(sim.step(batches))
             if i % 200 == 0:
                 log.info("epoch %d step %d: loss %.3f", epoch, i, losses[-1])
-        acc = frame_accuracy(sim.model, dm.splits["dev"], context, dm.hparams.dev_batch_size, device)
+        acc = frame_accuracy(sim.model, dm, device)
         model.dev_acc_history.append(acc)
         lr = sim.optimizers[0].param_groups[0]["lr"]
         if model.halve_after_epoch(epoch):
