@@ -653,14 +653,109 @@ def _collectives_of(row: dict, words: float | None = None) -> list[scaling.Colle
     return scaling.collectives(row["base"], row["world"], msg)
 
 
-def calibrate(rows: list[dict], configs: list[dict], cpus: int | None = None, threads: int = 1) -> dict:
+def _time_sync_work(spec: tuple[int, int, int], threads: int, repeats: int, barrier=None) -> dict[str, float]:
+    import torch
+
+    from gtc_lightning import bench_step
+    from gtc_lightning.averaging import flatten, unflatten_
+    from gtc_lightning.bmuf import BMUFState
+
+    torch.set_num_threads(threads)
+    params = [p.detach() for p in bench_step.make_dnn(spec, 0.1).parameters()]
+    state = BMUFState(period=1, block_momentum=0.5, world_size=2)
+    state.begin(params)
+
+    def ma() -> None:
+        unflatten_(flatten(params).div_(2), params)
+
+    def bmuf() -> None:
+        unflatten_(state.update(flatten(params).div_(2)), params)
+
+    def bmuf_gtc() -> None:
+        bmuf()
+        unflatten_(flatten(params), params)
+
+    out = {}
+    with torch.no_grad():
+        for name, work in (("ma", ma), ("bmuf", bmuf), ("bmuf_gtc", bmuf_gtc)):
+            times = []
+            for i in range(repeats + 1):  # the first is a warm-up
+                if barrier is not None:
+                    barrier.wait()
+                start = time.perf_counter()
+                work()
+                if i:
+                    times.append(time.perf_counter() - start)
+            out[name] = statistics.median(times)
+    return out
+
+
+def _sync_work_child(spec, threads, repeats, barrier, queue) -> None:
+    queue.put(_time_sync_work(spec, threads, repeats, barrier))
+
+
+def measure_sync_work(
+    spec: tuple[int, int, int], threads: int = 1, repeats: int = 5, processes: int = 1
+) -> dict[str, float]:
+    """Seconds of one sync's own arithmetic on the model of ``spec`` (the real parameter tensors),
+    with the strategies' own functions and no collective, in ``processes`` processes of ``threads``
+    torch threads each doing it at the same moment, as the ranks of one host do at a sync (they share
+    its cores and memory bandwidth): median of ``repeats`` after one warm-up, the slowest process's.
+    ``ma`` flattens the parameters, divides and copies them back (:func:`gtc_lightning.averaging.all_mean`
+    and ``unflatten_`` without the all-reduce); ``bmuf`` adds the block update
+    (:meth:`gtc_lightning.bmuf.BMUFState.update`); ``bmuf_gtc``'s representative adds the flat copies
+    of the broadcast to its group."""
+    if processes < 1:
+        raise ValueError(f"processes {processes}: need at least 1")
+    if processes == 1:
+        return _time_sync_work(spec, threads, repeats)
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process whose OpenMP may have run
+    barrier, queue = ctx.Barrier(processes), ctx.Queue()
+    procs = [
+        ctx.Process(target=_sync_work_child, args=(spec, threads, repeats, barrier, queue))
+        for _ in range(processes)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        results = [queue.get(timeout=600) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    return {k: max(r[k] for r in results) for k in results[0]}
+
+
+def sync_ranks(row: dict) -> int:
+    """The ranks of a row that do a sync's arithmetic at once: all of them (``ma``, ``bmuf``) or one
+    per group (``bmuf_gtc``'s representatives; the others wait for their broadcast)."""
+    if row["base"] == "bmuf_gtc":
+        return max(row["world"] // int(row.get("facts", {}).get("group_size", 2)), 1)
+    return row["world"]
+
+
+def calibrate(
+    rows: list[dict],
+    configs: list[dict],
+    cpus: int | None = None,
+    threads: int = 1,
+    sync_work: dict[str, dict[str, float]] | None = None,
+) -> dict:
     """Fit the network's latency and host throughput on the replays (network alone), then predict
     every training step from its measured compute and codec time and its measured message sizes.
 
     The schemes that overlap their exchange with compute (``scaling.OVERLAPPED``) are predicted as
     overlapped only where the host has a core for it beside every worker's ``threads`` torch threads
     (``cpus >= workers x (threads + 1)``; ``cpus`` None: assumed). On this 2-core host with 2 or 4
-    single-threaded workers every core runs a rank's compute and the exchange adds to the step."""
+    single-threaded workers every core runs a rank's compute and the exchange adds to the step.
+
+    The schemes that sync the model every K steps (``scaling.SYNCING``) add their sync's own arithmetic
+    once per period: ``sync_work[model][str(ranks)][base]`` seconds, measured with as many processes
+    doing it at once as the row has ranks doing it (:func:`measure_sync_work`, :func:`sync_ranks`)."""
+    sync_work = sync_work or {}
     burst = {(c["model"], c["world"], c["rate"]): c.get("burst_bytes", 0) for c in configs}
     net_rows = [r for r in rows if r["world"] > 1 and r["replay"] and r["network_s"] is not None]
     ratios = [
@@ -695,6 +790,9 @@ def calibrate(rows: list[dict], configs: list[dict], cpus: int | None = None, th
         )
         comm = scaling.comm_seconds(colls, net)
         work = r["compute_s"] + r["codec_s"]
+        if r["base"] in scaling.SYNCING:
+            sync = sync_work.get(r["model"], {}).get(str(sync_ranks(r)), {}).get(r["base"], 0.0)
+            work += sync / int(r.get("facts", {}).get("period", 1))
         overlap = r["base"] in scaling.OVERLAPPED and (cpus is None or cpus >= r["world"] * (threads + 1))
         step = max(work, comm) if overlap else work + comm
         network = None
@@ -836,6 +934,20 @@ def render(results: dict) -> str:
             f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15 %."
         ),
     ]
+    for m, by_count in results.get("sync_work", {}).items():
+        parts = [
+            f"{count} at once: " + ", ".join(f"{k} {1e3 * work[k]:.0f} ms" for k in scaling.SYNCING if k in work)
+            for count, work in sorted(by_count.items(), key=lambda x: int(x[0]))
+        ]
+        first = next(iter(by_count.values()))
+        lines += [
+            "",
+            (
+                f"Sync arithmetic on {m}'s model (no collective; processes of {first.get('threads', 1)} thread(s) doing "
+                f"it at once, as many as the row's ranks doing it; measured {first.get('measured', '?')}), added "
+                "once per period: " + "; ".join(parts) + "."
+            ),
+        ]
     for name, proj in results.get("projections", {}).items():
         sc = proj["scenario"]
         strategies = [k for k in proj["rows"][0] if k != "nodes"]
@@ -844,7 +956,8 @@ def render(results: dict) -> str:
             (
                 f"Projection, {name}: {sc['frames_per_s']:,.0f} frames/s per node, GTC {sc['words']:,.0f} words "
                 f"per node and step, thresholding {1e3 * sc['overhead_s']:.0f} ms, decoding "
-                f"{1e9 * sc['per_word_s']:.0f} ns per word; speed-up over one node:"
+                f"{1e9 * sc['per_word_s']:.0f} ns per word, BMUF's block update {1e3 * sc.get('sync_s', 0.0):.0f} ms; "
+                "speed-up over one node:"
             ),
             "",
             "| nodes | " + " | ".join(strategies) + " |",
@@ -912,10 +1025,12 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def projections(rows: list[dict], model: dict) -> dict[str, dict]:
+def projections(rows: list[dict], model: dict, sync_work: dict | None = None) -> dict[str, dict]:
     """1-128 nodes of this host's kind (one core each, own link), from the measurements: one node's
     compute = the single-device step; GTC's words per step and its thresholding and decoding times
-    from 2 workers (one core each); the calibrated latency, no host limit, no burst credit."""
+    from 2 workers (one core each); BMUF's block update on one core (``sync_work``); the calibrated
+    latency, no host limit, no burst credit."""
+    sync_work = sync_work or {}
     out = {}
     for m in dict.fromkeys(r["model"] for r in rows):
         single = next((r for r in rows if r["model"] == m and r["world"] == 1), None)
@@ -938,6 +1053,7 @@ def projections(rows: list[dict], model: dict) -> dict[str, dict]:
                 words=gtc["words"],
                 overhead_s=windows["compress_s"],
                 per_word_s=windows["decompress_s"] / (2 * gtc["words"]),
+                sync_s=sync_work.get(m, {}).get("1", {}).get("bmuf", 0.0),
             )
             out[sc.name] = {
                 "scenario": {
@@ -950,6 +1066,7 @@ def projections(rows: list[dict], model: dict) -> dict[str, dict]:
                     "per_word_s": sc.per_word_s,
                     "group_size": sc.group_size,
                     "period": sc.period,
+                    "sync_s": sc.sync_s,
                 },
                 "rows": scaling.scenario_rows(sc),
             }
@@ -959,10 +1076,30 @@ def projections(rows: list[dict], model: dict) -> dict[str, dict]:
 def finish(results: dict, out: Path, png: Path | None = None) -> None:
     rows = [row for c in results["configs"] for row in c["rows"]]
     results["rows"] = rows
-    results["model"] = calibrate(rows, results["configs"], results.get("host", {}).get("cpus"),
-                                 results.get("args", {}).get("threads", 1))
+    threads = results.get("args", {}).get("threads", 1)
+    sync_work = results.setdefault("sync_work", {})
+    needed: dict[str, set[int]] = {}
+    for r in rows:
+        if r["base"] in scaling.SYNCING:
+            needed.setdefault(r["model"], {1}).add(sync_ranks(r))  # 1: the projections' one node
+    for m, counts in needed.items():
+        for count in sorted(counts):
+            if str(count) in sync_work.get(m, {}):
+                continue  # measured here after the configurations, or by a later --report-only
+            from gtc_lightning import bench_step
+
+            work = measure_sync_work(bench_step.parse_model(m), threads, processes=count)
+            sync_work.setdefault(m, {})[str(count)] = {
+                **work,
+                "threads": threads,
+                "measured": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "load": os.getloadavg()[0],
+            }
+            print(f"sync arithmetic, {m}, {count} process(es) of {threads} thread(s): " + ", ".join(
+                f"{k} {1e3 * v:.1f} ms" for k, v in work.items()), flush=True)
+    results["model"] = calibrate(rows, results["configs"], results.get("host", {}).get("cpus"), threads, sync_work)
     results["targets"] = targets(rows)
-    results["projections"] = projections(rows, results["model"])
+    results["projections"] = projections(rows, results["model"], sync_work)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "table.md").write_text(render(results) + "\n")
     plot(results, png or out / "bench_cluster.png")

@@ -2,7 +2,8 @@
 step and the messages each strategy sends.
 
 A step is its compute (forward, backward, optimizer; plus the strategy's own work on the gradient,
-such as GTC's thresholding and decoding) followed by its collectives; nothing overlaps, except for
+such as GTC's thresholding and decoding, and on the model at a sync, such as BMUF's block update,
+counted once per period) followed by its collectives; nothing overlaps, except for
 strategies marked ``overlap`` (one-step-stale GTC), whose exchange runs under the next step's
 compute. Each collective moves bytes over the node's link and pays a latency per message hop
 (α-β model, Thakur, Rabenseifner & Gropp 2005). Per rank, for a group of ``p`` ranks and a link
@@ -160,6 +161,7 @@ PATTERNS = (
     "single",
 )
 OVERLAPPED = ("gtc_stale", "dpsgd")  # the exchange runs while a step computes
+SYNCING = ("ma", "bmuf", "bmuf_gtc")  # work on the whole model once per period (``Node.sync_s``)
 
 
 @dataclass(frozen=True)
@@ -247,12 +249,16 @@ class Node:
         frames: frames per node and step (the local mini-batch).
         overhead_s: the strategy's own work per step independent of the world size (GTC: thresholding).
         per_word_s: the strategy's work per word received (GTC: decoding all ranks' words).
+        sync_s: the strategy's own arithmetic at one sync of the model (``ma``: the flat copy, the
+            division and the copy back; ``bmuf`` and ``bmuf_gtc``: BMUF's block update on top), paid
+            once per period; the collectives' own cost is not in it.
     """
 
     compute_s: float
     frames: int
     overhead_s: float = 0.0
     per_word_s: float = 0.0
+    sync_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -279,6 +285,8 @@ def predict(strategy: str, world: int, node: Node, msg: Messages, net: Network) 
     work = node.compute_s
     if colls:
         work += node.overhead_s + node.per_word_s * group * msg.words
+        if strategy in SYNCING:
+            work += node.sync_s / msg.period
     comm = comm_seconds(colls, net)
     step = max(work, comm) if strategy in OVERLAPPED else work + comm
     fps = world * node.frames / step
@@ -373,6 +381,7 @@ class Scenario:
         per_word_s: GTC's decoding per received word.
         group_size: BMUF-GTC's nodes per group (GTC inside; BMUF across groups every ``period`` steps).
         period: BMUF-GTC's steps between block syncs.
+        sync_s: BMUF's block update at one sync (``Node.sync_s``), also BMUF-GTC's.
     """
 
     name: str
@@ -385,6 +394,7 @@ class Scenario:
     per_word_s: float = 0.0
     group_size: int = 8
     period: int = 50
+    sync_s: float = 0.0
 
     def predict(self, strategy: str, world: int) -> Prediction:
         node = Node(
@@ -392,6 +402,7 @@ class Scenario:
             frames=self.frames,
             overhead_s=self.overhead_s,
             per_word_s=self.per_word_s,
+            sync_s=self.sync_s,
         )
         msg = Messages(numel=self.numel, words=self.words, period=self.period, group_size=self.group_size)
         prediction = predict(strategy, world, node, msg, self.net)

@@ -130,3 +130,35 @@ def test_overlapped_exchange_is_added_to_the_step_where_no_core_is_spare():
         else:
             assert b["step_s"] == a["step_s"]
     assert checked == 24  # dpsgd and gtc_stale, 2 models x 2 world sizes x 3 rates
+
+
+def test_sync_arithmetic_is_added_once_per_period_with_as_many_ranks_doing_it():
+    """ma, bmuf and bmuf_gtc pay their sync's own arithmetic (flat copies, BMUF's block update) once per
+    period, measured with as many processes at once as the row has ranks doing it: all ranks, or one
+    representative per group for bmuf_gtc. The published run carries those measurements."""
+    published = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench_cluster.json").read_text())
+    sync_work = published["sync_work"]
+    rows = {(r["model"], r["world"], r["rate"], r["strategy"]): r for r in published["rows"]}
+    plain = bench_cluster.calibrate(published["rows"], published["configs"], cpus=2, threads=1)
+    synced = bench_cluster.calibrate(published["rows"], published["configs"], cpus=2, threads=1, sync_work=sync_work)
+    checked = 0
+    for a, b in zip(plain["predictions"], synced["predictions"], strict=True):
+        row = rows[a["model"], a["world"], a["rate"], a["strategy"]]
+        if row["base"] in scaling.SYNCING:
+            ranks = row["world"] // 2 if row["base"] == "bmuf_gtc" else row["world"]
+            assert bench_cluster.sync_ranks(row) == ranks
+            extra = sync_work[row["model"]][str(ranks)][row["base"]] / row["facts"]["period"]
+            assert extra > 0 and b["step_s"] == pytest.approx(a["step_s"] + extra)
+            checked += 1
+        else:
+            assert b["step_s"] == a["step_s"]
+    assert checked == 30  # ma and bmuf: 2 models x 2 world sizes x 3 rates; bmuf_gtc: 4 workers only
+    assert published["model"]["predictions"] == synced["predictions"]
+
+
+def test_measure_sync_work_times_each_scheme_in_one_or_several_processes():
+    for processes in (1, 2):
+        work = bench_cluster.measure_sync_work((2, 16, 8), repeats=2, processes=processes)
+        assert set(work) == {"ma", "bmuf", "bmuf_gtc"} and all(v > 0 for v in work.values())
+    with pytest.raises(ValueError, match="processes 0"):
+        bench_cluster.measure_sync_work((2, 16, 8), processes=0)

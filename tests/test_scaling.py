@@ -97,6 +97,17 @@ def test_predict_adds_compute_work_and_comm_or_overlaps():
     assert scaling.predict("no_such_scheme", 4, node, msg, GBIT) is None
 
 
+def test_a_sync_s_arithmetic_is_paid_once_per_period_by_the_syncing_schemes_only():
+    node = Node(compute_s=0.1, frames=256, sync_s=0.5)
+    msg = Messages(numel=10**6, words=1000, period=5, group_size=2)
+    for strategy in ("ma", "bmuf", "bmuf_gtc"):
+        p = scaling.predict(strategy, 4, node, msg, GBIT)
+        assert p.compute_s == pytest.approx(0.1 + 0.5 / 5), strategy
+    for strategy in ("ddp", "gtc", "dpsgd"):
+        assert scaling.predict(strategy, 4, node, msg, GBIT).compute_s == pytest.approx(0.1), strategy
+    assert scaling.predict("bmuf", 1, node, msg, GBIT).compute_s == pytest.approx(0.1)  # one node: no sync
+
+
 def test_fit_network_recovers_latency_and_host_rate():
     truth = Network(1e8, latency_s=3e-4, host_bytes_per_s=5e8)
     samples = []
