@@ -261,18 +261,8 @@ class GTCState:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding)
         if tau == "auto" and target_density is None:
             raise ValueError("tau='auto' needs a target_density (words per rank per gradient element, e.g. 1e-3)")
-        if stale and target_density is not None:
-            raise ValueError(
-                "target_density (automatic tau) is not available with stale=True yet: an update applied one step "
-                "late would be scaled with the next step's tau; use a fixed tau or stale=False"
-            )
         if tau == "auto":
             tau = AUTO_TAU_INIT
-        if stale and coding != "none":
-            raise ValueError(
-                f"coding={coding!r} is not available with stale=True yet: the one-step-stale exchange sends "
-                "plain 32-bit words; use coding='none' or stale=False"
-            )
         # The hyper-parameters.
         self.process_group = process_group
         self.tau = float(tau)
@@ -891,7 +881,7 @@ def _exchange(state: GTCState) -> None:
     if state.stale:
         from gtc_lightning.stale import exchange_stale  # (it imports this module)
 
-        exchange_stale(state, pending, used, counts, numel, record, dense)
+        exchange_stale(state, pending, used, counts, sizes, numel, record, dense)
         return
     if dense:
         _dense_step(state, pending, used, own, numel, start, record)
@@ -899,7 +889,8 @@ def _exchange(state: GTCState) -> None:
 
     # 5. One word exchange.
     if state.coding == "rice":
-        words, lengths, sent, received = _send_coded(state, sizes)
+        data, width, sent, received, _ = _send_coded(state, sizes)
+        words, lengths = decode_coded(data, sizes, width), None
     else:
         words, lengths, sent, received, _ = _send_words(state, counts)
     exchanged = clock.now()
@@ -913,9 +904,11 @@ def _exchange(state: GTCState) -> None:
     record("sparse", sent, received, exchanged, clock.now())
 
 
-def word_scale(state: GTCState, world: int) -> float:
-    """What one vote is worth in the bucket: ``tau / world`` in float32, times the loss scale."""
-    return _f32(_f32(state.tau32 / world) * state.grad_scale)
+def word_scale(state: GTCState, world: int, tau32: float | None = None) -> float:
+    """What one vote is worth in the bucket: ``tau / world`` in float32, times the loss scale;
+    ``tau32``: the float32 tau the words were thresholded with, when not the state's (``stale=True``
+    with automatic tau applies a step's words after tau moved)."""
+    return _f32(_f32((state.tau32 if tau32 is None else tau32) / world) * state.grad_scale)
 
 
 def _send_words(state: GTCState, counts: list[int], async_op: bool = False) -> tuple:
@@ -950,29 +943,43 @@ def _send_words(state: GTCState, counts: list[int], async_op: bool = False) -> t
     return words, counts, sent, sent, work
 
 
-def _send_coded(state: GTCState, sizes: list[int]) -> tuple:
+def _send_coded(state: GTCState, sizes: list[int], async_op: bool = False) -> tuple:
     """Step 5 with ``coding="rice"``: every rank's Golomb-Rice coded message (``sizes`` bytes each)
-    to every rank, decoded back into words (rank 0's first, as ``_send_words`` gives them)."""
+    to every rank (all-to-all of uneven messages, or an all-gather padded to the longest).
+
+    Returns:
+        ``(data, width, bytes sent, bytes received, work)``: ``data`` the received bytes, laid out as
+        :func:`decode_coded` reads them with ``sizes`` and ``width`` (None: back to back, else rows
+        of ``width``); ``work`` the collective's handle when ``async_op`` (None when nothing was sent).
+    """
     group, world, rank = state.process_group, state.world_size, state.rank
     coded, own = state._coded, sizes[rank]
     if world == 1:
-        return rice_decode(coded), None, 0, 0
+        return coded, None, 0, 0, None
     if _exchange_kind(state) == "alltoall":
         data = torch.empty(sum(sizes), dtype=torch.uint8, device=coded.device)
-        dist.all_to_all_single(
-            data, coded.repeat(world), output_split_sizes=sizes, input_split_sizes=[own] * world, group=group
-        )
+        work = dist.all_to_all_single(
+            data, coded.repeat(world), output_split_sizes=sizes, input_split_sizes=[own] * world, group=group,
+            async_op=async_op,
+        )  # fmt: skip
+        return data, None, (world - 1) * own, sum(sizes) - own, work
+    width = max(sizes)
+    padded = torch.zeros(width, dtype=torch.uint8, device=coded.device)
+    padded[:own] = coded
+    data = torch.empty(world * width, dtype=torch.uint8, device=coded.device)
+    work = all_gather_equal(data, padded, group=group, async_op=async_op)
+    sent = (world - 1) * width
+    return data, width, sent, sent, work
+
+
+def decode_coded(data: torch.Tensor, sizes: list[int], width: int | None) -> torch.Tensor:
+    """The words of every rank's coded message in ``data`` (as :func:`_send_coded` received it), rank
+    0's first, as ``_send_words`` gives them."""
+    if width is None:
         parts = data.split(sizes)
-        sent, received = (world - 1) * own, sum(sizes) - own
     else:
-        width = max(sizes)
-        padded = torch.zeros(width, dtype=torch.uint8, device=coded.device)
-        padded[:own] = coded
-        data = torch.empty(world * width, dtype=torch.uint8, device=coded.device)
-        all_gather_equal(data, padded, group=group)
-        parts = [row[:n] for row, n in zip(data.view(world, width), sizes)]
-        sent = received = (world - 1) * width
-    return torch.cat([rice_decode(part) for part in parts]), None, sent, received
+        parts = [row[:n] for row, n in zip(data.view(len(sizes), width), sizes)]
+    return torch.cat([rice_decode(part) for part in parts])
 
 
 def _exchange_kind(state: GTCState) -> str:

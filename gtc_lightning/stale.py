@@ -18,13 +18,17 @@ step's one host synchronisation):
    and decode it into step t's bucket buffers, which DDP hands to the optimizer. At the first
    compressed step of a fit nothing is in flight: the optimizer gets no gradient (``None``, or
    zeros under an AMP loss scaler, which refuses a step without gradients) and does not move.
-3. Launch step t's exchange with ``async_op=True``: the words, or on a dense-fallback step the
-   all-reduce of every rank's residual + gradient (the residuals restart from zero). The new
-   residual is committed at once. Step t+1 thresholds into a second message buffer (and a second
-   sums buffer) while this step's are still on the wire.
+3. Launch step t's exchange with ``async_op=True``: the words (with ``coding="rice"`` the
+   Golomb-Rice coded bytes, decoded into words when the update is applied), or on a dense-fallback
+   step the all-reduce of every rank's residual + gradient (the residuals restart from zero). The
+   new residual is committed at once. Step t+1 thresholds into a second message buffer (and a
+   second sums buffer) while this step's are still on the wire.
 
 Decoding uses the synchronous mode's kernels and float32 arithmetic, times the loss scale of the
-applying step's backward (which the scaler divides out at that step). DDP rebuilds its buckets after
+applying step's backward (which the scaler divides out at that step). A vote is worth the tau of
+the step that sent it over the world size: with automatic tau (``target_density``) tau moves after
+every step, so the exchange in flight keeps its own tau (``InFlight.tau32``, and ``"tau32"`` in a
+checkpoint's pending entry). DDP rebuilds its buckets after
 the first step, under an exchange in flight: its words then move with their parameters (by name) first.
 
 Where the exchange in flight goes:
@@ -59,8 +63,10 @@ import torch
 from gtc_lightning.hook import (
     GTCState,
     StepStats,
+    _send_coded,
     _send_words,
     allreduce_bytes,
+    decode_coded,
     decode_dense,
     reduce_dense,
     word_scale,
@@ -77,9 +83,14 @@ class InFlight:
         kind: ``"sparse"`` (words: vote counts times ``tau / world``) or ``"dense"`` (sums of the ranks'
             residual + gradient, divided by ``world``).
         world: the ranks that took part.
+        tau32: sparse: the float32 tau the words were thresholded with (automatic tau moves it
+            before they are applied).
         work: the collective's handle until it was waited for.
         words: sparse: the received words, ``[m]`` or ``[W * width]`` with ``lengths``.
         lengths: valid words per row of a padded all-gather, else None.
+        coded: sparse with ``coding="rice"``: the received bytes until decoded into ``words``.
+        sizes: the ranks' coded message bytes; ``width``: the padded row length of an all-gather of
+            coded messages, else None.
         sums: dense: ``[capacity]`` float32 sums, laid out as ``slots``.
         slots: the flat layout it was launched in (parameter name -> (offset, numel)).
         vector: ``[sum(numels)]`` float32 in parameter order (vote counts or sums), when restored
@@ -89,16 +100,27 @@ class InFlight:
     step: int
     kind: str
     world: int
+    tau32: float | None = None
     work: Any = None
     words: torch.Tensor | None = None
     lengths: list[int] | None = None
+    coded: torch.Tensor | None = None
+    sizes: list[int] | None = None
+    width: int | None = None
     sums: torch.Tensor | None = None
     slots: dict | None = None
     vector: torch.Tensor | None = None
 
 
 def exchange_stale(
-    state: GTCState, pending: list, unused: list, counts: list[int], numel: int, record, dense: bool
+    state: GTCState,
+    pending: list,
+    unused: list,
+    counts: list[int],
+    sizes: list[int],
+    numel: int,
+    record,
+    dense: bool,
 ) -> None:
     """Steps 2-3 for one optimizer step; completes every Future of ``pending``."""
     clock = state._clock
@@ -116,23 +138,28 @@ def exchange_stale(
     if dense:
         state._in_flight, sent, received = _launch_dense(state, unused, counts[state.rank], numel)
     else:
-        state._in_flight, sent, received = _launch_sparse(state, counts)
+        state._in_flight, sent, received = _launch_sparse(state, counts, sizes)
     for bucket, future, _ in pending:
         future.set_result(bucket.buffer())
     applied = previous.step if previous is not None else None
     record("dense" if dense else "sparse", sent, received, exchanged, clock.now(), applied=applied)
 
 
-def _launch_sparse(state: GTCState, counts: list[int]) -> tuple[InFlight, int, int]:
-    words, lengths, sent, received, work = _send_words(state, counts, async_op=True)
+def _launch_sparse(state: GTCState, counts: list[int], sizes: list[int]) -> tuple[InFlight, int, int]:
+    coded = width = None
+    if state.coding == "rice":  # the coded bytes travel; they are decoded when the update is applied
+        words, lengths = None, None
+        coded, width, sent, received, work = _send_coded(state, sizes, async_op=True)
+    else:
+        words, lengths, sent, received, work = _send_words(state, counts, async_op=True)
     state._residual, state._spare = state._spare, state._residual
     message = state._spare_message
     if message is None or message.shape != state._message.shape or message.device != state._message.device:
         message = torch.empty_like(state._message)
     state._message, state._spare_message = message, state._message
     flight = InFlight(
-        step=state.step, kind="sparse", world=state.world_size, work=work, words=words, lengths=lengths,
-        slots=state._slots,
+        step=state.step, kind="sparse", world=state.world_size, tau32=state.tau32, work=work, words=words,
+        lengths=lengths, coded=coded, sizes=sizes if coded is not None else None, width=width, slots=state._slots,
     )  # fmt: skip
     return flight, sent, received
 
@@ -151,15 +178,27 @@ def _launch_dense(state: GTCState, unused: list, own: int, numel: int) -> tuple[
     return flight, sent, sent
 
 
+def _received_words(flight: InFlight) -> None:
+    """A Rice-coded exchange's words, decoded once it has arrived (``flight.coded`` -> ``words``)."""
+    if flight.coded is None:
+        return
+    if flight.work is not None:
+        flight.work.wait()
+        flight.work = None
+    flight.words, flight.lengths = decode_coded(flight.coded, flight.sizes, flight.width), None
+    flight.coded = flight.sizes = flight.width = None
+
+
 def _apply(state: GTCState, flight: InFlight, outputs: list) -> None:
     """Decode ``flight`` into the bucket buffers of the step in progress."""
+    _received_words(flight)
     if flight.kind == "sparse" and flight.slots is not None and flight.slots is not state._slots:
         flight.words, flight.lengths = _relayout_words(flight.words, flight.lengths, flight.slots, state._slots)
         flight.slots = state._slots
     if flight.slots is state._slots:  # the layout it was launched in: decode as the synchronous mode
         if flight.kind == "sparse":
             state._ops.decode_(
-                flight.words, flight.lengths, state._counts, outputs, word_scale(state, flight.world)
+                flight.words, flight.lengths, state._counts, outputs, word_scale(state, flight.world, flight.tau32)
             )
         else:
             decode_dense(flight.sums, flight.world, state.grad_scale, outputs)
@@ -173,7 +212,7 @@ def _apply(state: GTCState, flight: InFlight, outputs: list) -> None:
             offset, _ = state._slots[name]
             flat[offset : offset + n].copy_(part)
     if flight.kind == "sparse":
-        scale = word_scale(state, flight.world)
+        scale = word_scale(state, flight.world, flight.tau32)
         for offset, buffer in outputs:
             torch.mul(flat[offset : offset + buffer.numel()], scale, out=buffer)
     else:
@@ -205,6 +244,7 @@ def pending_vector(state: GTCState, flight: InFlight) -> torch.Tensor:
     if flight.work is not None:
         flight.work.wait()
         flight.work = None
+    _received_words(flight)
     if flight.kind == "sparse":
         words = flight.words
         if flight.lengths is not None:
@@ -231,24 +271,30 @@ def drain(state: GTCState) -> InFlight | None:
 
 
 def pending_entry(state: GTCState) -> dict | None:
-    """The exchange in flight, drained, for a checkpoint: ``{"step", "kind", "world", "vector"}``."""
+    """The exchange in flight, drained, for a checkpoint: ``{"step", "kind", "world", "vector", "tau32"}``
+    (``tau32``: what a vote of a sparse update is worth times ``world``; None for a dense one)."""
     flight = drain(state)
     if flight is None:
         return None
     vector = pending_vector(state, flight).to("cpu", copy=True)
-    return {"step": flight.step, "kind": flight.kind, "world": flight.world, "vector": vector}
+    tau32 = None if flight.kind == "dense" else (state.tau32 if flight.tau32 is None else flight.tau32)
+    return {"step": flight.step, "kind": flight.kind, "world": flight.world, "vector": vector, "tau32": tau32}
 
 
 def load_pending(state: GTCState, entry: dict, device: torch.device) -> None:
     """Restore a checkpoint's pending update: applied at the next step (``stale``), or added to every
     rank's residual otherwise (the mean residual is the update still to come, so nothing is lost)."""
     vector = entry["vector"].to(device=device, dtype=torch.float32)
+    tau32 = entry.get("tau32")  # None: a checkpoint from before tau was saved with it (fixed tau)
     if state.stale:
         state._in_flight = InFlight(
-            step=entry["step"], kind=entry["kind"], world=entry["world"], vector=vector
+            step=entry["step"], kind=entry["kind"], world=entry["world"], tau32=tau32, vector=vector
         )
         return
-    update = vector * state.tau32 / entry["world"] if entry["kind"] == "sparse" else vector / entry["world"]
+    if entry["kind"] == "sparse":
+        update = vector * (state.tau32 if tau32 is None else tau32) / entry["world"]
+    else:
+        update = vector / entry["world"]
     state.load_residual_vector(state.residual_vector(device) + update)
 
 

@@ -97,8 +97,9 @@ class GTCStrategy(DDPStrategy):
             runs while the next step computes and its update is applied one step late; the replicas
             stay bit-identical. The first compressed step applies nothing, and the last step's
             update is not applied at the end of fit (it is kept for a resume). See
-            :mod:`gtc_lightning.stale` for skips, checkpoints and the rest. Refused with several
-            optimizers.
+            :mod:`gtc_lightning.stale` for skips, checkpoints and the rest. Takes ``coding="rice"``
+            (the coded bytes travel, decoded when applied) and automatic tau (each update is scaled
+            with the tau of the step that sent it). Refused with several optimizers.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for ``DDPStrategy``.
         **kwargs: passed to ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``,

@@ -28,7 +28,8 @@ SGD = {"momentum": 0.0}  # the update is exactly -lr * decoded gradient
 def check_stale_steps(ranks, grads=None, skipped=(), tau=TAU, start_update=None):
     """Every step against an independent computation: step t's parameters move by the update of the
     last step before t that was not skipped, step t's residuals are Strom's (``skipped`` steps, 1-based,
-    change neither). ``grads[t]`` per rank overrides the recorded local gradients (accumulation).
+    change neither). ``grads[t]`` per rank overrides the recorded local gradients (accumulation);
+    ``tau="recorded"``: each step's own tau as its statistics give it (automatic tau).
 
     Returns:
         the update still pending after the last step.
@@ -45,7 +46,8 @@ def check_stale_steps(ranks, grads=None, skipped=(), tau=TAU, start_update=None)
             assert last["skipped"] and last["applied"] is None
         else:
             local = grads[t] if grads is not None else [rec["local_grad"] for rec in recs]
-            update, residuals, words = expected_sparse_step(residuals, local, tau)
+            step_tau = last["tau"] if tau == "recorded" else tau
+            update, residuals, words = expected_sparse_step(residuals, local, step_tau)
             assert [rec["stats"]["last"]["words"] for rec in recs] == words, f"step {t + 1}"
             assert last["applied"] == (None if pending is None else pending[0]), f"step {t + 1}"
             if pending is not None:
@@ -97,6 +99,54 @@ def test_the_last_update_is_pending_in_checkpoints_not_applied(stale_run, tmp_pa
         assert len(resumed[rank]["records"]) == 4
         for a, b in zip(resumed[rank]["records"], full[rank]["records"][4:]):
             assert a["step"] == b["step"] and a["stats"]["last"]["applied"] == b["stats"]["last"]["applied"]
+            assert torch.equal(a["params"], b["params"]) and torch.equal(a["residual"], b["residual"])
+
+
+@pytest.mark.parametrize("exchange", ["alltoall", "allgather"])
+def test_rice_coded_stale_exchange_gives_the_same_bits_with_fewer_bytes(stale_run, tmp_path, exchange):
+    """coding="rice" with stale=True: the coded bytes travel while the next step computes and are
+    decoded when applied; every step's parameters, residuals and applied step equal the uncoded run's,
+    with fewer bytes; the checkpoint's pending update is the same vector."""
+    trainer, plain = stale_run
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    _, coded = fit(
+        tmp_path, tau=TAU, stale=True, coding="rice", exchange=exchange, model_kwargs=SGD,
+        trainer_kwargs={"enable_checkpointing": True, "callbacks": [checkpoint]},
+    )  # fmt: skip
+    for rank in range(2):
+        for a, b in zip(plain[rank]["records"], coded[rank]["records"], strict=True):
+            assert torch.equal(a["params"], b["params"]) and torch.equal(a["residual"], b["residual"])
+            last_a, last_b = a["stats"]["last"], b["stats"]["last"]
+            assert last_a["applied"] == last_b["applied"] and last_a["words"] == last_b["words"]
+            if last_a["words"] > 8:
+                assert last_b["bytes_sent"] < last_a["bytes_sent"], (last_a, last_b)
+    assert sum(rec["stats"]["last"]["words"] > 8 for rec in plain[0]["records"]) >= STEPS // 2
+    check_stale_steps(coded)
+    saved = [torch.load(next((d / "ckpt").glob("*step=4.ckpt")), weights_only=False)["gtc"]["pending"]
+             for d in (Path(trainer.default_root_dir), tmp_path)]
+    assert saved[0]["step"] == saved[1]["step"] == 4 and torch.equal(saved[0]["vector"], saved[1]["vector"])
+
+
+def test_automatic_tau_scales_each_update_with_the_tau_of_its_own_step(tmp_path):
+    """tau="auto" with stale=True (and Rice coding): tau moves after every step, and the update applied
+    at step t is step t-1's words times step t-1's tau; a fit resumed from the checkpoint after step 16,
+    the end of the first epoch (its pending update saved with its tau), continues bit for bit."""
+    kwargs = {"tau": "auto", "target_density": 0.02, "stale": True, "coding": "rice",
+              "model_kwargs": {**SGD, "samples": 256}}  # fmt: skip
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=16, save_top_k=-1)
+    _, full = fit(tmp_path / "full", trainer_kwargs={"enable_checkpointing": True, "callbacks": [checkpoint]},
+                  **kwargs)  # fmt: skip
+    taus = [rec["stats"]["last"]["tau"] for rec in full[0]["records"]]
+    assert len(taus) == 32 and len(set(taus)) > 8, taus
+    check_stale_steps(full, tau="recorded")
+    ckpt = next((tmp_path / "ckpt").glob("*step=16.ckpt"))
+    pending = torch.load(ckpt, weights_only=False)["gtc"]["pending"]
+    assert pending["step"] == 16 and pending["tau32"] == float(torch.tensor(taus[15], dtype=torch.float32))
+    assert taus[15] != taus[16], "tau did not move at the resumed step: the test would not see a wrong tau"
+    _, resumed = fit(tmp_path / "resumed", ckpt_path=str(ckpt), **kwargs)
+    for rank in range(2):
+        for a, b in zip(resumed[rank]["records"], full[rank]["records"][16:], strict=True):
+            assert a["stats"]["last"]["tau"] == b["stats"]["last"]["tau"]
             assert torch.equal(a["params"], b["params"]) and torch.equal(a["residual"], b["residual"])
 
 

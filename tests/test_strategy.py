@@ -162,11 +162,6 @@ def test_rice_coded_exchange_gives_the_same_bits_with_fewer_bytes(gtc_run, tmp_p
             assert b["stats"]["last"]["bytes_sent"] < a["stats"]["last"]["bytes_sent"]
 
 
-def test_rice_coding_refused_with_the_stale_exchange():
-    with pytest.raises(ValueError, match="coding='rice' is not available with stale=True"):
-        GTCState(None, TinyMLP().named_parameters(), tau=TAU, stale=True, coding="rice")
-
-
 def test_triton_kernels_in_the_hook_match_the_torch_backend(gtc_run, tmp_path):
     """The hook on the Triton kernels (interpreted on CPU, as on CUDA) gives the same bits."""
     _, torch_backend = gtc_run
