@@ -262,6 +262,8 @@ def plot_accuracy(rows: list[dict], path: Path, max_seed_lines: int = 3) -> Path
                 seeds = sorted({x.get("seed") for x in rows if x["run"] == r["run"]}, key=str)
                 style = {"color": colors[r["run"]],
                          "linestyle": ("-", "--", ":", "-.")[seeds.index(r.get("seed")) % 4]}
+            elif len(names) > 10:  # past the ten colours, the next ten runs dashed, and so on
+                style = {"color": colors[r["run"]], "linestyle": ("-", "--", ":", "-.")[names.index(r["run"]) // 10 % 4]}
             ax.plot(range(1, len(accs) + 1), [100 * a for a in accs], marker="o", label=label, **style)
         ax.legend(fontsize="small")
     ax.xaxis.get_major_locator().set_params(integer=True)  # epochs
