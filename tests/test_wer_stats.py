@@ -191,6 +191,29 @@ def test_accuracy_bands_average_seeds_over_the_epochs_all_reached(tmp_path):
         assert plot_accuracy(rows, tmp_path / f"acc{limit}.png", max_seed_lines=limit).stat().st_size > 0
 
 
+def test_runs_past_ten_colours_are_told_apart_by_line_style(tmp_path, monkeypatch):
+    """One seed, 12 runs: matplotlib has ten colours, so runs 11 and 12 reuse the first two colours
+    with dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from local.dnn.compare import plot_accuracy
+    from matplotlib.axes import Axes
+
+    drawn = []
+    original = Axes.plot
+
+    def spy(self, *args, **kwargs):
+        drawn.append(kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", spy)
+    rows = [{"run": f"r{i}", "workers": 2, "seed": 0, "dev_frame_acc_per_epoch": [0.1 * i]} for i in range(12)]
+    assert plot_accuracy(rows, tmp_path / "acc.png").stat().st_size > 0
+    styles = [(k["color"], k["linestyle"]) for k in drawn]
+    assert len(set(styles)) == 12 and styles[10] == ("C0", "--") and styles[0] == ("C0", "-")
+
+
 def test_strategy_names_are_the_registered_ones(tmp_path):
     """Runs are labelled with the names users type: ma for ModelAveragingStrategy, gtc_stale for
     GTCStrategy(stale=True), launcher suffixes dropped, baseline for one device; a run whose
