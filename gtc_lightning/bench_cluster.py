@@ -742,7 +742,7 @@ def calibrate(
     configs: list[dict],
     cpus: int | None = None,
     threads: int = 1,
-    sync_work: dict[str, dict[str, float]] | None = None,
+    sync_work: dict[str, dict[str, dict]] | None = None,
 ) -> dict:
     """Fit the network's latency and host throughput on the replays (network alone), then predict
     every training step from its measured compute and codec time and its measured message sizes.
