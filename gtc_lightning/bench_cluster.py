@@ -1082,12 +1082,12 @@ def finish(results: dict, out: Path, png: Path | None = None) -> None:
     for r in rows:
         if r["base"] in scaling.SYNCING:
             needed.setdefault(r["model"], {1}).add(sync_ranks(r))  # 1: the projections' one node
+    from gtc_lightning import bench_step
+
     for m, counts in needed.items():
         for count in sorted(counts):
             if str(count) in sync_work.get(m, {}):
                 continue  # measured here after the configurations, or by a later --report-only
-            from gtc_lightning import bench_step
-
             work = measure_sync_work(bench_step.parse_model(m), threads, processes=count)
             sync_work.setdefault(m, {})[str(count)] = {
                 **work,

@@ -179,12 +179,10 @@ def _launch_dense(state: GTCState, unused: list, own: int, numel: int) -> tuple[
 
 
 def _received_words(flight: InFlight) -> None:
-    """A Rice-coded exchange's words, decoded once it has arrived (``flight.coded`` -> ``words``)."""
+    """A Rice-coded exchange's words, decoded (``flight.coded`` -> ``words``); the callers have
+    waited for the exchange."""
     if flight.coded is None:
         return
-    if flight.work is not None:
-        flight.work.wait()
-        flight.work = None
     flight.words, flight.lengths = decode_coded(flight.coded, flight.sizes, flight.width), None
     flight.coded = flight.sizes = flight.width = None
 
