@@ -24,12 +24,12 @@ def tagged(cut) -> tuple[np.ndarray, np.ndarray]:
     return feats.astype(np.float32), np.arange(n, dtype=np.int32)
 
 
-def dataset(cuts, rank=0, world=1, epoch=0, seed=0, batch=16, buffer=64, load_fn=tagged, context=0):
+def dataset(cuts, rank=0, world=1, epoch=0, seed=0, batch=16, buffer=64, load_fn=tagged, context=0, readers=0):
     def layout(share, ep):
         return batch_bounds([share], 0, batch)
 
     return StreamingFrameBatches(cuts, load_fn, context, layout, lambda: epoch, lambda: (rank, world), seed,
-                                 buffer_frames=buffer, chunk_seconds=0.3, cut_shuffle_buffer=8)
+                                 buffer_frames=buffer, chunk_seconds=0.3, cut_shuffle_buffer=8, readers=readers)
 
 
 def frames_of(batches) -> list[tuple[int, int]]:
@@ -131,6 +131,12 @@ def test_bad_settings_name_the_fix(aligned):
         AsrDataModule(str(aligned), num_workers=2)
     with pytest.raises(ValueError, match="buffer_frames=0"):
         AsrDataModule(str(aligned), loader="stream", buffer_frames=0)
+    with pytest.raises(ValueError, match="readers=2 with num_workers=1"):
+        AsrDataModule(str(aligned), loader="stream", readers=2, num_workers=1)
+    with pytest.raises(ValueError, match="readers=1.*not 'memory'"):
+        AsrDataModule(str(aligned), readers=1)
+    with pytest.raises(ValueError, match="readers=-1"):
+        dataset(aligned / "ali" / "train_cuts.jsonl.gz", readers=-1)
     with pytest.raises(ValueError, match="No such file"):
         dataset(aligned / "nothing.jsonl.gz")
     errors = []  # 40 cuts of 5-40 frames over 30 ranks: some shares hold fewer frames than the batches
@@ -156,11 +162,11 @@ def test_streamed_frames_match_the_in_memory_loader(aligned):
     np.testing.assert_array_equal(x[key(x)], want[key(want)])
 
 
-@pytest.mark.parametrize("strategy,devices", [("single", 1), ("gtc_fork", 2)])
-def test_training_streams(aligned, tmp_path, strategy, devices):
+@pytest.mark.parametrize("strategy,devices,readers", [("single", 1, 0), ("gtc_fork", 2, 0), ("single", 1, 2)])
+def test_training_streams(aligned, tmp_path, strategy, devices, readers):
     args = ["--config", str(ROOT / "conf" / "tiny.yaml"), "--data.data_dir", str(aligned), "--exp_dir",
             str(tmp_path), "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "null", "--data.loader", "stream", "--data.buffer_frames", "200",
-            "--data.chunk_seconds", "0.5", "--num_threads", "1"]
+            "--data.chunk_seconds", "0.5", "--num_threads", "1", "--data.readers", str(readers)]
     args += ["--strategy", "single"] if devices == 1 else ["--trainer.strategy", strategy, "--trainer.devices", "2"]
     summary = _run(args)
     assert summary["world_size"] == devices and len(summary["dev_frame_acc"]) == 2
@@ -195,17 +201,21 @@ def test_bench_loader_measures_each_loader_in_its_own_process(aligned, tmp_path)
 
     out = tmp_path / "loader"
     assert bench_loader.main(["--data-dir", str(aligned), "--out", str(out), "--batches", "4", "--batch-size", "16",
-                              "--buffer-frames", "50", "--memory-hours", "--stream-hours", "0.05", "--workers", "0"]) == 0
+                              "--buffer-frames", "50", "--memory-hours", "--stream-hours", "0.05", "--workers", "0",
+                              "--readers", "1"]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     hours = sum(c.duration for c in CutSet.from_file(aligned / "ali" / "train_cuts.jsonl.gz")) / 3600
     times = round(0.05 / hours)
-    assert [(r["loader"], r["repeats"]) for r in rows] == [("memory", 1), ("stream", 1), ("stream", times)]
+    assert [(r["loader"], r["repeats"], r["readers"]) for r in rows] == [
+        ("memory", 1, 0), ("stream", 1, 0), ("stream", times, 0), ("stream", 1, 1), ("stream", times, 1)]
     for r in rows:
         assert r["batches"] == 4 and r["frames"] == 4 * 16 and r["frames_per_s"] > 0 and r["peak_rss_mb"] > 100
     assert rows[0]["epoch_batches"] == rows[1]["epoch_batches"]  # the same split, laid out alike
     assert abs(rows[2]["epoch_batches"] - times * rows[1]["epoch_batches"]) <= times  # counted on the repeats
     assert 0 < rows[2]["buffer_peak_resident_frames"] < 20 * 50
-    assert out.with_suffix(".md").read_text().count("\n| stream | 0 |") == 2
+    assert rows[3]["epoch_batches"] == rows[1]["epoch_batches"] and rows[3]["worker_peak_rss_mb"] > 0
+    table = out.with_suffix(".md").read_text()
+    assert table.count("\n| stream | 0 | 0 |") == 2 and table.count("\n| stream | 0 | 1 |") == 2
 
 
 def test_a_small_buffer_makes_more_correlated_batches(aligned):
@@ -214,3 +224,51 @@ def test_a_small_buffer_makes_more_correlated_batches(aligned):
     pairs = bench_loader.same_cut_pairs(str(aligned), 16, [20, 10**6])
     assert pairs["stream 20"] > 2 * pairs["memory"] > 0  # a batch from a buffer of about one cut
     assert pairs["stream 1000000"] < 1.5 * pairs["memory"]  # a buffer of the whole split: a full shuffle
+
+
+@pytest.mark.parametrize("readers", [1, 3])
+def test_readers_give_the_batches_of_reading_in_process_and_resume_alike(aligned, readers):
+    """Chunks read by 1 or 3 processes come back in the sampler's order: the same batches, bit for bit,
+    on every rank, and a mid-epoch resume replays them the same way."""
+    cuts = aligned / "ali" / "train_cuts.jsonl.gz"
+    dm = AsrDataModule(str(aligned), batch_size=16, loader="stream")
+    for rank in (0, 1):
+        want = list(dataset(cuts, rank=rank, world=2, epoch=1, load_fn=dm.load_cut, context=2))
+        got = list(dataset(cuts, rank=rank, world=2, epoch=1, load_fn=dm.load_cut, context=2, readers=readers))
+        assert len(got) == len(want) > 5
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"])
+    resumed = dataset(cuts, rank=1, world=2, epoch=1, load_fn=dm.load_cut, context=2, readers=readers)
+    resumed.load_state_dict({"epoch": 1, "batches": 4})
+    rest = list(resumed)
+    for a, b in zip(rest, want[4:], strict=True):
+        assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"])
+    it = iter(dataset(cuts, epoch=1, readers=readers))  # left after one batch: its readers stop
+    next(it)
+    it.close()
+
+
+def short_features(cut) -> tuple[np.ndarray, np.ndarray]:
+    feats, targets = tagged(cut)
+    return feats[:-1], targets
+
+
+def test_a_readers_error_names_the_cut(aligned):
+    with pytest.raises(ValueError, match="its features have .* re-run stage 6"):
+        list(dataset(aligned / "ali" / "train_cuts.jsonl.gz", load_fn=short_features, readers=1))
+
+
+def test_pdf_alignments_are_read_as_lhotse_reads_them(aligned, tmp_path):
+    from lhotse.features.io import NumpyFilesWriter
+    from local.dnn.datamodule import load_pdf_ali
+
+    cuts = list(CutSet.from_file(aligned / "ali" / "train_cuts.jsonl.gz"))
+    for cut in cuts:
+        got, want = load_pdf_ali(cut), cut.load_custom("pdf_ali")
+        assert got.dtype == want.dtype == np.int32 and np.array_equal(got, want)
+    with NumpyFilesWriter(tmp_path / "other") as writer:  # int64, and a 2-D array (through Lhotse)
+        for value in (np.arange(7, dtype=np.int64) * 10**10, np.arange(6, dtype=np.int32).reshape(3, 2)):
+            cut = cuts[0].with_custom("pdf_ali", writer.store_array(f"a{value.ndim}", value, frame_shift=0.01,
+                                                                     temporal_dim=0))
+            got = load_pdf_ali(cut)
+            assert got.dtype == value.dtype and np.array_equal(got, value)

@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def measure(data_dir: str, loader: str, hours: float | None, batches: int, batch_size: int, buffer_frames: int,
-            workers: int) -> dict:
+            workers: int, readers: int = 0) -> dict:
     """One measurement, in this process."""
     sys.path.insert(0, str(HERE))
     from lhotse import CutSet
@@ -43,7 +43,7 @@ def measure(data_dir: str, loader: str, hours: float | None, batches: int, batch
     from local.dnn.stream import StreamingFrameBatches
 
     dm = AsrDataModule(data_dir, loader=loader, batch_size=batch_size, buffer_frames=buffer_frames,
-                       num_workers=workers)
+                       num_workers=workers, readers=readers if loader == "stream" else 0)
     path = Path(data_dir) / "ali" / "train_cuts.jsonl.gz"
     corpus_hours = sum(c.duration for c in CutSet.from_jsonl_lazy(path)) / 3600
     times = max(1, round(hours / corpus_hours)) if hours else 1
@@ -62,7 +62,7 @@ def measure(data_dir: str, loader: str, hours: float | None, batches: int, batch
 
             source = (lambda: CutSet.from_jsonl_lazy(path).repeat(times, preserve_id=False)) if times > 1 else path
             ds = StreamingFrameBatches(source, dm.load_cut, 8, layout, lambda: 0, lambda: (0, 1), 0,
-                                       buffer_frames, dm.hparams.chunk_seconds, dm.hparams.cut_shuffle_buffer)
+                                       buffer_frames, dm.hparams.chunk_seconds, dm.hparams.cut_shuffle_buffer, readers)
             dl = ResumableLoader(ds, workers)
         epoch_batches = len(dl)  # stream: counts the manifest's frames
         setup_s = time.perf_counter() - start
@@ -75,11 +75,11 @@ def measure(data_dir: str, loader: str, hours: float | None, batches: int, batch
                 break
         seconds = time.perf_counter() - start
     peak = getattr(getattr(dl.dataset, "last_buffer", None), "peak_resident", None)
-    return {"loader": loader, "workers": workers, "hours": round(corpus_hours * times, 2), "repeats": times,
+    return {"loader": loader, "workers": workers, "readers": readers, "hours": round(corpus_hours * times, 2), "repeats": times,
             "epoch_batches": epoch_batches, "batches": drawn, "frames": frames, "setup_s": round(setup_s, 2),
             "seconds": round(seconds, 2), "frames_per_s": round(frames / seconds),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "worker_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024) if workers else 0,
+            "worker_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024) if workers or readers else 0,
             "buffer_peak_resident_frames": peak}
 
 
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-hours", type=float, nargs="*", default=[100.0, 1000.0],
                         help="corpus sizes (hours, by repeating cuts) for the streaming loader, besides the corpus")
     parser.add_argument("--workers", type=int, nargs="*", default=[0, 1], help="streaming loader worker settings")
+    parser.add_argument("--readers", type=int, nargs="*", default=[1, 2],
+                        help="streaming loader reader settings (each also measured, with no worker)")
     parser.add_argument("--pairs", type=int, nargs="*", metavar="BUFFER",
                         help="only print how correlated the batches are: pairs of frames from the same cut per batch "
                              "of --batch-size, in memory and with each of these buffer sizes (no timing)")
@@ -143,12 +145,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {value:.1f} pairs of frames from the same cut per batch of {args.batch_size}")
         return 0
     plan = [("memory", None, 0), *[("memory", h, 0) for h in args.memory_hours]]
-    plan += [("stream", h, w) for h in [None, *args.stream_hours] for w in args.workers]
+    plan = [(loader, hours, workers, 0) for loader, hours, workers in plan]
+    plan += [("stream", h, w, 0) for h in [None, *args.stream_hours] for w in args.workers]
+    plan += [("stream", h, 0, r) for h in [None, *args.stream_hours] for r in args.readers if r]
     rows = []
-    for loader, hours, workers in plan:
+    for loader, hours, workers, readers in plan:
         spec = {"loader": loader, "hours": hours, "batches": args.batches, "batch_size": args.batch_size,
-                "buffer_frames": args.buffer_frames, "workers": workers}
-        print(f"bench_loader: {loader} loader, {hours or 'corpus'} h, {workers} workers ...", flush=True)
+                "buffer_frames": args.buffer_frames, "workers": workers, "readers": readers}
+        print(f"bench_loader: {loader} loader, {hours or 'corpus'} h, {workers} workers, {readers} readers ...",
+              flush=True)
         done = subprocess.run([sys.executable, __file__, "--data-dir", args.data_dir, "--one", json.dumps(spec)],
                               capture_output=True, text=True, check=False)
         if done.returncode != 0:
@@ -163,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     header = (f"`{command}` ({time.strftime('%Y-%m-%d')}; up to {args.batches} batches of {args.batch_size} frames "
               f"per row, at most one epoch; buffer {args.buffer_frames} frames)")
-    columns = ("| loader | workers | corpus (h) | batches | setup (s) | frames/s | peak RSS (MB) | worker peak RSS (MB) | "
-               "buffer peak (frames) |")
-    lines = [header, "", columns, "|---|---|---|---|---|---|---|---|---|"]
+    columns = ("| loader | workers | readers | corpus (h) | batches | setup (s) | frames/s | peak RSS (MB) | "
+               "worker/reader peak RSS (MB) | buffer peak (frames) |")
+    lines = [header, "", columns, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['loader']} | {r['workers']} | {r['hours']} | {r['batches']} | {r['setup_s']} | {r['frames_per_s']:,} | "
+        lines.append(f"| {r['loader']} | {r['workers']} | {r['readers']} | {r['hours']} | {r['batches']} | {r['setup_s']} | {r['frames_per_s']:,} | "
                      f"{r['peak_rss_mb']:,} | {r['worker_peak_rss_mb'] or ''} | {r['buffer_peak_resident_frames'] or ''} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -66,6 +67,25 @@ def splice(feats: np.ndarray, offsets: np.ndarray, frames: np.ndarray, context: 
     window = frames[:, None] + np.arange(-context, context + 1)[None, :]
     window = np.clip(window, first[:, None], last[:, None])
     return feats[window].reshape(len(frames), -1)
+
+
+_NPY_1D = re.compile(rb"\{'descr': '(<i[248])', 'fortran_order': False, 'shape': \((\d+),\), \} *\n")
+
+
+def load_pdf_ali(cut) -> np.ndarray:
+    """``cut.load_custom("pdf_ali")``, read directly where it is a 1-D integer ``.npy`` file of
+    Lhotse's ``NumpyFilesWriter`` (stage 6): ``np.load`` parses each file's header with
+    ``ast.literal_eval``, which took longer than reading and decompressing the cut's features.
+    Any other storage, or a header of another form, goes through Lhotse."""
+    array = cut.custom["pdf_ali"].array
+    if array.storage_type == "numpy_files":
+        with open(Path(array.storage_path) / array.storage_key, "rb") as f:
+            head = f.read(10)
+            if head[:8] == b"\x93NUMPY\x01\x00":  # format 1.0: a 2-byte header length follows
+                match = _NPY_1D.fullmatch(f.read(int.from_bytes(head[8:10], "little")))
+                if match:
+                    return np.fromfile(f, dtype=match[1].decode(), count=int(match[2]))
+    return np.asarray(cut.load_custom("pdf_ali"))
 
 
 def batch_bounds(shard_sizes: list[int], rank: int, batch_size: int, warmup_frames: int = 0,
@@ -250,13 +270,16 @@ class AsrDataModule(LightningDataModule):
             are sorted by voice: keep it larger than a few voices' cuts.
         num_workers: 0 (training batches made in the training process) or 1 (one process reads
             ahead, overlapping feature reading with the training step).
+        readers: ``stream``: processes that read and transform the cuts (features, front end,
+            alignment) while the training process keeps the buffer and splices (0: the training
+            process reads them). The batches are the same for any number; needs ``num_workers=0``.
     """
 
     def __init__(self, data_dir: str | None = None,
                  features: Literal["fbank_sat", "fbank_fmllr", "fbank", "mfcc_fmllr"] = "fbank_sat", context: int = 8, batch_size: int = 256, dev_batch_size: int = 4096, warmup_fraction: float = 0.0,
                  warmup_batch_size: int = 64, seed: int = 0, loader: Literal["memory", "stream"] = "memory",
                  buffer_frames: int = 400_000, chunk_seconds: float = 30.0, cut_shuffle_buffer: int = 20_000,
-                 num_workers: int = 0) -> None:
+                 num_workers: int = 0, readers: int = 0) -> None:
         super().__init__()
         if features not in FEATURES:
             raise ValueError(f"features={features!r}; use one of {FEATURES}")
@@ -267,6 +290,12 @@ class AsrDataModule(LightningDataModule):
                              "speaker over the whole split: use loader='memory' or features fbank/fbank_fmllr/fbank_sat")
         if num_workers not in (0, 1):
             raise ValueError(f"num_workers={num_workers}: use 0 or 1 (one process reading ahead)")
+        if readers < 0 or (readers and loader != "stream"):
+            raise ValueError(f"readers={readers}: the streaming loader's reading processes (>= 0; with loader='stream', "
+                             f"not {loader!r})")
+        if readers and num_workers:
+            raise ValueError(f"readers={readers} with num_workers={num_workers}: the readers are started by the "
+                             "training process; use num_workers=0 with readers")
         if buffer_frames < 1 or chunk_seconds <= 0 or cut_shuffle_buffer < 1:
             raise ValueError(f"bad streaming settings: buffer_frames={buffer_frames} (>= 1), chunk_seconds="
                              f"{chunk_seconds} (> 0), cut_shuffle_buffer={cut_shuffle_buffer} (>= 1)")
@@ -330,7 +359,7 @@ class AsrDataModule(LightningDataModule):
     def load_cut(self, cut) -> tuple[np.ndarray, np.ndarray]:
         """One aligned cut's front-end frames ``[T, F]`` and pdf-ids ``[T]`` (the streaming loader's reader)."""
         (_, feats), = self.front_end([cut], "train")
-        ali = np.asarray(cut.load_custom("pdf_ali"))
+        ali = load_pdf_ali(cut)
         if len(ali) != len(feats):
             raise ValueError(f"cut {cut.id}: {len(feats)} feature frames but {len(ali)} pdf_ali entries; "
                              "features and alignments must come from the same framing (re-run stage 6)")
@@ -345,7 +374,8 @@ class AsrDataModule(LightningDataModule):
 
             return ResumableLoader(StreamingFrameBatches(
                 self.data_dir / "ali" / "train_cuts.jsonl.gz", self.load_cut, hp.context, layout, self._epoch,
-                self._rank, hp.seed, hp.buffer_frames, hp.chunk_seconds, hp.cut_shuffle_buffer), hp.num_workers)
+                self._rank, hp.seed, hp.buffer_frames, hp.chunk_seconds, hp.cut_shuffle_buffer, hp.readers),
+                hp.num_workers)
         feats, targets, offsets = self.splits["train"]
         rank, world = self._rank()
         warm = int(hp.warmup_fraction * len(feats) / world)

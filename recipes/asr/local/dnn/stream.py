@@ -29,6 +29,13 @@ one holds only what its buffer needs, so memory does not grow with the corpus::
   frame counts alone and loads the features of the cuts still in the buffer: skipping ``k``
   batches reads only the manifest.
 
+- Reading in parallel (``readers`` > 0): the cuts are read and transformed (features, front end,
+  alignment) in that many reader processes while the training process keeps the buffer and
+  splices, so the training process's own work per frame is the in-memory loader's (a splice).
+  Reader ``w`` of ``k`` takes the sampler's chunks ``w, w + k, ...`` (every reader walks the same
+  seeded manifest order) and sends each chunk as one message; the training process puts the chunks
+  back in the sampler's order, so the batches are the same for any number of readers.
+
 Only the per-cut front ends stream (``fbank``, ``fbank_fmllr``, ``fbank_sat``); ``mfcc_fmllr`` normalises each
 speaker over the whole split and needs the in-memory loader.
 """
@@ -59,10 +66,12 @@ class FrameBuffer:
     Args:
         context: frames on each side of a window's centre (clamped inside the cut).
         rng: the generator that picks the frames.
+        reserve: arena rows allocated at the first load (the buffer's size: the loaded cuts
+            soon hold more), so that it grows a few times instead of from a few thousand rows.
     """
 
-    def __init__(self, context: int, rng: np.random.Generator) -> None:
-        self.context, self.rng = context, rng
+    def __init__(self, context: int, rng: np.random.Generator, reserve: int = 4096) -> None:
+        self.context, self.rng, self.reserve = context, rng, reserve
         self.tickets = np.zeros((2, 1024), np.int64)  # [slot, frame within the slot's cut] per undrawn frame
         self.pending = 0
         self.keys: list[object] = []                  # per slot: what load_fn needs (the cut)
@@ -137,6 +146,7 @@ class FrameBuffer:
             self.start[s] = self.used
             self.arena[self.used:self.used + n] = feats
             self.arena_targets[self.used:self.used + n] = targets
+            self.keys[s] = None  # (loaded: what it was read from is no longer needed)
             self.used += n
             self.resident += n
             self.peak_resident = max(self.peak_resident, self.resident)
@@ -155,7 +165,7 @@ class FrameBuffer:
             self.start[s], pos = pos, pos + n
         self.used = pos
         if pos + rows > 0.8 * len(self.arena):  # grow by a quarter beyond the need: bounded, few compactions
-            size = max(int(1.25 * (pos + rows)), 4096)
+            size = max(int(1.25 * (pos + rows)), self.reserve)
             if not len(self.arena):  # the first cut sets the width (a later cut of another width fails to fit)
                 self.arena = np.empty((0, dim), np.float32)
             # in place (realloc): a large arena is moved by remapping its pages, not copied beside itself
@@ -172,6 +182,68 @@ class FrameBuffer:
         window = np.clip(centre[:, None] + np.arange(-self.context, self.context + 1)[None, :],
                          first[:, None], last[:, None])
         return self.arena[window].reshape(len(slots), -1), self.arena_targets[centre]
+
+
+def load_checked(load_fn: Callable, cut) -> tuple[np.ndarray, np.ndarray]:
+    """``load_fn(cut)``, its frame count checked against the manifest's."""
+    feats, targets = load_fn(cut)
+    if len(feats) != cut.num_frames or len(targets) != cut.num_frames:
+        raise ValueError(f"cut {cut.id}: the manifest says {cut.num_frames} frames, its features have {len(feats)} "
+                         f"and its targets {len(targets)}; re-run stage 6")
+    return feats, targets
+
+
+class ChunkReader(IterableDataset):
+    """One epoch of a rank's chunks of cuts, read and transformed in a ``DataLoader`` worker.
+
+    Worker ``w`` of ``k`` reads the chunks ``w, w + k, ...`` of ``chunks_fn()`` (each worker walks
+    the whole seeded order and skips the others' chunks: cheap, as no features are read for them)
+    and yields one message per chunk: its index, its cuts' frame counts, and their frames and
+    targets concatenated (numpy arrays, pickled through the worker's pipe: cheaper here than a
+    shared-memory tensor, which costs a socket round trip per tensor).
+    """
+
+    def __init__(self, chunks_fn: Callable[[], Iterator], load_fn: Callable) -> None:
+        self.chunks_fn, self.load_fn = chunks_fn, load_fn
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        one_blas_thread()
+        for index, chunk in enumerate(self.chunks_fn()):
+            if index % workers != worker:
+                continue
+            loaded = [load_checked(self.load_fn, cut) for cut in chunk if cut.num_frames > 0]
+            yield (index, np.array([len(t) for _, t in loaded], np.int64),
+                   np.concatenate([f for f, _ in loaded]) if loaded else np.zeros((0, 0), np.float32),
+                   np.concatenate([t for _, t in loaded]).astype(np.int32) if loaded else np.zeros(0, np.int32))
+
+
+def in_order(messages: Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]
+             ) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray]]]:
+    """The cuts of :class:`ChunkReader`'s messages in the sampler's chunk order: ``(frames, (feats, targets))``."""
+    pending: dict[int, tuple] = {}
+    expected = 0
+    for message in messages:
+        pending[message[0]] = message
+        while expected in pending:
+            _, lengths, feats, targets = pending.pop(expected)
+            expected += 1
+            ends = np.cumsum(lengths).tolist()
+            for start, end in zip((0, *ends[:-1]), ends):
+                yield end - start, (feats[start:end], targets[start:end])
+    if pending:  # a chunk index was skipped: the readers disagree on the chunk order
+        raise RuntimeError(f"chunk {expected} never arrived from the readers (got {sorted(pending)[:5]}...)")
+
+
+def _as_sent(message):
+    return message  # the readers' numpy arrays cross as they are (pickled through the pipe, no tensor conversion)
+
+
+def _given(key: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    return key  # frames and targets read ahead by a reader
 
 
 def even_split(frames: int, batches: int) -> list[int]:
@@ -195,19 +267,22 @@ class StreamingFrameBatches(IterableDataset):
         buffer_frames: undrawn frames the buffer is filled to before each batch.
         chunk_seconds: speech per chunk of cuts from the sampler.
         cut_shuffle_buffer: cuts in Lhotse's shuffling reservoir.
+        readers: processes that read and transform the cuts (0: this process reads them).
     """
 
     def __init__(self, cuts: Path | str | Callable, load_fn: Callable, context: int, batch_fn: Callable,
                  epoch_fn: Callable[[], int], rank_fn: Callable[[], tuple[int, int]], seed: int,
-                 buffer_frames: int, chunk_seconds: float, cut_shuffle_buffer: int) -> None:
-        if buffer_frames < 1 or chunk_seconds <= 0 or cut_shuffle_buffer < 1:
+                 buffer_frames: int, chunk_seconds: float, cut_shuffle_buffer: int, readers: int = 0) -> None:
+        if buffer_frames < 1 or chunk_seconds <= 0 or cut_shuffle_buffer < 1 or readers < 0:
             raise ValueError(f"bad streaming settings: buffer_frames={buffer_frames} (>= 1), chunk_seconds="
-                             f"{chunk_seconds} (> 0), cut_shuffle_buffer={cut_shuffle_buffer} (>= 1)")
+                             f"{chunk_seconds} (> 0), cut_shuffle_buffer={cut_shuffle_buffer} (>= 1), "
+                             f"readers={readers} (>= 0)")
         if not callable(cuts) and not Path(cuts).exists():
             raise ValueError(f"No such file: {cuts}; run `python recipes/asr/prepare.py` (stages 0-6) first")
         self.cuts, self.load_fn, self.context = cuts, load_fn, context
         self.batch_fn, self.epoch_fn, self.rank_fn, self.seed = batch_fn, epoch_fn, rank_fn, seed
         self.buffer_frames, self.chunk_seconds, self.cut_shuffle_buffer = buffer_frames, chunk_seconds, cut_shuffle_buffer
+        self.readers = readers
         self._resume: tuple[int, int] | None = None
         self._total: int | None = None
         self.last_buffer: FrameBuffer | None = None
@@ -220,11 +295,12 @@ class StreamingFrameBatches(IterableDataset):
         cuts = self.cuts() if callable(self.cuts) else CutSet.from_jsonl_lazy(self.cuts)
         return cuts.drop_alignments()
 
-    def chunks(self, epoch: int) -> Iterator:
-        """This rank's chunks of cuts for ``epoch`` (lazy: no features read)."""
+    def chunks(self, epoch: int, rank: int | None = None, world: int | None = None) -> Iterator:
+        """Rank ``rank``'s chunks of cuts for ``epoch`` (lazy: no features read; this rank's by default)."""
         from lhotse.dataset import DynamicCutSampler
 
-        rank, world = self.rank_fn()
+        if rank is None or world is None:
+            rank, world = self.rank_fn()
         sampler = DynamicCutSampler(self.manifest(), max_duration=self.chunk_seconds,
                                     shuffle=True, shuffle_buffer_size=self.cut_shuffle_buffer, seed=self.seed,
                                     rank=rank, world_size=world, drop_last=False)
@@ -247,6 +323,22 @@ class StreamingFrameBatches(IterableDataset):
     def __len__(self) -> int:
         return len(self.nominal(self.epoch_fn()))
 
+    def cut_stream(self, epoch: int) -> tuple[Iterator[tuple[int, object]], Callable]:
+        """This rank's cuts of ``epoch`` as ``(frames, key)`` in the sampler's order, and the
+        ``load_fn`` of their keys: the cuts themselves, read here; or, with ``readers``, their
+        frames and targets, read ahead by that many processes (:class:`ChunkReader`)."""
+        if not self.readers:
+            return ((cut.num_frames, cut) for chunk in self.chunks(epoch) for cut in chunk), self.load_fn
+        from functools import partial
+
+        from torch.utils.data import DataLoader
+
+        rank, world = self.rank_fn()
+        reader = ChunkReader(partial(self.chunks, epoch, rank, world), self.load_fn)
+        messages = DataLoader(reader, batch_size=None, num_workers=self.readers, prefetch_factor=4,
+                              collate_fn=_as_sent)
+        return in_order(iter(messages)), _given
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         epoch = self.epoch_fn()
         rank, _ = self.rank_fn()
@@ -262,13 +354,21 @@ class StreamingFrameBatches(IterableDataset):
                      epoch, skip, len(sizes))
         self._resume = None
         one_blas_thread()  # (also in a reading-ahead worker process)
-        buffer = self.last_buffer = FrameBuffer(self.context, np.random.default_rng([self.seed, epoch, rank, 7]))
-        stream = (cut for chunk in self.chunks(epoch) for cut in chunk)
+        buffer = self.last_buffer = FrameBuffer(self.context, np.random.default_rng([self.seed, epoch, rank, 7]),
+                                                    reserve=self.buffer_frames)
+        stream, load_fn = self.cut_stream(epoch)
+        try:
+            yield from self._batches(buffer, stream, load_fn, sizes, skip, epoch)
+        finally:
+            stream.close()  # (stops the readers of an epoch left early)
+
+    def _batches(self, buffer: FrameBuffer, stream: Iterator, load_fn: Callable, sizes: list[int], skip: int,
+                 epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         exhausted = False
         for i in range(len(sizes)):
             while not exhausted and buffer.pending < max(self.buffer_frames, sizes[i]):
-                cut = next(stream, None)
-                if cut is None:
+                item = next(stream, None)
+                if item is None:
                     exhausted = True
                     left = len(sizes) - i
                     if buffer.pending < left:
@@ -278,14 +378,14 @@ class StreamingFrameBatches(IterableDataset):
                             "or too long for this many ranks; lower --data.chunk_seconds or use --data.loader memory")
                     sizes[i:] = even_split(buffer.pending, left)
                     break
-                buffer.put(cut, cut.num_frames)
+                buffer.put(item[1], item[0])
             if i == len(sizes) - 1 and not exhausted:  # the share outlasts the layout: the rest joins the last batch
-                for cut in stream:
-                    buffer.put(cut, cut.num_frames)
+                for frames, key in stream:
+                    buffer.put(key, frames)
                 sizes[i] = buffer.pending
             slots, frames = buffer.draw(sizes[i])
             if i >= skip:
-                x, y = buffer.windows(slots, frames, self.load_fn)
+                x, y = buffer.windows(slots, frames, load_fn)
                 buffer.release(slots)
                 yield {"x": torch.from_numpy(x), "y": torch.from_numpy(y.astype(np.int64))}
             else:

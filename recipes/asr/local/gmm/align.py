@@ -168,7 +168,9 @@ def align_cuts(
 
 
 def write_pdf_alignments(cuts, pdf_alis: dict[str, np.ndarray], out_dir: Path, split: str) -> int:
-    """Attach ``cut.pdf_ali`` (int32 ``[T]``, one per fbank frame) and write ``{split}_cuts.jsonl.gz``.
+    """Attach ``cut.pdf_ali`` (int32 ``[T]``, one per fbank frame) and write ``{split}_cuts.jsonl.gz``,
+    without the supervisions' gold phone timings (used only to check the alignments, and most of
+    a cut's parsing time and memory when the DNN's loader reads the manifest every epoch).
 
     Returns:
         the number of frames written.
@@ -187,7 +189,7 @@ def write_pdf_alignments(cuts, pdf_alis: dict[str, np.ndarray], out_dir: Path, s
                     "the MFCC and fbank framings differ (both must use snip_edges=False)"
                 )
             arr = writer.store_array(cut.id, pdf.astype(np.int32), frame_shift=FRAME_SHIFT, temporal_dim=0, start=0)
-            kept.append(cut.with_custom("pdf_ali", arr))
+            kept.append(cut.drop_alignments().with_custom("pdf_ali", arr))
             frames += len(pdf)
     with atomic_path(out_dir / f"{split}_cuts.jsonl.gz") as tmp:
         CutSet.from_cuts(kept).to_file(tmp)
