@@ -202,7 +202,7 @@ def test_bench_loader_measures_each_loader_in_its_own_process(aligned, tmp_path)
     out = tmp_path / "loader"
     assert bench_loader.main(["--data-dir", str(aligned), "--out", str(out), "--batches", "4", "--batch-size", "16",
                               "--buffer-frames", "50", "--memory-hours", "--stream-hours", "0.05", "--workers", "0",
-                              "--readers", "1"]) == 0
+                              "--readers", "1", "--parts"]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     hours = sum(c.duration for c in CutSet.from_file(aligned / "ali" / "train_cuts.jsonl.gz")) / 3600
     times = round(0.05 / hours)
@@ -214,6 +214,11 @@ def test_bench_loader_measures_each_loader_in_its_own_process(aligned, tmp_path)
     assert abs(rows[2]["epoch_batches"] - times * rows[1]["epoch_batches"]) <= times  # counted on the repeats
     assert 0 < rows[2]["buffer_peak_resident_frames"] < 20 * 50
     assert rows[3]["epoch_batches"] == rows[1]["epoch_batches"] and rows[3]["worker_peak_rss_mb"] > 0
+    parts = json.loads(out.with_suffix(".json").read_text())["parts"]
+    assert [p["hours"] for p in parts] == [rows[1]["hours"], rows[2]["hours"]]
+    for part in parts:  # the splicing half drew the batches of the measured rows from what the reading half read
+        assert part["batches"] == 4 and part["frames"] == 4 * 16 and part["frames_read"] > 4 * 16 + 50
+        assert part["reading_frames_per_s"] > 0 and part["splicing_frames_per_s"] > 0
     table = out.with_suffix(".md").read_text()
     assert table.count("\n| stream | 0 | 0 |") == 2 and table.count("\n| stream | 0 | 1 |") == 2
 

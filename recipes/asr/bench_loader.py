@@ -83,6 +83,50 @@ def measure(data_dir: str, loader: str, hours: float | None, batches: int, batch
             "buffer_peak_resident_frames": peak}
 
 
+def measure_parts(data_dir: str, hours: float | None, batches: int, batch_size: int, buffer_frames: int) -> dict:
+    """The streaming loader's two halves timed apart, in this process: reading (one reader's work:
+    the sampler's walk over the manifest, then reading, normalising and transforming each cut,
+    as ``ChunkReader`` does in a reader process) and splicing (the training process's work with
+    ``readers``: the buffer and the windows, over the same chunks read beforehand). With enough
+    readers to keep up, the second is the loader's throughput; one reader keeps up when the
+    first is the faster."""
+    sys.path.insert(0, str(HERE))
+    from functools import partial
+
+    import numpy as np
+    from lhotse import CutSet
+    from local.dnn.datamodule import AsrDataModule, batch_bounds
+    from local.dnn.stream import ChunkReader, FrameBuffer, StreamingFrameBatches, _given, in_order
+
+    dm = AsrDataModule(data_dir, loader="stream", batch_size=batch_size, buffer_frames=buffer_frames)
+    path = Path(data_dir) / "ali" / "train_cuts.jsonl.gz"
+    corpus_hours = sum(c.duration for c in CutSet.from_jsonl_lazy(path)) / 3600
+    times = max(1, round(hours / corpus_hours)) if hours else 1
+    source = (lambda: CutSet.from_jsonl_lazy(path).repeat(times, preserve_id=False)) if times > 1 else path
+    ds = StreamingFrameBatches(source, dm.load_cut, 8, lambda share, epoch: batch_bounds([share], 0, batch_size),
+                               lambda: 0, lambda: (0, 1), 0, buffer_frames, dm.hparams.chunk_seconds,
+                               dm.hparams.cut_shuffle_buffer)
+    sizes = [end - start for start, end in ds.nominal(0)]
+    batches = min(batches, len(sizes))
+    need = sum(sizes[:batches]) + buffer_frames  # what the buffer takes in for these batches (and one cut more)
+    messages, read = [], 0
+    start = time.perf_counter()
+    for message in ChunkReader(partial(ds.chunks, 0, 0, 1), dm.load_cut):
+        messages.append(message)
+        read += len(message[3])
+        if read > need:
+            break
+    reading_s = time.perf_counter() - start
+    buffer = FrameBuffer(8, np.random.default_rng([0, 0, 0, 7]), reserve=buffer_frames)
+    start = time.perf_counter()
+    drawn = ds._batches(buffer, in_order(iter(messages)), _given, sizes, 0, 0)
+    frames = sum(len(next(drawn)["y"]) for _ in range(batches))
+    splicing_s = time.perf_counter() - start
+    return {"hours": round(corpus_hours * times, 2), "batches": batches, "frames": frames,
+            "reading_frames_per_s": round(read / reading_s), "splicing_frames_per_s": round(frames / splicing_s),
+            "frames_read": read}
+
+
 def same_cut_pairs(data_dir: str, batch_size: int, buffers: list[int], seed: int = 0) -> dict[str, float]:
     """How correlated each loader's batches are: pairs of frames from the same cut per batch, mean
     over one epoch, from the manifest's frame counts alone (the streaming buffer's draws replayed
@@ -116,6 +160,15 @@ def same_cut_pairs(data_dir: str, batch_size: int, buffers: list[int], seed: int
     return out
 
 
+def _run_one(data_dir: str, spec: dict) -> dict:
+    """One measurement in a fresh Python process (``--one``)."""
+    done = subprocess.run([sys.executable, __file__, "--data-dir", data_dir, "--one", json.dumps(spec)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_loader: the measurement {spec} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default="data/synthetic-default", help="a recipe data dir with ali/ (stage 6)")
@@ -133,10 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, nargs="*", metavar="BUFFER",
                         help="only print how correlated the batches are: pairs of frames from the same cut per batch "
                              "of --batch-size, in memory and with each of these buffer sizes (no timing)")
+    parser.add_argument("--parts", action="store_true",
+                        help="also time the streaming loader's reading and splicing apart, at each stream size")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one measurement as JSON
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(args.data_dir, **json.loads(args.one))))
+        spec = json.loads(args.one)
+        if spec.pop("parts", False):
+            print(json.dumps(measure_parts(args.data_dir, spec["hours"], spec["batches"], spec["batch_size"],
+                                           spec["buffer_frames"])))
+        else:
+            print(json.dumps(measure(args.data_dir, **spec)))
         return 0
     if not (Path(args.data_dir) / "ali" / "train_cuts.jsonl.gz").exists():
         parser.error(f"--data-dir {args.data_dir}: no ali/train_cuts.jsonl.gz; run recipes/asr/prepare.py (stages 0-7)")
@@ -154,18 +214,21 @@ def main(argv: list[str] | None = None) -> int:
                 "buffer_frames": args.buffer_frames, "workers": workers, "readers": readers}
         print(f"bench_loader: {loader} loader, {hours or 'corpus'} h, {workers} workers, {readers} readers ...",
               flush=True)
-        done = subprocess.run([sys.executable, __file__, "--data-dir", args.data_dir, "--one", json.dumps(spec)],
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise SystemExit(f"bench_loader: the {loader} measurement at {hours} h failed:\n{done.stderr[-3000:]}")
-        row = json.loads(done.stdout.strip().splitlines()[-1])
+        row = _run_one(args.data_dir, spec)
         print(f"  {row['hours']} h: {row['frames_per_s']} frames/s, peak RSS {row['peak_rss_mb']} MB, "
               f"setup {row['setup_s']} s", flush=True)
         rows.append(row)
+    parts = []
+    for hours in [None, *args.stream_hours] if args.parts else []:
+        print(f"bench_loader: the streaming loader's reading and splicing apart, {hours or 'corpus'} h ...", flush=True)
+        parts.append(_run_one(args.data_dir, {"parts": True, "hours": hours, "batches": args.batches,
+                                              "batch_size": args.batch_size, "buffer_frames": args.buffer_frames}))
+        print(f"  reading {parts[-1]['reading_frames_per_s']} frames/s, splicing "
+              f"{parts[-1]['splicing_frames_per_s']} frames/s", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python recipes/asr/bench_loader.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows, "parts": parts}, indent=1))
     header = (f"`{command}` ({time.strftime('%Y-%m-%d')}; up to {args.batches} batches of {args.batch_size} frames "
               f"per row, at most one epoch; buffer {args.buffer_frames} frames)")
     columns = ("| loader | workers | readers | corpus (h) | batches | setup (s) | frames/s | peak RSS (MB) | "
@@ -174,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         lines.append(f"| {r['loader']} | {r['workers']} | {r['readers']} | {r['hours']} | {r['batches']} | {r['setup_s']} | {r['frames_per_s']:,} | "
                      f"{r['peak_rss_mb']:,} | {r['worker_peak_rss_mb'] or ''} | {r['buffer_peak_resident_frames'] or ''} |")
+    if parts:
+        lines += ["", ("The streaming loader's two halves apart, one process each (`measure_parts`): reading = one "
+                       "reader's work, splicing = the training process's work with readers, over chunks read beforehand."),
+                  "", "| corpus (h) | batches | frames read | reading frames/s | splicing frames/s |", "|---|---|---|---|---|"]
+        lines += [f"| {r['hours']} | {r['batches']} | {r['frames_read']:,} | {r['reading_frames_per_s']:,} | "
+                  f"{r['splicing_frames_per_s']:,} |" for r in parts]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
