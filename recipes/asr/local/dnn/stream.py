@@ -136,18 +136,22 @@ class FrameBuffer:
             self.free.append(s)
 
     def _load(self, slots: np.ndarray, load_fn: Callable[[object], tuple[np.ndarray, np.ndarray]]) -> None:
+        c = self.context
         for s in np.unique(slots[self.start[slots] < 0]).tolist():
             feats, targets = load_fn(self.keys[s])
             n = int(self.length[s])
             if len(feats) != n:
                 raise ValueError(f"cut {getattr(self.keys[s], 'id', self.keys[s])}: the manifest says {n} "
                                  f"frames, its features have {len(feats)}; re-run stage 6")
-            self._reserve(n, feats.shape[1])
-            self.start[s] = self.used
-            self.arena[self.used:self.used + n] = feats
-            self.arena_targets[self.used:self.used + n] = targets
+            self._reserve(n + 2 * c, feats.shape[1])
+            first = self.used + c
+            self.arena[self.used:first] = feats[0]  # the edge frames repeated: every window is a block of rows
+            self.arena[first:first + n] = feats
+            self.arena[first + n:first + n + c] = feats[-1]
+            self.arena_targets[first:first + n] = targets
+            self.start[s] = first
             self.keys[s] = None  # (loaded: what it was read from is no longer needed)
-            self.used += n
+            self.used += n + 2 * c
             self.resident += n
             self.peak_resident = max(self.peak_resident, self.resident)
 
@@ -156,13 +160,14 @@ class FrameBuffer:
         then enlarge the arena in place when they would fill more than 80 % of it."""
         if self.used + rows <= len(self.arena):
             return
+        c = self.context
         live = np.flatnonzero(self.start >= 0)
         live = live[np.argsort(self.start[live])]
         pos = 0
         for s in live.tolist():  # ascending starts: every move goes to a lower row
-            a, n = int(self.start[s]), int(self.length[s])
+            a, n = int(self.start[s]) - c, int(self.length[s]) + 2 * c  # the cut's rows with its edges
             self.arena[pos:pos + n], self.arena_targets[pos:pos + n] = self.arena[a:a + n], self.arena_targets[a:a + n]
-            self.start[s], pos = pos, pos + n
+            self.start[s], pos = pos + c, pos + n
         self.used = pos
         if pos + rows > 0.8 * len(self.arena):  # grow by a quarter beyond the need: bounded, few compactions
             size = max(int(1.25 * (pos + rows)), self.reserve)
@@ -174,14 +179,18 @@ class FrameBuffer:
 
     def windows(self, slots: np.ndarray, frames: np.ndarray,
                 load_fn: Callable[[object], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-        """The spliced windows ``[B, (2*context+1)*F]`` and targets ``[B]`` of drawn tickets."""
+        """The spliced windows ``[B, (2*context+1)*F]`` and targets ``[B]`` of drawn tickets.
+
+        A cut sits in the arena between ``context`` copies of its first and of its last frame, so
+        the window of a frame (clamped inside its cut, as ``datamodule.splice``) is the block of
+        ``2*context+1`` rows around it: one row of a strided view of the arena, gathered whole."""
         self._load(slots, load_fn)
-        first = self.start[slots]
-        last = first + self.length[slots] - 1
-        centre = first + frames
-        window = np.clip(centre[:, None] + np.arange(-self.context, self.context + 1)[None, :],
-                         first[:, None], last[:, None])
-        return self.arena[window].reshape(len(slots), -1), self.arena_targets[centre]
+        centre = self.start[slots] + frames
+        rows, dim = self.arena.shape
+        width = 2 * self.context + 1
+        blocks = np.lib.stride_tricks.as_strided(self.arena, shape=(max(rows - width + 1, 0), width * dim),
+                                                 strides=self.arena.strides, writeable=False)
+        return blocks[centre - self.context], self.arena_targets[centre]
 
 
 def load_checked(load_fn: Callable, cut) -> tuple[np.ndarray, np.ndarray]:
@@ -270,6 +279,8 @@ class StreamingFrameBatches(IterableDataset):
         readers: processes that read and transform the cuts (0: this process reads them).
     """
 
+    prefetch = 16  # chunks each reader may read ahead (a few MB): it keeps reading while this process compacts its arena
+
     def __init__(self, cuts: Path | str | Callable, load_fn: Callable, context: int, batch_fn: Callable,
                  epoch_fn: Callable[[], int], rank_fn: Callable[[], tuple[int, int]], seed: int,
                  buffer_frames: int, chunk_seconds: float, cut_shuffle_buffer: int, readers: int = 0) -> None:
@@ -335,7 +346,7 @@ class StreamingFrameBatches(IterableDataset):
 
         rank, world = self.rank_fn()
         reader = ChunkReader(partial(self.chunks, epoch, rank, world), self.load_fn)
-        messages = DataLoader(reader, batch_size=None, num_workers=self.readers, prefetch_factor=4,
+        messages = DataLoader(reader, batch_size=None, num_workers=self.readers, prefetch_factor=self.prefetch,
                               collate_fn=_as_sent)
         return in_order(iter(messages)), _given
 
