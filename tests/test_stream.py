@@ -174,6 +174,19 @@ def test_training_streams(aligned, tmp_path, strategy, devices, readers):
     assert summary["data"]["loader"] == "stream" and summary["global_steps"] == 2 * per_epoch > 2, summary
 
 
+def test_training_with_readers_on_two_forked_ranks_learns_what_it_learns_without(aligned, tmp_path):
+    results = []
+    for readers in (0, 1):
+        args = ["--config", str(ROOT / "conf" / "tiny.yaml"), "--data.data_dir", str(aligned), "--exp_dir",
+                str(tmp_path / str(readers)), "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "null",
+                "--data.loader", "stream", "--data.buffer_frames", "200", "--data.chunk_seconds", "0.5",
+                "--num_threads", "1", "--trainer.strategy", "gtc_fork", "--trainer.devices", "2",
+                "--data.readers", str(readers)]
+        results.append(_run(args))
+    assert results[0]["dev_frame_acc"] == results[1]["dev_frame_acc"]
+    assert results[0]["global_steps"] == results[1]["global_steps"] > 2
+
+
 def test_both_loaders_put_numpys_blas_on_one_thread(aligned):
     """The per-cut front-end products must not compete with torch's threads (``one_blas_thread``)."""
     from threadpoolctl import threadpool_info, threadpool_limits
