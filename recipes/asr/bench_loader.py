@@ -34,19 +34,38 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def _corpus(data_dir: str, hours: float | None) -> tuple[Path, float, int]:
+    """The training manifest, its hours, and how many times to repeat it to reach ``hours``."""
+    from lhotse import CutSet
+
+    path = Path(data_dir) / "ali" / "train_cuts.jsonl.gz"
+    corpus_hours = sum(c.duration for c in CutSet.from_jsonl_lazy(path)) / 3600
+    return path, corpus_hours, max(1, round(hours / corpus_hours)) if hours else 1
+
+
+def _stream(dm, path: Path, times: int, readers: int):
+    """The streaming loader of ``dm``'s settings on ``path`` repeated ``times`` (lazily), as rank 0 of 1, epoch 0."""
+    from lhotse import CutSet
+    from local.dnn.datamodule import batch_bounds
+    from local.dnn.stream import StreamingFrameBatches
+
+    hp = dm.hparams
+    source = (lambda: CutSet.from_jsonl_lazy(path).repeat(times, preserve_id=False)) if times > 1 else path
+    return StreamingFrameBatches(source, dm.load_cut, 8, lambda share, epoch: batch_bounds([share], 0, hp.batch_size),
+                                 lambda: 0, lambda: (0, 1), 0, hp.buffer_frames, hp.chunk_seconds,
+                                 hp.cut_shuffle_buffer, readers)
+
+
 def measure(data_dir: str, loader: str, hours: float | None, batches: int, batch_size: int, buffer_frames: int,
             workers: int, readers: int = 0) -> dict:
     """One measurement, in this process."""
     sys.path.insert(0, str(HERE))
     from lhotse import CutSet
-    from local.dnn.datamodule import AsrDataModule, ResumableLoader, batch_bounds, load_split
-    from local.dnn.stream import StreamingFrameBatches
+    from local.dnn.datamodule import AsrDataModule, ResumableLoader, load_split
 
     dm = AsrDataModule(data_dir, loader=loader, batch_size=batch_size, buffer_frames=buffer_frames,
                        num_workers=workers, readers=readers if loader == "stream" else 0)
-    path = Path(data_dir) / "ali" / "train_cuts.jsonl.gz"
-    corpus_hours = sum(c.duration for c in CutSet.from_jsonl_lazy(path)) / 3600
-    times = max(1, round(hours / corpus_hours)) if hours else 1
+    path, corpus_hours, times = _corpus(data_dir, hours)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         if loader == "memory":
@@ -57,13 +76,7 @@ def measure(data_dir: str, loader: str, hours: float | None, batches: int, batch
             dm.splits["train"] = load_split(path, dm.front_end, "train")
             dl = dm.train_dataloader()
         else:
-            def layout(share: int, epoch: int) -> list[tuple[int, int]]:
-                return batch_bounds([share], 0, batch_size)
-
-            source = (lambda: CutSet.from_jsonl_lazy(path).repeat(times, preserve_id=False)) if times > 1 else path
-            ds = StreamingFrameBatches(source, dm.load_cut, 8, layout, lambda: 0, lambda: (0, 1), 0,
-                                       buffer_frames, dm.hparams.chunk_seconds, dm.hparams.cut_shuffle_buffer, readers)
-            dl = ResumableLoader(ds, workers)
+            dl = ResumableLoader(_stream(dm, path, times, readers), workers)
         epoch_batches = len(dl)  # stream: counts the manifest's frames
         setup_s = time.perf_counter() - start
         start = time.perf_counter()
@@ -94,18 +107,12 @@ def measure_parts(data_dir: str, hours: float | None, batches: int, batch_size: 
     from functools import partial
 
     import numpy as np
-    from lhotse import CutSet
-    from local.dnn.datamodule import AsrDataModule, batch_bounds
-    from local.dnn.stream import ChunkReader, FrameBuffer, StreamingFrameBatches, _given, in_order
+    from local.dnn.datamodule import AsrDataModule
+    from local.dnn.stream import ChunkReader, FrameBuffer, _given, in_order
 
     dm = AsrDataModule(data_dir, loader="stream", batch_size=batch_size, buffer_frames=buffer_frames)
-    path = Path(data_dir) / "ali" / "train_cuts.jsonl.gz"
-    corpus_hours = sum(c.duration for c in CutSet.from_jsonl_lazy(path)) / 3600
-    times = max(1, round(hours / corpus_hours)) if hours else 1
-    source = (lambda: CutSet.from_jsonl_lazy(path).repeat(times, preserve_id=False)) if times > 1 else path
-    ds = StreamingFrameBatches(source, dm.load_cut, 8, lambda share, epoch: batch_bounds([share], 0, batch_size),
-                               lambda: 0, lambda: (0, 1), 0, buffer_frames, dm.hparams.chunk_seconds,
-                               dm.hparams.cut_shuffle_buffer)
+    path, corpus_hours, times = _corpus(data_dir, hours)
+    ds = _stream(dm, path, times, readers=0)
     sizes = [end - start for start, end in ds.nominal(0)]
     batches = min(batches, len(sizes))
     need = sum(sizes[:batches]) + buffer_frames  # what the buffer takes in for these batches (and one cut more)

@@ -262,8 +262,9 @@ class AsrDataModule(LightningDataModule):
             shuffle buffer fed by Lhotse's cut sampler; ``local.dnn.stream``).
         buffer_frames: ``stream``: undrawn frames the shuffle buffer holds before each batch.
             The cuts it holds are a few times more frames (about ``ln T`` for cuts of ``T``
-            frames), 164 bytes each at 40 bins, and 2 * context copies of each cut's edge frames. 400,000 (default) matched the in-memory loader's
-            dev frame accuracy on 3 seeds; 100,000 was a point below (README).
+            frames), 164 bytes each at 40 bins, and 2 * context copies of each cut's edge frames.
+            400,000 (default) matched the in-memory loader's dev frame accuracy on 3 seeds;
+            100,000 was a point below (README).
         chunk_seconds: ``stream``: speech per chunk of cuts taken from the sampler.
         cut_shuffle_buffer: ``stream``: cuts in Lhotse's shuffling reservoir (its default, 20,000;
             about 5 KB each). The cut order is shuffled only within it, and the recipe's manifests
