@@ -17,6 +17,7 @@ interpreter is a correctness tool, not a benchmark.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import subprocess
@@ -146,6 +147,44 @@ def _bench_backend(compress_fn, decompress_fn, grad, residual0, residual, tau32,
     return row, words
 
 
+def bench_rice(n: int, density: float, device: torch.device, repeats: int) -> list[dict]:
+    """Golomb-Rice encode and decode of one message of ``n`` elements at ``density``, per backend.
+
+    The torch code everywhere, the Triton bit packing on CUDA (``rice_encode(..., backend=...)``);
+    rows say the bits per word and whether the Triton bytes equal the torch bytes.
+    """
+    from gtc_lightning.ops.rice import rice_bits_per_word, rice_decode, rice_encode
+
+    grad, residual, tau32 = make_problem(n, density, device)
+    words = compress_torch(grad, residual, tau32)
+    rows, coded = [], {}
+    for backend in ("torch", "triton") if device.type == "cuda" else ("torch",):
+        data = coded[backend] = rice_encode(words, backend=backend)
+        rows.append({
+            "n": n, "backend": backend, "words": words.numel(), "bits_per_word": rice_bits_per_word(data),
+            "encode_s": median_seconds(lambda b=backend: rice_encode(words, backend=b), lambda: None, repeats, device),
+            "decode_s": median_seconds(lambda b=backend, d=data: rice_decode(d, backend=b), lambda: None, repeats, device),
+            "round_trip": torch.equal(rice_decode(data, backend=backend), words),
+        })  # fmt: skip
+    if "triton" in coded:
+        rows[-1]["identical"] = torch.equal(coded["triton"], coded["torch"])
+    return rows
+
+
+def format_rice_table(rows: list[dict]) -> str:
+    lines = [
+        "| n | Rice backend | words | bits/word | encode ms | decode ms | round trip | bytes = torch's |",
+        "|" + "---|" * 8,
+    ]
+    for r in rows:
+        same = {True: "yes", False: "NO"}.get(r.get("identical"), "–")
+        lines.append(
+            f"| {r['n']:,} | {r['backend']} | {r['words']:,} | {r['bits_per_word']:.2f} | {r['encode_s'] * 1e3:.3f} "
+            f"| {r['decode_s'] * 1e3:.3f} | {'yes' if r['round_trip'] else 'NO'} | {same} |"
+        )
+    return "\n".join(lines)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
@@ -262,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         "--blocks", default="", help="extra Triton compress block sizes to time, e.g. 2048,4096"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--rice", action="store_true", help="also time Golomb-Rice encode/decode of the message")
+    parser.add_argument("--json", default="", help="also write the rows to this JSON file")
     parser.add_argument("--compile-only", action="store_true", help="compile the kernels for --arch and stop")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
     args = parser.parse_args(argv)
@@ -293,11 +334,22 @@ def main(argv: list[str] | None = None) -> None:
         f"target density {density:.3%}; bytes counted: compress 12n+4m, decompress 4n+4m, copy 8n "
         f"(n elements, m words); median of {args.repeats} calls; speed-up = reference time / time"
     )
-    rows = []
+    rows, rice_rows = [], []
     for n in sizes:
         rows += bench_size(n, density, device, args.repeats, backends_for(device, blocks))
+        if args.rice:
+            rice_rows += bench_rice(n, density, device, args.repeats)
         print(f"n={n:,}: done", flush=True)
     print(format_table(rows))
+    if rice_rows:
+        print()
+        print(format_rice_table(rice_rows))
+    if args.json:
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        Path(args.json).write_text(json.dumps({
+            "device": device_name, "torch": torch.__version__, "density": density, "repeats": args.repeats,
+            "rows": rows, "rice": rice_rows,
+        }, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

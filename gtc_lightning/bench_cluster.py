@@ -75,21 +75,11 @@ def _counters(interface: str | None) -> dict[str, int]:
     }
 
 
-def _strategy_stats(strategy: Any) -> dict[str, dict[str, float]]:
-    """Every ``*_stats`` property's running totals (``gtc_stats``, ``sync_stats``, ...)."""
-    out = {}
-    for name in dir(type(strategy)):
-        if name.endswith("_stats") and isinstance(getattr(type(strategy), name, None), property):
-            stats = getattr(strategy, name)
-            total = stats.get("total") if isinstance(stats, dict) else None
-            if total:
-                out[name] = {k: float(v) for k, v in total.items() if isinstance(v, (int, float))}
-    return out
-
-
 def _make_callbacks(plan: dict, steps: int):
     import lightning as L
     import torch
+
+    from gtc_lightning import bench_step
 
     class WireMeter(L.Callback):
         """Veth counters, time and the strategy's own statistics at the window's two ends."""
@@ -103,7 +93,7 @@ def _make_callbacks(plan: dict, steps: int):
                     {
                         "t": time.perf_counter(),
                         "wire": _counters(plan["interface"]),
-                        "stats": _strategy_stats(trainer.strategy),
+                        "stats": {k: v["total"] for k, v in bench_step.strategy_totals(trainer.strategy).items()},
                     }
                 )
 

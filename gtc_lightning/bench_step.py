@@ -87,6 +87,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def strategy_totals(strategy) -> dict[str, dict]:
+    """Every ``*_stats`` property's step count and numeric running totals (``gtc_stats``,
+    ``sync_stats``, ...), copied: ``{name: {"step": int, "total": {key: float}}}``."""
+    out = {}
+    for name in dir(type(strategy)):
+        if name.endswith("_stats") and isinstance(getattr(type(strategy), name, None), property):
+            stats = getattr(strategy, name)
+            total = stats.get("total") if isinstance(stats, dict) else None
+            if total:
+                numbers = {k: float(v) for k, v in total.items() if isinstance(v, (int, float))}
+                out[name] = {"step": int(stats.get("step", 0)), "total": numbers}
+    return out
+
+
 def _make_strategy(name: str, tau: float, exchange: str):
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -128,7 +142,7 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
     """
     import lightning as L
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     outputs = model_spec[2]
     total = args.warmup + args.steps
@@ -139,29 +153,44 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
     class Clock(L.Callback):
         def __init__(self):
             self.marks: list[float] = []
+            self.after_warmup: dict = {}
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize(pl_module.device)  # the step's kernels finished, not just queued
             self.marks.append(time.perf_counter())
+            if len(self.marks) == args.warmup:
+                self.after_warmup = strategy_totals(trainer.strategy)
 
     clock = Clock()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy or _make_strategy(strategy_name, args.tau, args.exchange),
+        accelerator=getattr(args, "accelerator", "cpu"), precision=getattr(args, "precision", "32-true"), devices=devices, num_nodes=num_nodes, strategy=strategy or _make_strategy(strategy_name, args.tau, args.exchange),
         max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[clock, *callbacks], use_distributed_sampler=False,
     )  # fmt: skip
-    data = DataLoader(TensorDataset(x, y), batch_size=args.batch, shuffle=False)
+    # One item per batch, sliced rather than collated from single frames: on a GPU, collating 1024
+    # frames one by one took longer than the step's compute (H100: ~7 of ~15 ms per step).
+    batches = [(x[i : i + args.batch], y[i : i + args.batch]) for i in range(0, total * args.batch, args.batch)]
+    data = DataLoader(batches, batch_size=None, shuffle=False)
     trainer.fit(make_dnn(model_spec, args.lr), data)
     steps = [b - a for a, b in zip(clock.marks[args.warmup - 1 :], clock.marks[args.warmup :])]
     out = {"step_s": statistics.median(steps), "steps": steps}
-    stats = getattr(trainer.strategy, "gtc_stats", None)
-    if stats and stats["total"]:
-        total_stats, n = stats["total"], max(stats["step"], 1)
+    # Statistics per timed step: the totals at the end less those after the warm-up (which hold the
+    # first step's kernel compilation on a GPU).
+    end, start = strategy_totals(trainer.strategy), clock.after_warmup
+    timed = {}
+    for name, stats in end.items():
+        before = start.get(name, {"step": 0, "total": {}})
+        n = max(stats["step"] - before["step"], 1)
+        timed[name] = (n, {k: v - before["total"].get(k, 0) for k, v in stats["total"].items()})
+    if "gtc_stats" in timed:
+        n, total_stats = timed["gtc_stats"]
         keys = ("compress_s", "exchange_s", "decompress_s", "bytes_sent", "words")
         out["gtc"] = {key: total_stats.get(key, 0.0) / n for key in keys}
         out["gtc"]["modes"] = {k: total_stats.get(f"{k}_steps", 0) for k in ("sparse", "dense")}
-    sync = getattr(trainer.strategy, "sync_stats", None)
-    if sync and sync["total"]:
-        out["sync"] = {key: sync["total"][key] / max(sync["step"], 1) for key in ("bytes_sent", "exchange_s")}
+    if "sync_stats" in timed:
+        n, total_stats = timed["sync_stats"]
+        out["sync"] = {key: total_stats[key] / n for key in ("bytes_sent", "exchange_s")}
     return out
 
 
@@ -172,6 +201,7 @@ def worker(args, devices: int, num_nodes: int) -> None:
     # Without OMP_NUM_THREADS, Lightning resets torch's threads to cores / local processes at setup.
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
+    torch.set_float32_matmul_precision(getattr(args, "matmul_precision", "highest"))
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -207,7 +237,9 @@ def summarize(data: dict) -> str:
     world = args["world"] if args.get("num_nodes", 1) == 1 else args["num_nodes"]
     lines = [
         (f"{world} ranks, {args['batch']} frames per rank and step, {args['rounds']} rounds x {args['steps']} steps "
-        f"(after {args['warmup']} warm-up steps), {args['threads']} thread(s) per rank, tau={args['tau']:g}"),
+        f"(after {args['warmup']} warm-up steps), {args['threads']} thread(s) per rank, tau={args['tau']:g}, "
+        f"{args.get('accelerator', 'cpu')}, precision {args.get('precision', '32-true')}, float32 matmul "
+        f"{args.get('matmul_precision', 'highest')}"),
         "",
         ("| model | weights | strategy | step ms | frames/s | x ddp (median, min-max) | compress / exchange / decode ms "
         "| bytes sent/step | vs fp32 / bf16 all-reduce |"),
@@ -222,21 +254,22 @@ def summarize(data: dict) -> str:
             ratios = [seg["step_s"] / b for seg, b in zip(segs, base)] if base else []
             ratio = f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
             breakdown, sent, vs = "-", "-", "-"
-            fp32 = 2 * (world - 1) / world * 4 * weights
-            if name in ("ddp", "ddp_bf16"):
+            fp32 = 2 * (world - 1) / world * 4 * weights  # 0 for one rank: no ratios then
+            if fp32 and name in ("ddp", "ddp_bf16"):
                 sent_bytes = fp32 if name == "ddp" else fp32 / 2
                 sent, vs = f"{sent_bytes:,.0f}", f"{fp32 / sent_bytes:.1f}x / {fp32 / 2 / sent_bytes:.1f}x"
             sync = [seg["sync"] for seg in segs if "sync" in seg]
             if sync:
                 sent_bytes = statistics.mean(s["bytes_sent"] for s in sync)
                 breakdown = f"- / {1e3 * statistics.mean(s['exchange_s'] for s in sync):.1f} / -"
-                sent, vs = f"{sent_bytes:,.0f}", f"{fp32 / sent_bytes:.1f}x / {fp32 / 2 / sent_bytes:.1f}x"
+                sent = f"{sent_bytes:,.0f}"
+                vs = f"{fp32 / sent_bytes:.1f}x / {fp32 / 2 / sent_bytes:.1f}x" if fp32 and sent_bytes else "-"
             gtc = [seg["gtc"] for seg in segs if "gtc" in seg]
             if gtc:
                 mean = {k: statistics.mean(g[k] for g in gtc) for k in ("compress_s", "exchange_s", "decompress_s", "bytes_sent")}
                 breakdown = " / ".join(f"{1e3 * mean[k]:.1f}" for k in ("compress_s", "exchange_s", "decompress_s"))
                 sent = f"{mean['bytes_sent']:,.0f}"
-                vs = f"{fp32 / mean['bytes_sent']:.0f}x / {fp32 / 2 / mean['bytes_sent']:.0f}x"
+                vs = f"{fp32 / mean['bytes_sent']:.0f}x / {fp32 / 2 / mean['bytes_sent']:.0f}x" if fp32 else "-"
                 dense = sum(g["modes"]["dense"] for g in gtc)
                 if dense:
                     vs += f" ({dense} dense steps)"
@@ -255,8 +288,13 @@ def main(argv: list[str] | None = None) -> None:
         "--strategies", nargs="+", default=["ddp", "ddp_bf16", "gtc", "nocomm"], choices=STRATEGIES
     )
     parser.add_argument("--world", type=int, default=2, help="ranks to fork on this machine")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
+                        help="gpu: one GPU per rank (NCCL), so --world at most the visible GPUs")
     parser.add_argument("--num-nodes", type=int, default=1,
                         help="under an external launcher: nodes (one rank per node); the environment gives the rank")
+    parser.add_argument("--precision", default="32-true", help="Lightning's Trainer precision, e.g. bf16-mixed")
+    parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
+                        help="torch.set_float32_matmul_precision for float32 matrix products (high: TF32 on GPUs)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all strategies")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round and strategy")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
@@ -271,6 +309,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"need --warmup >= 1, --steps >= 2, --rounds >= 1; got {args.warmup}, {args.steps}, {args.rounds}")
     for model in args.models:
         parse_model(model)
+    if args.accelerator == "gpu":
+        from lightning.fabric.accelerators.cuda import num_cuda_devices  # (NVML: CUDA stays fork-safe)
+
+        found = num_cuda_devices()
+        if found < (1 if "LOCAL_RANK" in os.environ else args.world):
+            parser.error(f"--accelerator gpu --world {args.world} needs {args.world} visible GPUs, found {found}; "
+                         "lower --world")
     external = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
     per_node = 1 if external else args.world
     if not args.threads:

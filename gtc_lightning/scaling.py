@@ -419,7 +419,10 @@ STROM_2015 = Scenario(
     frames=1024,
     net=Network(1e9, latency_s=50e-6),
 )
-# An H100 node (assumed, not measured: no GPU here). Strom's DNN costs 6 n = 88 MFLOP per frame; 2e6
+# An H100 node (assumed). Measured through Lightning on an H100 (docs/gpu.md), a 1024-frame step of
+# this DNN takes ~3 ms with nothing sent, Lightning's own loop being most of it, and GTC's hook adds
+# 1.1-2.3 ms of host work: these scenarios describe a much leaner training loop than Lightning's.
+# Strom's DNN costs 6 n = 88 MFLOP per frame; 2e6
 # frames/s is 175 TFLOP/s, 18 % of the H100 SXM's 989 TFLOP/s dense bf16 peak, allowing for small
 # GEMMs (1024 x 1536 x 1536) and ~40 kernel launches per 0.5 ms step. GTC's thresholding reads and
 # writes ~5 passes over 4n bytes at ~2.5 TB/s (0.12 ms); decoding ~0.1 ns per received word (scattered

@@ -75,6 +75,23 @@ def test_alpha_and_clip_fold_into_the_gradient(clip):
     assert torch.equal(out_t, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_clip_of_half_precision_gradients_rounds_like_torch_clamp(dtype):
+    """A clip bound the gradient's dtype cannot hold (0.3 * 1024) clamps to that bound rounded to
+    the dtype, as ``grad.clamp_`` does in the torch backend (the kernel once kept it in float32: seen
+    on an H100, where the interpreter's test had only float32 gradients)."""
+    grad, residual = CASES["sparse"]
+    half = (grad * 1024.0 * 4).to(dtype)
+    results = [run_threshold(ops, half, residual, alpha=1 / 1024, clip=0.3 * 1024) for ops in BACKENDS.values()]
+    (out_t, words_t, _, _), (out_k, words_k, _, _) = results
+    assert torch.equal(words_t, words_k) and torch.equal(out_t.view(torch.int32), out_k.view(torch.int32))
+    clamped = half.clamp(-0.3 * 1024, 0.3 * 1024)
+    assert (clamped.abs() == float(torch.tensor(0.3 * 1024).to(dtype))).any()
+    expected = residual.clone()
+    compress_reference(clamped.float() / 1024, expected, TAU)
+    assert torch.equal(out_t, expected)
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_values_are_counted(backend, bad_value):

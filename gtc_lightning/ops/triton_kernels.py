@@ -102,7 +102,8 @@ def _threshold_kernel(
     r = tl.load(residual_ptr + offs, mask=active, other=0.0)
     g = tl.load(grad_ptr + offs, mask=active, other=0.0).to(tl.float32)
     if CLIP:
-        # As torch.clamp: NaN stays NaN (comparisons with NaN are false), +-Inf becomes +-clip.
+        # As torch.clamp: NaN stays NaN (comparisons with NaN are false), +-Inf becomes +-clip
+        # (which the launcher rounded to the gradient's dtype).
         g = tl.where(g > clip, clip, tl.where(g < -clip, -clip, g))
     if ALPHA:
         g = g * alpha
@@ -262,6 +263,10 @@ def _threshold_launch(
     scratch = torch.empty(n, dtype=torch.int32, device=grad.device)
     block_counts = torch.empty(n_blocks, dtype=torch.int32, device=grad.device)
     launch = {"BLOCK": block, "num_warps": compress_warps(block), **FP_OPTIONS}
+    if clip is not None and grad.dtype != torch.float32:
+        # torch's grad.clamp_ in bf16/fp16 gives the bound rounded to that dtype (round to nearest
+        # even); clamping the exactly converted values to the rounded bound gives the same numbers.
+        clip = float(torch.tensor(clip, dtype=torch.float32).to(grad.dtype))
     _threshold_kernel[(n_blocks,)](
         grad, residual, out, scratch, block_counts, bad, n, offset, tau32, alpha,
         0.0 if clip is None else clip,

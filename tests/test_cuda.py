@@ -1,0 +1,242 @@
+"""The Triton kernels compiled and run on a GPU, and the "gtc" strategy training on CUDA.
+
+Skipped without CUDA, and under ``TRITON_INTERPRET=1`` (conftest sets it when it is unset, for
+the CPU tests). On a GPU machine::
+
+    TRITON_INTERPRET=0 python -m pytest tests/test_cuda.py
+
+Every kernel runs on CUDA tensors and is compared bit for bit with the torch reference on CPU,
+on the adversarial cases of the CPU tests (``test_ops``, ``test_step_ops``, ``test_rice``).
+Then real Lightning training on the GPU: one rank over NCCL, and two ranks sharing the one GPU
+over gloo (NCCL refuses two ranks on one device), each with the Triton and the torch backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gtc_lightning.ops import compress, decompress, torch_ops
+from gtc_lightning.ops import triton_kernels as tk
+from gtc_lightning.ops.reference import compress_reference, decompress_reference
+from gtc_lightning.ops.rice import rice_decode, rice_encode
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or tk.INTERPRETED,
+    reason="needs a CUDA GPU and TRITON_INTERPRET=0 (run: TRITON_INTERPRET=0 pytest tests/test_cuda.py)",
+)
+
+import test_ops  # (the CPU tests' adversarial cases)
+import test_rice
+import test_step_ops
+
+CUDA = torch.device("cuda")
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+# ---- compress / decompress ---------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("block", ["case", "default"])
+@pytest.mark.parametrize("name", list(test_ops.CASES))
+def test_compress_on_cuda_matches_reference_bit_for_bit(name, block):
+    grad, residual, tau, case_block = test_ops.CASES[name]
+    r_ref = residual.clone()
+    w_ref = compress_reference(grad, r_ref, tau)
+    r_gpu = residual.to(CUDA)
+    w_gpu = tk.compress_triton(grad.to(CUDA), r_gpu, tau, block=case_block if block == "case" else tk.COMPRESS_BLOCK)
+    assert w_gpu.is_cuda and w_gpu.dtype == torch.int32
+    assert torch.equal(w_gpu.cpu(), w_ref)
+    assert torch.equal(bits(r_gpu.cpu()), bits(r_ref))
+
+
+def test_public_api_dispatches_cuda_tensors_to_triton_and_agrees():
+    grad, residual, _ = test_ops.random_case(1_000_003, 31, scale=0.3)
+    r_ref, r_gpu = residual.clone(), residual.to(CUDA)
+    w_ref, w_gpu = compress(grad, r_ref, 0.5), compress(grad.to(CUDA), r_gpu, 0.5)
+    assert w_gpu.is_cuda and torch.equal(w_gpu.cpu(), w_ref) and torch.equal(bits(r_gpu.cpu()), bits(r_ref))
+    assert w_ref.numel() > 1000
+    out_ref, out_gpu = decompress(w_ref, grad.numel(), 0.5, divisor=3), decompress(w_gpu, grad.numel(), 0.5, divisor=3)
+    assert out_gpu.is_cuda and torch.equal(bits(out_gpu.cpu()), bits(out_ref))
+
+
+@pytest.mark.parametrize("where", [[0], [3, 70_000, 99_999]])
+def test_nonfinite_grad_raises_on_cuda_and_keeps_residual(where):
+    grad, residual, _ = test_ops.random_case(100_000, 10)
+    for i, pos in enumerate(where):
+        grad[pos] = [float("nan"), float("inf"), float("-inf")][i]
+    r_gpu = residual.to(CUDA)
+    with pytest.raises(ValueError, match=f"{len(where)} non-finite"):
+        compress(grad.to(CUDA), r_gpu, test_ops.TAU)
+    assert torch.equal(bits(r_gpu.cpu()), bits(residual))
+
+
+def test_decompress_on_cuda_is_order_independent():
+    n, world = 300_000, 4
+    messages = []
+    for k in range(world):
+        grad, residual, _ = test_ops.random_case(n, 40 + k)
+        messages.append(compress_reference(grad, residual, test_ops.TAU))
+    words = torch.cat(messages * 2)  # duplicates: counts up to +-8, and cancelling votes
+    scale = float(np.float32(test_ops.TAU / world))
+    ref = decompress_reference(words, n, scale)
+    perm = torch.randperm(words.numel(), generator=torch.Generator().manual_seed(3))
+    for w in (words, words[perm], words.flip(0)):
+        assert torch.equal(bits(tk.decompress_triton(w.to(CUDA), n, scale).cpu()), bits(ref))
+
+
+# ---- the hook's step primitives ----------------------------------------------------------------
+
+
+def _threshold(ops, device, grad, residual, offset=0, alpha=1.0, clip=None, cursor0=3):
+    grad, residual = grad.to(device), residual.to(device)
+    out = torch.full_like(residual, 123.0)
+    message = torch.full((grad.numel() + cursor0 + 1,), -7, dtype=torch.int32, device=device)
+    cursor = torch.tensor([cursor0], dtype=torch.int64, device=device)
+    bad = torch.zeros(1, dtype=torch.int32, device=device)
+    ops.threshold_(grad, residual, out, test_step_ops.TAU, message, cursor, bad, offset=offset, alpha=alpha, clip=clip)
+    return out.cpu(), message[cursor0 : int(cursor)].cpu(), int(bad)
+
+
+@pytest.mark.parametrize("offset", [0, (1 << 31) - 70_001])
+@pytest.mark.parametrize("name", list(test_step_ops.CASES))
+def test_threshold_on_cuda_matches_torch(name, offset):
+    grad, residual = test_step_ops.CASES[name]
+    expected = _threshold(torch_ops, "cpu", grad, residual, offset=offset)
+    got = _threshold(tk, CUDA, grad, residual, offset=offset)
+    assert got[2] == expected[2] == 0
+    assert torch.equal(got[1], expected[1]) and torch.equal(bits(got[0]), bits(expected[0]))
+
+
+@pytest.mark.parametrize("clip", [None, 0.3])
+def test_threshold_alpha_clip_and_half_precision_on_cuda(clip):
+    grad, residual = test_step_ops.CASES["sparse"]
+    for g in (grad * 1024.0, (grad * 1024.0).to(torch.bfloat16)):
+        kw = {"alpha": 1 / 1024, "clip": None if clip is None else clip * 1024}
+        expected, got = _threshold(torch_ops, "cpu", g, residual, **kw), _threshold(tk, CUDA, g, residual, **kw)
+        assert torch.equal(got[1], expected[1]) and torch.equal(bits(got[0]), bits(expected[0]))
+
+
+def test_non_finite_values_are_counted_on_cuda():
+    grad, residual = test_step_ops.CASES["sparse"]
+    grad = grad.clone()
+    grad[[5, 40_000, 69_999]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    assert _threshold(tk, CUDA, grad, residual)[2] == 3
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_on_cuda_matches_reference_and_clears_counts(padded):
+    n, world = 200_000, 3
+    g = torch.Generator().manual_seed(9)
+    messages = [torch.unique(torch.randint(0, n, (int(n * d),), generator=g)).to(torch.int32) for d in (0.01, 0.2, 0.0)]
+    messages = [torch.where(torch.rand(m.numel(), generator=g) < 0.5, m | -(1 << 31), m).to(torch.int32) for m in messages]
+    scale = float(np.float32(np.float32(test_step_ops.TAU) / world))
+    reference = decompress_reference(torch.cat(messages), n, scale)
+    if padded:
+        width = max(m.numel() for m in messages)
+        words = torch.full((world, width), 12345, dtype=torch.int32)
+        for r, m in enumerate(messages):
+            words[r, : m.numel()] = m
+        words, lengths = words.view(-1), torch.tensor([m.numel() for m in messages], device=CUDA)
+    else:
+        words, lengths = torch.cat(messages), None
+    counts = torch.zeros(n, dtype=tk.COUNTS_DTYPE, device=CUDA)
+    outs = [torch.full((70_000,), 5.0, device=CUDA), torch.full((n - 70_000,), 5.0, device=CUDA)]
+    tk.decode_(words.to(CUDA), lengths, counts, [(0, outs[0]), (70_000, outs[1])], scale)
+    assert torch.equal(bits(torch.cat(outs).cpu()), bits(reference))
+    assert not counts.any()
+
+
+# ---- Golomb-Rice bit packing -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(test_rice.CASES))
+def test_rice_on_cuda_matches_torch_bytes_and_round_trips(name):
+    words = test_rice.CASES[name]
+    data = rice_encode(words, backend="torch")
+    data_gpu = rice_encode(words.to(CUDA))
+    assert data_gpu.is_cuda and torch.equal(data_gpu.cpu(), data)
+    back = rice_decode(data_gpu)
+    assert back.is_cuda and torch.equal(back.cpu(), words)
+
+
+# ---- the strategy training on the GPU ----------------------------------------------------------
+
+
+def _train_main(rank: int, world: int, port: int, backend: str, exchange: str, coding: str, out: str) -> None:
+    """One rank: 12 steps of a small DNN with GTCStrategy on cuda:0; writes its parameters and stats."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), LOCAL_RANK="0",
+                      WORLD_SIZE=str(world), GLOBAL_RANK=str(rank))  # fmt: skip
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gtc_lightning import GTCStrategy
+    from gtc_lightning.bench_step import make_dnn
+
+    torch.use_deterministic_algorithms(True)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own frames
+    x, y = torch.randn(12 * 64, 17 * 40, generator=g), torch.randint(0, 50, (12 * 64,), generator=g)
+    strategy = GTCStrategy(tau=2e-3, backend=backend, exchange=exchange, coding=coding, check_replicas_every=4,
+                           process_group_backend="gloo" if world > 1 else "nccl")  # fmt: skip
+    trainer = L.Trainer(accelerator="gpu", devices=1, num_nodes=world, strategy=strategy, max_steps=12,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)  # fmt: skip
+    model = make_dnn((3, 256, 50), lr=0.5)
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=64))
+    total = trainer.strategy.gtc_stats["total"]
+    params = torch.cat([p.detach().float().cpu().reshape(-1) for p in model.parameters()])
+    torch.save({"params": params, "device": str(trainer.strategy.root_device),
+                "ops": trainer.strategy.gtc_state._ops.__name__, "words": total.get("words", 0),
+                "sparse_steps": total.get("sparse_steps", 0)}, Path(out) / f"rank{rank}.pt")  # fmt: skip
+
+
+def _launch(tmp_path: Path, world: int, backend: str, exchange: str = "auto", coding: str = "none") -> list[dict]:
+    from gtc_lightning.bench_step import _free_port
+
+    out = tmp_path / f"{world}_{backend}_{exchange}_{coding}"
+    out.mkdir()
+    port = _free_port()
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    code = "import sys, test_cuda; a = sys.argv[1:]; test_cuda._train_main(int(a[0]), int(a[1]), int(a[2]), *a[3:])"
+    argv = [str(world), str(port), backend, exchange, coding, str(out)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(r), *argv],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world)
+    ]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.mark.parametrize(("world", "exchange", "coding"), [(1, "auto", "none"), (2, "allgather", "none"),
+                                                           (2, "alltoall", "none"), (2, "auto", "rice")])
+def test_strategy_trains_on_cuda_with_triton_like_torch(tmp_path, world, exchange, coding):
+    """The comm hook on CUDA runs the Triton step primitives; the replicas stay bit-identical and
+    equal, bit for bit, the same training with the hook's torch backend."""
+    triton_runs = _launch(tmp_path, world, "auto", exchange, coding)
+    torch_runs = _launch(tmp_path, world, "torch", exchange, coding)
+    for rec in triton_runs:
+        assert rec["device"] == "cuda:0" and rec["ops"].endswith("triton_kernels"), rec
+        assert rec["sparse_steps"] == 12 and rec["words"] > 0, rec
+    for rec in torch_runs:
+        assert rec["ops"].endswith("torch_ops"), rec
+    for rec in triton_runs[1:] + torch_runs:
+        assert torch.equal(bits(rec["params"]), bits(triton_runs[0]["params"]))
+    print(json.dumps({"world": world, "words_per_step": triton_runs[0]["words"] / 12}))
