@@ -10,8 +10,9 @@ moment of a noisy machine hits all of them. Per round and strategy it takes the 
 Strategies: ``ddp`` (fp32 all-reduce), ``ddp_bf16`` (bf16 all-reduce), ``gtc`` (its exchange as
 ``--exchange`` says), ``gtc_alltoall`` / ``gtc_allgather`` (the two word exchanges, uneven messages
 or padded to the longest), ``gtc_stale`` (one-step-stale GTC: the word exchange overlaps the next
-step), ``dpsgd`` (ring-neighbour parameter averaging, overlapping the forward and backward passes) and
-``nocomm`` (DDP sending nothing: the compute-only step GTC should come close to).
+step), ``gtc_ddpbuckets`` (GTC in DDP's default 25 MB buckets, one threshold pass each, instead of
+GTCStrategy's default single bucket), ``dpsgd`` (ring-neighbour
+parameter averaging, overlapping the forward and backward passes) and ``nocomm`` (DDP sending nothing: the compute-only step GTC should come close to).
 
 Models: ``recipe`` (5 x 512, 150 outputs: 1.48 M weights, the recipe's CPU model) and ``strom``
 (5 x 1536, 2700 outputs: 14.6 M weights, Strom 2015's DNN), or ``LxH:K``.
@@ -38,8 +39,10 @@ import time
 from pathlib import Path
 
 STRATEGIES = (
-    "ddp", "ddp_bf16", "gtc", "gtc_alltoall", "gtc_allgather", "gtc_rice", "gtc_stale", "dpsgd", "nocomm"
+    "ddp", "ddp_bf16", "gtc", "gtc_alltoall", "gtc_allgather", "gtc_rice", "gtc_stale", "gtc_ddpbuckets", "dpsgd",
+    "nocomm",
 )
+DDP_BUCKET_CAP_MB = 25  # gtc_ddpbuckets: DDP's own default bucket cap (GTCStrategy's is one bucket)
 MODELS = {"recipe": (5, 512, 150), "strom": (5, 1536, 2700)}
 INPUT_DIM = 17 * 40
 
@@ -121,6 +124,8 @@ def _make_strategy(name: str, tau: float, exchange: str):
         return DPSGDStrategy(average_at_end=False)
     if name in ("gtc_alltoall", "gtc_allgather"):
         return GTCStrategy(tau=tau, exchange=name.removeprefix("gtc_"))
+    if name == "gtc_ddpbuckets":
+        return GTCStrategy(tau=tau, exchange=exchange, bucket_cap_mb=DDP_BUCKET_CAP_MB)
     if name == "gtc_rice":
         return GTCStrategy(tau=tau, exchange=exchange, coding="rice")
     if name == "gtc":
@@ -188,6 +193,8 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
         keys = ("compress_s", "exchange_s", "decompress_s", "bytes_sent", "words")
         out["gtc"] = {key: total_stats.get(key, 0.0) / n for key in keys}
         out["gtc"]["modes"] = {k: total_stats.get(f"{k}_steps", 0) for k in ("sparse", "dense")}
+        state = getattr(trainer.strategy, "gtc_state", None)
+        out["gtc"]["buckets"] = len(getattr(state, "_keys", None) or []) or None  # DDP buckets per step
     if "sync_stats" in timed:
         n, total_stats = timed["sync_stats"]
         out["sync"] = {key: total_stats[key] / n for key in ("bytes_sent", "exchange_s")}

@@ -205,6 +205,16 @@ def test_bucket_rebuild_keeps_residuals_with_their_parameters(gtc_run, tmp_path)
             assert torch.equal(a["residual"], b["residual"])
 
 
+def test_one_bucket_by_default_and_the_users_cap_kept():
+    """GTCStrategy hands DDP a 1 GB bucket cap unless told otherwise (its hook's host work is per
+    bucket); a cap the user gives, or LightningCLI's explicit None for "default", is respected."""
+    from gtc_lightning.strategy import BUCKET_CAP_MB
+
+    assert GTCStrategy()._ddp_kwargs["bucket_cap_mb"] == BUCKET_CAP_MB == 1024
+    assert GTCStrategy(bucket_cap_mb=None)._ddp_kwargs["bucket_cap_mb"] == BUCKET_CAP_MB
+    assert GTCStrategy(bucket_cap_mb=25)._ddp_kwargs["bucket_cap_mb"] == 25
+
+
 class Branchy(TinyMLP):
     """TinyMLP plus two heads used only sometimes: ``odd`` on odd global steps (on every rank, so
     it is unused by all ranks on even steps; left out of a static graph, which DDP requires to be
