@@ -11,8 +11,9 @@ Strategies: ``ddp`` (fp32 all-reduce), ``ddp_bf16`` (bf16 all-reduce), ``gtc`` (
 ``--exchange`` says), ``gtc_alltoall`` / ``gtc_allgather`` (the two word exchanges, uneven messages
 or padded to the longest), ``gtc_stale`` (one-step-stale GTC: the word exchange overlaps the next
 step), ``gtc_ddpbuckets`` (GTC in DDP's default 25 MB buckets, one threshold pass each, instead of
-GTCStrategy's default single bucket), ``dpsgd`` (ring-neighbour
-parameter averaging, overlapping the forward and backward passes) and ``nocomm`` (DDP sending nothing: the compute-only step GTC should come close to).
+GTCStrategy's default single bucket), ``dpsgd`` (ring-neighbour parameter averaging, overlapping the
+forward and backward passes) and ``nocomm`` (DDP sending nothing: the compute-only step GTC should
+come close to).
 
 Models: ``recipe`` (5 x 512, 150 outputs: 1.48 M weights, the recipe's CPU model) and ``strom``
 (5 x 1536, 2700 outputs: 14.6 M weights, Strom 2015's DNN), or ``LxH:K``.
