@@ -5,6 +5,7 @@ benchmark command and the sm_90 compile check."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -371,10 +372,16 @@ def test_bench_rows_side_by_side_on_cpu():
     assert table.count("\n") == 5 and table.count("| yes |") == 2
 
 
-def test_bench_command_on_cpu(capsys):
-    bench.main(["--device", "cpu", "--sizes", "10K", "--repeats", "1", "--density", "1%"])
+def test_bench_command_on_cpu(capsys, tmp_path):
+    out_json = tmp_path / "bench.json"
+    bench.main(["--device", "cpu", "--sizes", "10K", "--repeats", "1", "--density", "1%", "--rice", "--json", str(out_json)])
     out = capsys.readouterr().out
     assert "torch reference only" in out and "| 10,000 | torch reference |" in out
+    assert "| 10,000 | torch | " in out  # the Rice row
+    saved = json.loads(out_json.read_text())
+    assert saved["device"] == "cpu" and [r["backend"] for r in saved["rows"]] == ["copy (roofline)", "torch reference"]
+    (rice,) = saved["rice"]
+    assert rice["round_trip"] is True and rice["words"] > 0 and 8 < rice["bits_per_word"] < 12
 
 
 def test_kernels_compile_for_sm90():
