@@ -101,14 +101,8 @@ def test_decompress_on_cuda_is_order_independent():
 # ---- the hook's step primitives ----------------------------------------------------------------
 
 
-def _threshold(ops, device, grad, residual, offset=0, alpha=1.0, clip=None, cursor0=3):
-    grad, residual = grad.to(device), residual.to(device)
-    out = torch.full_like(residual, 123.0)
-    message = torch.full((grad.numel() + cursor0 + 1,), -7, dtype=torch.int32, device=device)
-    cursor = torch.tensor([cursor0], dtype=torch.int64, device=device)
-    bad = torch.zeros(1, dtype=torch.int32, device=device)
-    ops.threshold_(grad, residual, out, test_step_ops.TAU, message, cursor, bad, offset=offset, alpha=alpha, clip=clip)
-    return out.cpu(), message[cursor0 : int(cursor)].cpu(), int(bad)
+def _threshold(ops, device, grad, residual, **kw):
+    return test_step_ops.run_threshold(ops, grad, residual, cursor0=3, device=device, **kw)[:3]
 
 
 @pytest.mark.parametrize("offset", [0, (1 << 31) - 70_001])

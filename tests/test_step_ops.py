@@ -20,14 +20,17 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def run_threshold(ops, grad, residual, tau=TAU, offset=0, alpha=1.0, clip=None, capacity=None, cursor0=0):
-    grad = grad.clone()
+def run_threshold(ops, grad, residual, tau=TAU, offset=0, alpha=1.0, clip=None, capacity=None, cursor0=0,
+                  device="cpu"):
+    """One ``threshold_`` of ``ops`` on ``device`` (``tests/test_cuda.py`` passes CUDA); returns
+    ``(new residual, words, non-finite count, whole message)``, on CPU."""
+    grad, residual = grad.to(device, copy=True), residual.to(device)
     out = torch.full_like(residual, 123.0)
-    message = torch.full((capacity or grad.numel() + cursor0 + 1,), -7, dtype=torch.int32)
-    cursor = torch.tensor([cursor0], dtype=torch.int64)
-    bad = torch.zeros(1, dtype=torch.int32)
+    message = torch.full((capacity or grad.numel() + cursor0 + 1,), -7, dtype=torch.int32, device=device)
+    cursor = torch.tensor([cursor0], dtype=torch.int64, device=device)
+    bad = torch.zeros(1, dtype=torch.int32, device=device)
     ops.threshold_(grad, residual, out, tau, message, cursor, bad, offset=offset, alpha=alpha, clip=clip)
-    return out, message[cursor0 : int(cursor)], int(bad), message
+    return out.cpu(), message[cursor0 : int(cursor)].cpu(), int(bad), message.cpu()
 
 
 CASES = {
