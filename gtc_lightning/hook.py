@@ -12,8 +12,9 @@ The algorithm, per optimizer step and per rank (Strom 2015, sections 2.3-2.6):
    in the backward (``find_unused_parameters``) are left out: DDP never applies an update to a
    parameter no rank used, so a word for one would be lost; their residual is carried over.
    Norm clipping needs every gradient first, so with it all buckets wait for the last one.
-3. Header exchange at the last bucket: every rank all-gathers ``[non-finite count, words]``, the
-   step's one host synchronisation.
+3. Header exchange at the last bucket: every rank sends ``[non-finite count, words, bytes]`` to
+   every rank (all-to-all on gloo: one message latency; all-gather on NCCL), the step's one host
+   synchronisation.
 4. Decide, identically on every rank from the headers: *skip* (a non-finite value on some rank:
    residuals unchanged, the strategy drops the update), *dense* (the sparse exchange would move
    more bytes than a dense fp32 all-reduce: every rank's ``residual + g`` is all-reduced and the
@@ -798,7 +799,7 @@ def _threshold_bucket(
 def _exchange(state: GTCState) -> None:
     """Steps 3-6 for all buckets of one step; completes every Future."""
     state.step += 1
-    group, world, rank = state.process_group, state.world_size, state.rank
+    world, rank = state.world_size, state.rank
     if state._deferred:
         # Norm clipping: one coefficient for the whole local gradient, unscaled (as
         # clip_grad_norm_), folded into the gradient's factor.
@@ -825,12 +826,7 @@ def _exchange(state: GTCState) -> None:
     else:
         size = state._cursor * _WORD_BYTES
     header = torch.cat([state._bad.to(torch.int64), state._cursor, size])
-    if world > 1:
-        headers = torch.empty(world * _HEADER, dtype=torch.int64, device=header.device)
-        all_gather_equal(headers, header, group=group)
-    else:
-        headers = header
-    headers = headers.view(world, _HEADER).tolist()
+    headers = _send_header(state, header).view(world, _HEADER).tolist()
     header_bytes = (world - 1) * _HEADER * 8
     bad_ranks = [r for r, (bad, _, _) in enumerate(headers) if bad]
     counts = [words for _, words, _ in headers]
@@ -902,6 +898,23 @@ def _exchange(state: GTCState) -> None:
     for bucket, future, _ in pending:
         future.set_result(bucket.buffer())
     record("sparse", sent, received, exchanged, clock.now())
+
+
+def _send_header(state: GTCState, header: torch.Tensor) -> torch.Tensor:
+    """Step 3's collective: every rank's ``[_HEADER]`` header to every rank, ``[world * _HEADER]``
+    in rank order. With the all-to-all exchange (gloo) the header goes by all-to-all too: each rank
+    sends its header to each peer at once, one message latency, where gloo's all-gather is a ring of
+    world - 1 latencies in a row (measured on loopback at 8 ranks: 3.9 against 11.7 ms).
+    """
+    world = state.world_size
+    if world == 1:
+        return header
+    headers = torch.empty(world * _HEADER, dtype=torch.int64, device=header.device)
+    if _exchange_kind(state) == "alltoall":
+        dist.all_to_all_single(headers, header.repeat(world), group=state.process_group)
+    else:
+        all_gather_equal(headers, header, group=state.process_group)
+    return headers
 
 
 def word_scale(state: GTCState, world: int, tau32: float | None = None) -> float:

@@ -29,8 +29,9 @@ Strategies (what each rank sends per optimizer step; n weights, m words per rank
 G ranks per group):
 
 - ``ddp``: ring all-reduce of 4n bytes; ``ddp_bf16``: of 2n bytes.
-- ``gtc`` (and ``gtc_alltoall``, ``gtc_stale``, ``gtc_rice``): a header all-gather of 24 bytes per
-  rank, then each rank's 4m bytes of words to every other rank. ``gtc_allgather``: the same words
+- ``gtc`` (and ``gtc_alltoall``, ``gtc_stale``, ``gtc_rice``): a header of 24 bytes from each rank
+  to every other rank, then each rank's 4m bytes of words to every other rank, both by all-to-all
+  (the hook's exchange on gloo). ``gtc_allgather``: header and words by all-gather, the words
   padded to the longest message (``max_words``).
 - ``ma``, ``bmuf``: every K steps a ring all-reduce of 4n bytes.
 - ``bmuf_gtc`` (two tiers): GTC within groups of G ranks every step; every K steps the groups'
@@ -190,7 +191,7 @@ def collectives(strategy: str, world: int, msg: Messages) -> list[Collective] | 
     n, w = msg.numel, world
     if world <= 1 or strategy in ("nocomm", "single"):
         return []
-    words = [Collective("allgather", HEADER_BYTES, w), Collective("alltoall", msg.word_bytes * msg.words, w)]
+    words = [Collective("alltoall", HEADER_BYTES, w), Collective("alltoall", msg.word_bytes * msg.words, w)]
     if strategy == "ddp":
         return [Collective("allreduce", 4 * n, w)]
     if strategy == "ddp_bf16":
@@ -209,7 +210,7 @@ def collectives(strategy: str, world: int, msg: Messages) -> list[Collective] | 
         g = min(msg.group_size, w)
         groups = max(w // g, 1)
         return [
-            Collective("allgather", HEADER_BYTES, g),
+            Collective("alltoall", HEADER_BYTES, g),
             Collective("alltoall", msg.word_bytes * msg.words, g),
             Collective("allreduce", 4 * n, groups, every=msg.period),
             Collective("broadcast", 4 * n, g, every=msg.period),

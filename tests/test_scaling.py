@@ -49,13 +49,16 @@ def test_gtc_pattern_sends_header_and_words_to_every_other_rank():
     colls = scaling.collectives("gtc", 4, Messages(numel=10**6, words=1000))
     # header: 3 * 24 bytes; words: 3 * 4 * 1000 bytes
     assert scaling.bytes_per_step(colls) == 3 * 24 + 3 * 4000
-    assert scaling.comm_seconds(colls, GBIT) == pytest.approx((72 + 12000) / 1.25e8 + 3e-4 + 1e-4)
+    # both by all-to-all (the hook on gloo): one latency each, however many ranks
+    assert scaling.comm_seconds(colls, GBIT) == pytest.approx((72 + 12000) / 1.25e8 + 1e-4 + 1e-4)
     # vs the fp32 ring all-reduce: 2 (W-1)/W * 4n / ((W-1) 4m) = (2/W) (n/m) = 500 at W = 4, n/m = 1000
     ring = scaling.bytes_per_step(scaling.collectives("ddp", 4, Messages(numel=10**6)))
     assert ring / (3 * 4 * 1000) == pytest.approx(500)
     # the padded all-gather sends the longest message
     padded = scaling.collectives("gtc_allgather", 4, Messages(numel=10**6, words=1000, max_words=1500))
     assert scaling.bytes_per_step(padded) == 3 * 24 + 3 * 4 * 1500
+    # ... and pays the ring's p - 1 latencies for the header and for the words
+    assert scaling.comm_seconds(padded, GBIT) == pytest.approx((72 + 18000) / 1.25e8 + 3e-4 + 3e-4)
 
 
 def test_periodic_averaging_costs_one_allreduce_per_period():

@@ -620,3 +620,46 @@ def test_finiteness_check_is_exact_when_the_sum_overflows():
     assert not _all_finite(torch.tensor([float("inf"), float("-inf")]))
     assert not _all_finite(torch.tensor([-float("inf"), 0.0]))
     assert _all_finite(torch.zeros(0))
+
+
+def _header_rank(rank: int, world: int, store_path: str, exchange: str, queue) -> None:
+    from gtc_lightning import hook
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        used = []
+
+        def recording(name, fn):
+            def call(*args, **kwargs):
+                used.append(name)
+                return fn(*args, **kwargs)
+
+            return call
+
+        hook.all_gather_equal = recording("allgather", hook.all_gather_equal)
+        hook.dist.all_to_all_single = recording("alltoall", hook.dist.all_to_all_single)
+        state = GTCState(dist.group.WORLD, TinyMLP().named_parameters(), tau=TAU, exchange=exchange)
+        header = torch.tensor([rank % 2, 100 + rank, 4 * (100 + rank)], dtype=torch.int64)
+        queue.put((rank, hook._send_header(state, header).tolist(), used))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("exchange", "collective"), [("auto", "alltoall"), ("alltoall", "alltoall"),
+                                                      ("allgather", "allgather")])  # fmt: skip
+def test_header_goes_to_every_rank_in_one_all_to_all_on_gloo(tmp_path, exchange, collective):
+    """Every rank gets every rank's header in rank order; on gloo by one all-to-all (one message
+    latency) unless the padded all-gather exchange was asked for."""
+    ctx = torch.multiprocessing.get_context("fork")
+    queue, world = ctx.Queue(), 3
+    procs = [ctx.Process(target=_header_rank, args=(r, world, str(tmp_path / "store"), exchange, queue))
+             for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=60) for _ in range(world))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    expected = [v for r in range(world) for v in (r % 2, 100 + r, 4 * (100 + r))]
+    for _, headers, used in results:
+        assert headers == expected and used == [collective]
