@@ -239,7 +239,7 @@ class GTCState:
         dense_fallback: fall back to a dense all-reduce on steps where the sparse exchange would
             move more bytes (see :data:`FALLBACK_ENTER`).
         exchange: ``"alltoall"`` (uneven messages), ``"allgather"`` (padded to the longest) or
-            ``"auto"`` (all-to-all on gloo, all-gather otherwise).
+            ``"auto"`` (all-to-all on gloo, all-gather otherwise); the header goes the same way.
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
         stale: one-step-stale mode (:mod:`gtc_lightning.stale`): each step's exchange runs while
             the next step computes, and its update is applied one step late.

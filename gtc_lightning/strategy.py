@@ -84,7 +84,8 @@ class GTCStrategy(DDPStrategy):
             once it would send less than half. Counted as ``dense_steps``, warned about once.
         exchange: ``"alltoall"`` (each rank's words as they are), ``"allgather"`` (padded to the
             longest message) or ``"auto"`` (all-to-all on gloo, where it was measured faster;
-            all-gather on NCCL).
+            all-gather on NCCL). The step's header (word counts) goes the same way: by all-to-all
+            one message latency, by gloo's ring all-gather world size - 1 in a row.
         backend: the compression kernels: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"``,
             or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests).
         target_density: automatic tau: after every step tau moves so that the words each rank
