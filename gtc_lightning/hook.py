@@ -904,7 +904,8 @@ def _send_header(state: GTCState, header: torch.Tensor) -> torch.Tensor:
     """Step 3's collective: every rank's ``[_HEADER]`` header to every rank, ``[world * _HEADER]``
     in rank order. With the all-to-all exchange (gloo) the header goes by all-to-all too: each rank
     sends its header to each peer at once, one message latency, where gloo's all-gather is a ring of
-    world - 1 latencies in a row (measured on loopback at 8 ranks: 3.9 against 11.7 ms).
+    world - 1 latencies in a row (``gtc_lightning.bench_exchange`` on 4 emulated nodes at 1 Gbit/s:
+    header and 13,000 words a step in 3.1 against 5.5 ms).
     """
     world = state.world_size
     if world == 1:
