@@ -92,16 +92,16 @@ def main(argv: list[str] | None = None) -> dict | None:
     finally:
         dist.destroy_process_group()
     ratios = [b / a for a, b in zip(times["allgather"], times["alltoall"])]
+    q1, mid, q3 = quartiles(ratios)
     result = {
         "world_size": world,
         "words": args.words,
         "repeats": args.repeats,
         "median_s": {way: statistics.median(t) for way, t in times.items()},
-        "ratio_alltoall_to_allgather": dict(zip(("q1", "median", "q3"), quartiles(ratios))),
+        "ratio_alltoall_to_allgather": {"q1": q1, "median": mid, "q3": q3},
         "times_s": times,
     }
     med = result["median_s"]
-    q1, mid, q3 = quartiles(ratios)
     print(
         f"{world} ranks, {args.words} words each, {args.repeats} steps per way: header by all-gather "
         f"{med['allgather'] * 1e3:.2f} ms, by all-to-all {med['alltoall'] * 1e3:.2f} ms a step (median); "
