@@ -43,7 +43,7 @@ import torch
 from gtc_lightning.averaging import flatten, unflatten_
 from gtc_lightning.bmuf import block_update_, check_block_args, default_block_momentum, group_ranks
 from gtc_lightning.hook import _HEADER, _WORD_BYTES, FALLBACK_ENTER, FALLBACK_EXIT, _f32, allreduce_bytes
-from gtc_lightning.ops import compress, decompress, step_ops
+from gtc_lightning.ops import step_ops
 
 SCHEMES = ("gtc", "ma", "bmuf", "bmuf_gtc")
 
@@ -66,6 +66,8 @@ class VirtualWorkers:
         nesterov: Nesterov block momentum.
         group_size: workers per GTC group (``bmuf_gtc``).
         dense_fallback: GTC's fallback to a dense all-reduce, as ``GTCStrategy(dense_fallback=...)``.
+        backend: the step primitives, as ``GTCStrategy(backend=...)``: ``"auto"`` (Triton on CUDA,
+            torch elsewhere), ``"torch"`` or ``"triton"``.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class VirtualWorkers:
         nesterov: bool = True,
         group_size: int = 2,
         dense_fallback: bool = True,
+        backend: str = "auto",
     ) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"Expect scheme in {SCHEMES}, got {scheme!r}")
@@ -108,9 +111,22 @@ class VirtualWorkers:
         self.optimizers = [optimizer_fn(params) for params in self.params]
         self.numel = sum(p.numel() for p in self.params[0])
         device = self.params[0][0].device
-        self.ops = step_ops(device)
+        self.ops = step_ops(device, backend)
         self.compressed = scheme in ("gtc", "bmuf_gtc")
-        self.residuals = torch.zeros(workers, self.numel, device=device) if self.compressed else None
+        self.residuals: list[torch.Tensor] | None = None
+        if self.compressed:
+            # The hook's buffers: ``threshold_`` writes residual + gradient into a spare, which then
+            # becomes the worker's residual; words land in one kept message, votes in kept counts.
+            if any(p.dtype != torch.float32 for p in self.params[0]):
+                raise ValueError("Expect float32 parameters for gtc / bmuf_gtc (the residuals are float32 and "
+                                 f"hold the gradients), got {sorted({str(p.dtype) for p in self.params[0]})}")
+            self.residuals = [torch.zeros(self.numel, device=device) for _ in range(workers)]
+            self._zeros = None if hasattr(self.ops, "emit_") else torch.zeros(self.numel, device=device)
+            self._spare = None if self._zeros is None else torch.empty(self.numel, device=device)
+            self._message = torch.empty(self.numel, dtype=torch.int32, device=device)
+            self._cursor = torch.zeros(1, dtype=torch.int64, device=device)
+            self._bad = torch.zeros(1, dtype=torch.int32, device=device)
+            self._counts = torch.zeros(self.numel, dtype=self.ops.COUNTS_DTYPE, device=device)
         self.dense_mode = [False] * len(self.groups)
         self.block = scheme in ("bmuf", "bmuf_gtc")
         learners = len(self.groups)
@@ -128,17 +144,26 @@ class VirtualWorkers:
         """The model worker 0 holds: what Lightning validates and checkpoints on rank 0."""
         return self.models[0]
 
-    def _gradient(self, g: int, batch: Any, flat: bool = True) -> tuple[torch.Tensor | None, float]:
-        """Model ``g``'s gradient on ``batch`` in its parameters' ``.grad`` (and flat, float32, when ``flat``)."""
+    def _gradient(self, g: int, batch: Any, into: torch.Tensor | None = None) -> float:
+        """Model ``g``'s gradient on ``batch`` in its parameters' ``.grad``; with ``into`` (a flat
+        float32 buffer) the ``.grad`` are views of it, so that autograd adds the gradient into it in
+        place (``into += gradient``, elementwise as ``torch.add``). Returns the loss."""
         model, params = self.models[g], self.params[g]
-        for p in params:
-            p.grad = None
+        if into is None:
+            for p in params:
+                p.grad = None
+        else:
+            self._as_grads(g, into)
         loss = self.loss_fn(model, batch)
         loss.backward()
-        if not flat:
-            return None, float(loss.detach())
-        grad = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
-        return grad.float(), float(loss.detach())
+        return float(loss.detach())
+
+    def _as_grads(self, g: int, flat: torch.Tensor) -> None:
+        """Make model ``g``'s ``.grad`` views of ``flat`` (no copy)."""
+        start = 0
+        for p in self.params[g]:
+            p.grad = flat[start : start + p.numel()].view_as(p)
+            start += p.numel()
 
     def step(self, batches: Sequence[Any]) -> float:
         """One optimizer step of every worker on its batch (``batches[w]`` for worker ``w``).
@@ -153,19 +178,34 @@ class VirtualWorkers:
             if self.compressed:
                 words = []
                 for w in members:
-                    grad, loss = self._gradient(g, batches[w])
-                    words.append(compress(grad, self.residuals[w], self.tau))
-                    losses.append(loss)
-                update = self._exchange(g, members, words)
-                unflatten_(update, [p.grad for p in self.params[g]])
+                    losses.append(self._gradient(g, batches[w], into=self.residuals[w]))
+                    words.append(self._compress(w))
+                self._as_grads(g, self._exchange(g, members, words))
             else:
-                _, loss = self._gradient(g, batches[members[0]], flat=False)
+                loss = self._gradient(g, batches[members[0]])
                 losses.append(loss)
             self.optimizers[g].step()
         self.step_count += 1
         if self.scheme != "gtc" and self.step_count % self.period == 0:
             self._sync()
         return sum(losses) / len(losses)
+
+    def _compress(self, w: int) -> torch.Tensor:
+        """Worker ``w``'s words: ``±tau`` off its residual (which holds residual + gradient) beyond
+        the threshold, as ``gtc_lightning.ops.compress``, by the hook's primitives over kept buffers."""
+        self._cursor.zero_()
+        if self._zeros is None:  # torch: in place, on the sum autograd made
+            self.ops.emit_(self.residuals[w], self.tau32, self._message, self._cursor, self._bad)
+        else:  # Triton: its fused kernel adds a kept zero vector (0 + x is x) into the spare
+            self.ops.threshold_(self.residuals[w], self._zeros, self._spare, self.tau32, self._message,
+                                self._cursor, self._bad)  # fmt: skip
+            self.residuals[w], self._spare = self._spare, self.residuals[w]
+        bad = int(self._bad)
+        if bad:
+            self._bad.zero_()
+            raise ValueError(f"worker {w}'s gradient has {bad} non-finite element(s) (NaN/Inf) at step "
+                             f"{self.step_count}: lower the learning rate or check the batch")
+        return self._message[: int(self._cursor)].clone()
 
     def _exchange(self, g: int, members: list[int], words: list[torch.Tensor]) -> torch.Tensor:
         """GTC within one group, as the hook decides and decodes (steps 3-6 of ``gtc_lightning.hook``)."""
@@ -190,7 +230,10 @@ class VirtualWorkers:
         if first:
             self.totals["words"] += len(words[0])
             self.totals["gtc_bytes_sent"] += header + peers * _WORD_BYTES * len(words[0])
-        return decompress(torch.cat(words), self.numel, self.tau, divisor=size)
+        update = torch.empty(self.numel, device=self._counts.device)
+        # One vote is worth tau / size in float32, as the hook's (and ``decompress``'s) scale.
+        self.ops.decode_(torch.cat(words), None, self._counts, [(0, update)], _f32(self.tau32 / size))
+        return update
 
     def _sync(self) -> None:
         """The averaging (``ma``) or block update (``bmuf``, ``bmuf_gtc``) over one model per learner."""

@@ -89,6 +89,72 @@ def test_bmuf_gtc_on_four_workers_equals_the_strategy(tmp_path):
     assert sim.totals["syncs"] == syncs[0][-1]["total"]["syncs"]
 
 
+def reference_gtc(workers: int, tau: float, steps: int = 6, group_size: int | None = None) -> list[torch.Tensor]:
+    """GTC written out with the public ``compress`` / ``decompress`` (no dense fallback): one model
+    per group, every worker's flat gradient added to its own residual; the group's parameters after
+    each step."""
+    from gtc_lightning.ops import compress, decompress
+
+    size = group_size or workers
+    models = [TinyMLP(momentum=0.0, samples=128) for _ in range(workers // size)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
+    numel = sum(p.numel() for p in models[0].parameters())
+    residuals = torch.zeros(workers, numel)
+    x, y = dataset(128).tensors
+    out = []
+    for t in range(steps):
+        for g, (model, opt) in enumerate(zip(models, optimizers)):
+            words = []
+            for w in range(g * size, (g + 1) * size):
+                model.zero_grad(set_to_none=True)
+                rows = slice((t * workers + w) * 2 % 128, (t * workers + w) * 2 % 128 + 2)
+                model.loss((x[rows], y[rows])).backward()
+                grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+                words.append(compress(grad, residuals[w], tau))
+            update = decompress(torch.cat(words), numel, tau, divisor=size)
+            start = 0
+            for p in model.parameters():
+                p.grad = update[start : start + p.numel()].view_as(p).clone()
+                start += p.numel()
+            opt.step()
+        out.append([torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone() for m in models])
+    return out, residuals
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gtc_at_many_workers_equals_compress_and_decompress_bit_for_bit(backend):
+    """The simulator adds each worker's gradient into its residual by autograd and thresholds it with
+    the hook's primitives (Triton's through a kept zero vector): the same bits as the public ops."""
+    x, y = dataset(128).tensors
+    for scheme, workers, group in (("gtc", 5, None), ("bmuf_gtc", 6, 3)):
+        expected, residuals = reference_gtc(workers, tau=0.01, group_size=group)
+        sim = VirtualWorkers(TinyMLP(momentum=0.0, samples=128), lambda ps: torch.optim.SGD(ps, lr=LR),
+                             lambda m, b: m.loss(b), scheme, workers, tau=0.01, period=1000, group_size=group or 2,
+                             dense_fallback=False, backend=backend)  # fmt: skip
+        for t, params in enumerate(expected):
+            batches = []
+            for w in range(workers):
+                start = (t * workers + w) * 2 % 128
+                batches.append((x[start : start + 2], y[start : start + 2]))
+            sim.step(batches)
+            for model, want in zip(sim.models, params):
+                assert torch.equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), want), (scheme, t)
+        assert sim.totals["words"] > 0
+        for w in range(workers):
+            assert torch.equal(sim.residuals[w], residuals[w]), (scheme, w)
+
+
+def test_a_non_finite_gradient_names_the_worker_and_step():
+    sim = VirtualWorkers(TinyMLP(momentum=0.0), lambda ps: torch.optim.SGD(ps, lr=LR),
+                         lambda m, b: m.loss(b[:2]) * b[2], "gtc", 3)  # fmt: skip
+    x, y = dataset(SAMPLES).tensors
+    sim.step([(x[:2], y[:2], 1.0)] * 3)
+    with pytest.raises(ValueError, match=r"worker 1's gradient has \d+ non-finite element\(s\) .* at step 1"):
+        sim.step([(x[:2], y[:2], 1.0), (x[:2], y[:2], float("nan")), (x[:2], y[:2], 1.0)])
+
+
 def test_bad_settings_say_what_is_wrong():
     module = TinyMLP(momentum=0.0)
     make = lambda **kw: VirtualWorkers(module, lambda ps: torch.optim.SGD(ps, lr=LR), lambda m, b: m.loss(b), **kw)
@@ -100,6 +166,9 @@ def test_bad_settings_say_what_is_wrong():
         make(scheme="bmuf_gtc", workers=6, group_size=4)
     with pytest.raises(ValueError, match="period"):
         make(scheme="bmuf", workers=2, period=0)
+    with pytest.raises(ValueError, match="float32 parameters"):
+        VirtualWorkers(TinyMLP(momentum=0.0).double(), lambda ps: torch.optim.SGD(ps, lr=LR), lambda m, b: m.loss(b),
+                       "gtc", 2)  # fmt: skip
     sim = make(scheme="ma", workers=2)
     with pytest.raises(ValueError, match="one batch per worker"):
         sim.step([None])

@@ -93,6 +93,18 @@ def threshold_(
         torch.add(residual, grad, out=out)
     else:
         torch.add(residual, grad, alpha=alpha, out=out)
+    emit_(out, tau32, message, cursor, bad, offset)
+
+
+def emit_(
+    out: torch.Tensor, tau32: float, message: torch.Tensor, cursor: torch.Tensor, bad: torch.Tensor, offset: int = 0
+) -> None:
+    """The second half of :func:`threshold_` on a residual that already holds residual + gradient:
+    emit the words of ``|out| > tau`` and subtract ``±tau`` there, in place (arguments as there).
+
+    The simulator (``gtc_lightning.simulate``) lets autograd add each worker's gradient into its
+    residual, so that no gradient is flattened or added a second time.
+    """
     n = out.numel()
     full = n // CHUNK * CHUNK
     found = []
