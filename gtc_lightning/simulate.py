@@ -28,8 +28,12 @@ coding (lossless: it changes bytes, not updates) and time: this measures what th
 scaling model (:mod:`gtc_lightning.scaling`) what they cost.
 
 The work per step grows with the workers: one forward/backward per worker and, for GTC, one pass over
-a residual per worker (``workers x weights`` floats). On a 2-core CPU, for the recipe's 1.55 M
-weights, about 7 ms per GTC worker and step and 10 ms per BMUF worker (measured at 8 and 16 workers).
+a residual per worker (``workers x weights`` floats). Autograd adds each worker's gradient straight
+into its residual (its ``.grad`` are views of it), and the hook's own primitives (``threshold_``'s scan,
+``decode_`` into kept counts) do the rest, so no gradient is flattened or added twice. On a 2-core CPU,
+one thread, for the recipe's 1.55 M weights at 128 workers of 4 frames: 5.8 ms per GTC worker and step
+(7.8 ms with ``compress`` / ``decompress`` on flattened gradients, before), 8.9 ms per ``bmuf_gtc``
+worker in groups of 8 (each group also decodes and steps its own model).
 """
 
 from __future__ import annotations

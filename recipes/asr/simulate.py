@@ -15,8 +15,9 @@ number of workers change, as in the README's strategy comparison.
 
 Speed is not simulated (the workers run one after the other): the scaling model gives it.
 The work grows with the workers (one pass over a 1.5 M-float residual per GTC worker and step): on
-this 2-core CPU about 7 ms per GTC worker and step (10 ms per BMUF worker), so an epoch of 1,648
-steps takes about 3 minutes at 16 workers and 25 at 128. On CUDA the GTC ops run as Triton kernels.
+this 2-core CPU, one thread, about 6 ms per GTC worker and step (9 ms per ``bmuf_gtc`` worker in
+groups of 8, 10 ms per BMUF worker), so an epoch of 1,648 steps takes about 3 minutes at 16 workers
+and 20 at 128. On CUDA the GTC ops run as Triton kernels.
 
 Usage:
   python recipes/asr/simulate.py --scheme gtc --workers 32 --exp-dir exp/sim --seed 0
