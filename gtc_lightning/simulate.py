@@ -23,8 +23,9 @@ decoded update is a count of votes, exact in any order, so without dense-fallbac
 bit-exact at any number of workers (on the recipe, 4 workers for an epoch: the dev frame accuracy,
 words and bytes of a 4-rank ``train.py`` run, to the last digit). Elsewhere, with more than 2
 learners, sums are taken in rank order where gloo's ring may add in another: the last bits may differ.
-Not simulated: dense warmup steps, gradient clipping, automatic tau, the stale exchange, Golomb-Rice
-coding (lossless: it changes bytes, not updates) and time: this measures what the schemes learn, the
+Automatic tau (``target_density``) runs one controller per GTC group on the words its workers sent,
+as every rank of the group does. Not simulated: dense warmup steps, gradient clipping, the stale
+exchange, Golomb-Rice coding (lossless: it changes bytes, not updates) and time: this measures what the schemes learn, the
 scaling model (:mod:`gtc_lightning.scaling`) what they cost.
 
 The work per step grows with the workers: one forward/backward per worker and, for GTC, one pass over
@@ -44,6 +45,7 @@ from typing import Any
 
 import torch
 
+from gtc_lightning.auto_tau import TauController
 from gtc_lightning.averaging import flatten, unflatten_
 from gtc_lightning.bmuf import block_update_, check_block_args, default_block_momentum, group_ranks
 from gtc_lightning.hook import _HEADER, _WORD_BYTES, FALLBACK_ENTER, FALLBACK_EXIT, _f32, allreduce_bytes
@@ -63,13 +65,16 @@ class VirtualWorkers:
             ``training_step`` returns it).
         scheme: one of :data:`SCHEMES`.
         workers: number of workers, >= 2.
-        tau: GTC's threshold (``gtc``, ``bmuf_gtc``).
+        tau: GTC's threshold (``gtc``, ``bmuf_gtc``); with ``target_density``, its starting value.
         period: K, optimizer steps between syncs (``ma``, ``bmuf``, ``bmuf_gtc``).
         block_momentum: η; ``None``: 1 - 1/N for N learners (workers, or groups for ``bmuf_gtc``).
         block_lr: ζ.
         nesterov: Nesterov block momentum.
         group_size: workers per GTC group (``bmuf_gtc``).
         dense_fallback: GTC's fallback to a dense all-reduce, as ``GTCStrategy(dense_fallback=...)``.
+        target_density: automatic tau, as ``GTCStrategy(target_density=...)``: after every step each GTC
+            group's :class:`~gtc_lightning.auto_tau.TauController` moves the group's tau from the
+            words its workers sent (per worker and element). None keeps tau fixed.
         backend: the step primitives, as ``GTCStrategy(backend=...)``: ``"auto"`` (Triton on CUDA,
             torch elsewhere), ``"torch"`` or ``"triton"``.
     """
@@ -90,6 +95,7 @@ class VirtualWorkers:
         group_size: int = 2,
         dense_fallback: bool = True,
         backend: str = "auto",
+        target_density: float | None = None,
     ) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"Expect scheme in {SCHEMES}, got {scheme!r}")
@@ -100,8 +106,9 @@ class VirtualWorkers:
         if not tau > 0:
             raise ValueError(f"Expect tau > 0, got {tau!r}")
         check_block_args(block_momentum, block_lr)
+        if target_density is not None and scheme not in ("gtc", "bmuf_gtc"):
+            raise ValueError(f"target_density (automatic tau) applies to gtc and bmuf_gtc, not {scheme!r}")
         self.scheme, self.workers, self.tau, self.period = scheme, workers, float(tau), period
-        self.tau32 = _f32(self.tau)  # the threshold as the float32 arithmetic sees it
         self.loss_fn, self.dense_fallback = loss_fn, bool(dense_fallback)
         # Which model each worker trains and which workers exchange GTC words together.
         if scheme == "gtc":
@@ -110,6 +117,11 @@ class VirtualWorkers:
             self.groups = group_ranks(workers, group_size)
         else:
             self.groups = [[w] for w in range(workers)]
+        # Each GTC group's threshold (float32, as the arithmetic sees it) and its controller.
+        self.target_density = None if target_density is None else float(target_density)
+        self.controllers = [TauController(self.target_density, self.tau) for _ in self.groups] \
+            if self.target_density is not None and scheme in ("gtc", "bmuf_gtc") else None
+        self.taus = [self.tau] * len(self.groups)
         self.models = [module] + [copy.deepcopy(module) for _ in self.groups[1:]]
         self.params = [[p for p in m.parameters() if p.requires_grad] for m in self.models]
         self.optimizers = [optimizer_fn(params) for params in self.params]
@@ -183,7 +195,7 @@ class VirtualWorkers:
                 words = []
                 for w in members:
                     losses.append(self._gradient(g, batches[w], into=self.residuals[w]))
-                    words.append(self._compress(w))
+                    words.append(self._compress(w, _f32(self.taus[g])))
                 self._as_grads(g, self._exchange(g, members, words))
             else:
                 loss = self._gradient(g, batches[members[0]])
@@ -194,14 +206,14 @@ class VirtualWorkers:
             self._sync()
         return sum(losses) / len(losses)
 
-    def _compress(self, w: int) -> torch.Tensor:
+    def _compress(self, w: int, tau32: float) -> torch.Tensor:
         """Worker ``w``'s words: ``±tau`` off its residual (which holds residual + gradient) beyond
         the threshold, as ``gtc_lightning.ops.compress``, by the hook's primitives over kept buffers."""
         self._cursor.zero_()
         if self._zeros is None:  # torch: in place, on the sum autograd made
-            self.ops.emit_(self.residuals[w], self.tau32, self._message, self._cursor, self._bad)
+            self.ops.emit_(self.residuals[w], tau32, self._message, self._cursor, self._bad)
         else:  # Triton: its fused kernel adds a kept zero vector (0 + x is x) into the spare
-            self.ops.threshold_(self.residuals[w], self._zeros, self._spare, self.tau32, self._message,
+            self.ops.threshold_(self.residuals[w], self._zeros, self._spare, tau32, self._message,
                                 self._cursor, self._bad)  # fmt: skip
             self.residuals[w], self._spare = self._spare, self.residuals[w]
         bad = int(self._bad)
@@ -215,6 +227,10 @@ class VirtualWorkers:
         """GTC within one group, as the hook decides and decodes (steps 3-6 of ``gtc_lightning.hook``)."""
         size = len(members)
         peers = size - 1
+        tau32 = _f32(self.taus[g])
+        if self.controllers is not None:  # the next step's tau, from this step's words (also when dense)
+            density = sum(len(m) for m in words) / (size * self.numel)
+            self.taus[g] = self.controllers[g].update(density)
         fp32_bytes = allreduce_bytes(self.numel, size)
         header = peers * _HEADER * 8
         if self.dense_fallback and size > 1:
@@ -224,7 +240,7 @@ class VirtualWorkers:
         if self.dense_mode[g]:
             total = None
             for w, message in zip(members, words):
-                self.ops.apply_words_(self.residuals[w], message, -self.tau32)
+                self.ops.apply_words_(self.residuals[w], message, -tau32)
                 total = self.residuals[w].clone() if total is None else total.add_(self.residuals[w])
                 self.residuals[w].zero_()
             if first:
@@ -236,7 +252,7 @@ class VirtualWorkers:
             self.totals["gtc_bytes_sent"] += header + peers * _WORD_BYTES * len(words[0])
         update = torch.empty(self.numel, device=self._counts.device)
         # One vote is worth tau / size in float32, as the hook's (and ``decompress``'s) scale.
-        self.ops.decode_(torch.cat(words), None, self._counts, [(0, update)], _f32(self.tau32 / size))
+        self.ops.decode_(torch.cat(words), None, self._counts, [(0, update)], _f32(tau32 / size))
         return update
 
     def _sync(self) -> None:

@@ -71,6 +71,26 @@ def test_gtc_on_four_workers_without_dense_steps_equals_the_strategy_bit_for_bit
     check(ranks[0]["records"], params, exact=True)
 
 
+def test_gtc_with_automatic_tau_equals_the_strategy_bit_for_bit(tmp_path):
+    """One controller on the words both workers sent, as on every rank: the same taus and parameters."""
+    _, ranks = fit(tmp_path, GTCStrategy, tau=0.01, target_density=0.05, model_kwargs={"momentum": 0.0})
+    params, sim = simulate("gtc", 2, tau=0.01, target_density=0.05)
+    check(ranks[0]["records"], params, exact=True)
+    real = ranks[0]["records"][-1]["stats"]
+    assert real["last"]["tau"] != 0.01 and sim.taus[0] != 0.01  # tau moved (the same words say how far)
+    assert sim.stats()["gtc"]["total"]["words"] == real["total"]["words"]
+
+
+def test_bmuf_gtc_with_automatic_tau_moves_each_group_tau_on_its_own_words():
+    params, sim = simulate("bmuf_gtc", 4, epochs=4, samples=128, period=3, tau=0.05, group_size=2,
+                           target_density=0.3)  # fmt: skip
+    fixed, _ = simulate("bmuf_gtc", 4, epochs=4, samples=128, period=3, tau=0.05, group_size=2)
+    assert len(sim.taus) == 2 and all(t != 0.05 for t in sim.taus) and sim.taus[0] != sim.taus[1]
+    assert not torch.equal(params[-1], fixed[-1])
+    for controller in sim.controllers:  # each group's smoothed density ends near the target
+        assert 0.9 < controller.ema / 0.3 < 1.1
+
+
 @pytest.mark.parametrize("scheme,strategy", [("ma", ModelAveragingStrategy), ("bmuf", BMUFStrategy)])
 def test_local_step_schemes_on_two_workers_equal_the_strategies_bit_for_bit(tmp_path, scheme, strategy):
     _, ranks, syncs = fit_recorded(tmp_path, strategy, period=3, model_kwargs={"momentum": 0.0})
@@ -166,6 +186,10 @@ def test_bad_settings_say_what_is_wrong():
         make(scheme="bmuf_gtc", workers=6, group_size=4)
     with pytest.raises(ValueError, match="period"):
         make(scheme="bmuf", workers=2, period=0)
+    with pytest.raises(ValueError, match="target_density .* not 'bmuf'"):
+        make(scheme="bmuf", workers=2, target_density=1e-3)
+    with pytest.raises(ValueError, match="target_density in"):
+        make(scheme="gtc", workers=2, target_density=2.0)
     with pytest.raises(ValueError, match="float32 parameters"):
         VirtualWorkers(TinyMLP(momentum=0.0).double(), lambda ps: torch.optim.SGD(ps, lr=LR), lambda m, b: m.loss(b),
                        "gtc", 2)  # fmt: skip

@@ -237,7 +237,7 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
     assert other["utterances"] > 0 and other["words"] > 0
 
 
-@pytest.mark.parametrize("scheme", ["gtc", "bmuf"])
+@pytest.mark.parametrize("scheme", ["gtc", "gtc_auto", "bmuf"])
 def test_simulated_workers_match_a_two_rank_run(aligned, tmp_path, scheme):
     """recipes/asr/simulate.py with 2 workers against train.py on 2 forked ranks, same settings: the same
     final model (rank 0's), bit for bit, and for GTC (one model on every rank) the same dev frame
@@ -246,18 +246,26 @@ def test_simulated_workers_match_a_two_rank_run(aligned, tmp_path, scheme):
     import simulate
 
     strategy = {"gtc": ["--trainer.strategy", "gtc_fork"],
+                "gtc_auto": ["--trainer.strategy", "gtc_lightning.GTCStrategy", "--trainer.strategy.target_density",
+                             "0.02", "--trainer.strategy.start_method", "fork"],
                 "bmuf": ["--trainer.strategy", "gtc_lightning.BMUFStrategy", "--trainer.strategy.period", "3",
                          "--trainer.strategy.start_method", "fork"]}[scheme]
     summary = _run(["--config", str(ROOT / "conf" / "tiny.yaml"), *strategy, "--trainer.devices", "2",
                     "--data.data_dir", str(aligned), "--exp_dir", str(tmp_path / "real"), "--num_threads", "1",
                     "--trainer.limit_train_batches", "null", "--trainer.limit_val_batches", "null",
                     "--data.batch_size", "8", "--model.schedule", "halve"])
-    sim = simulate.main(["--scheme", scheme, "--workers", "2", "--data-dir", str(aligned), "--global-batch", "16",
+    auto = ["--target-density", "0.02"] if scheme == "gtc_auto" else []
+    sim = simulate.main(["--scheme", scheme.removesuffix("_auto"), *auto, "--workers", "2", "--data-dir", str(aligned), "--global-batch", "16",
                          "--epochs", "2", "--hidden-dim", "32", "--num-layers", "2", "--lr", "0.5",
                          "--period", "3", "--exp-dir", str(tmp_path / "sim")])
     assert sim["global_steps"] == summary["global_steps"] > 6
-    if scheme == "gtc":
+    if scheme != "bmuf":
         assert sim["dev_frame_acc"] == summary["dev_frame_acc"]
+    if scheme == "gtc_auto":  # the same last tau, and the report knows it was automatic
+        from local.dnn.compare import run_row
+
+        assert sim["tau"] == summary["tau"] != 0.01
+        assert run_row(tmp_path / "sim" / "gtc_w2")["target_density"] == 0.02
     real = torch.load(summary["checkpoint"], weights_only=False)["state_dict"]
     mine = torch.load(sim["checkpoint"], weights_only=False)["state_dict"]
     assert real.keys() == mine.keys()
@@ -272,6 +280,7 @@ def test_simulated_workers_match_a_two_rank_run(aligned, tmp_path, scheme):
     (["--workers", "1"], "simulate 2 or more"),
     (["--workers", "3"], "does not split into 3 equal batches"),
     (["--workers", "2", "--epochs", "0"], "train at least one"),
+    (["--workers", "2", "--scheme", "bmuf", "--target-density", "1e-3"], "--scheme bmuf has no tau"),
 ])
 def test_simulate_names_bad_settings(argv, message, capsys):
     import simulate

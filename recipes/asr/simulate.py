@@ -82,7 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden-dim", type=int, default=512)
     p.add_argument("--num-layers", type=int, default=5)
     p.add_argument("--hold-epochs", type=int, default=0)
-    p.add_argument("--tau", type=float, default=0.01, help="gtc, bmuf_gtc: the threshold")
+    p.add_argument("--tau", type=float, default=0.01, help="gtc, bmuf_gtc: the threshold (with --target-density: "
+                   "its starting value)")
+    p.add_argument("--target-density", type=float, default=None,
+                   help="gtc, bmuf_gtc: automatic tau, as GTCStrategy(target_density=...): words per worker and "
+                   "weight to aim for, e.g. 1e-3 (default: tau fixed)")
     p.add_argument("--period", type=int, default=50, help="ma, bmuf, bmuf_gtc: K, steps between syncs")
     p.add_argument("--group-size", type=int, default=2, help="bmuf_gtc: workers per GTC group")
     p.add_argument("--block-momentum", type=float, default=None, help="bmuf, bmuf_gtc: η (default 1 - 1/N)")
@@ -100,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"use a multiple of {a.workers}")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
+    if a.target_density is not None and a.scheme not in ("gtc", "bmuf_gtc"):
+        p.error(f"--target-density is automatic tau for gtc and bmuf_gtc; --scheme {a.scheme} has no tau")
     if a.epochs < 1:
         p.error(f"--epochs {a.epochs}: train at least one")
     return a
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         model, lambda params: torch.optim.SGD(params, lr=a.lr, momentum=model.hparams.momentum),
         lambda m, b: torch.nn.functional.cross_entropy(m(b["x"].to(device)), b["y"].to(device)),
         a.scheme, a.workers, tau=a.tau, period=a.period, block_momentum=a.block_momentum,
-        block_lr=a.block_lr, nesterov=not a.no_nesterov, group_size=a.group_size,
+        block_lr=a.block_lr, nesterov=not a.no_nesterov, group_size=a.group_size, target_density=a.target_density,
     )  # fmt: skip
     log.info("%s on %d simulated workers (%d frames each per step) on %s: %d weights, %d training frames",
              a.scheme, a.workers, batch, device, sim.numel, len(dm.splits["train"][0]))
@@ -142,8 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
         lr = sim.optimizers[0].param_groups[0]["lr"]
         if model.halve_after_epoch(epoch):
             sim.scale_lr(0.5)
-        log.info("epoch %d: %d steps, train loss %.3f, dev frame accuracy %.4f (worker 0), lr %g, %.0f s, %s",
-                 epoch, len(losses), float(np.mean(losses)), acc, lr, time.perf_counter() - t0, sim.totals)
+        log.info("epoch %d: %d steps, train loss %.3f, dev frame accuracy %.4f (worker 0), lr %g, %.0f s, %s%s",
+                 epoch, len(losses), float(np.mean(losses)), acc, lr, time.perf_counter() - t0, sim.totals,
+                 f", tau {sim.taus[0]:.4g}" if sim.compressed else "")  # fmt: skip
     seconds = time.perf_counter() - start
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     ckpt = run_dir / "checkpoints" / "last.ckpt"
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         "strategy_class": "VirtualWorkers",
         "world_size": a.workers,
         "accelerator": device.type,
-        "tau": a.tau if sim.compressed else None,
+        "tau": sim.taus[0] if sim.compressed else None,  # the last one where it moved (--target-density)
         "gtc": stats["gtc"],
         "sync": stats["sync"],
         "epochs": a.epochs,
@@ -177,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": dict(model.hparams),
         "data": dict(dm.hparams),
         "simulated": {"scheme": a.scheme, "workers": a.workers, "batch_per_worker": batch, "tau": a.tau,
+                      "target_density": a.target_density, "final_taus": sim.taus if sim.compressed else None,
                       "period": a.period, "group_size": a.group_size, "block_momentum": sim.block_momentum,
                       "block_lr": a.block_lr, "nesterov": not a.no_nesterov, "dense_steps": sim.totals["dense_steps"],
                       "syncs": sim.totals["syncs"]},
