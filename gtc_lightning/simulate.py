@@ -40,6 +40,7 @@ worker in groups of 8 (each group also decodes and steps its own model).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -144,6 +145,7 @@ class VirtualWorkers:
             self._bad = torch.zeros(1, dtype=torch.int32, device=device)
             self._counts = torch.zeros(self.numel, dtype=self.ops.COUNTS_DTYPE, device=device)
         self.dense_mode = [False] * len(self.groups)
+        self._warned_fallback = False
         self.block = scheme in ("bmuf", "bmuf_gtc")
         learners = len(self.groups)
         self.block_momentum = default_block_momentum(learners) if block_momentum is None else float(block_momentum)
@@ -236,6 +238,17 @@ class VirtualWorkers:
         if self.dense_fallback and size > 1:
             share = peers * max(_WORD_BYTES * len(m) for m in words) / fp32_bytes
             self.dense_mode[g] = share > (FALLBACK_EXIT if self.dense_mode[g] else FALLBACK_ENTER)
+            if self.dense_mode[g] and not self._warned_fallback:
+                self._warned_fallback = True
+                warnings.warn(
+                    f"GTC (simulated): at step {self.step_count} group {g}'s sparse exchange would send {share:.2f}x "
+                    f"the bytes of a dense fp32 all-reduce (up to {max(len(m) for m in words)} words of "
+                    f"{self.numel} to {peers} peers); it all-reduces densely until that falls below "
+                    f"{FALLBACK_EXIT}x. Raise tau (now {tau32:.4g}) or set a target_density "
+                    "(automatic tau) to keep the exchange sparse",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         first = members[0] == 0
         if self.dense_mode[g]:
             total = None

@@ -55,7 +55,8 @@ def test_gtc_on_two_workers_equals_the_strategy_bit_for_bit(tmp_path):
 def test_gtc_on_four_workers_with_the_dense_fallback_equals_the_strategy(tmp_path):
     """tau small enough that the sparse exchange would send more than an all-reduce on some steps."""
     _, ranks = fit(tmp_path, GTCStrategy, devices=4, tau=0.03, model_kwargs={"momentum": 0.0, "samples": 128})
-    params, sim = simulate("gtc", 4, samples=128, tau=0.03)
+    with pytest.warns(RuntimeWarning, match=r"sparse exchange would send .* Raise tau \(now 0.03\)"):
+        params, sim = simulate("gtc", 4, samples=128, tau=0.03)
     check(ranks[0]["records"], params, exact=False)
     real = ranks[0]["records"][-1]["stats"]["total"]
     assert sim.totals["dense_steps"] == real["dense_steps"] > 0
@@ -168,7 +169,7 @@ def test_gtc_at_many_workers_equals_compress_and_decompress_bit_for_bit(backend)
 
 def test_a_non_finite_gradient_names_the_worker_and_step():
     sim = VirtualWorkers(TinyMLP(momentum=0.0), lambda ps: torch.optim.SGD(ps, lr=LR),
-                         lambda m, b: m.loss(b[:2]) * b[2], "gtc", 3)  # fmt: skip
+                         lambda m, b: m.loss(b[:2]) * b[2], "gtc", 3, dense_fallback=False)  # fmt: skip
     x, y = dataset(SAMPLES).tensors
     sim.step([(x[:2], y[:2], 1.0)] * 3)
     with pytest.raises(ValueError, match=r"worker 1's gradient has \d+ non-finite element\(s\) .* at step 1"):
