@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
         for i, batches in enumerate(worker_batches(dm, a.workers, batch, a.seed, epoch)):
             losses.append(sim.step(batches))
             if i % 200 == 0:
-                log.info("epoch %d step %d: loss %.3f", epoch, i, losses[-1])
+                log.info("epoch %d step %d: loss %.3f%s", epoch, i, losses[-1],
+                         f", tau {sim.taus[0]:.4g}" if sim.controllers else "")  # fmt: skip
         acc = frame_accuracy(sim.model, dm, device)
         model.dev_acc_history.append(acc)
         lr = sim.optimizers[0].param_groups[0]["lr"]
