@@ -25,8 +25,8 @@ words and bytes of a 4-rank ``train.py`` run, to the last digit). Elsewhere, wit
 learners, sums are taken in rank order where gloo's ring may add in another: the last bits may differ.
 Automatic tau (``target_density``) runs one controller per GTC group on the words its workers sent,
 as every rank of the group does. Not simulated: dense warmup steps, gradient clipping, the stale
-exchange, Golomb-Rice coding (lossless: it changes bytes, not updates) and time: this measures what the schemes learn, the
-scaling model (:mod:`gtc_lightning.scaling`) what they cost.
+exchange, Golomb-Rice coding (lossless: it changes bytes, not updates) and time: this measures what
+the schemes learn, the scaling model (:mod:`gtc_lightning.scaling`) what they cost.
 
 The work per step grows with the workers: one forward/backward per worker and, for GTC, one pass over
 a residual per worker (``workers x weights`` floats). Autograd adds each worker's gradient straight
@@ -132,8 +132,9 @@ class VirtualWorkers:
         self.compressed = scheme in ("gtc", "bmuf_gtc")
         self.residuals: list[torch.Tensor] | None = None
         if self.compressed:
-            # The hook's buffers: ``threshold_`` writes residual + gradient into a spare, which then
-            # becomes the worker's residual; words land in one kept message, votes in kept counts.
+            # Kept buffers, as the hook's: each worker's residual (autograd adds its gradient into
+            # it), one message for the words, the vote counts; on Triton also a zero vector and a
+            # spare that ``threshold_`` writes into and that then becomes the worker's residual.
             if any(p.dtype != torch.float32 for p in self.params[0]):
                 raise ValueError("Expect float32 parameters for gtc / bmuf_gtc (the residuals are float32 and "
                                  f"hold the gradients), got {sorted({str(p.dtype) for p in self.params[0]})}")
