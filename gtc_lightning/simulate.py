@@ -120,8 +120,9 @@ class VirtualWorkers:
             self.groups = [[w] for w in range(workers)]
         # Each GTC group's threshold (float32, as the arithmetic sees it) and its controller.
         self.target_density = None if target_density is None else float(target_density)
-        self.controllers = [TauController(self.target_density, self.tau) for _ in self.groups] \
-            if self.target_density is not None and scheme in ("gtc", "bmuf_gtc") else None
+        self.controllers = None
+        if self.target_density is not None:  # (gtc or bmuf_gtc, checked above)
+            self.controllers = [TauController(self.target_density, self.tau) for _ in self.groups]
         self.taus = [self.tau] * len(self.groups)
         self.models = [module] + [copy.deepcopy(module) for _ in self.groups[1:]]
         self.params = [[p for p in m.parameters() if p.requires_grad] for m in self.models]
@@ -195,11 +196,11 @@ class VirtualWorkers:
         losses = []
         for g, members in enumerate(self.groups):
             if self.compressed:
-                words = []
+                words, tau32 = [], _f32(self.taus[g])
                 for w in members:
                     losses.append(self._gradient(g, batches[w], into=self.residuals[w]))
-                    words.append(self._compress(w, _f32(self.taus[g])))
-                self._as_grads(g, self._exchange(g, members, words))
+                    words.append(self._compress(w, tau32))
+                self._as_grads(g, self._exchange(g, members, words, tau32))
             else:
                 loss = self._gradient(g, batches[members[0]])
                 losses.append(loss)
@@ -226,11 +227,11 @@ class VirtualWorkers:
                              f"{self.step_count}: lower the learning rate or check the batch")
         return self._message[: int(self._cursor)].clone()
 
-    def _exchange(self, g: int, members: list[int], words: list[torch.Tensor]) -> torch.Tensor:
-        """GTC within one group, as the hook decides and decodes (steps 3-6 of ``gtc_lightning.hook``)."""
+    def _exchange(self, g: int, members: list[int], words: list[torch.Tensor], tau32: float) -> torch.Tensor:
+        """GTC within one group, as the hook decides and decodes (steps 3-6 of ``gtc_lightning.hook``);
+        ``tau32``: the threshold the words were emitted with."""
         size = len(members)
         peers = size - 1
-        tau32 = _f32(self.taus[g])
         if self.controllers is not None:  # the next step's tau, from this step's words (also when dense)
             density = sum(len(m) for m in words) / (size * self.numel)
             self.taus[g] = self.controllers[g].update(density)

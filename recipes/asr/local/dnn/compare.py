@@ -130,7 +130,8 @@ def run_row(run_dir: Path | str) -> dict:
         "strategy": _run_strategy(run_dir, summary),
         "workers": world,
         "tau": summary.get("tau"),  # the last one where it moved (target_density)
-        "target_density": args.get("target_density", (run_config(run_dir).get("simulate") or {}).get("target_density")),
+        # a trained run's strategy init_args, else a simulated run's options (read only then)
+        "target_density": args.get("target_density") or (run_config(run_dir).get("simulate") or {}).get("target_density"),
         "coding": args.get("coding") or ("none" if summary.get("gtc") else None),
         "words_per_step": words,
         "bits_per_word": bits,  # 32+ uncoded, ~10-13 Golomb-Rice coded
