@@ -229,6 +229,21 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
     assert (tmp_path / "cmp" / "dev_frame_acc.png").stat().st_size > 0
     assert list((tmp_path / "baseline" / "decode").glob("errs-test*"))
     assert report["intervals"]["runs"]["gtc"]["vs_baseline"]["seeds"] == [0]
+    # --test-sweep decodes again what was decoded without it (also with --skip-decoded); test at the scale
+    # dev picked is the sweep's entry for that scale; a second call skips the runs
+    sweep_args = ["--runs", str(tmp_path / "baseline"), str(tmp_path / "gtc"), "--out", str(tmp_path / "cmp_sweep"),
+                  "--acoustic-scales", "0.1", "0.2", "--beam", "8", "--max-active", "1000", "--jobs", "1",
+                  "--skip-decoded", "--test-sweep"]
+    evaluate.main(sweep_args)
+    results = json.loads((tmp_path / "gtc" / "decode" / "results.json").read_text())
+    assert set(results["test_sweep"]) == {"0.1", "0.2"}
+    assert results["test"]["wer"] == results["test_sweep"][f"{results['acoustic_scale']:g}"]
+    assert (tmp_path / "gtc" / "decode" / "per_utt-test-acwt0.2.json").exists()
+    swept = json.loads((tmp_path / "cmp_sweep" / "comparison.json").read_text())["fixed_scales"]
+    assert set(swept) == {"0.1", "0.2"} and "vs_baseline" in swept["0.2"]["runs"]["gtc"]
+    mtime = (tmp_path / "gtc" / "decode" / "results.json").stat().st_mtime
+    evaluate.main(sweep_args)
+    assert (tmp_path / "gtc" / "decode" / "results.json").stat().st_mtime == mtime
     # any other test set (here the raw test manifest): features, CMVN and fbank transforms from its audio alone
     evaluate.main(["--checkpoint", str(tmp_path / "gtc" / "checkpoints" / "last.ckpt"), "--test-set",
                    str(data_dir / "manifests" / "test_cuts.jsonl.gz"), "--data-dir", str(data_dir),

@@ -137,6 +137,60 @@ def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path):
     assert "| gtc | 2 |" in md and "vs SAT GMM" in md
 
 
+def test_comparison_at_fixed_acoustic_scales_pairs_runs_decoded_at_the_same_scale(tmp_path):
+    """With test decoded at every scale (evaluate.py --test-sweep), the report adds each run name's
+    mean test WER and paired change at each fixed scale, beside the scales dev picked; a run decoded
+    without the sweep leaves the sweep out (scales are those every run has)."""
+    import json
+
+    from local.dnn.compare import compare_runs
+
+    rng = np.random.default_rng(7)
+    ids = [f"u{i:03d}" for i in range(300)]
+    words = rng.integers(4, 11, len(ids))
+    # gtc is the baseline's errors at 0.1 and twice them at 0.2: +0 % and +100 % at the fixed scales,
+    # while at the scales dev picked (0.2 for gtc, 0.1 for the baseline) the difference is neither
+    rates = {"baseline": {"0.1": 0.05, "0.2": 0.08}, "gtc": {"0.1": 0.05, "0.2": 0.16}}
+    picked = {"baseline": 0.1, "gtc": 0.2}
+    base_errors = {s: rng.binomial(words, r) for s, r in rates["baseline"].items()}
+    runs = []
+    for seed in (0, 1):
+        for name, workers in (("baseline", 1), ("gtc", 2)):
+            d = tmp_path / f"seed{seed}" / name
+            (d / "decode").mkdir(parents=True)
+            (d / "config.yaml").write_text(f"seed_everything: {seed}\n")
+            (d / "train_summary.json").write_text(json.dumps({
+                "run_name": name, "strategy": name, "world_size": workers, "num_weights": 1000,
+                "dev_frame_acc": [0.5, 0.6], "data_dir": str(tmp_path / "no-gmm")}))
+            sweep = {}
+            for scale in ("0.1", "0.2"):
+                errors = base_errors[scale] * (2 if name == "gtc" and scale == "0.2" else 1)
+                counts = {u: [int(e), int(w)] for u, e, w in zip(ids, errors, words)}
+                (d / "decode" / f"per_utt-test-acwt{scale}.json").write_text(json.dumps(counts))
+                sweep[scale] = 100 * errors.sum() / words.sum()
+                if float(scale) == picked[name]:
+                    (d / "decode" / "per_utt-test.json").write_text(json.dumps(counts))
+            (d / "decode" / "results.json").write_text(json.dumps({
+                "acoustic_scale": picked[name], "dev": {"wer": 5.0}, "test": {"wer": sweep[str(picked[name])]},
+                "test_sweep": sweep}))
+            runs.append(d)
+    compare_runs(runs, tmp_path / "cmp")
+    fixed = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["fixed_scales"]
+    assert list(fixed) == ["0.1", "0.2"]
+    assert fixed["0.1"]["runs"]["gtc"]["vs_baseline"]["mean"]["rel_pct"] == pytest.approx(0.0)
+    assert fixed["0.2"]["runs"]["gtc"]["vs_baseline"]["mean"]["rel_pct"] == pytest.approx(100.0)
+    assert fixed["0.2"]["runs"]["gtc"]["mean"]["wer"] == pytest.approx(200 * base_errors["0.2"].sum() / words.sum(),
+                                                                       abs=0.01)
+    md = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "| gtc | 0.2, 0.2 |" in md and "(+0.0 % [+0.0, +0.0])" in md and "(+100.0 %" in md
+    # one run without the sweep: no fixed-scale table
+    results = runs[0] / "decode" / "results.json"
+    results.write_text(json.dumps({k: v for k, v in json.loads(results.read_text()).items() if k != "test_sweep"}))
+    compare_runs(runs, tmp_path / "cmp2")
+    assert json.loads((tmp_path / "cmp2" / "comparison.json").read_text())["fixed_scales"] == {}
+    assert "fixed acoustic scale" not in (tmp_path / "cmp2" / "comparison.md").read_text()
+
+
 def test_relative_wer_change_is_against_the_baseline_of_the_same_seed():
     """Seed 1's GTC run is compared with seed 1's baseline, not seed 0's; a seed without a
     baseline run falls back to the first baseline."""

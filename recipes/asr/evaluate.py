@@ -110,8 +110,12 @@ class Decoder:
 
 
 def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...], beam: float = BEAM,
-                 max_active: int = MAX_ACTIVE) -> dict:
-    """Decode dev for each acoustic scale, test with the best; write ``<run_dir>/decode/``."""
+                 max_active: int = MAX_ACTIVE, test_sweep: bool = False) -> dict:
+    """Decode dev for each acoustic scale, test with the best; write ``<run_dir>/decode/``.
+
+    ``test_sweep``: also decode test at every scale (``per_utt-test-acwt<scale>.json`` and
+    ``results.json["test_sweep"]``), to see how much of a WER difference between runs is the scale
+    each picked on dev. The reported test WER stays the one at the scale dev picked."""
     from lhotse import CutSet
     from local.graph.decode import score
 
@@ -131,6 +135,13 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     best = min(scales, key=lambda s: (sweep[s]["wer"], abs(s - 0.1)))
     test_cuts = CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz")
     test = utterance_logliks(model, context, log_prior, test_cuts, front_end, "test")
+    test_sweep_wer = {}
+    if test_sweep:
+        test = list(test)
+        for scale in scales:
+            name = f"test-acwt{scale:g}"
+            test_sweep_wer[f"{scale:g}"] = score(references(test_cuts), decoder.decode(test, scale), out, name)["wer"]
+            log.info("%s: test WER %.2f %% at acoustic scale %g", run_dir, test_sweep_wer[f"{scale:g}"], scale)
     result = {
         "features": features,
         "graph": str(decoder.graph),
@@ -140,6 +151,8 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
         "test": score(references(test_cuts), decoder.decode(test, best), out, "test"),
         "decode_seconds": round(time.perf_counter() - start, 1),
     }
+    if test_sweep:
+        result["test_sweep"] = test_sweep_wer
     (out / "results.json").write_text(json.dumps(result, indent=1))
     log.info("%s: acoustic scale %g (dev WER %.2f %%), test WER %.2f %%", run_dir, best, result["dev"]["wer"],
              result["test"]["wer"])
@@ -155,10 +168,13 @@ def _evaluate_args(args: tuple) -> dict:
     return evaluate_run(*args)
 
 
-def decoded(run_dir: Path) -> bool:
-    """True when ``run_dir/decode/results.json`` is newer than the run's last checkpoint."""
+def decoded(run_dir: Path, test_sweep: bool = False) -> bool:
+    """True when ``run_dir/decode/results.json`` is newer than the run's last checkpoint (and, with
+    ``test_sweep``, has test decoded at every scale)."""
     results, ckpt = run_dir / "decode" / "results.json", run_dir / "checkpoints" / "last.ckpt"
-    return results.exists() and ckpt.exists() and results.stat().st_mtime > ckpt.stat().st_mtime
+    if not (results.exists() and ckpt.exists() and results.stat().st_mtime > ckpt.stat().st_mtime):
+        return False
+    return not test_sweep or "test_sweep" in json.loads(results.read_text())
 
 
 def load_test_set(test_set: Path, work_dir: Path, train_cmvn: dict):
@@ -261,6 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-dir", default=None, help="recipe data dir (default: the one each run trained on)")
     p.add_argument("--acoustic-scales", type=float, nargs="+", default=list(DEFAULT_SCALES),
                    help="acoustic scales tried on dev; the best decodes test")
+    p.add_argument("--test-sweep", action="store_true",
+                   help="also decode test at every acoustic scale; the comparison then shows each run name's "
+                        "test WER and its paired change against the baseline at each fixed scale")
     p.add_argument("--beam", type=float, default=BEAM, help="decoding beam (Kaldi's default is 13; see BEAM)")
     p.add_argument("--max-active", type=int, default=MAX_ACTIVE, help="most active decoder states per frame")
     p.add_argument("--jobs", type=int, default=2, help="runs decoded in parallel (one process, one thread each)")
@@ -268,7 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baseline", default=None, help="run name of the baseline (default: the single-worker run)")
     p.add_argument("--compare-only", action="store_true", help="only rebuild the report from decoded runs")
     p.add_argument("--skip-decoded", action="store_true",
-                   help="do not decode again a run whose decode/results.json is newer than its checkpoint")
+                   help="do not decode again a run whose decode/results.json is newer than its checkpoint "
+                        "(with --test-sweep: and has the test sweep)")
     p.add_argument("--checkpoint", default=None, help="decode --test-set with this checkpoint")
     p.add_argument("--test-set", default=None, help="Kaldi data dir or Lhotse cuts manifest (with --checkpoint)")
     p.add_argument("--acoustic-scale", type=float, default=0.1, help="acoustic scale for --test-set")
@@ -284,10 +304,11 @@ def main(argv: list[str] | None = None) -> None:
         if not a.checkpoint:
             p.error("give --runs (and/or --checkpoint with --test-set)")
         return
-    todo = [Path(r) for r in a.runs if not a.compare_only and not (a.skip_decoded and decoded(Path(r)))]
+    todo = [Path(r) for r in a.runs if not a.compare_only and not (a.skip_decoded and decoded(Path(r), a.test_sweep))]
     for run in set(map(Path, a.runs)) - set(todo):
         log.info("%s: not decoded again (--compare-only, or decode/results.json newer than the checkpoint)", run)
-    args = [(r, Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales), a.beam, a.max_active) for r in todo]
+    args = [(r, Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales), a.beam, a.max_active,
+             a.test_sweep) for r in todo]
     if a.jobs > 1 and len(todo) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor

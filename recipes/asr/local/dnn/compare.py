@@ -285,9 +285,20 @@ def run_seed(run_dir: Path) -> int | None:
     return int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 
-def _test_counts(run_dir: Path) -> dict | None:
-    path = Path(run_dir) / "decode" / "per_utt-test.json"
+def _test_counts(run_dir: Path, scale: str | None = None) -> dict | None:
+    """Per-utterance test counts at the scale dev picked, or at ``scale`` (``evaluate.py --test-sweep``)."""
+    path = Path(run_dir) / "decode" / ("per_utt-test.json" if scale is None else f"per_utt-test-acwt{scale}.json")
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def sweep_scales(run_dirs: list[Path]) -> list[str]:
+    """The acoustic scales at which every run's test set was decoded (``evaluate.py --test-sweep``)."""
+    common = None
+    for d in run_dirs:
+        results = Path(d) / "decode" / "results.json"
+        scales = set(json.loads(results.read_text()).get("test_sweep", {})) if results.exists() else set()
+        common = scales if common is None else common & scales
+    return sorted(common or (), key=float)
 
 
 def gmm_reference(data_dir: Path | str, system: str = "sat") -> dict | None:
@@ -301,15 +312,17 @@ def gmm_reference(data_dir: Path | str, system: str = "sat") -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def seeds_report(run_dirs: list[Path], baseline: str = "baseline", reference: dict | None = None) -> dict:
+def seeds_report(run_dirs: list[Path], baseline: str = "baseline", reference: dict | None = None,
+                 scale: str | None = None) -> dict:
     """Test WER per run name over its seeds, with 95 % bootstrap intervals over utterances
     (``wer_stats``): per seed, the mean over seeds, each run name against ``baseline`` (paired,
-    seeds matched) and against the ``reference`` GMM counts (``{utt: [errors, words]}``)."""
+    seeds matched) and against the ``reference`` GMM counts (``{utt: [errors, words]}``). Every run
+    at the acoustic scale dev picked for it, or all at the one ``scale`` (``sweep_scales``)."""
     from local.wer_stats import paired_difference, per_utterance_counts, wer_interval
 
     groups: dict[str, dict[int, dict]] = {}
     for d in run_dirs:
-        counts = _test_counts(d)
+        counts = _test_counts(d, scale)
         if counts is None:
             continue
         name = json.loads((Path(d) / "train_summary.json").read_text()).get("run_name", Path(d).name)
@@ -363,6 +376,32 @@ def seeds_markdown(report: dict, reference_name: str = "SAT GMM") -> str:
     return "\n".join(lines)
 
 
+def sweep_markdown(sweep: dict[str, dict], picked: dict[str, list]) -> str:
+    """Mean test WER per run name at each fixed acoustic scale, and its paired change against the
+    baseline at the same scale (``sweep``: scale -> ``seeds_report``; ``picked``: the scales dev
+    picked per run name, one per seed)."""
+    if not sweep:
+        return ""
+    scales = list(sweep)
+    lines = [("Test WER at each fixed acoustic scale (every run decoded at the same scale; mean over seeds, "
+              "change against the baseline paired, seeds matched). The tables above use the scale dev picked "
+              "for each run, listed here per seed."), "",
+             "| run | scales dev picked | " + " | ".join(f"test WER at {s}" for s in scales) + " |",
+             "|---|---|" + "---|" * len(scales)]
+    for name in sweep[scales[0]]["runs"]:
+        cells = []
+        for s in scales:
+            r = sweep[s]["runs"].get(name)
+            if r is None:
+                cells.append("–")
+                continue
+            vb = r.get("vs_baseline", {}).get("mean")
+            rel = f" ({vb['rel_pct']:+.1f} % [{vb['rel_lo']:+.1f}, {vb['rel_hi']:+.1f}])" if vb else ""
+            cells.append(f"{r['mean']['wer']:.2f} %{rel}")
+        lines.append(f"| {name} | {', '.join(f'{x:g}' for x in picked.get(name, []))} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str | None = None) -> dict:
     """Write ``comparison.md`` (per-run table, then WERs with intervals over utterances and seeds),
     ``comparison.json`` and ``dev_frame_acc.png`` under ``out_dir``."""
@@ -376,6 +415,14 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
     reference = gmm_reference(data_dir) if data_dir else None
     seeds = seeds_report([Path(d) for d in run_dirs], base["run"] if base else "baseline", reference)
     table = markdown_table(rows) + "\n\n" + seeds_markdown(seeds)
+    scales = sweep_scales([Path(d) for d in run_dirs])
+    sweep = {s: seeds_report([Path(d) for d in run_dirs], base["run"] if base else "baseline", scale=s)
+             for s in scales}
+    if sweep:
+        picked: dict[str, list] = {}
+        for r in rows:
+            picked.setdefault(r["run"], []).append(r.get("acoustic_scale"))
+        table += "\n\n" + sweep_markdown(sweep, picked)
     note = (f"Relative WER change against `{base['run']}` of the same seed (its first run where the seed has "
             "none); bytes sent: what one worker puts on the wire per "
             "optimizer step (for DDP its fp32 ring all-reduce, 2 (W-1)/W x 4 bytes per weight); vs fp32 / bf16 "
@@ -385,7 +432,7 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
         "No single-worker baseline among the runs: relative WER change not computed."
     (out_dir / "comparison.md").write_text(table + "\n\n" + note + "\n")
     (out_dir / "comparison.json").write_text(json.dumps({"baseline": base and base["run"], "runs": rows,
-                                                         "intervals": seeds}, indent=1, default=str))
+                                                         "intervals": seeds, "fixed_scales": sweep}, indent=1, default=str))
     png = plot_accuracy(rows, out_dir / "dev_frame_acc.png")
     log.info("comparison of %d runs -> %s, %s\n%s", len(rows), out_dir / "comparison.md", png, table)
     return {"rows": rows, "markdown": out_dir / "comparison.md", "json": out_dir / "comparison.json", "png": png}
