@@ -191,6 +191,49 @@ def test_comparison_at_fixed_acoustic_scales_pairs_runs_decoded_at_the_same_scal
     assert "fixed acoustic scale" not in (tmp_path / "cmp2" / "comparison.md").read_text()
 
 
+def test_scale_from_the_other_half_of_the_test_speakers(tmp_path):
+    """The cross-fold diagnostic decodes each half of the test speakers at the scale with the fewest
+    errors on the other half: a run whose fold-2 speakers are error-free at 0.2 gets 0.2 for fold 1
+    (where 0.2 is worse) and 0.1 for fold 2."""
+    import json
+
+    from lhotse import CutSet, MonoCut, SupervisionSegment
+    from local.dnn.compare import compare_runs
+
+    speakers = ["spkA", "spkB", "spkC", "spkD"]  # sorted: folds {A, C} and {B, D}
+    ids = [f"{spk}_utt{i:02d}" for spk in speakers for i in range(30)]
+    data_dir = tmp_path / "data"
+    (data_dir / "manifests").mkdir(parents=True)
+    CutSet.from_cuts(MonoCut(id=u, start=0.0, duration=1.0, channel=0, supervisions=[
+        SupervisionSegment(id=u, recording_id=u, start=0.0, duration=1.0, speaker=u.split("_")[0])]) for u in ids
+    ).to_file(data_dir / "manifests" / "test_cuts.jsonl.gz")
+    fold2 = {u for u in ids if u.split("_")[0] in ("spkB", "spkD")}
+    errors = {"baseline": {"0.1": {u: 1 for u in ids}, "0.2": {u: 2 for u in ids}},
+              "cross": {"0.1": {u: 1 for u in ids}, "0.2": {u: 0 if u in fold2 else 3 for u in ids}}}
+    runs = []
+    for name, workers in (("baseline", 1), ("cross", 2)):
+        d = tmp_path / name
+        (d / "decode").mkdir(parents=True)
+        (d / "config.yaml").write_text("seed_everything: 0\n")
+        (d / "train_summary.json").write_text(json.dumps({
+            "run_name": name, "strategy": name, "world_size": workers, "num_weights": 1000,
+            "dev_frame_acc": [0.5], "data_dir": str(data_dir)}))
+        for scale, errs in errors[name].items():
+            (d / "decode" / f"per_utt-test-acwt{scale}.json").write_text(json.dumps({u: [e, 10] for u, e in errs.items()}))
+        (d / "decode" / "per_utt-test.json").write_text(json.dumps({u: [e, 10] for u, e in errors[name]["0.1"].items()}))
+        (d / "decode" / "results.json").write_text(json.dumps({
+            "acoustic_scale": 0.1, "dev": {"wer": 5.0}, "test": {"wer": 10.0}, "test_sweep": {"0.1": 10.0, "0.2": 0.0}}))
+        runs.append(d)
+    compare_runs(runs, tmp_path / "cmp")
+    report = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["scale_from_other_test_speakers"]
+    assert report["picks"] == {"baseline": ["0.1/0.1"], "cross": ["0.2/0.1"]}
+    # cross: fold 1 (60 utterances) at 0.2 with 3 errors each, fold 2 at 0.1 with 1 each, of 1200 words
+    assert report["runs"]["cross"]["mean"]["wer"] == pytest.approx(100 * (60 * 3 + 60 * 1) / 1200, abs=0.01)
+    assert report["runs"]["baseline"]["mean"]["wer"] == pytest.approx(10.0, abs=0.01)
+    assert report["runs"]["cross"]["vs_baseline"]["mean"]["rel_pct"] == pytest.approx(100.0)
+    assert "| cross | 0.2/0.1 |" in (tmp_path / "cmp" / "comparison.md").read_text()
+
+
 def test_relative_wer_change_is_against_the_baseline_of_the_same_seed():
     """Seed 1's GTC run is compared with seed 1's baseline, not seed 0's; a seed without a
     baseline run falls back to the first baseline."""

@@ -312,17 +312,50 @@ def gmm_reference(data_dir: Path | str, system: str = "sat") -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def test_speakers(data_dir: Path | str) -> dict[str, str] | None:
+    """Test utterance id -> speaker, from the data dir's test manifest (None without one)."""
+    path = Path(data_dir) / "manifests" / "test_cuts.jsonl.gz"
+    if not path.exists():
+        return None
+    from lhotse import CutSet
+
+    return {c.id: c.supervisions[0].speaker for c in CutSet.from_file(path) if c.supervisions}
+
+
+def crossfold_counts(run_dir: Path, scales: list[str], speaker_of: dict[str, str]) -> tuple[dict, list[str]]:
+    """Per-utterance test counts with the acoustic scale picked on the other half of the test speakers:
+    speakers sorted and dealt into two folds; for each fold the scale with the fewest errors on the
+    other fold (ties: the one nearer 0.1, as on dev) decodes it. A diagnostic of what a dev set like
+    the test set, 1/2 its size, would pick (``evaluate.py --test-sweep``); returns the counts and the
+    two picks (for the folds of the first and second speakers)."""
+    by_scale = {s: _test_counts(run_dir, s) for s in scales}
+    missing = sorted(set(next(iter(by_scale.values()))) - set(speaker_of))
+    if missing:
+        raise ValueError(f"{run_dir}: test utterances {missing[:3]} have no speaker in the test manifest")
+    speakers = sorted({speaker_of[u] for u in next(iter(by_scale.values()))})
+    fold = {spk: i % 2 for i, spk in enumerate(speakers)}
+    counts, picks = {}, []
+    for k in (0, 1):
+        def errors_on_other(scale: str, k=k) -> tuple[int, float]:
+            return (sum(v[0] for u, v in by_scale[scale].items() if fold[speaker_of[u]] != k), abs(float(scale) - 0.1))
+        best = min(scales, key=errors_on_other)
+        picks.append(best)
+        counts.update({u: v for u, v in by_scale[best].items() if fold[speaker_of[u]] == k})
+    return counts, picks
+
+
 def seeds_report(run_dirs: list[Path], baseline: str = "baseline", reference: dict | None = None,
-                 scale: str | None = None) -> dict:
+                 scale: str | None = None, counts_of=None) -> dict:
     """Test WER per run name over its seeds, with 95 % bootstrap intervals over utterances
     (``wer_stats``): per seed, the mean over seeds, each run name against ``baseline`` (paired,
     seeds matched) and against the ``reference`` GMM counts (``{utt: [errors, words]}``). Every run
-    at the acoustic scale dev picked for it, or all at the one ``scale`` (``sweep_scales``)."""
+    at the acoustic scale dev picked for it, or all at the one ``scale`` (``sweep_scales``), or
+    the counts ``counts_of(run_dir)`` gives."""
     from local.wer_stats import paired_difference, per_utterance_counts, wer_interval
 
     groups: dict[str, dict[int, dict]] = {}
     for d in run_dirs:
-        counts = _test_counts(d, scale)
+        counts = counts_of(d) if counts_of else _test_counts(d, scale)
         if counts is None:
             continue
         name = json.loads((Path(d) / "train_summary.json").read_text()).get("run_name", Path(d).name)
@@ -402,6 +435,21 @@ def sweep_markdown(sweep: dict[str, dict], picked: dict[str, list]) -> str:
     return "\n".join(lines)
 
 
+def crossfold_markdown(report: dict) -> str:
+    """The cross-fold report (``crossfold_counts`` per run, then ``seeds_report``) as a table."""
+    lines = [("Diagnostic, not a result: each half of the test speakers decoded at the scale the other half "
+              "prefers (what a dev set like the test set would pick); mean over seeds, paired against the "
+              "baseline picked the same way."), "",
+             "| run | scales picked (fold 1/fold 2, per seed) | mean test WER | vs baseline (rel.) |", "|---|---|---|---|"]
+    for name, r in report["runs"].items():
+        vb = r.get("vs_baseline", {}).get("mean")
+        rel = f"{vb['rel_pct']:+.1f} % [{vb['rel_lo']:+.1f}, {vb['rel_hi']:+.1f}]" if vb else "–"
+        m = r["mean"]
+        lines.append(f"| {name} | {', '.join(report['picks'].get(name, []))} | {m['wer']:.2f} % [{m['lo']:.2f}, "
+                     f"{m['hi']:.2f}] | {rel} |")
+    return "\n".join(lines)
+
+
 def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str | None = None) -> dict:
     """Write ``comparison.md`` (per-run table, then WERs with intervals over utterances and seeds),
     ``comparison.json`` and ``dev_frame_acc.png`` under ``out_dir``."""
@@ -423,6 +471,18 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
         for r in rows:
             picked.setdefault(r["run"], []).append(r.get("acoustic_scale"))
         table += "\n\n" + sweep_markdown(sweep, picked)
+    speaker_of = test_speakers(data_dir) if sweep and data_dir else None
+    crossfold: dict = {}
+    if speaker_of:
+        folds = {Path(d): crossfold_counts(Path(d), scales, speaker_of) for d in run_dirs}
+        crossfold = seeds_report(list(folds), base["run"] if base else "baseline",
+                                 counts_of=lambda d: folds[Path(d)][0])
+        if crossfold:
+            fold_picks: dict[str, list] = {}
+            for r, d in zip(rows, run_dirs):
+                fold_picks.setdefault(r["run"], []).append("/".join(folds[Path(d)][1]))
+            crossfold["picks"] = fold_picks
+            table += "\n\n" + crossfold_markdown(crossfold)
     note = (f"Relative WER change against `{base['run']}` of the same seed (its first run where the seed has "
             "none); bytes sent: what one worker puts on the wire per "
             "optimizer step (for DDP its fp32 ring all-reduce, 2 (W-1)/W x 4 bytes per weight); vs fp32 / bf16 "
@@ -432,7 +492,8 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
         "No single-worker baseline among the runs: relative WER change not computed."
     (out_dir / "comparison.md").write_text(table + "\n\n" + note + "\n")
     (out_dir / "comparison.json").write_text(json.dumps({"baseline": base and base["run"], "runs": rows,
-                                                         "intervals": seeds, "fixed_scales": sweep}, indent=1, default=str))
+                                                         "intervals": seeds, "fixed_scales": sweep,
+                                                         "scale_from_other_test_speakers": crossfold}, indent=1, default=str))
     png = plot_accuracy(rows, out_dir / "dev_frame_acc.png")
     log.info("comparison of %d runs -> %s, %s\n%s", len(rows), out_dir / "comparison.md", png, table)
     return {"rows": rows, "markdown": out_dir / "comparison.md", "json": out_dir / "comparison.json", "png": png}
