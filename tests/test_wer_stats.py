@@ -203,10 +203,10 @@ def test_scale_from_the_other_half_of_the_test_speakers(tmp_path):
     speakers = ["spkA", "spkB", "spkC", "spkD"]  # sorted: folds {A, C} and {B, D}
     ids = [f"{spk}_utt{i:02d}" for spk in speakers for i in range(30)]
     data_dir = tmp_path / "data"
-    (data_dir / "manifests").mkdir(parents=True)
+    (data_dir / "features").mkdir(parents=True)
     CutSet.from_cuts(MonoCut(id=u, start=0.0, duration=1.0, channel=0, supervisions=[
         SupervisionSegment(id=u, recording_id=u, start=0.0, duration=1.0, speaker=u.split("_")[0])]) for u in ids
-    ).to_file(data_dir / "manifests" / "test_cuts.jsonl.gz")
+    ).to_file(data_dir / "features" / "test_cuts.jsonl.gz")
     fold2 = {u for u in ids if u.split("_")[0] in ("spkB", "spkD")}
     errors = {"baseline": {"0.1": {u: 1 for u in ids}, "0.2": {u: 2 for u in ids}},
               "cross": {"0.1": {u: 1 for u in ids}, "0.2": {u: 0 if u in fold2 else 3 for u in ids}}}
@@ -232,6 +232,13 @@ def test_scale_from_the_other_half_of_the_test_speakers(tmp_path):
     assert report["runs"]["baseline"]["mean"]["wer"] == pytest.approx(10.0, abs=0.01)
     assert report["runs"]["cross"]["vs_baseline"]["mean"]["rel_pct"] == pytest.approx(100.0)
     assert "| cross | 0.2/0.1 |" in (tmp_path / "cmp" / "comparison.md").read_text()
+    # one speaker only: no diagnostic (every fold would be picked on nothing), the rest of the report stays
+    CutSet.from_cuts(MonoCut(id=u, start=0.0, duration=1.0, channel=0, supervisions=[
+        SupervisionSegment(id=u, recording_id=u, start=0.0, duration=1.0, speaker="one")]) for u in ids
+    ).to_file(data_dir / "features" / "test_cuts.jsonl.gz")
+    compare_runs(runs, tmp_path / "cmp1")
+    report = json.loads((tmp_path / "cmp1" / "comparison.json").read_text())
+    assert report["scale_from_other_test_speakers"] == {} and set(report["fixed_scales"]) == {"0.1", "0.2"}
 
 
 def test_relative_wer_change_is_against_the_baseline_of_the_same_seed():

@@ -9,7 +9,8 @@
 #   data=data/mini_librispeech bash recipes/asr/run.sh   # after prepare.py --corpus ... (see README)
 #
 # Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 3 decodes
-# the runs not decoded yet and compares every run found for seeds 0 1 2. Each stage prints its wall and
+# the runs not decoded yet (dev at each acoustic scale, test at the one dev picks and at each scale)
+# and compares every run found for seeds 0 1 2. Each stage prints its wall and
 # CPU time (bash `time`; on a shared machine user + sys is what the stage takes alone).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -47,5 +48,6 @@ if [ "$stage" -le 3 ]; then
     done
   done
   echo "== stage 3: decode dev/test, compare ${#runs[@]} runs -> $exp/compare"
-  time $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded
+  # --test-sweep: test also at every acoustic scale, for the comparison's fixed-scale tables
+  time $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded --test-sweep
 fi
