@@ -3,13 +3,15 @@
 
 For each run: pseudo log-likelihoods ``log p(pdf | x) - log p(pdf)`` of ``checkpoints/last.ckpt``
 -> ``FasterDecoder`` on the HCLG of the aligning GMM system (``exp/sat/graph``); the acoustic scale is picked on dev
-from ``--acoustic-scales``, then test is decoded once with it. Writes ``<run>/decode/``
-(``recogs-*``, ``errs-*``, ``results.json``), then the comparison over runs (markdown, JSON and
-the dev frame accuracy plot) under ``--out``.
+from ``--acoustic-scales``, then test is decoded once with it (with ``--test-sweep`` also at every
+scale, for the comparison's fixed-scale tables). Writes ``<run>/decode/`` (``recogs-*``, ``errs-*``,
+``per_utt-*``, ``results.json``), then the comparison over runs (markdown, JSON and the dev frame
+accuracy plot) under ``--out``.
 
 Usage:
   python recipes/asr/evaluate.py --runs exp/dnn/baseline exp/dnn/gtc
   python recipes/asr/evaluate.py --runs exp/dnn/baseline exp/dnn/gtc --compare-only
+  python recipes/asr/evaluate.py --runs exp/dnn/baseline exp/dnn/gtc --skip-decoded --test-sweep
   # any other test set, as a Kaldi data dir (wav.scp, text, ...) or a Lhotse cuts manifest:
   python recipes/asr/evaluate.py --checkpoint exp/dnn/gtc/checkpoints/last.ckpt \\
       --test-set /path/to/data/test --data-dir data/synthetic-default --acoustic-scale 0.1
