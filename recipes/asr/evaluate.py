@@ -136,13 +136,14 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
         sweep[scale] = score(references(dev_cuts), decoder.decode(dev, scale), out, f"dev-acwt{scale:g}")
     best = min(scales, key=lambda s: (sweep[s]["wer"], abs(s - 0.1)))
     test_cuts = CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz")
-    test = utterance_logliks(model, context, log_prior, test_cuts, front_end, "test")
-    test_sweep_wer = {}
+    test, test_refs = utterance_logliks(model, context, log_prior, test_cuts, front_end, "test"), references(test_cuts)
+    test_sweep_wer, test_hyps = {}, None
     if test_sweep:
         test = list(test)
         for scale in scales:
-            name = f"test-acwt{scale:g}"
-            test_sweep_wer[f"{scale:g}"] = score(references(test_cuts), decoder.decode(test, scale), out, name)["wer"]
+            hyps = decoder.decode(test, scale)
+            test_hyps = hyps if scale == best else test_hyps  # scored again below as "test", not decoded again
+            test_sweep_wer[f"{scale:g}"] = score(test_refs, hyps, out, f"test-acwt{scale:g}")["wer"]
             log.info("%s: test WER %.2f %% at acoustic scale %g", run_dir, test_sweep_wer[f"{scale:g}"], scale)
     result = {
         "features": features,
@@ -150,7 +151,7 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
         "acoustic_scale": best,
         "dev": sweep[best],
         "dev_sweep": {f"{s:g}": sweep[s]["wer"] for s in scales},
-        "test": score(references(test_cuts), decoder.decode(test, best), out, "test"),
+        "test": score(test_refs, test_hyps if test_hyps is not None else decoder.decode(test, best), out, "test"),
         "decode_seconds": round(time.perf_counter() - start, 1),
     }
     if test_sweep:

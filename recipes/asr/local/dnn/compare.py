@@ -350,17 +350,16 @@ def crossfold_counts(run_dir: Path, scales: list[str], speaker_of: dict[str, str
 
 
 def seeds_report(run_dirs: list[Path], baseline: str = "baseline", reference: dict | None = None,
-                 scale: str | None = None, counts_of=None) -> dict:
+                 counts_of=_test_counts) -> dict:
     """Test WER per run name over its seeds, with 95 % bootstrap intervals over utterances
     (``wer_stats``): per seed, the mean over seeds, each run name against ``baseline`` (paired,
-    seeds matched) and against the ``reference`` GMM counts (``{utt: [errors, words]}``). Every run
-    at the acoustic scale dev picked for it, or all at the one ``scale`` (``sweep_scales``), or
-    the counts ``counts_of(run_dir)`` gives."""
+    seeds matched) and against the ``reference`` GMM counts (``{utt: [errors, words]}``). Each run's
+    counts are ``counts_of(run_dir)``: by default at the acoustic scale dev picked for it."""
     from local.wer_stats import paired_difference, per_utterance_counts, wer_interval
 
     groups: dict[str, dict[int, dict]] = {}
     for d in run_dirs:
-        counts = counts_of(d) if counts_of else _test_counts(d, scale)
+        counts = counts_of(d)
         if counts is None:
             continue
         name = json.loads((Path(d) / "train_summary.json").read_text()).get("run_name", Path(d).name)
@@ -466,28 +465,28 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
     base = add_relative_wer(rows, baseline)
     data_dir = json.loads((Path(run_dirs[0]) / "train_summary.json").read_text()).get("data_dir")
     reference = gmm_reference(data_dir) if data_dir else None
-    seeds = seeds_report([Path(d) for d in run_dirs], base["run"] if base else "baseline", reference)
+    dirs, base_name = [Path(d) for d in run_dirs], base["run"] if base else "baseline"
+    seeds = seeds_report(dirs, base_name, reference)
     table = markdown_table(rows) + "\n\n" + seeds_markdown(seeds)
-    scales = sweep_scales([Path(d) for d in run_dirs])
-    sweep = {s: seeds_report([Path(d) for d in run_dirs], base["run"] if base else "baseline", scale=s)
-             for s in scales}
+
+    def per_name(values) -> dict[str, list]:  # one value per run (in run order), grouped by run name
+        grouped: dict[str, list] = {}
+        for r, v in zip(rows, values):
+            grouped.setdefault(r["run"], []).append(v)
+        return grouped
+
+    scales = sweep_scales(dirs)
+    sweep = {s: seeds_report(dirs, base_name, counts_of=lambda d, s=s: _test_counts(d, s)) for s in scales}
     if sweep:
-        picked: dict[str, list] = {}
-        for r in rows:
-            picked.setdefault(r["run"], []).append(r.get("acoustic_scale"))
-        table += "\n\n" + sweep_markdown(sweep, picked)
+        table += "\n\n" + sweep_markdown(sweep, per_name(r.get("acoustic_scale") for r in rows))
     speaker_of = test_speakers(data_dir) if sweep and data_dir else None
     crossfold: dict = {}
     if speaker_of:
-        folds = {Path(d): crossfold_counts(Path(d), scales, speaker_of) for d in run_dirs}
+        folds = {d: crossfold_counts(d, scales, speaker_of) for d in dirs}
         if all(folds.values()):
-            crossfold = seeds_report(list(folds), base["run"] if base else "baseline",
-                                     counts_of=lambda d: folds[Path(d)][0])
+            crossfold = seeds_report(dirs, base_name, counts_of=lambda d: folds[d][0])
         if crossfold:
-            fold_picks: dict[str, list] = {}
-            for r, d in zip(rows, run_dirs):
-                fold_picks.setdefault(r["run"], []).append("/".join(folds[Path(d)][1]))
-            crossfold["picks"] = fold_picks
+            crossfold["picks"] = per_name("/".join(folds[d][1]) for d in dirs)
             table += "\n\n" + crossfold_markdown(crossfold)
     note = (f"Relative WER change against `{base['run']}` of the same seed (its first run where the seed has "
             "none); bytes sent: what one worker puts on the wire per "
