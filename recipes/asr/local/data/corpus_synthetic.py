@@ -7,8 +7,10 @@ Splits:
   pitch; plus one augmented copy of every utterance (sox speed 0.9–1.1, reverb, noise at
   10–30 dB SNR), id suffixed ``-aug``, same speaker.
 - ``dev``: held-out voices, used in neither train nor test (espeak en-gb-scotland / en-029 /
-  en-us-nyc with the variants m8, robert, Annie, linda), sentences not in train; for the
-  acoustic scale and the epoch, which must be chosen on voices the model has not heard.
+  en-us-nyc with the variants m8, robert, Annie, linda, and since version 3 also Michael, paul,
+  quincy, rob, Alicia, Andrea, anika, steph: 36 voices), sentences not in train or test; 900
+  sentences, for the acoustic scale and the epoch, which must be chosen on voices the model has not
+  heard (with 300 sentences of 12 voices, one of 6 systems picked another scale than the rest).
 - ``test``: voices never used in training (espeak en-gb-scotland / en-029 / en-us-nyc with
   m6, m7, f4, f5; flite rms; festival ked_diphone), sentences not in train or dev; 1650
   sentences (≥ 12,000 words), so that WER differences of a few percent relative can be told
@@ -45,7 +47,9 @@ from local.drops import clear_drops, record_drop
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "dev", "test")
-VERSION = 2  # 2: dev of held-out voices, 1650 test sentences, 60 espeak training voices (1: dev of training voices)
+# 3: dev of 900 sentences and 36 held-out voices, train and test as in 2; 2: dev of 300 sentences and 12
+# held-out voices, 1650 test sentences, 60 espeak training voices; 1: dev of training voices
+VERSION = 3
 DEV_POOL_FACTOR = 20  # candidate sentences per dev sentence when looking for in-vocabulary ones
 # Share of utterances per engine: espeak has many voices but one synthesis method, so it
 # does not get a share proportional to its number of voices.
@@ -63,6 +67,9 @@ class Size:
             only espeak voices: flite and festival have no voice left that train and test do not use).
         settings_per_voice: rate/pitch settings per flite/festival voice in train (test: 1 less, at least 1).
         words_per_class: keep only this many words of each template word class (None: all).
+        dev_extra: more dev sentences, on the voices of ``espeak_variants_dev_extra`` (test accents).
+            They are planned after everything else, from sentences neither train, dev nor test has, so
+            that train, test and the first ``dev`` sentences stay what they are without them.
     """
 
     train: int
@@ -75,6 +82,8 @@ class Size:
     settings_per_voice: int
     espeak_variants_dev: tuple[str, ...]
     words_per_class: int | None = None
+    dev_extra: int = 0
+    espeak_variants_dev_extra: tuple[str, ...] = ()
 
 
 SIZES = {
@@ -88,11 +97,15 @@ SIZES = {
         ("m6", "m7", "f4", "f5"),
         3,
         ("m8", "robert", "Annie", "linda"),
+        dev_extra=600,
+        espeak_variants_dev_extra=("Michael", "paul", "quincy", "rob", "Alicia", "Andrea", "anika", "steph"),
     ),
     "tiny": Size(24, 6, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1, ("m8",), 2),
 }
 
-ESPEAK_GENDER = {"Andy": "m", "travis": "m", "robert": "m", "aunty": "f", "belinda": "f", "Annie": "f", "linda": "f"}  # named variants; m1.., f1.. say it in their name
+ESPEAK_GENDER = {"Andy": "m", "travis": "m", "robert": "m", "Michael": "m", "paul": "m", "quincy": "m", "rob": "m",
+                 "aunty": "f", "belinda": "f", "Annie": "f", "linda": "f", "Alicia": "f", "Andrea": "f", "anika": "f",
+                 "steph": "f"}  # named variants; m1.., f1.. say it in their name
 FLITE_TRAIN = (("kal16", "m"), ("awb", "m"), ("slt", "f"))
 FESTIVAL_TRAIN = (("kal_diphone", "m"), ("cmu_us_slt_arctic_hts", "f"))
 FLITE_TEST = (("rms", "m"),)
@@ -103,7 +116,7 @@ def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
     """Voice settings per engine for ``train``, ``dev`` and ``test`` (no setting in two splits).
 
     Returns:
-        ``{"train": {engine: [Voice, ...]}, "dev": {"espeak": [...]}, "test": {...}}``
+        ``{"train": {engine: [Voice, ...]}, "dev": {"espeak": [...]}, "test": {...}, "dev_extra": {"espeak": [...]}}``
     """
     rng = random.Random(f"voices-{seed}")
 
@@ -135,6 +148,8 @@ def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
         },
         # drawn last, so that the train and test settings stay those of the corpus before dev had its own voices
         "dev": {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_dev)},
+        # drawn after dev's, for the same reason
+        "dev_extra": {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_dev_extra)},
     }
 
 
@@ -169,6 +184,18 @@ def plan(size: Size, seed: int, audio_dir: Path) -> list[Utterance]:
             uid = f"{voice.speaker}_{split}{k:05d}"
             aug = Augmentation.draw(rng) if split == "train" else None
             utts.append(Utterance(uid, split, text, voice, audio_dir / split / f"{uid}.wav", aug))
+    # dev's further sentences and voices, after every draw above (so that those are as without them)
+    used_texts = taken | set(split_texts["test"])
+    left = [t for t in rest if t not in used_texts]
+    extra = ([t for t in left if set(t.split()) <= vocab] + [t for t in left if not set(t.split()) <= vocab])
+    if len(extra) < size.dev_extra:
+        raise ValueError(f"the sentence pool has {len(extra)} sentences left for dev_extra={size.dev_extra}; "
+                         "raise DEV_POOL_FACTOR or lower dev_extra")
+    extra_voices = voices["dev_extra"]["espeak"]
+    for i, text in enumerate(extra[: size.dev_extra]):
+        voice, k = extra_voices[i % len(extra_voices)], size.dev + i
+        uid = f"{voice.speaker}_dev{k:05d}"
+        utts.append(Utterance(uid, "dev", text, voice, audio_dir / "dev" / f"{uid}.wav", None))
     return utts
 
 
@@ -218,7 +245,7 @@ def prepare_synthetic(
 
     Args:
         data_dir: output root; audio goes to ``<data_dir>/audio/<split>/``.
-        size: ``default`` (≥ 1 h train + augmented copy, 0.1 h dev, ≥ 0.25 h test) or ``tiny`` (tests).
+        size: ``default`` (≥ 1 h train + augmented copy, 0.5 h dev, ≥ 1 h test) or ``tiny`` (tests).
         seed: fixes sentences, voice settings and augmentation.
         num_jobs: synthesis processes.
 
