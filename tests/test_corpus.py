@@ -103,6 +103,34 @@ def test_tiny_corpus_is_deterministic(tiny_corpus, tmp_path):
         ]
 
 
+def test_dev_extra_adds_held_out_voices_and_leaves_the_rest_as_it_was(tmp_path):
+    """Version 3's further dev sentences: new voices and sentences, while train, test and the first
+    ``dev`` sentences are what the corpus without them has (the default size's plan, no synthesis)."""
+    size = SIZES["default"]
+    assert size.dev_extra > 0
+    with_extra = plan(size, 0, tmp_path)
+    without = plan(replace(size, dev_extra=0, espeak_variants_dev_extra=()), 0, tmp_path)
+
+    def key(utts):
+        return [(u.id, u.text, u.voice, u.aug) for u in utts]
+
+    assert key(u for u in with_extra if u.split != "dev") == key(u for u in without if u.split != "dev")
+    dev = [u for u in with_extra if u.split == "dev"]
+    assert key(dev[: size.dev]) == key(u for u in without if u.split == "dev")
+    extra = dev[size.dev :]
+    assert len(extra) == size.dev_extra and len({u.id for u in dev}) == len(dev)
+    others = {u.voice for u in with_extra if u not in extra}
+    assert {u.voice for u in extra}.isdisjoint(others)
+    assert {u.voice.engine for u in extra} == {"espeak"}
+    assert len({u.voice for u in extra}) == len(size.espeak_accents_test) * len(size.espeak_variants_dev_extra)
+    texts = {u.text for u in with_extra if u not in extra}
+    assert {u.text for u in extra}.isdisjoint(texts) and len({u.text for u in extra}) == len(extra)
+    vocab = {w for u in with_extra if u.split == "train" for w in u.text.split()}
+    assert all(set(u.text.split()) <= vocab for u in extra)  # alignable: dev frame accuracy counts them
+    with pytest.raises(ValueError, match="dev_extra"):
+        plan(replace(size, dev_extra=10**6), 0, tmp_path)
+
+
 def test_failed_and_empty_synthesis_are_dropped(tmp_path, monkeypatch):
     real_plan = corpus_synthetic.plan
 
