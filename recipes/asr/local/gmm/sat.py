@@ -62,7 +62,7 @@ FMLLR_ITERS = {20}
 FMLLR_MIN_FRAMES = 500.0  # fewer (silence-weighted) frames: the speaker keeps its current transform
 SILENCE_WEIGHT_TRAIN = 0.0  # train_sat.sh
 SILENCE_WEIGHT_DECODE = 0.01  # decode_fmllr.sh
-ACOUSTIC_SCALES = (0.0667, 0.0833, 0.1)
+ACOUSTIC_SCALES = (0.05, 0.0588, 0.0667, 0.0833, 0.1)  # see gmm.decode.ACOUSTIC_SCALES
 
 
 def silence_tids(system: GmmSystem, sil_id: int) -> np.ndarray:
