@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # Search settings of every decoding in the recipe, GMM and DNN alike (Kaldi's decode.sh uses beam 13 with
 # 7000 active states). On the default corpus's held-out voices, where the chosen acoustic scales are low
-# (0.0667 for the monophone GMM, 0.125-0.167 for the DNN), 7000 active states decoded the monophone GMM at
+# (0.05-0.0667 for the GMMs, 0.125 for the DNN), 7000 active states decoded the monophone GMM at
 # ~2 s per utterance; 3000 bounds the cost per frame (a DNN lost one error in 300 words at beam 10).
 BEAM, MAX_ACTIVE = 10.0, 3000
 MIN_PARALLEL = 100  # utterances per process below which a GMM decoding stays in this process
