@@ -129,6 +129,8 @@ def test_dev_extra_adds_held_out_voices_and_leaves_the_rest_as_it_was(tmp_path):
     assert all(set(u.text.split()) <= vocab for u in extra)  # alignable: dev frame accuracy counts them
     with pytest.raises(ValueError, match="dev_extra"):
         plan(replace(size, dev_extra=10**6), 0, tmp_path)
+    with pytest.raises(ValueError, match="espeak_variants_dev_extra"):
+        plan(replace(size, espeak_variants_dev_extra=()), 0, tmp_path)
 
 
 def test_failed_and_empty_synthesis_are_dropped(tmp_path, monkeypatch):

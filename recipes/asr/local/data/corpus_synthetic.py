@@ -10,7 +10,8 @@ Splits:
   en-us-nyc with the variants m8, robert, Annie, linda, and since version 3 also Michael, paul,
   quincy, rob, Alicia, Andrea, anika, steph: 36 voices), sentences not in train or test; 900
   sentences, for the acoustic scale and the epoch, which must be chosen on voices the model has not
-  heard (with 300 sentences of 12 voices, one of 6 systems picked another scale than the rest).
+  heard (on version 3's first build the 900 picked each DNN run's best test scale in 6 runs of 6, the
+  first 300 alone in 1 of 6: docs/corpus_v3.md).
 - ``test``: voices never used in training (espeak en-gb-scotland / en-029 / en-us-nyc with
   m6, m7, f4, f5; flite rms; festival ked_diphone), sentences not in train or dev; 1650
   sentences (≥ 12,000 words), so that WER differences of a few percent relative can be told
@@ -192,6 +193,9 @@ def plan(size: Size, seed: int, audio_dir: Path) -> list[Utterance]:
         raise ValueError(f"the sentence pool has {len(extra)} sentences left for dev_extra={size.dev_extra}; "
                          "raise DEV_POOL_FACTOR or lower dev_extra")
     extra_voices = voices["dev_extra"]["espeak"]
+    if size.dev_extra and not extra_voices:
+        raise ValueError(f"dev_extra={size.dev_extra} needs voices: give espeak_variants_dev_extra (and "
+                         "espeak_accents_test), or set dev_extra=0")
     for i, text in enumerate(extra[: size.dev_extra]):
         voice, k = extra_voices[i % len(extra_voices)], size.dev + i
         uid = f"{voice.speaker}_dev{k:05d}"
