@@ -7,10 +7,12 @@
 #   stage=1 bash recipes/asr/run.sh                # from the baseline training on
 #   seeds="1 2" stage=1 bash recipes/asr/run.sh    # two more seeds, then the comparison over all
 #   data=data/mini_librispeech bash recipes/asr/run.sh   # after prepare.py --corpus ... (see README)
+#   test_sweep=1 stage=3 bash recipes/asr/run.sh   # also test at every acoustic scale (fixed-scale tables)
 #
 # Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 3 decodes
-# the runs not decoded yet (dev at each acoustic scale, test at the one dev picks and at each scale)
-# and compares every run found for seeds 0 1 2. Each stage prints its wall and
+# the runs not decoded yet (dev at each acoustic scale, test at the one dev picks; with test_sweep=1
+# also test at each scale, for the comparison's fixed-scale tables) and compares every run found for
+# seeds 0 1 2. Each stage prints its wall and
 # CPU time (bash `time`; on a shared machine user + sys is what the stage takes alone).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,6 +22,7 @@ data=${data:-data/synthetic-default}
 exp=${exp:-exp/dnn}
 stage=${stage:-0}
 seeds=${seeds:-0}
+test_sweep=${test_sweep:-0}
 
 run_dir() { if [ "$1" = 0 ]; then echo "$exp"; else echo "$exp/seed$1"; fi; }
 
@@ -48,6 +51,6 @@ if [ "$stage" -le 3 ]; then
     done
   done
   echo "== stage 3: decode dev/test, compare ${#runs[@]} runs -> $exp/compare"
-  # --test-sweep: test also at every acoustic scale, for the comparison's fixed-scale tables
-  time $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded --test-sweep
+  sweep=(); [ "$test_sweep" = 1 ] && sweep=(--test-sweep)  # test also at every scale: fixed-scale tables
+  time $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded ${sweep[@]+"${sweep[@]}"}
 fi
