@@ -401,36 +401,6 @@ def test_parallel_gmm_decoding_equals_one_process(trained):
     assert set(one_alis) == set(two_alis) and all(np.array_equal(one_alis[u], two_alis[u]) for u in one_alis)
 
 
-def test_decode_pool_serves_several_scales_with_the_same_processes(trained, tmp_path):
-    """A stage's sweep starts its decoding processes once: the same processes decode at two scales,
-    each time exactly as one process does; bad settings are clear errors."""
-    from local.gmm.common import GmmSystem, load_utterances
-    from local.graph.decode import GmmDecodePool, decode_utterances_gmm
-    from local.kaldi import kaldifst
-
-    data_dir = trained[0]
-    system = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl")
-    graph = data_dir / "exp" / "tri" / "graph" / "HCLG.fst"
-    utts = load_utterances(data_dir, "dev")
-    items = [(u, utts.feats[u]) for u in utts.ids]
-    hclg = kaldifst.StdVectorFst.read(str(graph))
-    with GmmDecodePool(graph, system.tm, system.am, num_jobs=2) as pool:
-        pids = []
-        for scale in (0.0667, 0.1):
-            one_alis, pool_alis = {}, {}
-            one = decode_utterances_gmm(hclg, system.tm, system.am, items, scale, alignments=one_alis)
-            got = pool.decode(items, scale, alignments=pool_alis)
-            assert got == one and list(got) == [u for u, _ in items]
-            assert set(pool_alis) == set(one_alis)
-            assert all(np.array_equal(one_alis[u], pool_alis[u]) for u in one_alis)
-            pids.append(sorted(pool._pool._processes))
-        assert len(pids[0]) == 2 and pids[0] == pids[1]
-    with pytest.raises(ValueError, match="num_jobs=0"):
-        GmmDecodePool(graph, system.tm, system.am, num_jobs=0)
-    with pytest.raises(FileNotFoundError, match="read the graph from disk"):
-        GmmDecodePool(tmp_path / "HCLG.fst", system.tm, system.am, num_jobs=2)
-
-
 def test_sat_alignments_are_the_dnn_targets(trained, sat):
     """Stage 6 with the SAT system: train from the SAT stage, dev by align_fmllr, transforms saved,
     targets and priors over the SAT system's pdfs, the SAT graph named for decoding."""

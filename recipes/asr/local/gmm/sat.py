@@ -51,7 +51,7 @@ from local.gmm.transforms import (
     compose_affine,
     estimate_fmllr,
 )
-from local.graph.decode import GmmDecodePool, decode_utterances_gmm, score, words_to_text
+from local.graph.decode import decode_utterances_gmm, score, words_to_text
 from local.graph.hclg import make_hclg
 from local.kaldi import kaldifst
 
@@ -189,18 +189,18 @@ def train_sat(
 
 def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
                     first_trans: dict, scale: float, hclg_path: Path | None = None,
-                    best_paths: dict | None = None, pool: GmmDecodePool | None = None) -> tuple[dict, dict]:
+                    best_paths: dict | None = None) -> tuple[dict, dict]:
     """Two adapted passes from the first-pass transforms: decode, re-estimate, decode (in
-    ``DECODE_JOBS`` processes with ``hclg_path``, or in ``pool``, of ``system`` on ``hclg``). Returns
-    (hyps, transforms); ``best_paths`` receives the last pass's transition-ids."""
+    ``DECODE_JOBS`` processes with ``hclg_path``). Returns (hyps, transforms); ``best_paths``
+    receives the last pass's transition-ids."""
     alis: dict = {}
     adapted = transformed(utts.feats, speakers, first_trans)
     decode_utterances_gmm(hclg, system.tm, system.am, adapted.items(), acoustic_scale=scale, alignments=alis,
-                          hclg_path=hclg_path, num_jobs=DECODE_JOBS, pool=pool)
+                          hclg_path=hclg_path, num_jobs=DECODE_JOBS)
     trans = speaker_transforms(system, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_DECODE, first_trans)
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, transformed(utts.feats, speakers, trans).items(),
                                  acoustic_scale=scale, alignments=best_paths, hclg_path=hclg_path,
-                                 num_jobs=DECODE_JOBS, pool=pool)
+                                 num_jobs=DECODE_JOBS)
     return hyps, trans
 
 
@@ -286,45 +286,44 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
     si_scale = json.loads(dev_wer.read_text())["acoustic_scale"] if dev_wer.exists() else 0.0833
     results: dict = {}
     best_scale = None
-    with GmmDecodePool(hclg_path, system.tm, system.am, DECODE_JOBS) as pool:  # one start for all passes
-        for split in ("dev", "test"):
-            if not (data_dir / "features" / f"{split}_cuts.jsonl.gz").exists():
-                continue
-            utts = load_utterances(data_dir, split)
-            speakers = {c.id: gmm_cmvn_key(c) for c in utts.cuts}
-            refs = {c.id: " ".join(utts.words[c.id]) for c in utts.cuts}
-            out_dir = exp / f"decode_{split}"
-            si_alis, si_wer = _first_pass(si_dir / f"decode_{split}", set(utts.ids))
-            if si_alis is None:  # the tri stage's best paths are missing or stale: decode again
-                if si_hclg is None:
-                    si_graph = si_dir / "graph" / "HCLG.fst"
-                    si_hclg = (kaldifst.StdVectorFst.read(str(si_graph)) if si_graph.exists()
-                               else make_hclg(lang.dir, si.tree, si.tm, out_path=si_graph))
-                si_hyps, si_alis = _si_decode(si_hclg, si_graph, si, utts, si_scale)
-                si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
-                               f"{split}-si-acwt{si_scale:g}")["wer"]
-            first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
-            tried = scales if best_scale is None else (best_scale,)
-            by_scale, trans_by_scale, paths_by_scale = {}, {}, {}
-            for scale in tried:
-                hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first, scale,
-                                                              best_paths=paths_by_scale.setdefault(scale, {}), pool=pool)
-                texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
-                by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
-            scale = min(by_scale, key=lambda s: (by_scale[s]["wer"], abs(s - 0.0833)))
-            best_scale = best_scale or scale
-            res = {**by_scale[scale], "acoustic_scale": scale, "si_first_pass_wer": si_wer,
-                   "speakers": len(set(speakers.values()))}
-            if len(tried) > 1:
-                res["by_scale"] = {str(s): r["wer"] for s, r in by_scale.items()}
-            (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
-            with open(out_dir / "trans.pkl", "wb") as f:
-                pickle.dump(trans_by_scale[scale], f)
-            with open(out_dir / "best_path.pkl", "wb") as f:  # the DNN's fbank_sat transforms start from them
-                pickle.dump(paths_by_scale[scale], f)
-            results[f"{split}_wer"], results[f"{split}_si_wer"] = res["wer"], si_wer
-            log.info("sat %s: WER %.2f %% with fMLLR at acoustic scale %g (first pass %.2f %%)", split, res["wer"],
-                     scale, si_wer)
+    for split in ("dev", "test"):
+        if not (data_dir / "features" / f"{split}_cuts.jsonl.gz").exists():
+            continue
+        utts = load_utterances(data_dir, split)
+        speakers = {c.id: gmm_cmvn_key(c) for c in utts.cuts}
+        refs = {c.id: " ".join(utts.words[c.id]) for c in utts.cuts}
+        out_dir = exp / f"decode_{split}"
+        si_alis, si_wer = _first_pass(si_dir / f"decode_{split}", set(utts.ids))
+        if si_alis is None:  # the tri stage's best paths are missing or stale: decode again
+            if si_hclg is None:
+                si_graph = si_dir / "graph" / "HCLG.fst"
+                si_hclg = (kaldifst.StdVectorFst.read(str(si_graph)) if si_graph.exists()
+                           else make_hclg(lang.dir, si.tree, si.tm, out_path=si_graph))
+            si_hyps, si_alis = _si_decode(si_hclg, si_graph, si, utts, si_scale)
+            si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
+                           f"{split}-si-acwt{si_scale:g}")["wer"]
+        first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
+        tried = scales if best_scale is None else (best_scale,)
+        by_scale, trans_by_scale, paths_by_scale = {}, {}, {}
+        for scale in tried:
+            hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first, scale,
+                                                          hclg_path, paths_by_scale.setdefault(scale, {}))
+            texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
+            by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
+        scale = min(by_scale, key=lambda s: (by_scale[s]["wer"], abs(s - 0.0833)))
+        best_scale = best_scale or scale
+        res = {**by_scale[scale], "acoustic_scale": scale, "si_first_pass_wer": si_wer,
+               "speakers": len(set(speakers.values()))}
+        if len(tried) > 1:
+            res["by_scale"] = {str(s): r["wer"] for s, r in by_scale.items()}
+        (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
+        with open(out_dir / "trans.pkl", "wb") as f:
+            pickle.dump(trans_by_scale[scale], f)
+        with open(out_dir / "best_path.pkl", "wb") as f:  # the DNN's fbank_sat transforms start from them
+            pickle.dump(paths_by_scale[scale], f)
+        results[f"{split}_wer"], results[f"{split}_si_wer"] = res["wer"], si_wer
+        log.info("sat %s: WER %.2f %% with fMLLR at acoustic scale %g (first pass %.2f %%)", split, res["wer"],
+                 scale, si_wer)
     results["acoustic_scale"] = best_scale
     results["decode_seconds"] = round(time.perf_counter() - start, 1)
     return results

@@ -24,7 +24,6 @@ import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Self
 
 import numpy as np
 from tqdm import tqdm
@@ -123,19 +122,14 @@ def decode_utterances_gmm(
     alignments: dict | None = None,
     hclg_path: Path | str | None = None,
     num_jobs: int = 1,
-    pool: GmmDecodePool | None = None,
 ) -> dict[str, list[int]]:
     """Decode GMM features: ``utterances`` yields ``(utt_id, feats [T, D])`` for ``am`` (``khg.AmDiagGmm``);
-    ``alignments`` as in ``_decode_all`` (the first pass of fMLLR decoding uses them). With ``pool``
-    (a ``GmmDecodePool`` of the same graph and models, kept for many decodings), or with ``num_jobs``
-    > 1 and ``hclg_path`` (the graph as written on disk: FSTs do not pickle; processes started for
-    this decoding only), the utterances are decoded by that many processes."""
-    if pool is not None or (num_jobs > 1 and hclg_path is not None):
+    ``alignments`` as in ``_decode_all`` (the first pass of fMLLR decoding uses them). With
+    ``num_jobs`` > 1 and ``hclg_path`` (the graph as written on disk: FSTs do not pickle), the
+    utterances are decoded by that many processes (``decode_gmm_parallel``)."""
+    if num_jobs > 1 and hclg_path is not None:
         utterances = list(utterances)
-        jobs = pool.num_jobs if pool is not None else num_jobs
-        if len(utterances) >= MIN_PARALLEL * jobs:  # fewer: starting the processes costs more than it saves
-            if pool is not None:
-                return pool.decode(utterances, acoustic_scale, alignments)
+        if len(utterances) >= MIN_PARALLEL * num_jobs:  # fewer: starting the processes costs more than it saves
             return decode_gmm_parallel(hclg_path, trans_model, am, utterances, acoustic_scale, num_jobs, beam,
                                        max_active, alignments)
 
@@ -172,61 +166,30 @@ def _gmm_worker_decode(args: tuple[list, float]) -> tuple[dict, dict]:
     return hyps, alis
 
 
-class GmmDecodePool:
-    """``num_jobs`` spawned decoding processes (one thread each) that hold one graph and one GMM
-    system for many decodings: a system's dev sweep over the acoustic scales and its test decoding
-    start the processes once instead of once per decoding (about 2 s each time on the reference
-    machine: torch's import and the graph's read). Utterances are dealt round-robin (a corpus sorted
-    by voice puts the slow voices together). Use as a context manager; the results are those of one
-    process (``decode_utterances_gmm`` without it)."""
-
-    def __init__(self, hclg_path: Path | str, trans_model, am, num_jobs: int, beam: float = BEAM,
-                 max_active: int = MAX_ACTIVE):
-        import multiprocessing
-        import pickle
-        from concurrent.futures import ProcessPoolExecutor
-
-        if num_jobs < 1:
-            raise ValueError(f"num_jobs={num_jobs}: a decoding pool needs at least 1 process")
-        if not Path(hclg_path).exists():
-            raise FileNotFoundError(f"{hclg_path}: the pool's processes read the graph from disk; write it first")
-        self.num_jobs = num_jobs
-        # spawn: a forked child would inherit this process's OpenMP state (DESIGN section 7)
-        self._pool = ProcessPoolExecutor(num_jobs, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_gmm_worker_init,
-                                         initargs=(str(hclg_path), pickle.dumps((trans_model, am)), beam, max_active))
-
-    def decode(self, utterances: list[tuple[str, np.ndarray]], acoustic_scale: float,
-               alignments: dict | None = None) -> dict[str, list[int]]:
-        """``{utt_id: [word ids]}`` in the order of ``utterances``; ``alignments`` as in ``_decode_all``."""
-        t0 = time.time()
-        chunks = [(utterances[j :: self.num_jobs], acoustic_scale) for j in range(self.num_jobs)]
-        out = {}
-        for hyps, alis in self._pool.map(_gmm_worker_decode, chunks):
-            out.update(hyps)
-            if alignments is not None:
-                alignments.update(alis)
-        log.info("decoded %d utterances in %d processes in %.1f s (acoustic scale %g)", len(out), self.num_jobs,
-                 time.time() - t0, acoustic_scale)
-        return {u: out[u] for u, _ in utterances if u in out}
-
-    def close(self) -> None:
-        self._pool.shutdown()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def decode_gmm_parallel(hclg_path: Path | str, trans_model, am, utterances: list[tuple[str, np.ndarray]],
                         acoustic_scale: float, num_jobs: int, beam: float = BEAM, max_active: int = MAX_ACTIVE,
                         alignments: dict | None = None) -> dict[str, list[int]]:
-    """``decode_utterances_gmm`` in a ``GmmDecodePool`` of ``num_jobs`` processes started for this one
-    decoding. Same results as one process, in about 1 / num_jobs of the time on idle cores."""
-    with GmmDecodePool(hclg_path, trans_model, am, num_jobs, beam, max_active) as pool:
-        return pool.decode(utterances, acoustic_scale, alignments)
+    """``decode_utterances_gmm`` in ``num_jobs`` spawned processes (one thread each), each reading the
+    graph from ``hclg_path``; utterances are dealt round-robin (a corpus sorted by voice puts the slow
+    voices together). Same results as one process, in about 1 / num_jobs of the time on idle cores."""
+    import multiprocessing
+    import pickle
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.time()
+    chunks = [(utterances[j::num_jobs], acoustic_scale) for j in range(num_jobs)]
+    models = pickle.dumps((trans_model, am))
+    # spawn: a forked child would inherit this process's OpenMP state (DESIGN section 7)
+    with ProcessPoolExecutor(num_jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_gmm_worker_init,
+                             initargs=(str(hclg_path), models, beam, max_active)) as pool:
+        results = list(pool.map(_gmm_worker_decode, chunks))
+    out = {}
+    for hyps, alis in results:
+        out.update(hyps)
+        if alignments is not None:
+            alignments.update(alis)
+    log.info("decoded %d utterances in %d processes in %.1f s", len(out), num_jobs, time.time() - t0)
+    return {u: out[u] for u, _ in utterances if u in out}
 
 
 def _log_speed(n: int, failed: list[str], partial: list[str], frames: int, t0: float) -> None:
