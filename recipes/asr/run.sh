@@ -23,6 +23,7 @@ exp=${exp:-exp/dnn}
 stage=${stage:-0}
 seeds=${seeds:-0}
 test_sweep=${test_sweep:-0}
+case "$test_sweep" in 0|1) ;; *) echo "run.sh: test_sweep=$test_sweep: use test_sweep=1 (test at every scale) or 0" >&2; exit 2 ;; esac
 
 run_dir() { if [ "$1" = 0 ]; then echo "$exp"; else echo "$exp/seed$1"; fi; }
 
