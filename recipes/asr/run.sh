@@ -52,6 +52,6 @@ if [ "$stage" -le 3 ]; then
     done
   done
   echo "== stage 3: decode dev/test, compare ${#runs[@]} runs -> $exp/compare"
-  sweep=(); [ "$test_sweep" = 1 ] && sweep=(--test-sweep)  # test also at every scale: fixed-scale tables
-  time $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded ${sweep[@]+"${sweep[@]}"}
+  sweep=""; [ "$test_sweep" = 1 ] && sweep=--test-sweep  # test also at every scale: fixed-scale tables
+  time $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded $sweep
 fi
