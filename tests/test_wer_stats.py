@@ -51,6 +51,30 @@ def test_pairing_makes_a_small_consistent_gain_significant():
     assert ib["hi"] > ia["lo"], "unpaired intervals overlap: only the pairing shows the gain"
 
 
+def test_resampling_seeds_puts_the_spread_between_trainings_in_the_interval():
+    """Three paired trainings whose differences disagree (b better on seed 0, worse on seed 1,
+    equal on seed 2): each is clear over 3,000 utterances, so the utterance bootstrap of the mean
+    difference is narrow, while drawing the seeds too spans the per-seed differences. One seed: the
+    two bootstraps agree exactly."""
+    rng = np.random.default_rng(6)
+    words = rng.integers(4, 11, 3000).astype(float)
+    a = np.vstack([rng.binomial(words.astype(int), 0.1) for _ in range(3)]).astype(float)
+    b = a.copy()
+    idx0, idx1 = rng.choice(3000, 200, replace=False), rng.choice(3000, 200, replace=False)
+    b[0, idx0] = np.maximum(b[0, idx0] - 1, 0)  # b fixes errors on seed 0
+    b[1, idx1] += 1  # and makes ones on seed 1
+    narrow, wide = paired_difference(a, b, words), paired_difference(a, b, words, over_seeds=True)
+    assert wide["diff"] == narrow["diff"] and wide["rel_pct"] == narrow["rel_pct"]
+    per_seed = [paired_difference(a[s], b[s], words)["rel_pct"] for s in range(3)]
+    assert min(per_seed) < -2 and max(per_seed) > 2
+    assert narrow["rel_hi"] - narrow["rel_lo"] < 0.5 * (wide["rel_hi"] - wide["rel_lo"])
+    assert wide["rel_lo"] < -1 and wide["rel_hi"] > 1, "the seed draws reach both signs"
+    assert paired_difference(a[:1], b[:1], words, over_seeds=True) == paired_difference(a[:1], b[:1], words)
+    assert wer_interval(a, words, over_seeds=True)["wer"] == wer_interval(a, words)["wer"]
+    with pytest.raises(ValueError, match="same order"):
+        paired_difference(a, b[:2], words, over_seeds=True)
+
+
 def test_mismatched_utterances_name_the_fix():
     with pytest.raises(ValueError, match="same utterances"):
         wer_interval(np.ones((2, 5)), np.ones(4))
@@ -133,8 +157,10 @@ def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path):
     assert gtc["mean"]["lo"] < gtc["mean"]["wer"] < gtc["mean"]["hi"]
     assert gtc["vs_reference"]["rel_lo"] < gtc["vs_reference"]["rel_pct"] < gtc["vs_reference"]["rel_hi"]
     assert "vs_baseline" not in report["runs"]["baseline"]
+    wide, narrow = gtc["vs_baseline"]["mean_over_seeds"], gtc["vs_baseline"]["mean"]
+    assert wide["rel_pct"] == narrow["rel_pct"] and wide["rel_hi"] - wide["rel_lo"] >= narrow["rel_hi"] - narrow["rel_lo"]
     md = (tmp_path / "cmp" / "comparison.md").read_text()
-    assert "| gtc | 2 |" in md and "vs SAT GMM" in md
+    assert "| gtc | 2 |" in md and "vs SAT GMM" in md and "seeds resampled too" in md
 
 
 def test_comparison_at_fixed_acoustic_scales_pairs_runs_decoded_at_the_same_scale(tmp_path):

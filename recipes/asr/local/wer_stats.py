@@ -6,6 +6,14 @@ Every function takes per-utterance counts aligned on one list of utterance ids: 
 bootstrap replicate draws U utterances with replacement (the same draw for every system, which
 is what makes a difference paired) and recomputes each WER as total errors / total words over
 the draw. The interval is the 2.5 and 97.5 percentiles of the replicates.
+
+With ``over_seeds=True`` a replicate also draws the S seeds with replacement (the same seed draw
+for both systems of a paired difference, whose seeds are matched), so that the interval holds the
+spread between trainings as well as between utterances: two trainings of the same model that
+differ only in their random draws (or in the order of float sums) give different WERs, and a
+difference between systems smaller than that spread is not one that more test utterances can
+confirm. With S = 1 it is the utterance bootstrap; with few seeds it is coarse (S = 3 has 10
+distinct seed draws), and it only widens the intervals.
 """
 
 from __future__ import annotations
@@ -33,29 +41,45 @@ def _replicates(errors: np.ndarray, words: np.ndarray, num: int, seed: int) -> n
     return out
 
 
+def _seed_mean(reps: np.ndarray, over_seeds: bool, seed: int) -> np.ndarray:
+    """``[num]``: the mean over seeds (the columns of ``reps``, ``[num, S]``) of each replicate;
+    with ``over_seeds``, of S seeds drawn with replacement, one draw per replicate (the same draws
+    for every call with the same ``seed`` and shape, which is what pairs two systems' seeds)."""
+    if not over_seeds or reps.shape[1] == 1:
+        return reps.mean(1)
+    draw = np.random.default_rng([seed, 1]).integers(0, reps.shape[1], size=reps.shape)
+    return np.take_along_axis(reps, draw, axis=1).mean(1)
+
+
 def _interval(values: np.ndarray) -> tuple[float, float]:
     lo, hi = np.percentile(values, [2.5, 97.5])
     return round(float(lo), 2), round(float(hi), 2)
 
 
-def wer_interval(errors: np.ndarray, words: np.ndarray, num: int = NUM_REPLICATES, seed: int = SEED) -> dict:
+def wer_interval(errors: np.ndarray, words: np.ndarray, num: int = NUM_REPLICATES, seed: int = SEED,
+                 over_seeds: bool = False) -> dict:
     """WER of one system (``errors`` ``[U]``) or of the mean over seeds (``[S, U]``: the mean of
-    the S WERs), with its 95 % interval: ``{"wer", "lo", "hi"}`` in %."""
+    the S WERs), with its 95 % interval: ``{"wer", "lo", "hi"}`` in %. ``over_seeds``: resample
+    the seeds too (module docstring)."""
     errors = np.atleast_2d(np.asarray(errors, np.float64))
     wer = float((100.0 * errors.sum(1) / np.sum(words)).mean())
-    lo, hi = _interval(_replicates(errors, words, num, seed).mean(1))
+    lo, hi = _interval(_seed_mean(_replicates(errors, words, num, seed), over_seeds, seed))
     return {"wer": round(wer, 2), "lo": lo, "hi": hi}
 
 
 def paired_difference(errors_a: np.ndarray, errors_b: np.ndarray, words: np.ndarray, num: int = NUM_REPLICATES,
-                      seed: int = SEED) -> dict:
+                      seed: int = SEED, over_seeds: bool = False) -> dict:
     """WER(a) − WER(b) and (WER(b) − WER(a)) / WER(a) (b's relative change against a), each with
     a paired 95 % interval. ``errors_a``/``errors_b``: ``[U]``, or ``[S, U]`` for means over S
-    seeds (seed-averaged WERs compared). Returns ``{"diff", "diff_lo", "diff_hi", "rel_pct",
-    "rel_lo", "rel_hi", "wer_a", "wer_b"}``."""
+    seeds (seed-averaged WERs compared). ``over_seeds``: resample the seeds too, row ``s`` of
+    ``a`` paired with row ``s`` of ``b`` (module docstring). Returns ``{"diff", "diff_lo",
+    "diff_hi", "rel_pct", "rel_lo", "rel_hi", "wer_a", "wer_b"}``."""
     a, b = np.atleast_2d(np.asarray(errors_a, np.float64)), np.atleast_2d(np.asarray(errors_b, np.float64))
+    if over_seeds and len(a) != len(b):
+        raise ValueError(f"over_seeds pairs seed s of a with seed s of b, but a has {len(a)} seeds and b {len(b)}; "
+                         "pass the seeds both systems have, in the same order")
     reps = _replicates(np.vstack([a, b]), words, num, seed)
-    wer_a, wer_b = reps[:, : len(a)].mean(1), reps[:, len(a) :].mean(1)
+    wer_a, wer_b = _seed_mean(reps[:, : len(a)], over_seeds, seed), _seed_mean(reps[:, len(a) :], over_seeds, seed)
     point_a = float((100.0 * a.sum(1) / np.sum(words)).mean())
     point_b = float((100.0 * b.sum(1) / np.sum(words)).mean())
     diff_lo, diff_hi = _interval(wer_a - wer_b)
