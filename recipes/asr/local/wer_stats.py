@@ -10,7 +10,7 @@ the draw. The interval is the 2.5 and 97.5 percentiles of the replicates.
 With ``over_seeds=True`` a replicate also draws the S seeds with replacement (the same seed draw
 for both systems of a paired difference, whose seeds are matched), so that the interval holds the
 spread between trainings as well as between utterances: two trainings of the same model that
-differ only in their random draws (or in the order of float sums) give different WERs, and a
+differ only in their seed (initial weights, frame order) give different WERs, and a
 difference between systems smaller than that spread is not one that more test utterances can
 confirm. With S = 1 it is the utterance bootstrap; with few seeds it is coarse (S = 3 has 10
 distinct seed draws), and it only widens the intervals.
