@@ -193,14 +193,18 @@ def test_single_device_run_learns(aligned, tmp_path):
                     "--trainer.limit_train_batches", "null", "--data.batch_size", "16", "--model.lr", "1.0"])
     accs = summary["dev_frame_acc"]
     assert summary["world_size"] == 1 and summary["strategy"] == "baseline" and len(accs) == 3
+    assert summary["precision"] == "32-true"
     assert accs[-1] > 1.5 / NUM_PDFS, f"dev frame accuracy {accs} did not rise above chance"
 
 
 def test_gtc_run_with_two_forked_ranks(aligned, tmp_path):
+    """Also in bf16-mixed, the main job's precision where the CPU computes bfloat16: the gradient GTC
+    thresholds is still float32, and the summary names the precision."""
     summary = _run(["--config", str(ROOT / "conf" / "tiny.yaml"), "--trainer.strategy", "gtc_fork",
                     "--trainer.devices", "2", "--data.data_dir", str(aligned), "--exp_dir", str(tmp_path),
-                    "--trainer.max_epochs", "1", "--num_threads", "1"])
+                    "--trainer.max_epochs", "1", "--num_threads", "1", "--trainer.precision", "bf16-mixed"])
     assert summary["world_size"] == 2 and summary["strategy"] == "gtc" and summary["tau"] > 0
+    assert summary["precision"] == "bf16-mixed"
     assert summary["gtc"]["step"] > 0 and summary["gtc"]["total"]["bytes_sent"] > 0
     assert len(summary["dev_frame_acc"]) == 1
 

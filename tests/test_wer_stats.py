@@ -117,7 +117,13 @@ def test_comparison_names_automatic_tau_and_coding(tmp_path):
     assert run_row(d)["bits_per_word"] == pytest.approx(33.6)
     md = markdown_table(rows)
     assert "| auto | gtc, rice | 2 | auto, density 0.003 (last 0.0123) |" in md
-    assert "| plain | gtc | 2 | 0.0123 |" in md
+    assert "| plain | gtc | 2 | 0.0123 |" in md  # (no precision recorded: float32, not named)
+    (tmp_path / "plain" / "config.yaml").write_text("trainer: {strategy: gtc, precision: bf16-mixed}\n")
+    assert run_row(tmp_path / "plain")["precision"] == "bf16-mixed"  # a summary without it: the config's
+    summary = json.loads((tmp_path / "plain" / "train_summary.json").read_text())
+    (tmp_path / "plain" / "train_summary.json").write_text(json.dumps({**summary, "precision": "bf16-mixed"}))
+    row = {**run_row(tmp_path / "plain"), "rel_wer_change_pct": None}
+    assert row["precision"] == "bf16-mixed" and "| plain | gtc, bf16-mixed | 2 | 0.0123 |" in markdown_table([row])
 
 
 def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path):

@@ -8,6 +8,8 @@
 #   seeds="1 2" stage=1 bash recipes/asr/run.sh    # two more seeds, then the comparison over all
 #   data=data/mini_librispeech bash recipes/asr/run.sh   # after prepare.py --corpus ... (see README)
 #   test_sweep=1 stage=3 bash recipes/asr/run.sh   # also test at every acoustic scale (fixed-scale tables)
+#   precision=32-true bash recipes/asr/run.sh      # train in float32 (default: bf16-mixed where the
+#                                                  # device computes bfloat16 natively, local/dnn/precision.py)
 #
 # Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 3 decodes
 # the runs not decoded yet (dev at each acoustic scale, test at the one dev picks; with test_sweep=1
@@ -24,6 +26,9 @@ stage=${stage:-0}
 seeds=${seeds:-0}
 test_sweep=${test_sweep:-0}
 case "$test_sweep" in 0|1) ;; *) echo "run.sh: test_sweep=$test_sweep: use test_sweep=1 (test at every scale) or 0" >&2; exit 2 ;; esac
+precision=${precision:-$($python recipes/asr/local/dnn/precision.py)}
+case "$precision" in 32-true|bf16-mixed) ;; *) echo "run.sh: precision=$precision: use 32-true or bf16-mixed" >&2; exit 2 ;; esac
+echo "== DNN training precision: $precision"
 
 run_dir() { if [ "$1" = 0 ]; then echo "$exp"; else echo "$exp/seed$1"; fi; }
 
@@ -36,12 +41,12 @@ for seed in $seeds; do
   if [ "$stage" -le 1 ]; then
     echo "== stage 1: single-device baseline, seed $seed (global batch of the 2-worker runs) -> $dir/baseline"
     time $python recipes/asr/train.py --config conf/baseline.yaml --data.data_dir "$data" --exp_dir "$dir" \
-      --seed_everything "$seed" --data.seed "$seed"
+      --seed_everything "$seed" --data.seed "$seed" --trainer.precision "$precision"
   fi
   if [ "$stage" -le 2 ]; then
     echo "== stage 2: GTC, 2 workers, seed $seed -> $dir/gtc"
     time $python recipes/asr/train.py --strategy gtc --data.data_dir "$data" --exp_dir "$dir" --run_name gtc \
-      --seed_everything "$seed" --data.seed "$seed"
+      --seed_everything "$seed" --data.seed "$seed" --trainer.precision "$precision"
   fi
 done
 if [ "$stage" -le 3 ]; then

@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
@@ -69,6 +70,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from local.dnn.compare import strategy_name
 from local.dnn.datamodule import AsrDataModule
 from local.dnn.model import AcousticModel
+from local.dnn.precision import native_bf16_cpu
 
 import gtc_lightning  # noqa: F401  (registers the "gtc" strategy, also in re-launched children)
 
@@ -362,7 +364,17 @@ class AsrCLI(LightningCLI):
             trainer.callbacks.append(RankWatch())
         if trainer.world_size > 2:
             trainer.callbacks.append(OneBucketLayout())
+        self._check_precision(trainer)
         return trainer
+
+    @staticmethod
+    def _check_precision(trainer: Trainer) -> None:
+        """bfloat16 on a CPU that emulates it runs, slower than float32: say so (run.sh picks for the device)."""
+        on_cpu = isinstance(trainer.accelerator, CPUAccelerator)
+        if "bf16" in str(trainer.precision) and on_cpu and not native_bf16_cpu():
+            log.warning("--trainer.precision %s on a CPU without native bfloat16 (no AVX512-BF16 or AMX): oneDNN "
+                        "emulates it, slower than float32; --trainer.precision 32-true is faster here",
+                        trainer.precision)
 
     def _prepare_data(self, data_dir: Path) -> None:
         cfg = self.config
@@ -414,6 +426,7 @@ class RunSummary(Callback):
             "strategy_class": type(strategy).__name__,
             "world_size": trainer.world_size,
             "accelerator": type(trainer.accelerator).__name__,
+            "precision": str(trainer.precision),  # 32-true, or bf16-mixed: products in bfloat16, weights in float32
             "tau": getattr(strategy, "tau", None),
             "gtc": getattr(strategy, "gtc_stats", None),  # rank 0's step count and byte totals
             "sync": getattr(strategy, "sync_stats", None),  # ma, bmuf, bmuf_gtc: rank 0's syncs and bytes

@@ -133,6 +133,8 @@ def run_row(run_dir: Path | str) -> dict:
         # a trained run's strategy init_args, else a simulated run's options (read only then)
         "target_density": args.get("target_density") or (run_config(run_dir).get("simulate") or {}).get("target_density"),
         "coding": args.get("coding") or ("none" if summary.get("gtc") else None),
+        # runs from before the summary recorded it: their config's, where null is Lightning's 32-true
+        "precision": summary.get("precision") or (run_config(run_dir).get("trainer") or {}).get("precision") or "32-true",
         "words_per_step": words,
         "bits_per_word": bits,  # 32+ uncoded, ~10-13 Golomb-Rice coded
         "epochs": summary.get("epochs"),
@@ -189,6 +191,7 @@ def markdown_table(rows: list[dict]) -> str:
         if r.get("target_density") is not None:
             tau = f"auto, density {r['target_density']:g} (last {tau})"
         strategy = r["strategy"] + (f", {r['coding']}" if r.get("coding") not in (None, "none") else "")
+        strategy += f", {r['precision']}" if r.get("precision", "32-true") != "32-true" else ""
         lines.append(" | ".join([
             f"| {r['run']}", strategy, str(r["workers"]), tau, _fmt(r["epochs"], "d"),
             _fmt(100 * r["dev_frame_acc"] if r["dev_frame_acc"] is not None else None, ".2f", " %"),

@@ -1,0 +1,89 @@
+"""local/dnn/precision.py: the main job's training precision (bf16-mixed only where the device computes
+bfloat16 natively), and train.py's warning when bf16 is asked for on a CPU that emulates it."""
+
+import logging
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.accelerators import CPUAccelerator
+from local.dnn import precision
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("native,want", [(True, "bf16-mixed"), (False, "32-true")])
+def test_cpu_precision_follows_native_bfloat16(native, want, monkeypatch):
+    monkeypatch.setattr(precision, "native_bf16_cpu", lambda: native)
+    chosen, reason = precision.default_precision("cpu")
+    assert chosen == want and ("natively" in reason if native else "emulate" in reason)
+
+
+def test_cuda_without_a_device_is_float32(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert precision.default_precision("gpu")[0] == "32-true"
+    monkeypatch.setattr(precision, "native_bf16_cpu", lambda: True)
+    assert precision.default_precision("auto")[0] == "bf16-mixed"  # auto without CUDA: the CPU decides
+
+
+def test_bad_accelerator_is_named():
+    with pytest.raises(ValueError, match="accelerator='tpu'"):
+        precision.default_precision("tpu")
+
+
+@pytest.mark.parametrize("flags,want", [({"avx512f", "avx512_bf16"}, True), ({"amx_bf16"}, True),
+                                        ({"avx2", "avx512f"}, False)])
+def test_cpu_flags_decide_without_onednns_probe(flags, want, monkeypatch):
+    class NoProbe:
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", NoProbe())
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+    assert precision.native_bf16_cpu() is want
+
+
+def test_cpu_flags_are_read_from_cpuinfo():
+    if platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists():
+        pytest.skip("reads the flags line of an x86-64 Linux /proc/cpuinfo")
+    assert {"fpu", "sse2"} <= precision.cpu_flags()
+
+
+def test_script_prints_what_run_sh_reads():
+    out = subprocess.run([sys.executable, str(ROOT / "recipes" / "asr" / "local" / "dnn" / "precision.py")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() in ("bf16-mixed", "32-true")
+    assert out.stderr.startswith(f"precision {out.stdout.strip()}: ")
+
+
+def test_train_warns_about_emulated_bfloat16(monkeypatch, caplog):
+    import train
+
+    trainer = SimpleNamespace(precision="bf16-mixed", accelerator=CPUAccelerator())
+    monkeypatch.setattr(train, "native_bf16_cpu", lambda: False)
+    with caplog.at_level(logging.WARNING, logger=train.log.name):
+        train.AsrCLI._check_precision(trainer)
+    assert "slower than float32" in caplog.text and "32-true" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(train, "native_bf16_cpu", lambda: True)
+    train.AsrCLI._check_precision(trainer)
+    train.AsrCLI._check_precision(SimpleNamespace(precision="32-true", accelerator=CPUAccelerator()))
+    assert not caplog.text
+
+
+def test_run_sh_names_its_precision_and_refuses_others():
+    """run.sh picks the precision with precision.py unless told, and refuses a value it does not train with
+    (stage=4: no stage runs)."""
+    import os
+
+    env = {**os.environ, "python": sys.executable, "stage": "4"}
+    run_sh = ["bash", str(ROOT / "recipes" / "asr" / "run.sh")]
+    out = subprocess.run(run_sh, env=env, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("== DNN training precision: bf16-mixed", "== DNN training precision: 32-true")
+    bad = subprocess.run(run_sh, env={**env, "precision": "16-mixed"}, capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "precision=16-mixed: use 32-true or bf16-mixed" in bad.stderr
