@@ -25,6 +25,15 @@ byte), the host's own cost of moving the bytes (copies and reductions, which on 
 cluster's two cores limit everything above a few Gbit/s) and one latency per hop. An emulated link
 (tbf) also lets ``burst`` bytes through at once after an idle moment: each step gets that credit once.
 
+Several ranks per node (``Hosts``: R GPUs of one machine sharing its link, joined by a faster
+``intra`` link such as NVLink): a collective whose ranks all sit on one node runs on ``intra``; a ring
+(all-reduce, all-gather) over consecutive ranks crosses each node's link once per hop, so its time is
+the one-rank-per-node formula on the node's link (each hop waits for its slowest, inter-node, edge);
+an all-to-all puts on the node's link what all its ``r`` ranks send to the ranks of other nodes,
+``r · (p - r) · s`` bytes, while the ``r - 1`` on-node messages go over ``intra`` at the same time.
+Ranks are placed in order (node k holds ranks kR ... kR + R - 1), so groups of G | R consecutive
+ranks live on one node and their representatives (every G-th rank) on R / G per node.
+
 Strategies (what each rank sends per optimizer step; n weights, m words per rank, K the period,
 G ranks per group):
 
@@ -88,6 +97,31 @@ class Network:
 
 
 @dataclass(frozen=True)
+class Hosts:
+    """How ranks sit on machines.
+
+    Attributes:
+        ranks_per_node: R, ranks (GPUs) of one machine; they share the machine's ``Network`` link.
+        intra: the link between ranks of one machine (NVLink, PCIe, shared memory); None: the
+            machine's own ``Network``.
+    """
+
+    ranks_per_node: int = 1
+    intra: Network | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.ranks_per_node, bool)
+            or not isinstance(self.ranks_per_node, int)
+            or self.ranks_per_node < 1
+        ):
+            raise ValueError(f"ranks_per_node={self.ranks_per_node!r}: need an int >= 1 (GPUs per machine)")
+
+
+ONE_PER_NODE = Hosts()
+
+
+@dataclass(frozen=True)
 class Collective:
     """One collective a strategy runs, per rank.
 
@@ -97,12 +131,15 @@ class Collective:
             (all-gather, all-to-all).
         group: ranks taking part (for ``neighbours``: the peers each rank sends to).
         every: steps per collective (1: every step; K: once per period).
+        stride: the ranks taking part are every ``stride``-th rank (BMUF-GTC's representatives of
+            groups of G: G); what decides how many of them share a node (:class:`Hosts`).
     """
 
     kind: str
     size: float
     group: int
     every: int = 1
+    stride: int = 1
 
     def sent_bytes(self) -> float:
         """Payload bytes one rank sends (and receives) in this collective."""
@@ -132,8 +169,25 @@ class Collective:
             "neighbours": 1,
         }[self.kind]
 
-    def seconds(self, net: Network) -> float:
-        return net.seconds(self.sent_bytes(), self.hops())
+    def per_node(self, hosts: Hosts) -> int:
+        """How many of this collective's ranks share one node (ranks placed in order)."""
+        return min(self.group, max(1, hosts.ranks_per_node // self.stride))
+
+    def seconds(self, net: Network, hosts: Hosts = ONE_PER_NODE) -> float:
+        """Seconds for this collective on nodes linked by ``net`` (see the module docstring for
+        several ranks per node)."""
+        if hosts.ranks_per_node == 1:
+            return net.seconds(self.sent_bytes(), self.hops())
+        local, intra = self.per_node(hosts), hosts.intra or net
+        if local >= self.group:  # every rank of it on one node
+            return intra.seconds(self.sent_bytes(), self.hops())
+        if self.kind != "alltoall":
+            return net.seconds(self.sent_bytes(), self.hops())
+        # The node's link carries what its ``local`` ranks send off the node; the on-node messages
+        # go over ``intra`` meanwhile; each rank's host still moves all it sends.
+        off_node = local * (self.group - local) * self.size
+        link = net.wire_overhead * off_node / net.bytes_per_s + self.sent_bytes() / net.host_bytes_per_s
+        return max(link + net.latency_s, intra.seconds((local - 1) * self.size, 1))
 
 
 def ring_allreduce_s(size: float, p: int, net: Network) -> float:
@@ -212,7 +266,7 @@ def collectives(strategy: str, world: int, msg: Messages) -> list[Collective] | 
         return [
             Collective("alltoall", HEADER_BYTES, g),
             Collective("alltoall", msg.word_bytes * msg.words, g),
-            Collective("allreduce", 4 * n, groups, every=msg.period),
+            Collective("allreduce", 4 * n, groups, every=msg.period, stride=g),
             Collective("broadcast", 4 * n, g, every=msg.period),
         ]
     if strategy == "dpsgd":
@@ -225,7 +279,7 @@ def bytes_per_step(colls: list[Collective]) -> float:
     return sum(c.sent_bytes() / c.every for c in colls)
 
 
-def comm_seconds(colls: list[Collective], net: Network) -> float:
+def comm_seconds(colls: list[Collective], net: Network, hosts: Hosts = ONE_PER_NODE) -> float:
     """Seconds of communication per step, averaged over a period (the steps where the every-K
     collectives run and those where they do not). An emulated link's burst credit is taken once per
     step, limited to what the step sends: the bucket refills while the next step computes."""
@@ -235,7 +289,7 @@ def comm_seconds(colls: list[Collective], net: Network) -> float:
     total = 0.0
     for step in range(period):
         running = [c for c in colls if step % c.every == 0]
-        seconds = sum(c.seconds(net) for c in running)
+        seconds = sum(c.seconds(net, hosts) for c in running)
         wire = net.wire_overhead * sum(c.sent_bytes() for c in running)
         total += max(0.0, seconds - min(net.burst_bytes, wire) / net.bytes_per_s)
     return total / period
@@ -277,8 +331,11 @@ class Prediction:
     collectives: list[Collective] = field(default_factory=list)
 
 
-def predict(strategy: str, world: int, node: Node, msg: Messages, net: Network) -> Prediction | None:
-    """Step time, frames/s and speed-up of ``strategy`` on ``world`` nodes; None if its pattern is unknown."""
+def predict(
+    strategy: str, world: int, node: Node, msg: Messages, net: Network, hosts: Hosts = ONE_PER_NODE
+) -> Prediction | None:
+    """Step time, frames/s and speed-up of ``strategy`` on ``world`` ranks (``hosts.ranks_per_node``
+    to a node; one by default); None if its pattern is unknown. ``node`` is one rank's compute."""
     colls = collectives(strategy, world, msg)
     if colls is None:
         return None
@@ -288,7 +345,7 @@ def predict(strategy: str, world: int, node: Node, msg: Messages, net: Network) 
         work += node.overhead_s + node.per_word_s * group * msg.words
         if strategy in SYNCING:
             work += node.sync_s / msg.period
-    comm = comm_seconds(colls, net)
+    comm = comm_seconds(colls, net, hosts)
     step = max(work, comm) if strategy in OVERLAPPED else work + comm
     fps = world * node.frames / step
     return Prediction(
@@ -383,6 +440,8 @@ class Scenario:
         group_size: BMUF-GTC's nodes per group (GTC inside; BMUF across groups every ``period`` steps).
         period: BMUF-GTC's steps between block syncs.
         sync_s: BMUF's block update at one sync (``Node.sync_s``), also BMUF-GTC's.
+        ranks_per_node: GPUs per machine, sharing ``net`` (:class:`Hosts`); the columns then count GPUs.
+        intra: the link between the GPUs of one machine (None: ``net``).
     """
 
     name: str
@@ -396,6 +455,8 @@ class Scenario:
     group_size: int = 8
     period: int = 50
     sync_s: float = 0.0
+    ranks_per_node: int = 1
+    intra: Network | None = None
 
     def predict(self, strategy: str, world: int) -> Prediction:
         node = Node(
@@ -406,7 +467,8 @@ class Scenario:
             sync_s=self.sync_s,
         )
         msg = Messages(numel=self.numel, words=self.words, period=self.period, group_size=self.group_size)
-        prediction = predict(strategy, world, node, msg, self.net)
+        hosts = Hosts(self.ranks_per_node, self.intra)
+        prediction = predict(strategy, world, node, msg, self.net, hosts)
         assert prediction is not None, strategy
         return prediction
 
@@ -441,6 +503,61 @@ H100 = {
     for rate in (25, 100)
 }
 SCENARIO_STRATEGIES = ("ddp", "ddp_bf16", "gtc", "bmuf", "bmuf_gtc")
+
+# seeds/004 (Amazon's two-tier GTC/BMUF, a deep LSTM on 2000 hours) gives speed-ups over one GPU at 32,
+# 64 and 128 GPUs and no hardware. A setting that gives its order of BMUF and the hybrid, every number
+# an assumption: GPUs 8 to a machine (groups of 8 = one machine), each at 1/8 of the H100 scenario's
+# rate (V100-class: 1/8 of the H100's dense peak) on Strom's DNN and words, 25 Gbit/s between machines,
+# the GPUs of a machine exchanging through the host's MPI/TCP stack at PCIe rate (100 Gbit/s), and a
+# software latency of 200 us a message on both tiers; BMUF's block update 0.4 ms a sync (6 passes over
+# the model at ~900 GB/s); K = 50 (004's example). The two tiers trade latencies: the hybrid pays two
+# on-machine message latencies every step for its GTC, flat BMUF a ring of 2 (N - 1) inter-machine hops
+# every K steps, which grows with N; the same latency on both tiers puts the crossing between 64 and
+# 128 GPUs (render_seeds_004() shows other latencies); with NVLink-class latency inside the machine
+# (10 us) the hybrid leads from 16 GPUs on.
+SEEDS_004_SPEEDUP = {  # GPUs: (GTC, BMUF, BMUF-GTC), speed-up over one GPU as 004 reports them
+    32: (26.0, 36.6, 31.0),
+    64: (17.0, 57.0, 42.0),
+    128: (11.0, 80.0, 97.0),
+}
+
+
+def seeds_004_scenario(latency_s: float = 200e-6, intra_latency_s: float | None = None) -> Scenario:
+    """The assumed setting of seeds/004 (see :data:`SEEDS_004_SPEEDUP`), with its message latencies."""
+    intra_latency_s = latency_s if intra_latency_s is None else intra_latency_s
+    return Scenario(
+        f"seeds/004 (assumed): 8 GPUs a machine, 25 Gbit/s, {latency_s * 1e6:.0f} us a message",
+        frames_per_s=H100_COMPUTE_FRAMES_PER_S / 8,
+        frames=1024,
+        net=Network(25e9, latency_s=latency_s),
+        overhead_s=8 * 0.12e-3 / 3,  # the H100's thresholding at ~900 GB/s instead of ~2.5 TB/s
+        per_word_s=1e-10,
+        group_size=8,
+        period=50,
+        sync_s=0.4e-3,
+        ranks_per_node=8,
+        intra=Network(100e9, latency_s=intra_latency_s),
+    )
+
+
+def render_seeds_004(latencies=(50e-6, 200e-6, 500e-6)) -> str:
+    """Markdown: the model's GTC, BMUF and BMUF-GTC speed-ups at 32, 64 and 128 GPUs in the assumed
+    setting of seeds/004, beside 004's, for a few message latencies; which of BMUF and the hybrid is
+    faster at each size."""
+    head = (
+        "| GPUs | seeds/004 GTC / BMUF / hybrid | "
+        + " | ".join(f"model at {a * 1e6:.0f} us: GTC / BMUF / hybrid" for a in latencies)
+        + " |"
+    )
+    out = [head, "|---" * (head.count("|") - 1) + "|"]
+    for gpus, (g, b, h) in SEEDS_004_SPEEDUP.items():
+        cells = [str(gpus), f"{g:.0f} / {b:.1f} / {h:.0f} ({'BMUF' if b > h else 'hybrid'} ahead)"]
+        for a in latencies:
+            sc = seeds_004_scenario(a)
+            pg, pb, ph = (sc.predict(s, gpus).speedup for s in ("gtc", "bmuf", "bmuf_gtc"))
+            cells.append(f"{pg:.1f} / {pb:.1f} / {ph:.1f} ({'BMUF' if pb > ph else 'hybrid'} ahead)")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def scenario_rows(scenario: Scenario, nodes=NODES, strategies=SCENARIO_STRATEGIES) -> list[dict]:
@@ -512,10 +629,16 @@ def plot_scenarios(path, scenarios=None, extra: dict | None = None) -> None:
             ax.plot(
                 list(STROM_TABLE2), [f / 10_000 for f in STROM_TABLE2.values()], "ko", label="Strom, Table 2"
             )
+        gpus = name == seeds_004_scenario().name
+        if gpus:
+            keys = [k for k in rows[0] if k != "nodes"]
+            for j, s in enumerate(("gtc", "bmuf", "bmuf_gtc")):
+                points = [(w, v[j]) for w, v in SEEDS_004_SPEEDUP.items()]
+                ax.plot(*zip(*points), "x", color=f"C{keys.index(s)}", ms=8, label=f"{s}, seeds/004")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
-        ax.set_xlabel("nodes")
-        ax.set_ylabel("speed-up over one node")
+        ax.set_xlabel("GPUs" if gpus else "nodes")
+        ax.set_ylabel("speed-up over one GPU" if gpus else "speed-up over one node")
         ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -537,8 +660,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     print(render_scenarios())
+    print(f"**{seeds_004_scenario().name}**, and at other latencies (both tiers):\n")
+    print(render_seeds_004())
     args.png.parent.mkdir(parents=True, exist_ok=True)
-    plot_scenarios(args.png)
+    plot_scenarios(args.png, [STROM_2015, H100[25], H100[100], seeds_004_scenario()])
     print(f"plot: {args.png}")
 
 

@@ -142,3 +142,50 @@ def test_strom_table2_shape():
     for w, frames in scaling.STROM_TABLE2.items():
         assert rows[w]["gtc"]["speedup"] == pytest.approx(frames / 10_000, rel=0.2)
     assert rows[80]["ddp"]["speedup"] < 10
+
+
+def test_several_ranks_per_node_share_its_link_for_all_to_all_and_use_intra_inside():
+    nvlink = Network(1e12, latency_s=1e-5)  # 1.25e11 bytes/s
+    hosts = scaling.Hosts(ranks_per_node=4, intra=nvlink)
+    # all-to-all of 1e5 bytes to each peer among 8 ranks on 2 nodes: the node's link carries what its 4
+    # ranks send to the 4 of the other node, 4 * 4 * 1e5 bytes, in one latency; the 3 on-node
+    # messages of each rank go over NVLink meanwhile
+    a2a = Collective("alltoall", 1e5, 8)
+    assert a2a.seconds(GBIT, hosts) == pytest.approx(16e5 / 1.25e8 + 1e-4)
+    # ... against 7 * 1e5 / 1.25e8 + 1e-4 with one rank a node
+    assert a2a.seconds(GBIT) == pytest.approx(7e5 / 1.25e8 + 1e-4)
+    # a group inside one node runs on NVLink alone
+    assert Collective("alltoall", 1e5, 4).seconds(GBIT, hosts) == pytest.approx(3e5 / 1.25e11 + 1e-5)
+    assert Collective("allreduce", 4e6, 2).seconds(GBIT, hosts) == pytest.approx(4e6 / 1.25e11 + 2e-5)
+    # a ring across nodes crosses each node's link once per hop: the one-rank-a-node formula
+    ring = Collective("allreduce", 4e6, 8)
+    assert ring.seconds(GBIT, hosts) == pytest.approx(2 * 7 / 8 * 4e6 / 1.25e8 + 14 * 1e-4)
+    # one rank a node (the default) is the model as before
+    assert ring.seconds(GBIT, scaling.Hosts()) == ring.seconds(GBIT)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        scaling.Hosts(ranks_per_node=0)
+
+
+def test_bmuf_gtc_groups_of_a_node_run_gtc_on_intra_and_their_representatives_across_nodes():
+    # 16 ranks, 4 to a node, groups of 4 (= a node): GTC's words over the intra link every step;
+    # every 10 steps the 4 representatives (one a node, stride 4) ring-all-reduce 4n bytes over the
+    # nodes' links, and broadcast within the node over the intra link
+    intra = Network(1e12, latency_s=1e-5)
+    hosts = scaling.Hosts(ranks_per_node=4, intra=intra)
+    n, m = 10**6, 2000
+    colls = scaling.collectives("bmuf_gtc", 16, Messages(numel=n, words=m, period=10, group_size=4))
+    reps = next(c for c in colls if c.kind == "allreduce")
+    assert (reps.group, reps.stride, reps.per_node(hosts)) == (4, 4, 1)
+    per_step = (3 * 24 / 1.25e11 + 1e-5) + (3 * 4 * m / 1.25e11 + 1e-5)
+    sync = (2 * 3 / 4 * 4 * n / 1.25e8 + 6e-4) + (2 * 4 * n / 1.25e11 + 2e-5)
+    assert scaling.comm_seconds(colls, GBIT, hosts) == pytest.approx(per_step + sync / 10)
+
+
+def test_seeds_004_setting_gives_its_order_of_bmuf_and_the_hybrid():
+    # the assumed setting of seeds/004: BMUF ahead of the hybrid at 32 and 64 GPUs, behind at 128
+    sc = scaling.seeds_004_scenario()
+    for gpus, (_, bmuf, hybrid) in scaling.SEEDS_004_SPEEDUP.items():
+        model_bmuf, model_hybrid = (sc.predict(s, gpus).speedup for s in ("bmuf", "bmuf_gtc"))
+        assert (model_bmuf > model_hybrid) == (bmuf > hybrid), gpus
+    table = scaling.render_seeds_004()
+    assert table.count("\n") == 4 and "97 (hybrid ahead)" in table
