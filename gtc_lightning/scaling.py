@@ -646,25 +646,183 @@ def plot_scenarios(path, scenarios=None, extra: dict | None = None) -> None:
     plt.close(fig)
 
 
+# GTC's and BMUF's own work per weight and per word on a GPU, as the H100 scenario estimates them
+# (thresholding ~5 passes over 4 bytes a weight at ~2.5 TB/s, decoding ~0.1 ns a received word, BMUF's
+# block update ~6 passes); the defaults of a scenario given on the command line.
+GPU_THRESHOLD_S_PER_WEIGHT = 0.12e-3 / STROM_WEIGHTS
+GPU_DECODE_S_PER_WORD = 1e-10
+GPU_SYNC_S_PER_WEIGHT = 6 * 4 / 2.5e12
+ALL_STRATEGIES = ("ddp", "ddp_bf16", "gtc", "gtc_stale", "ma", "bmuf", "bmuf_gtc", "dpsgd")
+
+
+def user_scenario(
+    weights: float,
+    frames_per_s: float,
+    frames: int,
+    rate_bits: float,
+    latency_s: float = 20e-6,
+    density: float = 1e-3,
+    gpus_per_node: int = 1,
+    intra_rate_bits: float | None = None,
+    intra_latency_s: float = 10e-6,
+    period: int = 50,
+    group_size: int | None = None,
+    overhead_s: float | None = None,
+    per_word_s: float = GPU_DECODE_S_PER_WORD,
+    sync_s: float | None = None,
+) -> Scenario:
+    """A cluster described by a user: one GPU's (or node's) compute, the link, the model, GTC's density.
+
+    Args:
+        weights: the model's trainable elements n.
+        frames_per_s: one GPU's training rate with nothing sent (its compute).
+        frames: frames (samples) per GPU and step.
+        rate_bits: each machine's link, bits/s each way.
+        latency_s: α per message hop between machines.
+        density: GTC's words per weight and step on each rank (``gtc_stats``' ``words / numel``, or
+            ``target_density`` with ``tau="auto"``).
+        gpus_per_node: GPUs of a machine sharing its link.
+        intra_rate_bits, intra_latency_s: the link between the GPUs of a machine (None: the machine's).
+        period: K of ``ma``, ``bmuf`` and ``bmuf_gtc``.
+        group_size: ``bmuf_gtc``'s group (default: a machine's GPUs, or 8 with one GPU a machine).
+        overhead_s, per_word_s, sync_s: GTC's thresholding per step, decoding per received word and
+            BMUF's block update per sync; None: the GPU estimates above, scaled by ``weights``.
+
+    Raises:
+        ValueError: naming a value that is not positive (or a density outside (0, 1]).
+    """
+    for name, value in (
+        ("weights", weights),
+        ("frames_per_s", frames_per_s),
+        ("frames", frames),
+        ("period", period),
+    ):
+        if not value > 0:
+            raise ValueError(f"{name}={value!r}: need a positive number")
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node!r}: need an int >= 1 (GPUs sharing a machine's link)")
+    if not 0 < density <= 1:
+        raise ValueError(
+            f"density={density!r}: GTC's words per weight and step, need 0 < density <= 1 (e.g. 1e-3)"
+        )
+    intra = None
+    if gpus_per_node > 1:
+        intra = Network(intra_rate_bits or rate_bits, latency_s=intra_latency_s)
+    return Scenario(
+        f"{weights / 1e6:.3g} M weights, {frames_per_s:,.0f} frames/s a GPU, {rate_bits / 1e9:g} Gbit/s, "
+        f"{gpus_per_node} GPU(s) a machine",
+        frames_per_s=frames_per_s,
+        frames=int(frames),
+        net=Network(rate_bits, latency_s=latency_s),
+        numel=int(weights),
+        words=density * weights,
+        overhead_s=GPU_THRESHOLD_S_PER_WEIGHT * weights if overhead_s is None else overhead_s,
+        per_word_s=per_word_s,
+        group_size=group_size or (gpus_per_node if gpus_per_node > 1 else 8),
+        period=int(period),
+        sync_s=GPU_SYNC_S_PER_WEIGHT * weights if sync_s is None else sync_s,
+        ranks_per_node=gpus_per_node,
+        intra=intra,
+    )
+
+
+def render_user(scenario: Scenario, ranks=NODES, strategies=ALL_STRATEGIES) -> str:
+    """Markdown: per strategy and rank count, the speed-up over one GPU, the step (ms) and the MB each
+    rank sends per step."""
+    unit = "GPUs" if scenario.ranks_per_node > 1 else "nodes"
+    head = f"| {unit} | " + " | ".join(f"{s}: speed-up (step ms, MB sent)" for s in strategies) + " |"
+    out = [
+        (
+            f"**{scenario.name}** (compute {1e3 * scenario.frames / scenario.frames_per_s:.2f} ms per "
+            f"{scenario.frames}-frame step; GTC {scenario.words:,.0f} words a rank and step; "
+            f"K = {scenario.period}; BMUF-GTC groups of {scenario.group_size})"
+        ),
+        "",
+        head,
+        "|---" * (head.count("|") - 1) + "|",
+    ]
+    for w in ranks:
+        cells = [str(w)]
+        for s in strategies:
+            if s == "bmuf_gtc" and w < 2 * scenario.group_size:
+                cells.append("-")  # needs two groups at least
+                continue
+            p = scenario.predict(s, w)
+            cells.append(f"{p.speedup:.1f}× ({1e3 * p.step_s:.2f}, {p.bytes_per_step / 1e6:.3g})")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
     from pathlib import Path
+
+    from gtc_lightning.cluster import parse_rate, parse_time
 
     parser = argparse.ArgumentParser(
         prog="python -m gtc_lightning.scaling",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Without --weights: the built-in scenarios (Strom's Table 2, H100 nodes, seeds/004) and their plot. "
+        "With --weights, --frames-per-s and --rate: your cluster, e.g. "
+        "python -m gtc_lightning.scaling --weights 14.6e6 --frames-per-s 2e6 --frames 1024 --rate 100gbit "
+        "--gpus-per-node 8 --intra-rate 900gbit --density 1e-3",
     )
     parser.add_argument(
-        "--png", type=Path, default=Path("docs/scaling.png"), help="plot (default docs/scaling.png)"
+        "--png", type=Path, default=None, help="plot (built-in scenarios: default docs/scaling.png)"
     )
+    mine = parser.add_argument_group("your cluster (all three of --weights, --frames-per-s, --rate)")
+    mine.add_argument("--weights", type=float, help="trainable elements of the model, e.g. 14.6e6")
+    mine.add_argument("--frames-per-s", type=float, help="one GPU's training rate sending nothing (frames/s)")
+    mine.add_argument("--frames", type=int, default=1024, help="frames per GPU and step (default 1024)")
+    mine.add_argument("--rate", help="each machine's link, as tc writes it: 10gbit, 100gbit, 400mbit")
+    mine.add_argument("--latency", default="20us", help="per message hop between machines (default 20us)")
+    mine.add_argument(
+        "--gpus-per-node", type=int, default=1, help="GPUs sharing a machine's link (default 1)"
+    )
+    mine.add_argument("--intra-rate", default=None, help="link between a machine's GPUs (default: --rate)")
+    mine.add_argument("--intra-latency", default="10us", help="per message inside a machine (default 10us)")
+    mine.add_argument("--density", type=float, default=1e-3,
+                      help="GTC's words per weight and step on a rank (default 1e-3)")  # fmt: skip
+    mine.add_argument("--period", type=int, default=50, help="K of ma, bmuf, bmuf_gtc (default 50)")
+    mine.add_argument(
+        "--group-size", type=int, default=None, help="bmuf_gtc's group (default: --gpus-per-node or 8)"
+    )
+    mine.add_argument("--nodes", type=int, nargs="+", default=list(NODES), help="rank counts to predict")
+    mine.add_argument("--strategies", nargs="+", default=list(ALL_STRATEGIES), choices=PATTERNS)
     args = parser.parse_args(argv)
+    given = [args.weights is not None, args.frames_per_s is not None, args.rate is not None]
+    if any(given) and not all(given):
+        parser.error("a cluster of your own needs --weights, --frames-per-s and --rate (e.g. --rate 25gbit)")
+    if all(given):
+        try:
+            rate = parse_rate(args.rate)
+            intra = parse_rate(args.intra_rate) if args.intra_rate else None
+            if rate is None or (args.intra_rate and intra is None):
+                raise ValueError("a link of 'none' has no rate to model: give one such as 25gbit")
+            scenario = user_scenario(
+                weights=args.weights, frames_per_s=args.frames_per_s, frames=args.frames, rate_bits=rate,
+                latency_s=parse_time(args.latency), density=args.density, gpus_per_node=args.gpus_per_node,
+                intra_rate_bits=intra, intra_latency_s=parse_time(args.intra_latency), period=args.period,
+                group_size=args.group_size,
+            )  # fmt: skip
+        except ValueError as err:
+            parser.error(str(err))
+        if min(args.nodes) < 1:
+            parser.error(f"--nodes {args.nodes}: rank counts must be >= 1")
+        print(render_user(scenario, args.nodes, args.strategies))
+        if args.png:
+            args.png.parent.mkdir(parents=True, exist_ok=True)
+            plot_scenarios(args.png, [scenario])
+            print(f"plot: {args.png}")
+        return
     print(render_scenarios())
     print(f"**{seeds_004_scenario().name}**, and at other latencies (both tiers):\n")
     print(render_seeds_004())
-    args.png.parent.mkdir(parents=True, exist_ok=True)
-    plot_scenarios(args.png, [STROM_2015, H100[25], H100[100], seeds_004_scenario()])
-    print(f"plot: {args.png}")
+    png = args.png or Path("docs/scaling.png")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot_scenarios(png, [STROM_2015, H100[25], H100[100], seeds_004_scenario()])
+    print(f"plot: {png}")
 
 
 if __name__ == "__main__":

@@ -189,3 +189,41 @@ def test_seeds_004_setting_gives_its_order_of_bmuf_and_the_hybrid():
         assert (model_bmuf > model_hybrid) == (bmuf > hybrid), gpus
     table = scaling.render_seeds_004()
     assert table.count("\n") == 4 and "97 (hybrid ahead)" in table
+
+
+def test_a_users_cluster_from_the_command_line(capsys, tmp_path):
+    # 1e6 weights, 1e4 frames/s a GPU, 1000 frames a step (0.1 s of compute), 1 Gbit/s, 100 us a hop,
+    # density 1e-3 (1000 words a rank), GTC's own work set to zero: gtc on 4 nodes is compute + its
+    # two all-to-alls, as computed by hand in test_gtc_pattern_sends_header_and_words_to_every_other_rank
+    sc = scaling.user_scenario(
+        weights=1e6, frames_per_s=1e4, frames=1000, rate_bits=1e9, latency_s=1e-4, density=1e-3,
+        overhead_s=0.0, per_word_s=0.0, sync_s=0.0,
+    )  # fmt: skip
+    comm = (72 + 12000) / 1.25e8 + 2e-4
+    assert sc.predict("gtc", 4).step_s == pytest.approx(0.1 + comm)
+    assert sc.predict("gtc", 4).speedup == pytest.approx(4 * 0.1 / (0.1 + comm))
+    # the GPU estimates scale with the model: thresholding and BMUF's update per weight
+    big = scaling.user_scenario(
+        weights=2 * scaling.STROM_WEIGHTS, frames_per_s=2e6, frames=1024, rate_bits=25e9
+    )
+    assert big.overhead_s == pytest.approx(2 * 0.12e-3)
+    assert big.words == pytest.approx(2e-3 * scaling.STROM_WEIGHTS)
+    for bad, match in (
+        ({"density": 0}, "density"),
+        ({"weights": 0}, "weights"),
+        ({"gpus_per_node": 0}, "gpus_per_node"),
+    ):
+        args = {"weights": 1e6, "frames_per_s": 1e4, "frames": 1000, "rate_bits": 1e9} | bad
+        with pytest.raises(ValueError, match=match):
+            scaling.user_scenario(**args)
+    scaling.main(
+        "--weights 1e6 --frames-per-s 1e4 --frames 1000 --rate 1gbit --latency 100us --gpus-per-node 4 "
+        f"--intra-rate 100gbit --nodes 1 4 8 16 --strategies ddp gtc bmuf_gtc --png {tmp_path / 'mine.png'}".split()
+    )
+    out = capsys.readouterr().out
+    assert "| GPUs | ddp: speed-up" in out and out.count("\n| ") == 5  # header + 4 rows
+    assert "| 4 | " in out and "| - |" in out  # bmuf_gtc needs two groups of 4: not at 4 GPUs
+    assert (tmp_path / "mine.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        scaling.main(["--weights", "1e6", "--rate", "1gbit"])  # no --frames-per-s
+    assert "needs --weights, --frames-per-s and --rate" in capsys.readouterr().err
