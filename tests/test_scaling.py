@@ -181,12 +181,13 @@ def test_bmuf_gtc_groups_of_a_node_run_gtc_on_intra_and_their_representatives_ac
     assert scaling.comm_seconds(colls, GBIT, hosts) == pytest.approx(per_step + sync / 10)
 
 
-def test_seeds_004_setting_gives_its_order_of_bmuf_and_the_hybrid():
-    # the assumed setting of seeds/004: BMUF ahead of the hybrid at 32 and 64 GPUs, behind at 128
+def test_seeds_004_setting_gives_its_order_of_the_three_schemes():
+    # the assumed setting of seeds/004: BMUF ahead of the hybrid at 32 and 64 GPUs, behind at 128, and
+    # GTC the slowest at every size, as 004 reports
     sc = scaling.seeds_004_scenario()
-    for gpus, (_, bmuf, hybrid) in scaling.SEEDS_004_SPEEDUP.items():
-        model_bmuf, model_hybrid = (sc.predict(s, gpus).speedup for s in ("bmuf", "bmuf_gtc"))
-        assert (model_bmuf > model_hybrid) == (bmuf > hybrid), gpus
+    for gpus, reported in scaling.SEEDS_004_SPEEDUP.items():
+        model = [sc.predict(s, gpus).speedup for s in ("gtc", "bmuf", "bmuf_gtc")]
+        assert sorted(range(3), key=model.__getitem__) == sorted(range(3), key=reported.__getitem__), gpus
     table = scaling.render_seeds_004()
     assert table.count("\n") == 4 and "97 (hybrid ahead)" in table
 
