@@ -789,7 +789,7 @@ def main(argv: list[str] | None = None) -> None:
         "--group-size", type=int, default=None, help="bmuf_gtc's group (default: --gpus-per-node or 8)"
     )
     mine.add_argument("--nodes", type=int, nargs="+", default=list(NODES), help="rank counts to predict")
-    mine.add_argument("--strategies", nargs="+", default=list(ALL_STRATEGIES), choices=PATTERNS)
+    mine.add_argument("--strategies", nargs="+", default=list(ALL_STRATEGIES), choices=ALL_STRATEGIES)
     args = parser.parse_args(argv)
     given = [args.weights is not None, args.frames_per_s is not None, args.rate is not None]
     if any(given) and not all(given):
