@@ -505,7 +505,7 @@ H100 = {
 SCENARIO_STRATEGIES = ("ddp", "ddp_bf16", "gtc", "bmuf", "bmuf_gtc")
 
 # seeds/004 (Amazon's two-tier GTC/BMUF, a deep LSTM on 2000 hours) gives speed-ups over one GPU at 32,
-# 64 and 128 GPUs and no hardware. A setting that gives its order of BMUF and the hybrid, every number
+# 64 and 128 GPUs and no hardware. A setting that gives its order of the three schemes, every number
 # an assumption: GPUs 8 to a machine (groups of 8 = one machine), each at 1/8 of the H100 scenario's
 # rate (V100-class: 1/8 of the H100's dense peak) on Strom's DNN and words, 25 Gbit/s between machines,
 # the GPUs of a machine exchanging through the host's MPI/TCP stack at PCIe rate (100 Gbit/s), and a
@@ -679,8 +679,8 @@ def user_scenario(
         frames: frames (samples) per GPU and step.
         rate_bits: each machine's link, bits/s each way.
         latency_s: α per message hop between machines.
-        density: GTC's words per weight and step on each rank (``gtc_stats``' ``words / numel``, or
-            ``target_density`` with ``tau="auto"``).
+        density: GTC's words per weight and step on each rank (``strategy.gtc_stats["last"]["density"]``,
+            or ``target_density`` with ``tau="auto"``).
         gpus_per_node: GPUs of a machine sharing its link.
         intra_rate_bits, intra_latency_s: the link between the GPUs of a machine (None: the machine's).
         period: K of ``ma``, ``bmuf`` and ``bmuf_gtc``.
