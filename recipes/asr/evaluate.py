@@ -112,6 +112,30 @@ class Decoder:
         return {u: words_to_text(w, self.id2word) for u, w in hyps.items()}
 
 
+def locate_run(run_dir: Path, summary: dict, data_dir: Path | None = None) -> tuple[Path, Path]:
+    """The checkpoint and data dir of a run, also after its run dir or data dir was moved.
+
+    The checkpoint: the file of the recorded name in ``<run_dir>/checkpoints/`` (a run dir copied
+    elsewhere keeps its checkpoints), else the recorded path, else ``checkpoints/last.ckpt``. The data
+    dir: ``data_dir`` if given, else the recorded one.
+
+    Raises:
+        FileNotFoundError: neither checkpoint exists, or the data dir does not (it names ``--data-dir``).
+    """
+    recorded = summary.get("checkpoint")
+    candidates = [run_dir / "checkpoints" / Path(recorded).name, Path(recorded)] if recorded else []
+    candidates.append(run_dir / "checkpoints" / "last.ckpt")
+    checkpoint = next((c for c in candidates if c.is_file()), None)
+    if checkpoint is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint at {', '.join(map(str, dict.fromkeys(candidates)))}; "
+                                "train the run again or copy its checkpoints/ into the run dir")
+    data_dir = Path(data_dir or summary["data_dir"])
+    if not (data_dir / "ali").is_dir():
+        raise FileNotFoundError(f"{run_dir} was trained on {data_dir}, which has no ali/ (moved or deleted?); "
+                                "pass the data dir with --data-dir DIR")
+    return checkpoint, data_dir
+
+
 def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...], beam: float = BEAM,
                  max_active: int = MAX_ACTIVE, test_sweep: bool = False) -> dict:
     """Decode dev for each acoustic scale, test with the best; write ``<run_dir>/decode/``.
@@ -124,8 +148,8 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
 
     start = time.perf_counter()
     summary = json.loads((run_dir / "train_summary.json").read_text())
-    data_dir = Path(data_dir or summary["data_dir"])
-    model, context, features = load_checkpoint(summary.get("checkpoint") or run_dir / "checkpoints" / "last.ckpt")
+    checkpoint, data_dir = locate_run(run_dir, summary, data_dir)
+    model, context, features = load_checkpoint(checkpoint)
     log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)
     front_end = FrontEnd(data_dir, features)
     decoder, out = Decoder(data_dir, beam, max_active), run_dir / "decode"

@@ -1,0 +1,54 @@
+"""evaluate.py finds a run's checkpoint and data dir after the run dir or the data dir was moved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from evaluate import locate_run
+
+
+def _run_dir(root: Path, names: tuple[str, ...]) -> Path:
+    run = root / "exp" / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in names:
+        (run / "checkpoints" / name).write_bytes(name.encode())
+    return run
+
+
+def _data_dir(root: Path) -> Path:
+    (root / "data" / "ali").mkdir(parents=True)
+    return root / "data"
+
+
+def test_moved_run_dir_uses_its_own_copy_of_the_recorded_checkpoint(tmp_path):
+    run, data = _run_dir(tmp_path, ("last.ckpt", "step100-end.ckpt")), _data_dir(tmp_path)
+    summary = {"checkpoint": "/gone/exp/run/checkpoints/step100-end.ckpt", "data_dir": str(data)}
+    assert locate_run(run, summary) == (run / "checkpoints" / "step100-end.ckpt", data)
+
+
+def test_recorded_checkpoint_outside_the_run_dir_is_used_when_the_run_dir_has_none(tmp_path):
+    run, data = _run_dir(tmp_path, ()), _data_dir(tmp_path)
+    elsewhere = tmp_path / "kept" / "final.ckpt"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"x")
+    assert locate_run(run, {"checkpoint": str(elsewhere), "data_dir": str(data)})[0] == elsewhere
+
+
+def test_last_checkpoint_when_none_is_recorded(tmp_path):
+    run, data = _run_dir(tmp_path, ("last.ckpt",)), _data_dir(tmp_path)
+    assert locate_run(run, {"data_dir": str(data)})[0] == run / "checkpoints" / "last.ckpt"
+
+
+def test_missing_checkpoint_names_every_place_looked(tmp_path):
+    run, data = _run_dir(tmp_path, ()), _data_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"step7-end\.ckpt.*/gone/step7-end\.ckpt.*last\.ckpt"):
+        locate_run(run, {"checkpoint": "/gone/step7-end.ckpt", "data_dir": str(data)})
+
+
+def test_moved_data_dir_names_the_option_and_the_option_overrides(tmp_path):
+    run, data = _run_dir(tmp_path, ("last.ckpt",)), _data_dir(tmp_path)
+    summary = {"data_dir": "/gone/data/synthetic-default"}
+    with pytest.raises(FileNotFoundError, match=r"/gone/data/synthetic-default.*--data-dir"):
+        locate_run(run, summary)
+    assert locate_run(run, summary, data)[1] == data
