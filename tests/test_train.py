@@ -136,6 +136,11 @@ def test_every_config_builds_the_trainer(config, aligned, tmp_path):
     if config.name == "gtc.yaml":
         assert isinstance(cli.trainer.strategy, gtc_lightning.GTCStrategy)
         assert cli.trainer.strategy.tau == 0.01 and cli.trainer.num_devices == 2
+    if config.name == "gtc_auto.yaml":  # automatic tau, Rice coding, lr 2 over conf/default.yaml's 1.0
+        strategy = cli.trainer.strategy
+        assert isinstance(strategy, gtc_lightning.GTCStrategy) and strategy.tau == "auto"
+        assert strategy._target_density == 2.5e-3 and strategy._coding == "rice"
+        assert cli.model.hparams.lr == 2.0 and cli.config.run_name == "gtc_auto" and cli.trainer.num_devices == 2
 
 
 def test_gtc_config_trains_on_the_tiny_corpus(tiny_aligned, tmp_path):
