@@ -163,6 +163,14 @@ def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path):
     assert gtc["mean"]["lo"] < gtc["mean"]["wer"] < gtc["mean"]["hi"]
     assert gtc["vs_reference"]["rel_lo"] < gtc["vs_reference"]["rel_pct"] < gtc["vs_reference"]["rel_hi"]
     assert "vs_baseline" not in report["runs"]["baseline"]
+    # the data dir moved: the runs' recorded one is gone, the one given (evaluate.py --data-dir) is used
+    moved = data_dir.rename(tmp_path / "data_moved")
+    compare_runs(runs, tmp_path / "cmp_gone")
+    assert "vs_reference" not in json.loads((tmp_path / "cmp_gone" / "comparison.json").read_text())[
+        "intervals"]["runs"]["gtc"]
+    compare_runs(runs, tmp_path / "cmp_moved", data_dir=moved)
+    moved_gtc = json.loads((tmp_path / "cmp_moved" / "comparison.json").read_text())["intervals"]["runs"]["gtc"]
+    assert moved_gtc["vs_reference"] == gtc["vs_reference"]
     wide, narrow = gtc["vs_baseline"]["mean_over_seeds"], gtc["vs_baseline"]["mean"]
     assert wide["rel_pct"] == narrow["rel_pct"] and wide["rel_hi"] - wide["rel_lo"] >= narrow["rel_hi"] - narrow["rel_lo"]
     md = (tmp_path / "cmp" / "comparison.md").read_text()

@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         for arg in args:
             _evaluate_args(arg)
-    compare_runs([Path(r) for r in a.runs], Path(a.out), a.baseline)
+    compare_runs([Path(r) for r in a.runs], Path(a.out), a.baseline, a.data_dir)
 
 
 if __name__ == "__main__":

@@ -463,16 +463,18 @@ def crossfold_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str | None = None) -> dict:
+def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str | None = None,
+                 data_dir: Path | str | None = None) -> dict:
     """Write ``comparison.md`` (per-run table, then WERs with intervals over utterances and seeds),
-    ``comparison.json`` and ``dev_frame_acc.png`` under ``out_dir``."""
+    ``comparison.json`` and ``dev_frame_acc.png`` under ``out_dir``. ``data_dir`` (for the SAT GMM's
+    test WER and the test speakers): default, the one the first run trained on."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [run_row(d) for d in run_dirs]
     for r, d in zip(rows, run_dirs):
         r["seed"] = run_seed(Path(d))
     base = add_relative_wer(rows, baseline)
-    data_dir = json.loads((Path(run_dirs[0]) / "train_summary.json").read_text()).get("data_dir")
+    data_dir = data_dir or json.loads((Path(run_dirs[0]) / "train_summary.json").read_text()).get("data_dir")
     reference = gmm_reference(data_dir) if data_dir else None
     dirs, base_name = [Path(d) for d in run_dirs], base["run"] if base else "baseline"
     seeds = seeds_report(dirs, base_name, reference)
