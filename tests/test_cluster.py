@@ -6,8 +6,10 @@ that lets ``ip netns add`` work; those tests skip with the reason otherwise. The
 anywhere. Node programs are tiny (``python -c`` or a short script), so the module takes ~30 s.
 """
 
+import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -57,6 +59,24 @@ def _live_runs() -> frozenset[str]:
     return frozenset(p for p in prefixes if cluster._owner_alive(p))
 
 
+def _ours(pid: int) -> bool:
+    """``pid`` is this process or one of its descendants (a cluster this test's code started)."""
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, IndexError, ValueError):
+            return False
+    return False
+
+
+def _foreign_runs() -> frozenset[str]:
+    """Live clusters whose owner is not of this process tree: another job that started during the test."""
+    return frozenset(p for p in _live_runs() if not _ours(int(p[4:])))
+
+
 def _netns_problem() -> str | None:
     problem = cluster.missing_privileges() or cluster.missing_tools()
     if problem:
@@ -79,7 +99,9 @@ def netns():
     others = _live_runs()
     before = _network_state(others)
     yield
-    assert _network_state(others) == before
+    # A cluster another job (a benchmark, a second test run) started meanwhile is not this test's;
+    # one this process tree started and left, alive or dead, is.
+    assert _network_state(others | _foreign_runs()) == before
     assert "MASTER_PORT" not in os.environ and "NODE_RANK" not in os.environ
 
 
@@ -325,6 +347,36 @@ def test_cleanup_removes_what_a_killed_tool_left(netns, tmp_path):
     assert len(removed) == 4, removed  # 2 node namespaces, the bridge's, the route
     assert all(not _alive(int(p.read_text())) for p in pid_files)  # orphaned ranks killed
     assert not [line for line in cluster.cleanup_leftovers() if prefix in line]
+
+
+def test_a_cluster_another_job_starts_meanwhile_is_not_the_tests(netns, tmp_path):
+    """The teardown check leaves out clusters started outside this process tree during the test."""
+    sleeper = [PY, "-c", ("import os, pathlib, sys, time; "
+                          "pathlib.Path(sys.argv[1] + os.environ['NODE_RANK']).write_text(str(os.getpid())); "
+                          "time.sleep(60)")]
+    # Another job's CLI: started through a shell that exits at once, so it is no descendant of ours.
+    detached = shlex.join([PY, CLUSTER_PY, "--nodes", "2", "--rate", "none", "--out", str(tmp_path / "other"),
+                           "--", *sleeper, str(tmp_path / "other_pid")])
+    pid = int(subprocess.run(["sh", "-c", f"{detached} >{tmp_path / 'other.log'} 2>&1 & echo $!"],
+                             check=True, capture_output=True, text=True).stdout)
+    mine = _start_cli(["--nodes", "2", "--rate", "none", "--out", str(tmp_path / "mine")],
+                      [*sleeper, str(tmp_path / "mine_pid")])
+    try:
+        _wait_for_files([tmp_path / "other_pid0", tmp_path / "other_pid1", tmp_path / "mine_pid0",
+                         tmp_path / "mine_pid1"], seconds=60)
+        live = _live_runs()
+        assert {f"gtcc{pid}", f"gtcc{mine.pid}"} <= live
+        assert f"gtcc{pid}" in _foreign_runs() and f"gtcc{mine.pid}" not in _foreign_runs()
+    finally:
+        for proc_pid in (pid, mine.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc_pid, signal.SIGINT)
+        mine.communicate(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert mine.returncode == 130 and not _alive(pid)
+    assert f"gtcc{pid}" not in _live_runs() and "torn down" in (tmp_path / "other.log").read_text()
 
 
 def test_a_failing_setup_leaves_nothing(netns, monkeypatch):
