@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from evaluate import locate_run
+from evaluate import locate_run, main
 
 
 def _run_dir(root: Path, names: tuple[str, ...]) -> Path:
@@ -52,3 +52,15 @@ def test_moved_data_dir_names_the_option_and_the_option_overrides(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"/gone/data/synthetic-default.*--data-dir"):
         locate_run(run, summary)
     assert locate_run(run, summary, data)[1] == data
+
+
+def test_compare_only_refuses_runs_that_were_never_decoded(tmp_path, capsys):
+    decoded_run, fresh_run = tmp_path / "exp" / "a", tmp_path / "exp" / "b"
+    (decoded_run / "decode").mkdir(parents=True)
+    (decoded_run / "decode" / "results.json").write_text("{}")
+    fresh_run.mkdir()
+    with pytest.raises(SystemExit):
+        main(["--compare-only", "--out", str(tmp_path / "cmp"), "--runs", str(decoded_run), str(fresh_run)])
+    err = capsys.readouterr().err
+    assert f"never decoded (no decode/results.json): {fresh_run}" in err and str(decoded_run) not in err
+    assert "without --compare-only" in err and not (tmp_path / "cmp").exists()

@@ -332,9 +332,16 @@ def main(argv: list[str] | None = None) -> None:
         if not a.checkpoint:
             p.error("give --runs (and/or --checkpoint with --test-set)")
         return
+    if a.compare_only:
+        missing = [r for r in a.runs if not (Path(r) / "decode" / "results.json").exists()]
+        if missing:
+            p.error(f"--compare-only: {len(missing)} run(s) were never decoded (no decode/results.json): "
+                    f"{' '.join(missing)}; decode them first (the same command without --compare-only, with "
+                    "--skip-decoded to keep the decoded runs as they are)")
     todo = [Path(r) for r in a.runs if not a.compare_only and not (a.skip_decoded and decoded(Path(r), a.test_sweep))]
     for run in set(map(Path, a.runs)) - set(todo):
-        log.info("%s: not decoded again (--compare-only, or decode/results.json newer than the checkpoint)", run)
+        log.info("%s: not decoded again (%s)", run,
+                 "--compare-only" if a.compare_only else "decode/results.json newer than the checkpoint")
     args = [(r, Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales), a.beam, a.max_active,
              a.test_sweep) for r in todo]
     if a.jobs > 1 and len(todo) > 1:
