@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", type=int, default=2, help="runs decoded in parallel (one process, one thread each)")
     p.add_argument("--out", default="exp/dnn/compare", help="where the comparison report goes")
     p.add_argument("--baseline", default=None, help="run name of the baseline (default: the single-worker run)")
-    p.add_argument("--compare-only", action="store_true", help="only rebuild the report from decoded runs")
+    p.add_argument("--compare-only", action="store_true", help="only rebuild the report from decoded runs (a run never decoded is an error)")
     p.add_argument("--skip-decoded", action="store_true",
                    help="do not decode again a run whose decode/results.json is newer than its checkpoint "
                         "(with --test-sweep: and has the test sweep)")
