@@ -126,7 +126,7 @@ def test_comparison_names_automatic_tau_and_coding(tmp_path):
     assert row["precision"] == "bf16-mixed" and "| plain | gtc, bf16-mixed | 2 | 0.0123 |" in markdown_table([row])
 
 
-def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path):
+def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path, caplog):
     """compare_runs over 2 seeds x (baseline, gtc) with per-utterance counts and a SAT GMM decode."""
     import json
 
@@ -166,6 +166,7 @@ def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path):
     # the data dir moved: the runs' recorded one is gone, the one given (evaluate.py --data-dir) is used
     moved = data_dir.rename(tmp_path / "data_moved")
     compare_runs(runs, tmp_path / "cmp_gone")
+    assert f"data dir {data_dir} is gone" in caplog.text and "--data-dir" in caplog.text
     assert "vs_reference" not in json.loads((tmp_path / "cmp_gone" / "comparison.json").read_text())[
         "intervals"]["runs"]["gtc"]
     compare_runs(runs, tmp_path / "cmp_moved", data_dir=moved)

@@ -475,6 +475,10 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
         r["seed"] = run_seed(Path(d))
     base = add_relative_wer(rows, baseline)
     data_dir = data_dir or json.loads((Path(run_dirs[0]) / "train_summary.json").read_text()).get("data_dir")
+    if data_dir and not Path(data_dir).is_dir():
+        log.warning("data dir %s is gone: the comparison has no SAT GMM column and no test-speaker folds; "
+                    "give the moved one with evaluate.py --data-dir", data_dir)
+        data_dir = None
     reference = gmm_reference(data_dir) if data_dir else None
     dirs, base_name = [Path(d) for d in run_dirs], base["run"] if base else "baseline"
     seeds = seeds_report(dirs, base_name, reference)
