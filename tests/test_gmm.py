@@ -401,6 +401,30 @@ def test_parallel_gmm_decoding_equals_one_process(trained):
     assert set(one_alis) == set(two_alis) and all(np.array_equal(one_alis[u], two_alis[u]) for u in one_alis)
 
 
+@pytest.mark.parametrize("system_name", ["mono", "tri"])
+def test_gmm_decoding_of_an_utterance_does_not_depend_on_what_was_decoded_before(trained, system_name):
+    """The best path of each utterance, transition-ids included, whatever the order of the utterances
+    (a decoder reused across utterances broke ties between equal-cost paths by its history)."""
+    from local.gmm.common import GmmSystem, load_utterances
+    from local.graph.decode import decode_utterances_gmm
+    from local.kaldi import kaldifst
+
+    data_dir = trained[0]
+    hclg = kaldifst.StdVectorFst.read(str(data_dir / "exp" / system_name / "graph" / "HCLG.fst"))
+    system = GmmSystem.load(data_dir / "exp" / system_name / "final.pkl")
+    utts = load_utterances(data_dir, "dev")
+    items = [(u, utts.feats[u]) for u in utts.ids]
+    forward, backward = {}, {}
+    words = decode_utterances_gmm(hclg, system.tm, system.am, items, 0.1, alignments=forward)
+    words_back = decode_utterances_gmm(hclg, system.tm, system.am, items[::-1], 0.1, alignments=backward)
+    alone = {}
+    for item in items:  # each utterance first, with nothing before it
+        decode_utterances_gmm(hclg, system.tm, system.am, [item], 0.1, alignments=alone)
+    assert words == words_back and set(forward) == set(backward) == set(alone) == {u for u, _ in items}
+    for u, ali in forward.items():
+        assert np.array_equal(ali, backward[u]) and np.array_equal(ali, alone[u]), u
+
+
 def test_sat_alignments_are_the_dnn_targets(trained, sat):
     """Stage 6 with the SAT system: train from the SAT stage, dev by align_fmllr, transforms saved,
     targets and priors over the SAT system's pdfs, the SAT graph named for decoding."""

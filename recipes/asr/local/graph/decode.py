@@ -54,9 +54,14 @@ def _decode_all(hclg, decodables, beam: float, max_active: int, alignments: dict
     ``alignments``, if given, receives the best path's transition-ids ``[T]`` per decoded utterance.
     An utterance whose search reached no final state keeps its best partial path (Kaldi's
     ``--allow-partial``; counted as partial in the log); one where no path survived gets ``[]``."""
-    decoder = khg.FasterDecoder(hclg, khg.FasterDecoderOptions(beam=beam, max_active=max_active, min_active=200))
+    options = khg.FasterDecoderOptions(beam=beam, max_active=max_active, min_active=200)
     out, failed, partial, frames, t0 = {}, [], [], 0, time.time()
     for utt_id, num_frames, decodable in decodables:
+        # A new decoder (3 us) per utterance: a reused one keeps its token hash's size from earlier
+        # utterances, which changes the order tokens are visited in, and so which of two paths of equal
+        # cost survives. The best path then depends on what was decoded before it (seen as different
+        # transition-ids, same words, when a tiny GMM has pdfs with identical Gaussians).
+        decoder = khg.FasterDecoder(hclg, options)
         decoder.decode(decodable)
         ok, best = decoder.get_best_path()
         if ok:
