@@ -401,6 +401,59 @@ def test_parallel_gmm_decoding_equals_one_process(trained):
     assert set(one_alis) == set(two_alis) and all(np.array_equal(one_alis[u], two_alis[u]) for u in one_alis)
 
 
+def test_mixing_up_is_kaldis_split_with_a_seeded_perturbation(trained):
+    """``split_by_count``: khg's number of Gaussians per pdf, the same GMM from the same seed (khg's own
+    perturbation comes from std::random_device), a new one from another seed, and Kaldi's perturbation:
+    each half of a split moved by ``perturb_factor * N(0, 1)`` standard deviations, in opposite directions."""
+    from local.gmm.common import GmmSystem, split_by_count
+
+    path = trained[0] / "exp" / "mono" / "final.pkl"
+    before = GmmSystem.load(path).am
+    occs = np.linspace(50, 500, before.num_pdfs).astype(np.float32)
+    target = before.num_gauss + 90
+
+    def split(seed):
+        am = GmmSystem.load(path).am
+        split_by_count(am, occs, target, seed=seed)
+        return am
+
+    a, b, other = split(0), split(0), split(1)
+    theirs = GmmSystem.load(path).am
+    theirs.split_by_count(state_occs=occs, target_components=target, perturb_factor=0.01, power=0.2, min_count=20.0)
+    assert a.num_gauss == target
+    assert [a.get_pdf(p).num_gauss for p in range(a.num_pdfs)] == [
+        theirs.get_pdf(p).num_gauss for p in range(a.num_pdfs)
+    ]
+    assert pickle.dumps(a) == pickle.dumps(b) and pickle.dumps(a) != pickle.dumps(other)
+    steps = []
+    for p in range(a.num_pdfs):
+        old, new = before.get_pdf(p), a.get_pdf(p)
+        if new.num_gauss != old.num_gauss + 1:
+            continue
+        i, n0 = int(np.argmax(np.asarray(old.weights))), old.num_gauss  # Kaldi splits the heaviest
+        sd = np.sqrt(np.asarray(new.vars))
+        np.testing.assert_allclose(np.asarray(new.weights)[[i, n0]], np.asarray(old.weights)[i] / 2, rtol=1e-6)
+        up = (np.asarray(new.means)[n0] - np.asarray(old.means)[i]) / sd[n0]
+        down = (np.asarray(new.means)[i] - np.asarray(old.means)[i]) / sd[i]
+        np.testing.assert_allclose(up, -down, atol=1e-4)
+        steps.append(up)
+    steps = np.concatenate(steps)
+    assert len(steps) > 500 and 0.009 < steps.std() < 0.011
+
+
+def test_gmm_training_gives_the_same_model_twice(trained, tmp_path):
+    """The monophone stage run again on the same data (in another directory) writes the same model."""
+    import shutil
+
+    from local.gmm.mono import train_mono
+
+    again = tmp_path / "again"
+    shutil.copytree(trained[0], again, ignore=shutil.ignore_patterns("exp", "ali"))
+    train_mono(again, num_iters=8, total_gauss=200, scales=(0.1,))
+    first = (trained[0] / "exp" / "mono" / "final.pkl").read_bytes()
+    assert (again / "exp" / "mono" / "final.pkl").read_bytes() == first
+
+
 @pytest.mark.parametrize("system_name", ["mono", "tri"])
 def test_gmm_decoding_of_an_utterance_does_not_depend_on_what_was_decoded_before(trained, system_name):
     """The best path of each utterance, transition-ids included, whatever the order of the utterances

@@ -242,9 +242,45 @@ def update(
         config=opts, amdiag_gmm_acc=stats.accs, flags=khg.str_to_gmm_flags("mvw"), am_gmm=system.am
     )
     if target_gauss > system.am.num_gauss:
-        system.am.split_by_count(
-            state_occs=stats.pdf_occs, target_components=target_gauss, perturb_factor=0.01, power=power, min_count=min_count
-        )
+        split_by_count(system.am, stats.pdf_occs, target_gauss, power=power, min_count=min_count)
+
+
+def split_by_count(
+    am, state_occs, target_gauss: int, perturb_factor: float = 0.01, power: float = 0.2, min_count: float = 20.0,
+    seed: int = 0,
+) -> None:
+    """Kaldi's mixing up (``AmDiagGmm::SplitByCount``), with the means perturbed from a seeded generator.
+
+    kaldi-hmm-gmm draws the perturbation of each split from ``std::random_device``, which cannot be
+    seeded: the same data gave a different GMM in every run (the tiny test corpus's triphone system
+    had 68 to 73 pdfs from one run to the next). So the split itself is Kaldi's, with no perturbation,
+    and the perturbation is replayed here in Kaldi's order from the split history: for the ``j``-th
+    split of a pdf, of Gaussian ``i`` into ``i`` and ``n0 + j``, ``r = randn(dim) * sqrt(inv_var[i])``,
+    ``means_invvars[n0 + j] = means_invvars[i] + perturb_factor * r``, ``means_invvars[i] -= perturb_factor
+    * r``. The number of Gaussians per pdf is khg's own (``split_by_count`` run on a copy); the
+    generator's seed is ``(seed, Gaussians before, target_gauss)``.
+    """
+    occs = np.asarray(state_occs, dtype=np.float32)
+    planned = pickle.loads(pickle.dumps(am))
+    planned.split_by_count(
+        state_occs=occs, target_components=target_gauss, perturb_factor=0.0, power=power, min_count=min_count
+    )
+    rng = np.random.default_rng((seed, am.num_gauss, target_gauss))
+    for pdf in range(am.num_pdfs):
+        target = planned.get_pdf(pdf).num_gauss
+        gmm = am.get_pdf(pdf)
+        first_new = gmm.num_gauss
+        if target <= first_new:
+            continue
+        history = gmm.split(target, 0.0)
+        inv_vars = np.array(gmm.inv_vars, dtype=np.float64)
+        means_invvars = np.array(gmm.means_invvars, dtype=np.float64)
+        for j, i in enumerate(history):
+            r = rng.standard_normal(inv_vars.shape[1]) * np.sqrt(inv_vars[i])
+            means_invvars[first_new + j] = means_invvars[i] + perturb_factor * r
+            means_invvars[i] -= perturb_factor * r
+        gmm.set_invvars_and_means(inv_vars.astype(np.float32), (means_invvars / inv_vars).astype(np.float32))
+        gmm.compute_gconsts()
 
 
 # ---------------------------------------------------------------- alignment conversion
