@@ -59,8 +59,8 @@ def _decode_all(hclg, decodables, beam: float, max_active: int, alignments: dict
     for utt_id, num_frames, decodable in decodables:
         # A new decoder (3 us) per utterance: a reused one keeps its token hash's size from earlier
         # utterances, which changes the order tokens are visited in, and so which of two paths of equal
-        # cost survives. The best path then depends on what was decoded before it (seen as different
-        # transition-ids, same words, when a tiny GMM has pdfs with identical Gaussians).
+        # cost survives. The best path then depended on what was decoded before it: CI saw the same words
+        # with other transition-ids from one process and from two (tests/test_gmm.py, the tiny corpus).
         decoder = khg.FasterDecoder(hclg, options)
         decoder.decode(decodable)
         ok, best = decoder.get_best_path()
