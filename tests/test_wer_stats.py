@@ -382,3 +382,53 @@ def test_strategy_names_are_the_registered_ones(tmp_path):
     (d / "train_summary.json").write_text(json.dumps(
         {"run_name": "ma", "strategy": "modelaveraging", "world_size": 2, "num_weights": 10}))
     assert run_row(d)["strategy"] == "ma"
+
+
+def test_test_wer_per_voice_family(tmp_path):
+    """The comparison splits test WER by voice family (the speaker id's first part, the TTS engine on
+    the synthetic corpus): a run that doubles the baseline's errors on the flite voices only is +0 % on
+    espeak and +100 % on flite; a test set of one family, or of speaker ids without the structure
+    (every id its own family, more than 8), gets no such table."""
+    import json
+
+    from lhotse import CutSet, MonoCut, SupervisionSegment
+    from local.dnn.compare import compare_runs, voice_family
+
+    assert voice_family("espeak-en-us-m3-r110-p55") == "espeak" and voice_family("spk1") == "spk1"
+
+    def write_speakers(spk_of):
+        CutSet.from_cuts(MonoCut(id=u, start=0.0, duration=1.0, channel=0, supervisions=[
+            SupervisionSegment(id=u, recording_id=u, start=0.0, duration=1.0, speaker=s)]) for u, s in spk_of.items()
+        ).to_file(data_dir / "features" / "test_cuts.jsonl.gz")
+
+    speakers = ["espeak-en-m1", "espeak-en-f2", "flite-rms-r100", "flite-awb-r90"]
+    ids = [f"{spk}_test{i:02d}" for spk in speakers for i in range(25)]
+    data_dir = tmp_path / "data"
+    (data_dir / "features").mkdir(parents=True)
+    write_speakers({u: u.split("_")[0] for u in ids})
+    runs = []
+    for seed in (0, 1):
+        for name, workers in (("baseline", 1), ("gtc", 2)):
+            d = tmp_path / f"seed{seed}" / name
+            (d / "decode").mkdir(parents=True)
+            (d / "config.yaml").write_text(f"seed_everything: {seed}\n")
+            (d / "train_summary.json").write_text(json.dumps({
+                "run_name": name, "strategy": name, "world_size": workers, "num_weights": 1000,
+                "dev_frame_acc": [0.5], "data_dir": str(data_dir)}))
+            counts = {u: [(2 if name == "gtc" and u.startswith("flite") else 1) * (1 + seed), 10] for u in ids}
+            (d / "decode" / "per_utt-test.json").write_text(json.dumps(counts))
+            (d / "decode" / "results.json").write_text(json.dumps({"dev": {"wer": 5.0}, "test": {"wer": 10.0}}))
+            runs.append(d)
+    compare_runs(runs, tmp_path / "cmp")
+    fam = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["by_voice_family"]
+    assert set(fam) == {"espeak", "flite"} and fam["flite"]["utterances"] == 50 and fam["flite"]["words"] == 500
+    assert fam["espeak"]["runs"]["gtc"]["vs_baseline"]["mean"]["rel_pct"] == pytest.approx(0.0)
+    assert fam["flite"]["runs"]["gtc"]["vs_baseline"]["mean"]["rel_pct"] == pytest.approx(100.0)
+    assert fam["flite"]["runs"]["baseline"]["mean"]["wer"] == pytest.approx(15.0)  # seeds 10 % and 20 %
+    md = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "per voice family" in md and "| gtc | 15.00 % (+0.0 % [+0.0, +0.0]) | 30.00 % (+100.0 %" in md
+    for spk_of in ({u: "espeak-x" for u in ids}, {u: f"s{i}" for i, u in enumerate(ids)}):
+        write_speakers(spk_of)
+        compare_runs(runs, tmp_path / "cmp1")
+        assert json.loads((tmp_path / "cmp1" / "comparison.json").read_text())["by_voice_family"] == {}
+        assert "per voice family" not in (tmp_path / "cmp1" / "comparison.md").read_text()

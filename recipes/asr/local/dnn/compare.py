@@ -463,6 +463,51 @@ def crossfold_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def voice_family(speaker: str) -> str:
+    """The part of a speaker id before its first ``-``: the TTS engine on the synthetic corpus
+    (``espeak-en-us-m3-r110-p55`` -> ``espeak``)."""
+    return speaker.split("-", 1)[0]
+
+
+def family_reports(run_dirs: list[Path], baseline: str, speaker_of: dict[str, str],
+                   max_families: int = 8) -> dict[str, dict]:
+    """``seeds_report`` on the test utterances of each voice family (``voice_family``), or ``{}``
+    when the test set has one family or more than ``max_families`` (speaker ids without that
+    structure). On the synthetic corpus the dev set has espeak voices only, so this is where a
+    difference that dev cannot see shows (docs/auto_tau_rice.md, "Sharpness")."""
+    families = sorted({voice_family(s) for s in speaker_of.values()})
+    if not 2 <= len(families) <= max_families:
+        return {}
+    out = {}
+    for fam in families:
+        def counts_of(d: Path, fam=fam) -> dict | None:
+            counts = _test_counts(d)
+            return None if counts is None else {u: v for u, v in counts.items()
+                                                if voice_family(speaker_of.get(u, "")) == fam}
+        out[fam] = seeds_report(run_dirs, baseline, counts_of=counts_of)
+    return out
+
+
+def family_markdown(reports: dict[str, dict]) -> str:
+    """Mean test WER per run name and voice family, with its paired change against the baseline."""
+    if not reports:
+        return ""
+    fams = list(reports)
+    lines = [("Test WER per voice family (the speaker id's first part: the TTS engine on the synthetic corpus; "
+              "mean over seeds at the scale dev picked, change against the baseline paired over utterances, "
+              "seeds matched). Words per family and seed: " + ", ".join(f"{f} {reports[f]['words']}" for f in fams)
+              + "."), "", "| run | " + " | ".join(fams) + " |", "|---|" + "---|" * len(fams)]
+    for name in reports[fams[0]]["runs"]:
+        cells = []
+        for f in fams:
+            r = reports[f]["runs"].get(name)
+            vb = r.get("vs_baseline", {}).get("mean") if r else None
+            rel = f" ({vb['rel_pct']:+.1f} % [{vb['rel_lo']:+.1f}, {vb['rel_hi']:+.1f}])" if vb else ""
+            cells.append(f"{r['mean']['wer']:.2f} %{rel}" if r else "–")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str | None = None,
                  data_dir: Path | str | None = None) -> dict:
     """Write ``comparison.md`` (per-run table, then WERs with intervals over utterances and seeds),
@@ -494,9 +539,12 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
     sweep = {s: seeds_report(dirs, base_name, counts_of=lambda d, s=s: _test_counts(d, s)) for s in scales}
     if sweep:
         table += "\n\n" + sweep_markdown(sweep, per_name(r.get("acoustic_scale") for r in rows))
-    speaker_of = test_speakers(data_dir) if sweep and data_dir else None
+    speaker_of = test_speakers(data_dir) if data_dir else None
+    families = family_reports(dirs, base_name, speaker_of) if speaker_of and base else {}
+    if families:
+        table += "\n\n" + family_markdown(families)
     crossfold: dict = {}
-    if speaker_of:
+    if speaker_of and sweep:
         folds = {d: crossfold_counts(d, scales, speaker_of) for d in dirs}
         if all(folds.values()):
             crossfold = seeds_report(dirs, base_name, counts_of=lambda d: folds[d][0])
@@ -513,7 +561,8 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
     (out_dir / "comparison.md").write_text(table + "\n\n" + note + "\n")
     (out_dir / "comparison.json").write_text(json.dumps({"baseline": base and base["run"], "runs": rows,
                                                          "intervals": seeds, "fixed_scales": sweep,
-                                                         "scale_from_other_test_speakers": crossfold}, indent=1, default=str))
+                                                         "scale_from_other_test_speakers": crossfold,
+                                                         "by_voice_family": families}, indent=1, default=str))
     png = plot_accuracy(rows, out_dir / "dev_frame_acc.png")
     log.info("comparison of %d runs -> %s, %s\n%s", len(rows), out_dir / "comparison.md", png, table)
     return {"rows": rows, "markdown": out_dir / "comparison.md", "json": out_dir / "comparison.json", "png": png}
