@@ -53,3 +53,43 @@ def test_learning_rate_schedules(schedule, hold, history, want, monkeypatch):
         model.on_train_epoch_end()
         got.append(opt.param_groups[0]["lr"])
     assert got == pytest.approx(want)
+
+
+def _one_sgd_step(model: AcousticModel, batch: dict, **trainer_args) -> None:
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", **trainer_args)
+    trainer.fit(model, torch.utils.data.DataLoader([batch], batch_size=None))
+
+
+def test_sam_step_takes_the_gradient_at_the_moved_weights_and_steps_from_the_unmoved():
+    """With sam_rho the step is w - lr * grad L(w + rho * g / |g|) (g = grad L(w)); with 0 it is SGD's."""
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(32, 20), "y": torch.randint(0, 4, (32,))}
+    for rho in (0.0, 0.5):
+        model = AcousticModel(input_dim=20, num_pdfs=4, hidden_dim=8, num_layers=2, lr=0.3, sam_rho=rho)
+        w0 = [p.detach().clone() for p in model.parameters()]
+        g = torch.autograd.grad(torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"]), list(model.parameters()))
+        norm = torch.sqrt(sum((x ** 2).sum() for x in g))
+        with torch.no_grad():
+            for p, gi in zip(model.parameters(), g):
+                p.add_(gi, alpha=rho / float(norm))
+        g_sam = torch.autograd.grad(torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"]),
+                                    list(model.parameters()))
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), w0):
+                p.copy_(w)
+        _one_sgd_step(model, batch)
+        for p, w, gs in zip(model.parameters(), w0, g_sam):
+            torch.testing.assert_close(p.detach(), w - 0.3 * gs, rtol=1e-5, atol=1e-6)
+        if rho:  # and it is not SGD's step
+            assert not all(torch.allclose(p.detach(), w - 0.3 * gi) for p, w, gi in zip(model.parameters(), w0, g))
+
+
+def test_sam_names_bad_settings():
+    with pytest.raises(ValueError, match="sam_rho=-0.1"):
+        AcousticModel(sam_rho=-0.1)
+    model = AcousticModel(input_dim=4, num_pdfs=2, hidden_dim=3, num_layers=1, sam_rho=0.1)
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2"):
+        _one_sgd_step(model, {"x": torch.randn(4, 4), "y": torch.randint(0, 2, (4,))}, accumulate_grad_batches=2)

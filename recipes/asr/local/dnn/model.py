@@ -37,6 +37,11 @@ class AcousticModel(LightningModule):
         newbob_threshold: improvement of dev frame accuracy below which newbob starts halving.
         init_gain: Xavier gain on hidden layers; sigmoid stacks need ~4, or training sits at the
             class prior for an epoch (DESIGN.md section 5).
+        sam_rho: sharpness-aware minimisation (Foret et al., 2021) when > 0: each step's gradient is
+            taken at the weights moved by ``sam_rho`` (Euclidean length, all parameters together)
+            along the rank's own batch gradient, then applied to the unmoved weights. One more
+            forward and backward a step; the first gradient never leaves the rank (no words, no
+            all-reduce). A diagnostic for GTC's sharpness (docs/auto_tau_rice.md, "Sharpness").
     """
 
     def __init__(
@@ -51,6 +56,7 @@ class AcousticModel(LightningModule):
         hold_epochs: int = 0,
         newbob_threshold: float = 0.005,
         init_gain: float = 4.0,
+        sam_rho: float = 0.0,
     ) -> None:
         super().__init__()
         if min(input_dim, num_pdfs, hidden_dim, num_layers) < 1:
@@ -58,7 +64,10 @@ class AcousticModel(LightningModule):
                 f"input_dim={input_dim}, num_pdfs={num_pdfs}, hidden_dim={hidden_dim}, "
                 f"num_layers={num_layers} must all be >= 1"
             )
+        if sam_rho < 0:
+            raise ValueError(f"sam_rho={sam_rho}: use 0 (plain SGD) or a positive radius")
         self.save_hyperparameters()
+        self._sam_saved: list[torch.Tensor] | None = None
         layers: list[nn.Module] = []
         dims = [input_dim] + [hidden_dim] * num_layers
         for d_in, d_out in itertools.pairwise(dims):
@@ -81,10 +90,37 @@ class AcousticModel(LightningModule):
         return self.net(x)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.hparams.sam_rho > 0:
+            self._sam_ascend(batch)
         loss = nn.functional.cross_entropy(self(batch["x"]), batch["y"])
         self._epoch_frames += batch["y"].numel()
         self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=batch["y"].numel())
         return loss
+
+    def _sam_ascend(self, batch: dict[str, torch.Tensor]) -> None:
+        """Move the weights by ``sam_rho`` along this rank's batch gradient (``torch.autograd.grad``:
+        no ``.grad``, no DDP or GTC hook), keeping an exact copy for ``on_before_optimizer_step``."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(nn.functional.cross_entropy(self(batch["x"]), batch["y"]), params)
+        norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads))
+        with torch.no_grad():
+            self._sam_saved = [p.detach().clone() for p in params]
+            if norm > 0:
+                for p, g in zip(params, grads):
+                    p.add_(g.to(p.dtype), alpha=float(self.hparams.sam_rho / norm))
+
+    def on_fit_start(self) -> None:
+        if self.hparams.sam_rho > 0 and self.trainer.accumulate_grad_batches != 1:
+            raise ValueError(f"sam_rho={self.hparams.sam_rho} with accumulate_grad_batches="
+                             f"{self.trainer.accumulate_grad_batches}: the weights are restored once per optimizer "
+                             "step; use accumulate_grad_batches=1 (a larger --data.batch_size instead)")
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self._sam_saved is not None:  # the step starts from the unmoved weights, bit for bit
+            with torch.no_grad():
+                for p, saved in zip((p for p in self.parameters() if p.requires_grad), self._sam_saved):
+                    p.copy_(saved)
+            self._sam_saved = None
 
     def on_train_epoch_start(self) -> None:
         self._epoch_frames = 0
