@@ -11,6 +11,18 @@ def _counts(rng, num_utts=400, error_rate=0.1):
     return errors, words
 
 
+
+def _fake_run(d, seed: int, name: str, workers: int, data_dir, dev_frame_acc: list[float]):
+    """A run dir as compare_runs reads it, without decodes: ``decode/``, ``config.yaml``, ``train_summary.json``."""
+    import json
+
+    (d / "decode").mkdir(parents=True)
+    (d / "config.yaml").write_text(f"seed_everything: {seed}\n")
+    (d / "train_summary.json").write_text(json.dumps({
+        "run_name": name, "strategy": name, "world_size": workers, "num_weights": 1000,
+        "dev_frame_acc": dev_frame_acc, "data_dir": str(data_dir)}))
+    return d
+
 def test_point_estimate_is_total_errors_over_words_and_inside_the_interval():
     errors, words = _counts(np.random.default_rng(0))
     r = wer_interval(errors, words)
@@ -144,12 +156,7 @@ def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path, caplog):
     runs = []
     for seed in (0, 1):
         for name, workers, rate in (("baseline", 1, 0.08), ("gtc", 2, 0.08)):
-            d = tmp_path / f"seed{seed}" / name
-            (d / "decode").mkdir(parents=True)
-            (d / "config.yaml").write_text(f"seed_everything: {seed}\n")
-            (d / "train_summary.json").write_text(json.dumps({
-                "run_name": name, "strategy": name, "world_size": workers, "num_weights": 1000,
-                "dev_frame_acc": [0.5, 0.6], "data_dir": str(data_dir)}))
+            d = _fake_run(tmp_path / f"seed{seed}" / name, seed, name, workers, data_dir, [0.5, 0.6])
             counts = {u: [int(rng.binomial(w, rate)), int(w)] for u, w in zip(ids, words)}
             (d / "decode" / "per_utt-test.json").write_text(json.dumps(counts))
             wer = 100 * sum(c[0] for c in counts.values()) / words.sum()
@@ -197,12 +204,7 @@ def test_comparison_at_fixed_acoustic_scales_pairs_runs_decoded_at_the_same_scal
     runs = []
     for seed in (0, 1):
         for name, workers in (("baseline", 1), ("gtc", 2)):
-            d = tmp_path / f"seed{seed}" / name
-            (d / "decode").mkdir(parents=True)
-            (d / "config.yaml").write_text(f"seed_everything: {seed}\n")
-            (d / "train_summary.json").write_text(json.dumps({
-                "run_name": name, "strategy": name, "world_size": workers, "num_weights": 1000,
-                "dev_frame_acc": [0.5, 0.6], "data_dir": str(tmp_path / "no-gmm")}))
+            d = _fake_run(tmp_path / f"seed{seed}" / name, seed, name, workers, tmp_path / "no-gmm", [0.5, 0.6])
             sweep = {}
             for scale in ("0.1", "0.2"):
                 errors = base_errors[scale] * (2 if name == "gtc" and scale == "0.2" else 1)
@@ -409,12 +411,7 @@ def test_test_wer_per_voice_family(tmp_path):
     runs = []
     for seed in (0, 1):
         for name, workers in (("baseline", 1), ("gtc", 2)):
-            d = tmp_path / f"seed{seed}" / name
-            (d / "decode").mkdir(parents=True)
-            (d / "config.yaml").write_text(f"seed_everything: {seed}\n")
-            (d / "train_summary.json").write_text(json.dumps({
-                "run_name": name, "strategy": name, "world_size": workers, "num_weights": 1000,
-                "dev_frame_acc": [0.5], "data_dir": str(data_dir)}))
+            d = _fake_run(tmp_path / f"seed{seed}" / name, seed, name, workers, data_dir, [0.5])
             counts = {u: [(2 if name == "gtc" and u.startswith("flite") else 1) * (1 + seed), 10] for u in ids}
             (d / "decode" / "per_utt-test.json").write_text(json.dumps(counts))
             (d / "decode" / "results.json").write_text(json.dumps({"dev": {"wer": 5.0}, "test": {"wer": 10.0}}))
