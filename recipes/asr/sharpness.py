@@ -24,9 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from evaluate import locate_run
+from evaluate import load_checkpoint, locate_run
 from local.dnn.datamodule import AsrDataModule
-from local.dnn.model import AcousticModel
 from local.dnn.sharpness import top_hessian_eigenvalue
 
 log = logging.getLogger("sharpness")
@@ -50,12 +49,11 @@ def measure_run(run_dir: Path, data_dir: Path | None, batches_by_key: dict, args
     if not summary_path.exists():
         raise FileNotFoundError(f"{run_dir}: no train_summary.json; is it a finished recipes/asr/train.py run?")
     checkpoint, data_dir = locate_run(run_dir, json.loads(summary_path.read_text()), data_dir)
-    blob = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    data_hp = blob.get("datamodule_hyper_parameters", {})
-    key = (str(data_dir), str(data_hp.get("features", "fbank")), int(data_hp.get("context", 8)))
+    model, context, features = load_checkpoint(checkpoint)
+    key = (str(data_dir), features, context)
     if key not in batches_by_key:
-        batches_by_key[key] = training_batches(data_dir, key[1], key[2], args.batches, args.batch_size, args.data_seed)
-    model = AcousticModel.load_from_checkpoint(checkpoint, map_location="cpu").float().eval()
+        batches_by_key[key] = training_batches(data_dir, features, context, args.batches, args.batch_size, args.data_seed)
+    model = model.float()
     res = top_hessian_eigenvalue(model, batches_by_key[key], args.iters, args.tol, seed=args.seed)
     lr0 = float(model.hparams.lr)
     row = {"run": str(run_dir), "checkpoint": str(checkpoint), "lr": lr0, **res, "two_over_lr": 2.0 / lr0,
