@@ -93,3 +93,49 @@ def test_sam_names_bad_settings():
     model = AcousticModel(input_dim=4, num_pdfs=2, hidden_dim=3, num_layers=1, sam_rho=0.1)
     with pytest.raises(ValueError, match="accumulate_grad_batches=2"):
         _one_sgd_step(model, {"x": torch.randn(4, 4), "y": torch.randint(0, 2, (4,))}, accumulate_grad_batches=2)
+
+
+class _NanOnStep(AcousticModel):
+    """Its SAM ascent is finite; the gradient GTC exchanges is NaN on optimizer step ``nan_step``."""
+
+    def __init__(self, nan_step: int, **kw) -> None:
+        super().__init__(**kw)
+        self.nan_step = nan_step
+        self.params_after: list[list[torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step == self.nan_step else loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.params_after.append([p.detach().clone() for p in self.parameters()])
+
+
+def test_sam_restores_the_weights_when_gtc_skips_the_step(tmp_path):
+    """A step GTC skips (non-finite gradient) leaves the weights where they were before SAM's ascent."""
+    import lightning as L
+
+    from gtc_lightning import GTCStrategy
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(16, 6), "y": torch.randint(0, 3, (16,))} for _ in range(4)]
+    model = _NanOnStep(2, input_dim=6, num_pdfs=3, hidden_dim=5, num_layers=1, lr=0.5, sam_rho=0.3)
+    start = [p.detach().clone() for p in model.parameters()]
+    strategy = GTCStrategy(tau=1e-3, timeout=torch.distributed.constants.default_pg_timeout)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, limit_val_batches=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"non-finite gradient on rank\(s\) \[0\] at optimizer step 3"):
+            trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    after = model.params_after
+    assert len(after) == 4 and model._sam_saved is None
+    assert not all(torch.equal(a, s) for a, s in zip(after[1], start))  # steps 0 and 1 moved the weights
+    for a, b in zip(after[2], after[1]):  # the skipped step: bit for bit the weights before it
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(after[3], after[2]))
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -107,3 +107,30 @@ def test_cli_measures_a_finished_run(aligned, tmp_path):  # noqa: F811
         sharpness_cli.main(["--runs", str(run_dir), "--batches", "10000", "--batch-size", "16"])
     with pytest.raises(FileNotFoundError, match="train_summary.json"):
         sharpness_cli.main(["--runs", str(tmp_path / "nope")])
+
+
+def _fit_with_loader(tmp_path, data) -> Path:
+    import lightning as L
+    from local.dnn.model import AcousticModel
+    from local.dnn.sharpness import SharpnessMonitor
+
+    model = AcousticModel(input_dim=6, num_pdfs=3, hidden_dim=5, num_layers=1, lr=0.5)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, callbacks=[SharpnessMonitor(every_n_steps=1, iters=5)])
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None, shuffle=True))
+    return tmp_path
+
+
+def test_monitor_takes_the_batches_of_a_fit_without_datamodule(tmp_path):
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(16, 6), "y": torch.randint(0, 3, (16,))} for _ in range(4)]
+    rows = _rows(_fit_with_loader(tmp_path, data))
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["lambda_max"] > 0 for r in rows)
+
+
+def test_monitor_names_batches_it_cannot_read(tmp_path):
+    with pytest.raises(TypeError, match="needs batches .*got list"):
+        _fit_with_loader(tmp_path, [(torch.randn(16, 6), torch.randint(0, 3, (16,)))])
+    with pytest.raises(TypeError, match=r"got dict with keys \['feats', 'y'\]"):
+        _fit_with_loader(tmp_path, [{"feats": torch.randn(16, 6), "y": torch.randint(0, 3, (16,))}])

@@ -94,12 +94,21 @@ class SharpnessMonitor(Callback):
 
     def _fixed_batches(self, trainer) -> list[dict[str, torch.Tensor]]:
         if self._batches is None:
-            loader = trainer.datamodule.train_dataloader()
+            datamodule = getattr(trainer, "datamodule", None)
+            loader = datamodule.train_dataloader() if datamodule is not None else trainer.train_dataloader
+            if loader is None:
+                raise RuntimeError("SharpnessMonitor found no training data: fit with a datamodule or with "
+                                   "train_dataloaders, and measure from on_train_start on")
             self._batches = []
-            for batch in loader:
-                self._batches.append({"x": batch["x"].clone(), "y": batch["y"].clone()})
-                if len(self._batches) == self.num_batches:
-                    break
+            with torch.random.fork_rng(devices=[]):  # a shuffling loader draws its seed from the global RNG
+                for batch in loader:
+                    if not isinstance(batch, dict) or not {"x", "y"} <= batch.keys():
+                        raise TypeError(f"SharpnessMonitor needs batches {{'x': features, 'y': targets}} (the "
+                                        f"recipe's); got {type(batch).__name__}"
+                                        + (f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""))
+                    self._batches.append({"x": batch["x"].clone(), "y": batch["y"].clone()})
+                    if len(self._batches) == self.num_batches:
+                        break
         return self._batches
 
     def measure(self, trainer, pl_module) -> dict | None:
