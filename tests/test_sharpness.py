@@ -109,24 +109,30 @@ def test_cli_measures_a_finished_run(aligned, tmp_path):  # noqa: F811
         sharpness_cli.main(["--runs", str(tmp_path / "nope")])
 
 
-def _fit_with_loader(tmp_path, data) -> Path:
+def _fit_with_loader(tmp_path, data, watched: bool = True) -> list[torch.Tensor]:
     import lightning as L
     from local.dnn.model import AcousticModel
     from local.dnn.sharpness import SharpnessMonitor
 
+    torch.manual_seed(1)
     model = AcousticModel(input_dim=6, num_pdfs=3, hidden_dim=5, num_layers=1, lr=0.5)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path, callbacks=[SharpnessMonitor(every_n_steps=1, iters=5)])
+                        default_root_dir=tmp_path,
+                        callbacks=[SharpnessMonitor(every_n_steps=1, iters=5)] if watched else [])
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None, shuffle=True))
-    return tmp_path
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def test_monitor_takes_the_batches_of_a_fit_without_datamodule(tmp_path):
     torch.manual_seed(0)
     data = [{"x": torch.randn(16, 6), "y": torch.randint(0, 3, (16,))} for _ in range(4)]
-    rows = _rows(_fit_with_loader(tmp_path, data))
-    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["lambda_max"] > 0 for r in rows)
+    watched = _fit_with_loader(tmp_path / "watched", data)
+    rows = _rows(tmp_path / "watched")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(r["lambda_max"] > 0 for r in rows)
+    # reading the shuffling loader leaves the global RNG, so the shuffle order and the weights, alone
+    plain = _fit_with_loader(tmp_path / "plain", data, watched=False)
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain))
 
 
 def test_monitor_names_batches_it_cannot_read(tmp_path):
