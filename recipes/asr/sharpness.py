@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from evaluate import load_checkpoint, locate_run
 from local.dnn.datamodule import AsrDataModule
-from local.dnn.sharpness import top_hessian_eigenvalue
+from local.dnn.sharpness import first_batches, top_hessian_eigenvalue
 
 log = logging.getLogger("sharpness")
 
@@ -35,11 +35,9 @@ def training_batches(data_dir: Path, features: str, context: int, num: int, batc
                      seed: int) -> list[dict[str, torch.Tensor]]:
     dm = AsrDataModule(data_dir=str(data_dir), features=features, context=context, batch_size=batch_size, seed=seed)
     dm.setup("fit")
-    batches = []
-    for batch in dm.train_dataloader():
-        batches.append({"x": batch["x"].clone(), "y": batch["y"].clone()})
-        if len(batches) == num:
-            return batches
+    batches = first_batches(dm.train_dataloader(), num)
+    if len(batches) == num:
+        return batches
     raise ValueError(f"{data_dir}: only {len(batches)} training batches of {batch_size} frames; ask for fewer "
                      f"(--batches {len(batches)}) or smaller ones (--batch-size)")
 

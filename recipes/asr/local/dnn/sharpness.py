@@ -73,6 +73,19 @@ def top_hessian_eigenvalue(model: nn.Module, batches: list[dict[str, torch.Tenso
             "seconds": round(time.perf_counter() - start, 2)}
 
 
+def first_batches(loader, num: int) -> list[dict[str, torch.Tensor]]:
+    """Copies of ``x`` and ``y`` of the first ``num`` batches of ``loader`` (fewer if it ends first)."""
+    batches = []
+    for batch in loader:
+        if not isinstance(batch, dict) or not {"x", "y"} <= batch.keys():
+            raise TypeError("SharpnessMonitor needs batches {'x': features, 'y': targets} (the recipe's); got "
+                            + type(batch).__name__ + (f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""))
+        batches.append({"x": batch["x"].clone(), "y": batch["y"].clone()})
+        if len(batches) == num:
+            break
+    return batches
+
+
 class SharpnessMonitor(Callback):
     """Every ``every_n_steps`` optimizer steps, rank 0 measures the top Hessian eigenvalue of the
     training loss on the first ``num_batches`` batches of its epoch-0 training data (the same frames
@@ -99,16 +112,8 @@ class SharpnessMonitor(Callback):
             if loader is None:
                 raise RuntimeError("SharpnessMonitor found no training data: fit with a datamodule or with "
                                    "train_dataloaders, and measure from on_train_start on")
-            self._batches = []
             with torch.random.fork_rng(devices=[]):  # a shuffling loader draws its seed from the global RNG
-                for batch in loader:
-                    if not isinstance(batch, dict) or not {"x", "y"} <= batch.keys():
-                        raise TypeError(f"SharpnessMonitor needs batches {{'x': features, 'y': targets}} (the "
-                                        f"recipe's); got {type(batch).__name__}"
-                                        + (f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""))
-                    self._batches.append({"x": batch["x"].clone(), "y": batch["y"].clone()})
-                    if len(self._batches) == self.num_batches:
-                        break
+                self._batches = first_batches(loader, self.num_batches)
         return self._batches
 
     def measure(self, trainer, pl_module) -> dict | None:
