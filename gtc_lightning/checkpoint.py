@@ -30,6 +30,16 @@ CHECKPOINT_KEY = "gtc"  # the checkpoint entry: counters, layout, where the resi
 SHARD_SUFFIX = ".gtc"  # residual shards live in "<checkpoint>.gtc/rank<r>.pt"
 
 
+def resolve_link(checkpoint_path: _PATH) -> _PATH:
+    """The file a local symlink points to (``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` a
+    link to the newest checkpoint, whose shards sit beside the target, not beside the link); any other
+    path as it is."""
+    path = os.fspath(checkpoint_path)
+    if "://" not in path and os.path.islink(path):
+        return os.path.realpath(path)
+    return checkpoint_path
+
+
 def shard_path(checkpoint_path: _PATH, rank: int) -> str:
     """Where global rank ``rank`` keeps its residuals for the checkpoint ``checkpoint_path``."""
     return os.path.join(f"{checkpoint_path}{SHARD_SUFFIX}", f"rank{rank}.pt")
