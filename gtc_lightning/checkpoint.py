@@ -68,12 +68,25 @@ def save_shard(state: GTCState, checkpoint_io: CheckpointIO, checkpoint_path: _P
     checkpoint_io.save_checkpoint(shard, shard_path(checkpoint_path, rank))
 
 
-def remove_shards(checkpoint_path: _PATH) -> None:
-    """Remove the residual shards of a checkpoint that is removed (call on one rank)."""
-    shards = f"{checkpoint_path}{SHARD_SUFFIX}"
-    fs = get_filesystem(shards)
-    if fs.exists(shards):
-        fs.rm(shards, recursive=True)
+def remove_shard(checkpoint_io: CheckpointIO, checkpoint_path: _PATH, rank: int) -> None:
+    """Remove rank ``rank``'s residual shard of a checkpoint that is removed, through ``checkpoint_io``
+    (every rank removes its own: on several nodes each may have written to a disk of its own), and
+    the shard folder once it is empty (whichever rank finds it so; a race between ranks is harmless)."""
+    where = shard_path(checkpoint_path, rank)
+    fs = get_filesystem(where)
+    if fs.exists(where):
+        checkpoint_io.remove_checkpoint(where)
+    remove_empty_folder(os.path.dirname(where))
+
+
+def remove_empty_folder(folder: str) -> None:
+    """Remove ``folder`` if it exists and is empty; another rank may remove it first."""
+    fs = get_filesystem(folder)
+    try:
+        if fs.exists(folder) and not fs.ls(folder):
+            fs.rmdir(folder)
+    except (FileNotFoundError, OSError):
+        pass
 
 
 def _load_shard(checkpoint_io: CheckpointIO, path: _PATH, rank: int, world: int, hint: str) -> dict:

@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from gtc_lightning import checkpoint
-from gtc_lightning.hook import GTCState, check_options, gtc_hook
+from gtc_lightning.hook import GTCState, check_options, gtc_hook, sparse_gradient_parameters
 
 
 class GTCFabricStrategy(DDPStrategy):
@@ -88,7 +88,7 @@ class GTCFabricStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding)
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density)
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
@@ -108,7 +108,7 @@ class GTCFabricStrategy(DDPStrategy):
             **kwargs,
         )
         self._options = {
-            "tau": float(tau),
+            "tau": tau if tau == "auto" else float(tau),
             "warmup_steps": warmup_steps,
             "max_consecutive_skips": max_consecutive_skips,
             "dense_fallback": bool(dense_fallback),
@@ -143,6 +143,13 @@ class GTCFabricStrategy(DDPStrategy):
             raise ValueError(
                 "GTCFabricStrategy compresses the gradients of one module, and one was set up already; set up "
                 "a single model (wrap several in one nn.Module) or use another Fabric instance"
+            )
+        sparse = sparse_gradient_parameters(module)
+        if sparse:
+            raise ValueError(
+                f"GTCFabricStrategy compresses dense gradients, but {sparse} get sparse gradients "
+                "(nn.Embedding/EmbeddingBag with sparse=True). Use sparse=False (GTC then compresses "
+                "their dense gradients), or freeze them (requires_grad=False), or use Fabric's strategy='ddp'"
             )
         ddp = super().setup_module(module)
         self._gtc_state = state = GTCState(
@@ -186,6 +193,7 @@ class GTCFabricStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         state = self._gtc_state
         if state is not None and self._module is not None:
+            state.check_unknown_gradients(self._module.named_parameters())
             state.finish_step(self._module.parameters(), loss_scaler=self._grad_scaler() is not None)
         output = super().optimizer_step(optimizer, **kwargs)
         scaler = self._grad_scaler()

@@ -50,6 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from gtc_lightning.auto_tau import TauController
 from gtc_lightning.ops import BACKENDS, MAX_NUMEL, step_ops
 from gtc_lightning.ops.rice import rice_decode, rice_encode
+from gtc_lightning.ops.torch_ops import INDEX_MASK
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ def check_options(
     exchange: str,
     backend: str,
     coding: str = "none",
+    target_density: float | None = None,
 ) -> None:
     """Validate GTC's hyper-parameters, with messages that say what each one means.
 
@@ -221,6 +223,34 @@ def check_options(
             f"Expect coding in {CODINGS} (rice: Golomb-Rice coded index gaps, ~10 bits a word instead of 32), "
             f"got {coding!r}"
         )
+    if target_density is not None and (
+        isinstance(target_density, bool)
+        or not isinstance(target_density, (int, float))
+        or not 0.0 < target_density < 1.0
+    ):
+        raise ValueError(
+            f"Expect target_density to be None or a number in (0, 1) (words per rank per gradient element and "
+            f"step, e.g. 1e-3), got {target_density!r}"
+        )
+    if tau == "auto" and target_density is None:
+        raise ValueError(
+            "tau='auto' needs a target_density: the words per rank and gradient element to aim for, e.g. 1e-3"
+        )
+
+
+def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of trainable parameters that get sparse gradients (``nn.Embedding(sparse=True)``,
+    ``nn.EmbeddingBag(sparse=True)``): GTC compresses dense gradient buckets only."""
+    names = []
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse:
+            names += [
+                f"{prefix}.{name}" if prefix else name
+                for name, p in sub.named_parameters(recurse=False)
+                if p.requires_grad
+            ]
+    return names
+
 
 
 class GTCState:
@@ -259,9 +289,7 @@ class GTCState:
         coding: str = "none",
         target_density: float | None = None,
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding)
-        if tau == "auto" and target_density is None:
-            raise ValueError("tau='auto' needs a target_density (words per rank per gradient element, e.g. 1e-3)")
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density)
         if tau == "auto":
             tau = AUTO_TAU_INIT
         # The hyper-parameters.
@@ -358,28 +386,74 @@ class GTCState:
     def rank(self) -> int:
         return dist.get_rank(self.process_group)
 
+    _PICKLED = (
+        "tau", "tau32", "warmup_steps", "max_consecutive_skips", "dense_fallback", "exchange", "backend",
+        "stale", "coding", "controller", "clip", "grad_scale", "param_names", "numels", "step", "totals", "last",
+        "_dense_mode", "_warned_fallback",
+    )  # fmt: skip
+
     def __getstate__(self) -> dict:
-        """Hyper-parameters, counters and the residuals (as one vector); no group, no buffers."""
+        """Every hyper-parameter, the counters, automatic tau's controller, the residuals (as one vector)
+        and, with ``stale=True``, the update in flight (waited for, as a vector); no process group, no
+        buffers."""
         log.warning("GTCState: the process group is not picklable and is dropped; call bind() after loading")
-        keep = (
-            "tau", "tau32", "warmup_steps", "max_consecutive_skips", "dense_fallback", "exchange", "backend",
-            "stale", "clip", "grad_scale", "param_names", "numels", "step", "totals", "last", "_dense_mode",
-        )  # fmt: skip
-        state = {key: self.__dict__[key] for key in keep}
+        missing = [key for key in self.__dict__ if not key.startswith("_") and key not in self._PICKLED]
+        assert missing == ["process_group"], f"GTCState.__getstate__ does not know {missing}"
+        state = {key: self.__dict__[key] for key in self._PICKLED}
         state["residuals"] = self.residual_vector(torch.device("cpu"))
+        state["pending"] = None
+        if self._in_flight is not None:
+            from gtc_lightning.stale import pending_entry  # (it imports this module)
+
+            state["pending"] = pending_entry(self)
         return state
 
     def __setstate__(self, state: dict) -> None:
         """Restore with the default process group; ``bind(named_parameters)`` must follow."""
         residuals = state.pop("residuals")
+        pending = state.pop("pending", None)
         self.__dict__.update(state)
         self.process_group = None
         self._name_of = {}
         self._used, self._usage_handles = None, []
-        self._warned_fallback, self._last_consumed = False, True
+        self._last_consumed = True
         self._reset_buffers()
         self.load_residual_vector(residuals)
+        if pending is not None:
+            from gtc_lightning.stale import load_pending  # (it imports this module)
+
+            load_pending(self, pending, torch.device("cpu"))
         log.warning("GTCState: process group set to the default group after loading")
+
+    def rebind(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> list[str]:
+        """Carry this state over to a new DDP wrapper of the model (a second ``trainer.fit``): the
+        residuals follow their parameters by name into the new wrapper's layout, built at its first
+        step; counters, automatic tau, the dense-fallback mode and an update in flight (``stale``)
+        are kept.
+
+        Returns:
+            names of parameters that are no longer trainable: their residual (and their part of an
+            update in flight) is dropped.
+        """
+        saved = dict(zip(self.param_names, self.residual_vector().split(self.numels)))
+        flight = self._in_flight
+        if flight is not None:
+            from gtc_lightning.stale import pending_by_name  # (it imports this module)
+
+            flight = pending_by_name(self, flight)
+        self.untrack_usage()
+        self.bind(named_parameters)
+        self._reset_buffers()
+        if flight is not None:
+            from gtc_lightning.stale import pending_in_order  # (it imports this module)
+
+            self._in_flight = pending_in_order(self, *flight)
+        self._loaded = {
+            name: saved[name].clone()
+            for name, n in zip(self.param_names, self.numels)
+            if name in saved and saved[name].numel() == n
+        }
+        return [name for name in saved if name not in self._loaded]
 
     # ---- which parameters a backward pass used ---------------------------------------------
 
@@ -588,6 +662,22 @@ class GTCState:
         if self.rank == 0:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         return stats
+
+    def check_unknown_gradients(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
+        """Raise for a parameter that got a gradient but was frozen when DDP wrapped the model (e.g.
+        unfrozen by Lightning's ``BaseFinetuning`` during fit): it is in none of DDP's buckets, so its
+        gradient is never exchanged and the replicas would diverge without a word (plain DDP has the
+        same limitation). The strategies call it after every backward pass that synchronised."""
+        for name, p in named_parameters:
+            if p.grad is not None and id(p) not in self._name_of:
+                raise RuntimeError(
+                    f"GTC: parameter {name!r} got a gradient but did not require one when the "
+                    "model was wrapped in DDP at the start of fit, so no bucket holds it: its gradient is never "
+                    "exchanged and the replicas would diverge (DDP itself has this limitation). Unfreezing during "
+                    "fit (e.g. BaseFinetuning) is not supported: make it trainable before trainer.fit (with a zero "
+                    "learning rate until it should train), or unfreeze between two trainer.fit calls (GTC carries "
+                    "its state over)"
+                )
 
     def _record(self, stats: StepStats) -> None:
         self.last = stats
@@ -894,7 +984,9 @@ def _exchange(state: GTCState) -> None:
 
     # 6. Decode every bucket from all ranks' words at once.
     outputs = [(o, b.buffer()) for b, _, o in pending]
-    state._ops.decode_(words, lengths, state._counts, outputs, word_scale(state, world))
+    scale = word_scale(state, world)
+    state._ops.decode_(words, lengths, state._counts, outputs, scale)
+    feed_back(state, sparse_rounding(words, lengths, outputs, scale, state.grad_scale))
     for bucket, future, _ in pending:
         future.set_result(bucket.buffer())
     record("sparse", sent, received, exchanged, clock.now())
@@ -1011,7 +1103,9 @@ def _dense_step(state: GTCState, pending: list, unused: list, own: int, numel: i
     world, clock, sums = state.world_size, state._clock, state._spare
     reduce_dense(state, unused, own, numel)
     exchanged = clock.now()
-    decode_dense(sums, world, state.grad_scale, [(o, b.buffer()) for b, _, o in pending])
+    outputs = [(o, b.buffer()) for b, _, o in pending]
+    decode_dense(sums, world, state.grad_scale, outputs)
+    feed_back(state, dense_rounding(sums, world, outputs, state.grad_scale))
     for bucket, future, _ in pending:
         future.set_result(bucket.buffer())
     sent = allreduce_bytes(numel, world)
@@ -1044,3 +1138,58 @@ def decode_dense(sums: torch.Tensor, world: int, grad_scale: float, outputs: lis
         torch.div(sums[offset : offset + buffer.numel()], world, out=buffer)
         if grad_scale != 1.0:
             buffer.mul_(grad_scale)
+
+
+# ---- what a bf16/fp16 bucket cannot hold goes back into the residual ---------------------------------
+#
+# DDP's buckets have the parameters' dtype: with bf16 or fp16 parameters the decoded update is rounded
+# to it. The rounding error ``e`` of an element is the same on every rank (every rank decodes the same
+# words); each rank adds it to its residual, so the mean residual, the update still to come, grows by
+# exactly what the rounding took off, and conservation holds in low-precision buckets too.
+
+
+def _low_precision(outputs: list) -> list:
+    return [(offset, buffer) for offset, buffer in outputs if buffer.dtype != torch.float32]
+
+
+def sparse_rounding(
+    words: torch.Tensor, lengths: list[int] | None, outputs: list, scale: float, grad_scale: float
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(flat index, error)]`` of the elements whose decoded value ``count * scale`` a low-precision
+    output rounded, unscaled by the loss scale; O(words), nothing for float32 outputs."""
+    low = _low_precision(outputs)
+    if not low or not words.numel():
+        return []
+    if lengths is not None:
+        rows = words.view(len(lengths), -1)
+        words = torch.cat([rows[r, :n] for r, n in enumerate(lengths)])
+    index, inverse = torch.unique((words & INDEX_MASK).long(), return_inverse=True)
+    votes = torch.zeros(index.numel(), dtype=torch.float32, device=words.device)
+    votes.index_add_(0, inverse, torch.where(words < 0, -1.0, 1.0).to(torch.float32))
+    exact = votes * scale  # float32, as the decode kernels compute it
+    errors = []
+    for offset, buffer in low:
+        inside = (index >= offset) & (index < offset + buffer.numel())
+        at = index[inside]
+        error = exact[inside] - buffer[at - offset].float()
+        errors.append((at, error / grad_scale if grad_scale != 1.0 else error))
+    return errors
+
+
+def dense_rounding(
+    sums: torch.Tensor, world: int, outputs: list, grad_scale: float
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """As :func:`sparse_rounding` for a dense update ``sums / world`` (every element)."""
+    errors = []
+    for offset, buffer in _low_precision(outputs):
+        n = buffer.numel()
+        exact = sums[offset : offset + n] / world
+        at = torch.arange(offset, offset + n, device=sums.device)
+        errors.append((at, exact - buffer.float() / grad_scale))
+    return errors
+
+
+def feed_back(state: GTCState, errors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Add the rounding errors to the committed residual (call once the step's residual is committed)."""
+    for at, error in errors:
+        state._residual.index_add_(0, at, error)

@@ -68,6 +68,9 @@ from gtc_lightning.hook import (
     allreduce_bytes,
     decode_coded,
     decode_dense,
+    dense_rounding,
+    feed_back,
+    sparse_rounding,
     reduce_dense,
     word_scale,
 )
@@ -133,12 +136,14 @@ def exchange_stale(
         for _, buffer in outputs:
             buffer.zero_()
     else:
-        _apply(state, previous, outputs)
+        rounding = _apply(state, previous, outputs)
     state._applied = outputs if previous is not None else []
     if dense:
         state._in_flight, sent, received = _launch_dense(state, unused, counts[state.rank], numel)
     else:
         state._in_flight, sent, received = _launch_sparse(state, counts, sizes)
+    if previous is not None:
+        feed_back(state, rounding)  # into the residual just committed
     for bucket, future, _ in pending:
         future.set_result(bucket.buffer())
     applied = previous.step if previous is not None else None
@@ -187,21 +192,21 @@ def _received_words(flight: InFlight) -> None:
     flight.coded = flight.sizes = flight.width = None
 
 
-def _apply(state: GTCState, flight: InFlight, outputs: list) -> None:
-    """Decode ``flight`` into the bucket buffers of the step in progress."""
+def _apply(state: GTCState, flight: InFlight, outputs: list) -> list:
+    """Decode ``flight`` into the bucket buffers of the step in progress; returns what low-precision
+    buckets rounded off (:func:`~gtc_lightning.hook.feed_back`)."""
     _received_words(flight)
     if flight.kind == "sparse" and flight.slots is not None and flight.slots is not state._slots:
         flight.words, flight.lengths = _relayout_words(flight.words, flight.lengths, flight.slots, state._slots)
         flight.slots = state._slots
     if flight.slots is state._slots:  # the layout it was launched in: decode as the synchronous mode
         if flight.kind == "sparse":
-            state._ops.decode_(
-                flight.words, flight.lengths, state._counts, outputs, word_scale(state, flight.world, flight.tau32)
-            )
-        else:
-            decode_dense(flight.sums, flight.world, state.grad_scale, outputs)
-            state._spare_sum = flight.sums
-        return
+            scale = word_scale(state, flight.world, flight.tau32)
+            state._ops.decode_(flight.words, flight.lengths, state._counts, outputs, scale)
+            return sparse_rounding(flight.words, flight.lengths, outputs, scale, state.grad_scale)
+        decode_dense(flight.sums, flight.world, state.grad_scale, outputs)
+        state._spare_sum = flight.sums
+        return dense_rounding(flight.sums, flight.world, outputs, state.grad_scale)
     flat = torch.zeros(sum(state.numels), dtype=torch.float32, device=state._counts.device)
     for name, n, part in zip(
         state.param_names, state.numels, pending_vector(state, flight).split(state.numels)
@@ -213,8 +218,9 @@ def _apply(state: GTCState, flight: InFlight, outputs: list) -> None:
         scale = word_scale(state, flight.world, flight.tau32)
         for offset, buffer in outputs:
             torch.mul(flat[offset : offset + buffer.numel()], scale, out=buffer)
-    else:
-        decode_dense(flat, flight.world, state.grad_scale, outputs)
+        return dense_rounding(flat * (scale * flight.world / state.grad_scale), flight.world, outputs, state.grad_scale)
+    decode_dense(flat, flight.world, state.grad_scale, outputs)
+    return dense_rounding(flat, flight.world, outputs, state.grad_scale)
 
 
 def _relayout_words(words: torch.Tensor, lengths: list[int] | None, old: dict, new: dict) -> tuple:
@@ -257,6 +263,30 @@ def pending_vector(state: GTCState, flight: InFlight) -> torch.Tensor:
         offset, _ = flight.slots.get(name, (None, n))
         parts.append(flat[offset : offset + n] if offset is not None else flat.new_zeros(n))
     return torch.cat(parts) if parts else flat.new_zeros(0)
+
+
+def pending_by_name(state: GTCState, flight: InFlight) -> tuple[InFlight, dict[str, torch.Tensor]]:
+    """``flight`` (waited for) and its update per parameter name, before the state is bound to
+    another set of parameters (:meth:`GTCState.rebind`)."""
+    vector = pending_vector(state, flight)
+    return flight, dict(zip(state.param_names, vector.split(state.numels)))
+
+
+def pending_in_order(state: GTCState, flight: InFlight, parts: dict[str, torch.Tensor]) -> InFlight:
+    """``flight`` as a vector in the rebound state's parameter order (zero for new parameters),
+    applied through the generic path at the next step, in whatever layout DDP builds then."""
+    vector = torch.cat(
+        [
+            parts[name] if name in parts and parts[name].numel() == n else _zeros(parts, n)
+            for name, n in zip(state.param_names, state.numels)
+        ]
+    ) if state.numels else torch.zeros(0)
+    return InFlight(step=flight.step, kind=flight.kind, world=flight.world, tau32=flight.tau32, vector=vector)
+
+
+def _zeros(parts: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+    like = next(iter(parts.values()), None)
+    return torch.zeros(n, dtype=torch.float32, device=like.device if like is not None else "cpu")
 
 
 def drain(state: GTCState) -> InFlight | None:

@@ -28,6 +28,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _augment_message
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -35,7 +36,14 @@ from typing_extensions import override
 from gtc_lightning import checkpoint as gtc_checkpoint
 from gtc_lightning import stale as one_step_stale
 from gtc_lightning.checkpoint import CHECKPOINT_KEY, SHARD_SUFFIX, shard_path  # noqa: F401  (re-exported)
-from gtc_lightning.hook import GTCState, all_gather_equal, check_options, gtc_hook, parameter_checksums
+from gtc_lightning.hook import (
+    GTCState,
+    all_gather_equal,
+    check_options,
+    gtc_hook,
+    parameter_checksums,
+    sparse_gradient_parameters,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +53,6 @@ _HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_aver
 def _check_int(name: str, value: Any, low: int, meaning: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"Expect {name} to be an int >= {low} ({meaning}), got {value!r}")
-
-
-def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
-    """Names of trainable parameters that get sparse gradients (``nn.Embedding(sparse=True)``,
-    ``nn.EmbeddingBag(sparse=True)``): GTC compresses dense gradient buckets only."""
-    names = []
-    for prefix, sub in module.named_modules():
-        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse:
-            names += [
-                f"{prefix}.{name}" if prefix else name
-                for name, p in sub.named_parameters(recurse=False)
-                if p.requires_grad
-            ]
-    return names
 
 
 BUCKET_CAP_MB = 1024  # GTCStrategy's default DDP bucket cap: one bucket for models up to 256 M weights
@@ -96,7 +90,9 @@ class GTCStrategy(DDPStrategy):
             indices and the signs: about 10 bits a word at the densities GTC runs at, instead of 32)
             at the cost of encoding and decoding on every step; ``"none"`` sends 32-bit words.
         restore_residuals: restore the residuals of a resumed checkpoint (every rank reads its own
-            shard). ``False`` restarts them from zero: the pending update is lost.
+            shard; the shards of a linked ``last.ckpt``, ``ModelCheckpoint(save_last="link")``, are
+            found beside the link's target). ``False`` restarts them from zero: the pending update,
+            with ``stale=True`` the update in flight too, is lost.
         stale: one-step-stale GTC (also registered as ``"gtc_stale"``): each step's word exchange
             runs while the next step computes and its update is applied one step late; the replicas
             stay bit-identical. The first compressed step applies nothing, and the last step's
@@ -121,7 +117,17 @@ class GTCStrategy(DDPStrategy):
     apply exactly what went into them, a gradient spike never reaches the model beyond ``c``.
     (DDP clips the averaged gradient instead; where ranks' gradients disagree that one is
     smaller than each rank's, so GTC clips somewhat earlier.) The decoded update is not clipped a
-    second time; dense warmup steps are clipped by Lightning as under DDP.
+    second time: ``LightningModule.configure_gradient_clipping`` (and an override of it) runs on
+    dense warmup steps only, as under DDP.
+
+    Continuing training with a second ``trainer.fit`` on the same Trainer carries every rank's
+    state over: residuals, step counter, automatic tau, the dense-fallback mode and an update in
+    flight, bit for bit as one uninterrupted fit (Lightning allows a second fit with the popen
+    launcher and externally launched processes, e.g. torchrun or SLURM, not with fork/spawn).
+
+    Like DDP, GTC exchanges the gradients of the parameters that were trainable when fit started:
+    a parameter unfrozen during fit (e.g. by ``BaseFinetuning``) is refused with an error at its
+    first gradient; unfreeze between two fits instead.
     """
 
     def __init__(
@@ -147,7 +153,7 @@ class GTCStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding)
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density)
         if not isinstance(stale, bool):
             raise ValueError(f"Expect stale to be True or False, got {stale!r}")  # noqa: TRY004
         _check_int(
@@ -188,14 +194,11 @@ class GTCStrategy(DDPStrategy):
         self._stale = stale
         self._coding = coding
         self._target_density = target_density
-        if tau == "auto" and target_density is None:
-            raise ValueError(
-                "tau='auto' needs a target_density: the words per rank and gradient element to aim for, e.g. 1e-3"
-            )
         self._gtc_state: GTCState | None = None
         self._saved_gtc: tuple[dict, _PATH] | None = None  # checkpoint entry waiting for the state
         self._checked_step = 0
         self._clip: tuple[str, float] | None = None  # the Trainer's clipping, applied per rank
+        self._dense_step = False  # whether the step in progress handed the optimizer a dense average
 
     @property
     def tau(self) -> float | str:
@@ -253,6 +256,8 @@ class GTCStrategy(DDPStrategy):
                     *self._clip,
                 )
         super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._gate_clipping()
         if self._stale and trainer.state.fn == TrainerFn.FITTING and len(self.optimizers) > 1:
             raise ValueError(
                 f"GTCStrategy(stale=True) applies each exchange's update at the next backward pass, which with "
@@ -266,12 +271,57 @@ class GTCStrategy(DDPStrategy):
                 len(trainer.callbacks) if where is None else where, _GTCStatsLogger(self)
             )
 
+    def _gate_clipping(self) -> None:
+        """Lightning calls ``configure_gradient_clipping`` after the closure, on what the optimizer is
+        handed: under GTC that is the decoded update, already bounded, whose every rank's gradient was
+        clipped before compression. Let it run on dense warmup steps only."""
+        plugin = self.precision_plugin
+        if "_clip_gradients" in vars(plugin):
+            return
+        original = plugin._clip_gradients
+
+        def clip_dense_steps_only(*args: Any, **kwargs: Any) -> None:
+            if self._dense_step:
+                original(*args, **kwargs)
+
+        plugin._clip_gradients = clip_dense_steps_only
+        module = self.lightning_module
+        if module is not None and is_overridden("configure_gradient_clipping", module, LightningModule):
+            log.warning(
+                "GTC: your LightningModule overrides configure_gradient_clipping; it runs on dense warmup steps only. "
+                "On compressed steps each rank's local gradient is clipped before compression by the Trainer's "
+                "gradient_clip_val / gradient_clip_algorithm, and the decoded update is not clipped again"
+            )
+
     @override
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy only registers hooks on CUDA; GTC needs its hook on every device.
         assert isinstance(self.model, DistributedDataParallel)
         module = self.model.module
-        self._gtc_state = state = GTCState(
+        state = self._gtc_state
+        if self._saved_gtc is None and state is not None:
+            # A second fit of the same Trainer in the same processes: carry the state over.
+            dropped = state.rebind(module.named_parameters())
+            state.process_group = self._process_group
+            if dropped:
+                log.warning("GTC: parameters no longer trainable, their residuals dropped: %s", dropped)
+        else:
+            state = self._new_state(module)
+        self._gtc_state = state
+        state.clip = self._clip
+        scaler = self._grad_scaler()
+        state.grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        if self._ddp_kwargs.get("find_unused_parameters") or self._ddp_kwargs.get("static_graph"):
+            state.track_usage(module.parameters())
+        self._checked_step = 0
+        if self._saved_gtc is not None:
+            entry, path = self._saved_gtc
+            self._saved_gtc = None
+            self._restore_gtc(entry, path)
+        self.model.register_comm_hook(state, gtc_hook)
+
+    def _new_state(self, module: torch.nn.Module) -> GTCState:
+        return GTCState(
             process_group=self._process_group,
             named_parameters=module.named_parameters(),
             tau=self._tau,
@@ -284,17 +334,6 @@ class GTCStrategy(DDPStrategy):
             coding=self._coding,
             target_density=self._target_density,
         )
-        state.clip = self._clip
-        scaler = self._grad_scaler()
-        state.grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        if self._ddp_kwargs.get("find_unused_parameters") or self._ddp_kwargs.get("static_graph"):
-            state.track_usage(module.parameters())
-        self._checked_step = 0
-        if self._saved_gtc is not None:
-            entry, path = self._saved_gtc
-            self._saved_gtc = None
-            self._restore_gtc(entry, path)
-        self.model.register_comm_hook(state, gtc_hook)
 
     @override
     def optimizer_step(
@@ -309,13 +348,12 @@ class GTCStrategy(DDPStrategy):
             state = self._gtc_state
             if state is not None:
                 assert self.lightning_module is not None
+                state.check_unknown_gradients(self.lightning_module.named_parameters())
                 scaler = self._grad_scaler() is not None  # let AMP's scaler see the skip
                 stats = state.finish_step(self.lightning_module.parameters(), loss_scaler=scaler)
-                if self._clip is not None and stats is not None:
-                    # The hook clipped each rank's gradient; Lightning clips what follows the
-                    # closure, so it may only act on dense warmup steps (as under DDP).
-                    trainer = self.lightning_module.trainer
-                    trainer.gradient_clip_val = self._clip[1] if stats.mode == "warmup" else None
+                # The hook clipped each rank's gradient; Lightning clips what follows the closure
+                # (configure_gradient_clipping), so it may only act on dense warmup steps.
+                self._dense_step = stats is not None and stats.mode == "warmup"
             return result
 
         output = super().optimizer_step(optimizer, closure_then_apply_skip, model, **kwargs)
@@ -384,8 +422,7 @@ class GTCStrategy(DDPStrategy):
                 log.warning("GTC: the exchange in flight did not complete (%s); dropped", error)
                 self._gtc_state._in_flight = None
             self._gtc_state.untrack_usage()
-        if self._clip is not None and self.lightning_module is not None and self.lightning_module._trainer:
-            self.lightning_module.trainer.gradient_clip_val = self._clip[1]
+        self.precision_plugin.__dict__.pop("_clip_gradients", None)
         self._saved_gtc = None
         super().teardown()
 
@@ -408,8 +445,8 @@ class GTCStrategy(DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            gtc_checkpoint.remove_shards(filepath)
+        # Every rank removes the shard it wrote: on several nodes each may sit on its own disk.
+        gtc_checkpoint.remove_shard(self.checkpoint_io, filepath, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -420,7 +457,7 @@ class GTCStrategy(DDPStrategy):
         module = self.lightning_module
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         entry = checkpoint.get(CHECKPOINT_KEY)
-        self._saved_gtc = (entry, checkpoint_path) if fitting and entry is not None else None
+        self._saved_gtc = (entry, gtc_checkpoint.resolve_link(checkpoint_path)) if fitting and entry is not None else None
         return checkpoint
 
     def _restore_gtc(self, saved: dict, path: _PATH) -> None:
@@ -431,7 +468,7 @@ class GTCStrategy(DDPStrategy):
             residuals=self._restore_residuals,
         )  # fmt: skip
         # After the residuals: without the stale option the pending update is added to them.
-        if saved.get("pending") is not None and saved["names"] == state.param_names:
+        if self._restore_residuals and saved.get("pending") is not None and saved["names"] == state.param_names:
             one_step_stale.load_pending(state, saved["pending"], self.root_device)
 
     # ---- registration --------------------------------------------------------------------------
