@@ -240,3 +240,40 @@ def expected_sparse_step(residuals: list[torch.Tensor], grads: list[torch.Tensor
         words.append(int(plus.sum() + minus.sum()))
     scale = (tau32 / len(grads)).to(torch.float32)
     return votes.to(torch.float32) * scale, new, words
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target, world: int, *args: Any, timeout: float = 120.0) -> None:
+    """Run ``target(rank, *args)`` in ``world`` processes forked here, each one node of a
+    ``num_nodes=world, devices=1`` Trainer launched from outside (as torchrun or SLURM would): the
+    same processes live through every ``trainer.fit`` a target calls. Raises if a rank failed."""
+    import multiprocessing
+
+    port = free_port()
+    context = multiprocessing.get_context("fork")
+
+    def main(rank: int) -> None:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), LOCAL_RANK="0",
+            WORLD_SIZE=str(world), GLOBAL_RANK=str(rank),
+        )  # fmt: skip
+        target(rank, *args)
+
+    processes = [context.Process(target=main, args=(rank,)) for rank in range(world)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(timeout)
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    codes = [p.exitcode for p in processes]
+    if any(code != 0 for code in codes):
+        raise RuntimeError(f"ranks exited with {codes}")

@@ -68,8 +68,9 @@ def train(fabric: L.Fabric, out: Path, nan_at: int | None = None, load: str | No
     torch.save(records, out / f"rank{fabric.global_rank}.pt")
 
 
-def run(tmp_path: Path, clip: dict | None = None, **kwargs) -> list[list[dict]]:
-    strategy = GTCFabricStrategy(tau=TAU, start_method="fork", timeout=timedelta(seconds=60), **(clip or {}))
+def run(tmp_path: Path, clip: dict | None = None, options: dict | None = None, **kwargs) -> list[list[dict]]:
+    options = {"tau": TAU, **(options or {}), **(clip or {})}
+    strategy = GTCFabricStrategy(start_method="fork", timeout=timedelta(seconds=60), **options)
     fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch(train, tmp_path, **kwargs)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
@@ -110,6 +111,30 @@ def test_save_and_load_keep_every_ranks_residuals(tmp_path):
         assert torch.equal(second[r][0]["residual"], first[r][-1]["residual"])
         assert torch.equal(second[r][0]["params"], first[r][-1]["params"])
         assert second[r][-1]["stats"]["step"] == 2 * STEPS
+
+
+def test_automatic_tau_and_rice_coding(tmp_path):
+    """The options GTCStrategy takes work in Fabric too: tau moves towards the target density, the
+    coded messages are smaller than 4 bytes a word, and the replicas agree."""
+    ranks = run(tmp_path, options={"tau": "auto", "target_density": 0.05, "coding": "rice"})
+    for t in range(1, STEPS + 1):
+        assert torch.equal(ranks[0][t]["params"], ranks[1][t]["params"])
+    taus = [rec["stats"]["last"]["tau"] for rec in ranks[0][1:]]
+    assert taus[0] == 1e-2 and len(set(taus)) == STEPS, taus
+    total = ranks[0][-1]["stats"]["total"]
+    assert total["words"] > 0 and total["bytes_sent"] - STEPS * 24 < (WORLD - 1) * 4 * total["words"]
+
+
+def _setup_sparse(fabric: L.Fabric) -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_sparse_gradients_are_refused_at_setup_with_the_fix():
+    strategy = GTCFabricStrategy(start_method="fork", timeout=timedelta(seconds=60))
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    with pytest.raises(Exception, match=r"\['0.weight'\] get sparse gradients .*sparse=False"):
+        fabric.launch(_setup_sparse)
 
 
 def test_registered_by_name_for_fabric():
