@@ -277,3 +277,13 @@ def run_ranks(target, world: int, *args: Any, timeout: float = 120.0) -> None:
     codes = [p.exitcode for p in processes]
     if any(code != 0 for code in codes):
         raise RuntimeError(f"ranks exited with {codes}")
+
+
+def unscaled_grads(ranks: list[dict], init_scale: float) -> list[list[torch.Tensor]]:
+    """Per step, every rank's local gradient divided by the loss scale its backward pass used (the
+    scale before the step: ``init_scale``, then the scale the previous step left)."""
+    steps = []
+    for t in range(len(ranks[0]["records"])):
+        scale = init_scale if t == 0 else ranks[0]["records"][t - 1]["scale"]
+        steps.append([rank["records"][t]["local_grad"] / scale for rank in ranks])
+    return steps

@@ -13,6 +13,7 @@ from _strategy_helpers import (
     expected_sparse_step,
     fit,
     keep_master_port,  # noqa: F401  (autouse)
+    unscaled_grads,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
@@ -205,6 +206,8 @@ def test_fp16_loss_scale_and_overflow_reach_the_scaler(tmp_path):
     _, ranks = fit(
         tmp_path, tau=TAU, stale=True, model_kwargs={**SGD, "nan_on": (1, 2, 2)}, trainer_kwargs={"plugins": plugins}
     )
+    # Residuals, words and applied updates: Strom's on the unscaled local gradients, bit for bit.
+    check_stale_steps(ranks, grads=unscaled_grads(ranks, 2.0**10), skipped=(3,))
     for rank in ranks:
         recs = rank["records"]
         assert torch.equal(recs[0]["params"], rank["start"]["params"])

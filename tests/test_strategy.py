@@ -19,6 +19,7 @@ from _strategy_helpers import (
     expected_sparse_step,
     fit,
     keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
+    unscaled_grads,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -394,6 +395,15 @@ def test_fp16_loss_scaling_is_divided_out_and_skips_reach_the_scaler(tmp_path):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
     _, ranks = fit(tmp_path, tau=TAU, trainer_kwargs={"plugins": plugins}, model_kwargs={"nan_on": (1, 2, 2)})
+    # The residuals and word counts are Strom's on the unscaled local gradients, bit for bit.
+    residuals = [rank["start"]["residual"] for rank in ranks]
+    for t, grads in enumerate(unscaled_grads(ranks, 2.0**10)):
+        if t == 2:
+            continue  # skipped: checked below
+        _, residuals, words = expected_sparse_step(residuals, grads, TAU)
+        for r, rank in enumerate(ranks):
+            assert torch.equal(rank["records"][t]["residual"], residuals[r]), f"rank {r}, step {t + 1}"
+            assert rank["records"][t]["stats"]["last"]["words"] == words[r]
     for rank in ranks:
         recs = rank["records"]
         grad = (rank["start"]["params"] - recs[0]["params"]) / LR
