@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -305,6 +306,13 @@ class AveragingState:
         self.step = int(saved["step"])
         self.totals.update(saved["totals"])
 
+    def __getstate__(self) -> dict:
+        """Everything but the process groups (``process_group`` becomes the default group, ``spread``
+        None): they do not pickle. An unpickled state is for reading; a fit builds its own."""
+        if self.process_group is not None or self.spread is not None:
+            log.warning("%s: the process groups are not picklable and are dropped", type(self).__name__)
+        return {**self.__dict__, "process_group": None, "spread": None}
+
 
 def local_hook(state: AveragingState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook of the local steps: DDP's dense all-reduce during the warmup (step 1),
@@ -516,6 +524,12 @@ class LocalStepsMixin:
     the class sets ``name`` (registered name, statistics prefix, shard suffix) and ``description``,
     and keeps its :class:`AveragingState` in ``_state``, the parameters it averages in ``_params``
     (the trainable ones at setup) and its :class:`RankShards` in ``_shards``.
+
+    A fit that continues the previous one (``trainer.fit`` again on the same Trainer and model, in
+    ranks that outlive a fit: torchrun, SLURM, the popen launcher's) keeps the state: the strategy
+    builds its state through :meth:`_setup_state`. Lightning makes every rank's model rank 0's
+    when it sets up any loop (DDP's broadcast as it wraps the model; ``validate``/``test`` sync the
+    module), which would drop the other ranks' local steps: each rank's own tensors are put back.
     """
 
     name = ""
@@ -523,11 +537,80 @@ class LocalStepsMixin:
     _state: AveragingState | None = None
     _params: list[torch.nn.Parameter]
     _shards: RankShards
+    _continuing = False  # this fit continues the last one: keep the state
+    _carried: dict | None = None  # the last fit's counters, for a fit that keeps only them
+    _fitted: tuple | None = None  # weak references to the last fit's Trainer and model, its trainable names and shapes
 
     @property
     def sync_stats(self) -> dict:
         """This rank's statistics: ``{"step", "last": {...} or None, "total": {...}}`` (:class:`SyncStats`)."""
         return self._state.stats() if self._state is not None else {"step": 0, "last": None, "total": None}
+
+    def _trainable_layout(self, module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+        return [(name, tuple(p.shape)) for name, p in module.named_parameters() if p.requires_grad]
+
+    def _continues(self, trainer: Trainer) -> bool:
+        """Whether this run continues the last fit: the same Trainer and model with the same trainable
+        parameters, and no checkpoint to restore (a checkpoint restores every rank's state itself). A
+        fit whose trainable parameters changed starts from rank 0's model and a new period, with the
+        step counter and totals of the last fit (``_carried``)."""
+        self._carried = None
+        module = self.lightning_module
+        if self._state is None or self._fitted is None or module is None or self._shards._pending is not None:
+            return False
+        trainer_ref, module_ref, layout = self._fitted
+        if trainer_ref() is not trainer or module_ref() is not module:
+            return False
+        if self._trainable_layout(module) == layout:
+            return True
+        if trainer.state.fn == TrainerFn.FITTING:
+            log.warning(
+                "%s: the trainable parameters changed since the last fit; every rank starts from rank 0's model and "
+                "a new period (the step counter goes on)", self.name,
+            )  # fmt: skip
+            self._carried = AveragingState.state_dict(self._state)  # the counters, not BMUF's W and Δ
+        return False
+
+    def _setup_state(self, new: Callable[[], AveragingState]) -> AveragingState:
+        """From ``_register_ddp_hooks``, once the replicas are identical: the last fit's state when this
+        fit continues it, else ``new()``, which starts its first period from the model unless the dense
+        warmup comes first. Sets ``_params``, the parameters trainable now."""
+        assert isinstance(self.model, DistributedDataParallel)
+        module = self.model.module
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._fitted = (weakref.ref(module.trainer), weakref.ref(module), self._trainable_layout(module))
+        if self._continuing:
+            assert self._state is not None
+            return self._state
+        state = new()
+        if self._carried is not None:
+            state.load_state_dict(self._carried)
+            self._carried = None
+        if state.step >= state.warmup_steps:
+            state.begin(self._params)
+        return state
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        self._continuing = self._continues(trainer)
+        module = self.lightning_module
+        own = (
+            {key: t.detach().clone() for key, t in module.state_dict().items() if torch.is_tensor(t)}
+            if self._continuing
+            else None
+        )
+        super().setup(trainer)  # type: ignore[misc]
+        if own is not None:  # DDP (fit) or Lightning (validate, test) made them rank 0's
+            with torch.no_grad():
+                for key, t in self.lightning_module.state_dict().items():
+                    if key in own:
+                        t.copy_(own[key])
+            log.info("%s: rank %d continues from its own model of the last fit", self.name, self.global_rank)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()  # type: ignore[misc]
+        state["_fitted"] = None  # weak references do not pickle
+        return state
 
     @override
     def optimizer_step(
@@ -674,11 +757,8 @@ class ModelAveragingStrategy(LocalStepsMixin, DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy registers hooks on CUDA only; the local steps need theirs on every device.
         assert isinstance(self.model, DistributedDataParallel)
-        self._state = state = self._new_state()
-        self._params = [p for p in self.model.module.parameters() if p.requires_grad]
-        if state.warmup_steps == 0:
-            state.begin(self._params)
-        if self.global_rank == 0:
+        self._state = state = self._setup_state(self._new_state)
+        if self.global_rank == 0 and not self._continuing:
             log.info("%s config: %s", self.name, self._describe())
         self.model.register_comm_hook(state, local_hook)
 

@@ -317,8 +317,8 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
         self._state: BMUFState | None = None  # the block tier's
         self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup, averaged at each sync
         self._shards = RankShards(self.name, restore_shards)
-        self._groups: tuple[list[int], dist.ProcessGroup, dist.ProcessGroup] | None = (
-            None  # (my group's ranks, it, representatives)
+        self._groups: tuple[list[int], dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup] | None = (
+            None  # (my group's ranks, it, representatives, the world group they were made in)
         )
 
     @property
@@ -354,13 +354,22 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
         # Checked before the process group starts, identically on every rank.
         groups = group_ranks(self.num_nodes * self.num_processes, self._group_size)
         super().setup_distributed()
+        world = dist.group.WORLD
+        if self._groups is not None and self._groups[3] is world:
+            return  # a later fit in the same processes: the groups of the first
         # Every rank creates every group, in the same order, as torch requires; with the strategy's
         # timeout (a group's own default is torch's 30 minutes, whatever the world group has).
         handles = [dist.new_group(ranks, timeout=self._timeout) for ranks in groups]
         representatives = dist.new_group([ranks[0] for ranks in groups], timeout=self._timeout)
         mine = self.global_rank // self._group_size
-        self._groups = (groups[mine], handles[mine], representatives)
+        self._groups = (groups[mine], handles[mine], representatives, world)
         self._ddp_kwargs["process_group"] = handles[mine]
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_groups"] = None  # process groups do not pickle; setup_distributed makes them again
+        state["_ddp_kwargs"] = {key: value for key, value in self._ddp_kwargs.items() if key != "process_group"}
+        return state
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -370,24 +379,25 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        super()._register_ddp_hooks()
+        super()._register_ddp_hooks()  # (GTCStrategy carries GTC's state over a fit that continues)
         assert self._groups is not None and self.model is not None
-        ranks, group, representatives = self._groups
+        ranks, group, representatives, _ = self._groups
         module = self.model.module
-        # DDP made each group's replicas identical (from its first rank); all groups start from rank 0's.
-        broadcast_([t for t in module.state_dict().values() if t.is_floating_point()], src=0, group=None)
+        if not self._continuing:
+            # DDP made each group's replicas identical (from its first rank); all groups start from rank 0's.
+            broadcast_([t for t in module.state_dict().values() if t.is_floating_point()], src=0, group=None)
         learners = self.world_size // self._group_size
         eta = default_block_momentum(learners) if self._block_momentum is None else self._block_momentum
-        self._state = BMUFState(
+        member, spread = self.global_rank == ranks[0], (ranks[0], group) if len(ranks) > 1 else None
+        self._state = self._setup_state(lambda: BMUFState(
             period=self._period, block_momentum=eta, block_lr=self._block_lr, nesterov=self._nesterov,
-            optimizer_state=self._optimizer_state, process_group=representatives,
-            member=self.global_rank == ranks[0], spread=(ranks[0], group) if len(ranks) > 1 else None,
+            optimizer_state=self._optimizer_state, process_group=representatives, member=member, spread=spread,
             world_size=self.world_size,
-        )  # fmt: skip
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        self._state.begin(self._params)
-        if self.global_rank == 0:
+        ))  # fmt: skip
+        self._state.process_group, self._state.spread = representatives, spread  # (pickled: dropped)
+        if self.global_rank == 0 and not self._continuing:
             log.info(
                 "bmuf_gtc config: %d groups of %d ranks, period=%d, block_momentum=%g, block_lr=%g, nesterov=%s",
                 learners, self._group_size, self._period, eta, self._block_lr, self._nesterov,
             )  # fmt: skip
+

@@ -86,6 +86,14 @@ def ring_neighbours(rank: int, world: int) -> list[int]:
     return [left] if left == right else [left, right]
 
 
+def check_ring_size(world: int) -> None:
+    if world < 2:
+        raise ValueError(
+            f"dpsgd averages each rank with its ring neighbours, so it needs at least 2 ranks; got {world}. "
+            "Train with more devices (or num_nodes), or with a single-device strategy"
+        )
+
+
 def neighbour_ops(sent: torch.Tensor, received: list[torch.Tensor], peers: list[int], group=None) -> list:
     """The point-to-point ops of one neighbour exchange, every receive posted before any send.
 
@@ -110,11 +118,7 @@ class DPSGDState(AveragingState):
 
     def __init__(self, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
         world = dist.get_world_size(process_group)
-        if world < 2:
-            raise ValueError(
-                f"dpsgd averages each rank with its ring neighbours, so it needs at least 2 ranks; got {world}. "
-                "Train with more devices (or num_nodes), or with a single-device strategy"
-            )
+        check_ring_size(world)
         super().__init__(period=1, warmup_steps=warmup_steps, process_group=process_group)
         rank = dist.get_rank(process_group)
         to_global = (lambda r: r) if process_group is None else (lambda r: dist.get_global_rank(process_group, r))
@@ -210,6 +214,11 @@ class DPSGDState(AveragingState):
             unflatten_(mean, params)
 
     @override
+    def __getstate__(self) -> dict:
+        """As :class:`AveragingState`'s, without the exchange's buffers and requests."""
+        return {**super().__getstate__(), "_works": [], "_buffers": {}, "_current": None}
+
+    @override
     def stats(self) -> dict:
         """``{"step", "last", "total", "spread"}``; ``total["ratio_fp32"]``: DDP's fp32 all-reduce bytes
         over the same steps per byte sent (1 with 2 ranks, below 1 with 3: D-PSGD sends more, to fewer
@@ -253,7 +262,9 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
             (one all-reduce as the loop starts; each rank's own parameters come back as it ends);
             ``False``: each rank evaluates its own.
         average_at_end: at the end of fit, every rank's parameters become the mean over the ranks
-            (the consensus model is what fit returns); ``False`` keeps each rank's own.
+            (the consensus model is what fit returns); ``False`` keeps each rank's own. A later
+            ``fit`` of the same Trainer goes on from each rank's own, as one uninterrupted fit would
+            (unless the model's weights were changed in between).
         restore_shards: on resume, restore every rank's own parameters and optimizer state from
             ``<checkpoint>.dpsgd/rank<r>.pt``; ``False`` starts every rank from the checkpoint's
             (the average, with rank 0's optimizer state), also on another number of ranks.
@@ -288,6 +299,7 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
         self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup (statistics)
         self._shards = RankShards(self.name, restore_shards)
         self._own: torch.Tensor | None = None  # this rank's parameters while the average is evaluated
+        self._at_end: tuple[torch.Tensor, torch.Tensor] | None = None  # (own, average) flat on the CPU, when fit ended averaged
 
     @property
     def warmup_steps(self) -> int:
@@ -315,14 +327,15 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             add_callback(trainer, _SpreadLogger(lambda: self._state, self.name))
+            self._continue_own_model()
 
     @override
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy registers hooks on CUDA only; D-PSGD needs its own on every device.
         assert isinstance(self.model, DistributedDataParallel)
-        self._state = state = DPSGDState(self._warmup_steps, self._ddp_kwargs.get("process_group"))
-        self._params = [p for p in self.model.module.parameters() if p.requires_grad]
-        if self.global_rank == 0:
+        group = self._ddp_kwargs.get("process_group")
+        self._state = state = self._setup_state(lambda: DPSGDState(self._warmup_steps, group))
+        if self.global_rank == 0 and not self._continuing:
             log.info(
                 "%s config: warmup_steps=%d, average_eval=%s, average_at_end=%s, world_size=%d",
                 self.name, self._warmup_steps, self._average_eval, self._average_at_end, state.world_size,
@@ -417,7 +430,21 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
     @override
     def on_train_end(self) -> None:
         if self._average_at_end and self._state is not None:
-            self._state.average_(self._trainable())
+            params = self._trainable()
+            own = flatten(params).cpu()  # (kept off the accelerator: the model may be used after fit)
+            self._state.average_(params)
+            self._at_end = (own, flatten(params).cpu())
+
+    def _continue_own_model(self) -> None:
+        """A fit that continues one that ended with the average goes on from each rank's own model,
+        as the uninterrupted fit would; unless the model was changed since (its weights loaded)."""
+        at_end, self._at_end = self._at_end, None
+        if at_end is None or not self._continuing:
+            return
+        own, average = at_end
+        params = self._trainable()
+        if torch.equal(flatten(params).cpu(), average):
+            unflatten_(own, params)
 
     # ---- checkpoints: every rank's own state in its shard (LocalStepsMixin), the average in the checkpoint
 

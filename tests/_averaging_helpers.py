@@ -1,5 +1,6 @@
-"""Helpers for the tests of the local-step strategies (``ma``, ``bmuf``, ``bmuf_gtc``): a recorder of
-their statistics and optimizer state per batch, and the recomputation of their local steps.
+"""Helpers for the tests of the local-step strategies (``ma``, ``bmuf``, ``bmuf_gtc``, ``dpsgd``): a
+recorder of their statistics and optimizer state per batch, the recomputation of their local steps,
+and ranks that outlive a fit (:func:`run_ranks`).
 
 Runs go through ``_strategy_helpers.fit`` (2 or 4 CPU ranks started by fork); :class:`SyncRecorder`
 writes ``out_dir/sync{r}.pt`` beside the ``rank{r}.pt`` of ``_strategy_helpers.Recorder``.
@@ -7,11 +8,16 @@ writes ``out_dir/sync{r}.pt`` beside the ``rank{r}.pt`` of ``_strategy_helpers.R
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import torch
 from _strategy_helpers import fit
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 LR = 0.5  # TinyMLP's learning rate
 
@@ -65,3 +71,44 @@ def mean(tensors: list[torch.Tensor]) -> torch.Tensor:
     for t in tensors[1:]:
         total = total + t / len(tensors)
     return total
+
+
+# ---- ranks that outlive a fit: the processes torchrun (or SLURM) starts ---------------------------
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: Path, target: Callable, kwargs: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))  # fmt: skip
+    try:
+        torch.save(target(rank, out_dir, **kwargs), out_dir / f"result{rank}.pt")
+    except BaseException:
+        (out_dir / f"error{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+
+
+def run_ranks(out_dir: Path, target: Callable, devices: int = 2, timeout: float = 120.0, **kwargs) -> list:
+    """Call ``target(rank, out_dir, **kwargs)`` in ``devices`` forked processes with the environment
+    torchrun gives its workers (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``): Lightning launches
+    nothing, and each process's Trainer and strategy live on after ``fit`` returns, as in a script
+    that calls ``fit`` twice (the fork launcher of :func:`_strategy_helpers.fit` refuses a second
+    ``fit``). Returns what each rank's ``target`` returned."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = find_free_network_port()
+    context = multiprocessing.get_context("fork")
+    procs = [
+        context.Process(target=_rank_main, args=(r, devices, port, out_dir, target, kwargs)) for r in range(devices)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [(out_dir / f"error{r}.txt") for r in range(devices)]
+    failed = [f"rank {r}:\n{e.read_text()}" for r, e in enumerate(errors) if e.exists()]
+    if failed or any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"exit codes {[p.exitcode for p in procs]}\n" + "\n".join(failed))
+    return [torch.load(out_dir / f"result{r}.pt", weights_only=False) for r in range(devices)]

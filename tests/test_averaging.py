@@ -6,20 +6,23 @@ mean of the ranks' parameters every K steps) and compare bit for bit on 2 ranks.
 """
 
 import csv
+import pickle
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from _averaging_helpers import LR, fit_recorded, local_step, mean
+from _averaging_helpers import LR, fit_recorded, local_step, mean, run_ranks
 from _strategy_helpers import (
+    TIMEOUT,
     TinyMLP,
     keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
 
-from gtc_lightning import ModelAveragingStrategy
+from gtc_lightning import BMUFGTCStrategy, BMUFStrategy, DPSGDStrategy, ModelAveragingStrategy
 from gtc_lightning.hook import allreduce_bytes
 
 K = 3  # syncs after steps 3 and 6 of 8 (2 epochs x 4 batches per rank)
@@ -268,3 +271,69 @@ def test_registered_names_resolve(name, start_method, unused):
     assert type(trainer.strategy) is ModelAveragingStrategy and trainer.strategy._start_method == start_method
     assert trainer.strategy._ddp_kwargs.get("find_unused_parameters", False) is unused
     assert trainer.strategy.period == 10  # Su et al.'s better averaging frequency
+
+
+# ---- the family's state through Lightning's life cycle -------------------------------------------
+
+LIFECYCLE = {  # DDP itself is the reference: what every strategy of the family must match
+    "ddp": (DDPStrategy, {}),
+    "ma": (ModelAveragingStrategy, {"period": K}),
+    "bmuf": (BMUFStrategy, {"period": K}),
+    "dpsgd": (DPSGDStrategy, {}),
+    "bmuf_gtc": (BMUFGTCStrategy, {"group_size": 1, "period": K, "tau": 0.01}),
+}
+
+
+class Validated(TinyMLP):
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+
+def fit_in_one_call_and_in_two(rank: int, out_dir: Path, name: str) -> dict:
+    """One rank of a script that trains 2 epochs with one ``fit``, then again with ``fit`` (1 epoch),
+    ``validate`` and ``fit`` continued to 2 epochs on the same Trainer (plain SGD: Lightning builds a
+    new optimizer for the second fit, which keeps nothing else)."""
+    cls, kwargs = LIFECYCLE[name]
+    out = {}
+    for how, epochs in (("once", [2]), ("twice", [1, 2])):
+        model = Validated(momentum=0.0)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=cls(timeout=TIMEOUT, **kwargs), max_epochs=epochs[0],
+            limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir,
+        )  # fmt: skip
+        for max_epochs in epochs[1:]:
+            trainer.fit(model)
+            trainer.validate(model, verbose=False)
+            trainer.fit_loop.max_epochs = max_epochs
+        trainer.fit(model)
+        strategy = trainer.strategy
+        gtc = getattr(strategy, "gtc_state", None)
+        out[how] = {
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "global_step": trainer.global_step,
+            "sync_step": strategy.sync_stats["step"] if hasattr(strategy, "sync_stats") else None,
+            "residual": gtc.residual_vector() if gtc is not None else None,
+            "gtc_step": gtc.step if gtc is not None else None,
+        }
+    out["unpickled"] = type(pickle.loads(pickle.dumps(trainer.strategy))).__name__
+    return out
+
+
+@pytest.mark.parametrize("name", list(LIFECYCLE))
+def test_a_second_fit_continues_every_rank_bit_for_bit(tmp_path, name):
+    """``fit`` again on the same Trainer (the ranks live on, as under torchrun) continues every rank's
+    own model, the period's position, BMUF's W and Δ, D-PSGD's own models (not the average the first
+    fit ended with) and GTC's residuals: bit for bit the one fit of the same length, as under DDP."""
+    for rank, out in enumerate(run_ranks(tmp_path, fit_in_one_call_and_in_two, name=name)):
+        once, twice = out["once"], out["twice"]
+        assert twice["global_step"] == once["global_step"] == STEPS
+        assert twice["sync_step"] == once["sync_step"], f"rank {rank}: the step counter restarted"
+        assert twice["gtc_step"] == once["gtc_step"]
+        if once["residual"] is not None:
+            assert torch.equal(twice["residual"], once["residual"]), f"rank {rank}: GTC's residuals differ"
+        assert torch.equal(twice["params"], once["params"]), f"rank {rank}: the parameters differ"
+        assert out["unpickled"] == LIFECYCLE[name][0].__name__
