@@ -350,6 +350,12 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
         return self._state
 
     @override
+    def _configure_launcher(self) -> None:
+        # As the Trainer is built, before any process starts (each rank checks again at setup).
+        group_ranks(self.num_nodes * self.num_processes, self._group_size)
+        super()._configure_launcher()
+
+    @override
     def setup_distributed(self) -> None:
         # Checked before the process group starts, identically on every rank.
         groups = group_ranks(self.num_nodes * self.num_processes, self._group_size)

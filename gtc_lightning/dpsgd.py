@@ -275,7 +275,7 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
 
     Each optimizer step averages the parameters that optimizer updates (manual optimization with
     several optimizers: each of its steps). Gradient clipping acts on each rank's local gradient.
-    A world of 1 rank is refused at setup: there are no neighbours.
+    A world of 1 rank is refused as the Trainer is built: there are no neighbours.
     """
 
     name = "dpsgd"
@@ -321,6 +321,11 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
     def _trainable(self) -> list[torch.Tensor]:
         assert self.lightning_module is not None
         return [p for p in self.lightning_module.parameters() if p.requires_grad]
+
+    @override
+    def _configure_launcher(self) -> None:
+        check_ring_size(self.num_nodes * self.num_processes)  # as the Trainer is built, before any process starts
+        super()._configure_launcher()
 
     @override
     def setup(self, trainer: Trainer) -> None:

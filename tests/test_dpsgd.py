@@ -157,9 +157,9 @@ def test_warmup_steps_are_dense_and_identical(tmp_path):
     check_neighbour_steps(ranks, steps=range(2, 4), start=[rank["records"][1]["params"] for rank in ranks])
 
 
-def test_one_rank_is_refused(tmp_path):
-    with pytest.raises(Exception, match="at least 2 ranks"):
-        fit(tmp_path, strategy=DPSGDStrategy, devices=1, max_epochs=1)
+def test_one_rank_is_refused_as_the_trainer_is_built():
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        L.Trainer(strategy=DPSGDStrategy(), accelerator="cpu", devices=1, logger=False)
 
 
 @pytest.mark.parametrize("name", ["dpsgd", "dpsgd_spawn", "dpsgd_fork", "dpsgd_fork_find_unused_parameters_true"])
