@@ -17,7 +17,7 @@ The algorithm, per optimizer step and per rank (Strom 2015, sections 2.3-2.6):
    synchronisation.
 4. Decide, identically on every rank from the headers: *skip* (a non-finite value on some rank:
    residuals unchanged, the strategy drops the update), *dense* (the sparse exchange would move
-   more bytes than a dense fp32 all-reduce: every rank's ``residual + g`` is all-reduced and the
+   more bytes than a dense bf16 all-reduce: every rank's ``residual + g`` is all-reduced and the
    residuals restart from zero, so nothing is lost; hysteresis keeps it from flapping), or
    *sparse*.
 5. Sparse: one word exchange (all-to-all of uneven messages where the backend is gloo, measured
@@ -63,9 +63,12 @@ _HEADER = 3  # int64 values per rank: non-finite count, words, message bytes
 CODINGS = ("none", "rice")
 AUTO_TAU_INIT = 1e-2  # where tau="auto" starts
 EXCHANGES = ("auto", "alltoall", "allgather")
-# Dense fallback: enter when the sparse exchange would move more bytes than a dense fp32 ring
-# all-reduce, leave again when it moves less than half of them.
-FALLBACK_ENTER, FALLBACK_EXIT = 1.0, 0.5
+# Dense fallback: enter when the sparse exchange would move more bytes than a dense bf16 ring
+# all-reduce (half of fp32's), leave again when it moves less than a quarter of fp32's. At 2 ranks
+# the words of every element (4n bytes) are as many as fp32's 2 (W-1)/W 4n: only a threshold below
+# fp32's lets the fallback fire there, and a step that sends a word for half the elements has
+# stopped compressing anyway.
+FALLBACK_ENTER, FALLBACK_EXIT = 0.5, 0.25
 _NONE = ()
 
 
@@ -102,6 +105,9 @@ class StepStats:
         exchange_s: seconds spent in the collectives (host wall time).
         decompress_s: seconds spent decoding into the buckets.
         tau: the threshold this step's words were emitted with.
+        share: the sparse exchange's bytes (the longest message, as the collectives send it) over a
+            dense fp32 ring all-reduce's; the dense fallback enters above :data:`FALLBACK_ENTER` and
+            leaves below :data:`FALLBACK_EXIT` (0 for warmup and skipped steps).
         applied: the optimizer step whose decoded update this step hands the optimizer: this step
             itself, or with ``stale=True`` the step before (an earlier one after a skip); ``None``
             when nothing is applied (a skip, or the first stale step: nothing in flight yet).
@@ -122,6 +128,7 @@ class StepStats:
     decompress_s: float
     applied: int | None = None
     tau: float = 0.0
+    share: float = 0.0
 
     @property
     def dense(self) -> bool:
@@ -267,7 +274,7 @@ class GTCState:
         warmup_steps: optimizer steps of dense all-reduce before compression starts.
         max_consecutive_skips: raise after this many consecutive skipped steps; ``None``: never.
         dense_fallback: fall back to a dense all-reduce on steps where the sparse exchange would
-            move more bytes (see :data:`FALLBACK_ENTER`).
+            move more bytes than a bf16 all-reduce (see :data:`FALLBACK_ENTER`).
         exchange: ``"alltoall"`` (uneven messages), ``"allgather"`` (padded to the longest) or
             ``"auto"`` (all-to-all on gloo, all-gather otherwise); the header goes the same way.
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
@@ -934,7 +941,7 @@ def _exchange(state: GTCState) -> None:
             world_size=world, words=own if sparse else 0, words_all=sum(counts) if sparse else 0,
             bytes_sent=header_bytes + sent, bytes_received=header_bytes + received,
             compress_s=compress_s, exchange_s=0.0, decompress_s=0.0, applied=None if mode == "skipped" else applied,
-            tau=state.tau,
+            tau=state.tau, share=0.0 if mode == "skipped" else share,
         )  # fmt: skip
         state._record(stats)
         state._unsettled += [(stats, "exchange_s", start, exchanged), (stats, "decompress_s", exchanged, end)]
@@ -949,17 +956,18 @@ def _exchange(state: GTCState) -> None:
         record("skipped", 0, 0, now, now)
         return
     dense = False
+    share = (world - 1) * max(sizes) / fp32_bytes if fp32_bytes else 0.0
     if state.dense_fallback and world > 1:
-        share = (world - 1) * max(sizes) / fp32_bytes if fp32_bytes else 0.0
         was_dense = state._dense_mode
         state._dense_mode = share > (FALLBACK_EXIT if was_dense else FALLBACK_ENTER)
         if state._dense_mode and not state._warned_fallback and rank == 0:
             state._warned_fallback = True
             warnings.warn(
                 f"GTC: at optimizer step {state.step} the sparse exchange would send {share:.2f}x the bytes of a "
-                f"dense fp32 all-reduce (up to {max(counts)} words of {numel} elements, density "
-                f"{max(counts) / max(numel, 1):.2%}, tau={state.tau:g}); falling back to dense all-reduce until it "
-                f"drops below {FALLBACK_EXIT}x. A larger tau keeps the exchange sparse",
+                f"dense fp32 all-reduce, more than a bf16 all-reduce (up to {max(counts)} words of {numel} elements, "
+                f"density {max(counts) / max(numel, 1):.2%}, tau={state.tau:g}); falling back to dense all-reduce "
+                f"until it drops below {FALLBACK_EXIT}x. A larger tau (or tau='auto' with a target_density) keeps "
+                "the exchange sparse",
                 RuntimeWarning,
                 stacklevel=3,
             )
