@@ -50,6 +50,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from gtc_lightning.baselines import no_comm_hook
+from gtc_lightning.checkpoint import remove_empty_folder, resolve_link
 from gtc_lightning.hook import all_gather_equal, allreduce_bytes
 from gtc_lightning.strategy import _HOOK_ARGS, _check_int, register_names
 
@@ -329,7 +330,9 @@ class RankShards:
     """Every rank's own training state in ``<checkpoint>.<name>/rank<r>.pt``: its parameters and
     buffers, its optimizers' and AMP scaler's state and its averaging state. Between syncs these
     differ from rank 0's, the only ones in Lightning's checkpoint, so a resume needs them to be
-    bit-exact. The checkpoint gets an entry ``name`` with the world size and counters.
+    bit-exact. The checkpoint gets an entry ``name`` with the world size and counters. Every rank
+    writes and removes its own shard; a resume through a link (``last.ckpt`` of
+    ``ModelCheckpoint(save_last="link")``) reads the shards beside the link's target.
 
     Args:
         name: the strategy's name: the checkpoint entry and the shard folder's suffix.
@@ -359,14 +362,18 @@ class RankShards:
         strategy.checkpoint_io.save_checkpoint(shard, self.path(filepath, strategy.global_rank))
 
     def remove(self, strategy: Strategy, filepath: _PATH) -> None:
-        folder = f"{filepath}.{self.name}"
-        fs = get_filesystem(folder)
-        if strategy.is_global_zero and fs.exists(folder):
-            fs.rm(folder, recursive=True)
+        """On every rank: its own shard, through the strategy's CheckpointIO (on several nodes each
+        rank may have written to a disk of its own), then the folder once empty. A link's removal
+        (``save_last="link"``) removes nothing of its target: its own path has no shards."""
+        where = self.path(filepath, strategy.global_rank)
+        if get_filesystem(where).exists(where):
+            strategy.checkpoint_io.remove_checkpoint(where)
+        remove_empty_folder(os.path.dirname(where))
 
     def remember(self, strategy: Strategy, checkpoint: dict, path: _PATH) -> None:
         """From ``load_checkpoint``: only a fit resumes the ranks' state (a validate/test with a
-        checkpoint must not leave it for a later fit)."""
+        checkpoint must not leave it for a later fit). The shards are beside the file a linked
+        ``last.ckpt`` points to."""
         module = strategy.lightning_module
         fitting = (
             module is not None
@@ -374,7 +381,7 @@ class RankShards:
             and module.trainer.state.fn == TrainerFn.FITTING
         )
         entry = checkpoint.get(self.name)
-        self._pending = (entry, path) if fitting and entry is not None else None
+        self._pending = (entry, resolve_link(path)) if fitting and entry is not None else None
 
     def restore_into(self, strategy: Strategy, state: AveragingState) -> None:
         """After Lightning restored rank 0's optimizer state: this rank's own state replaces it."""

@@ -20,6 +20,7 @@ from _strategy_helpers import (
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 
 from gtc_lightning import BMUFGTCStrategy, BMUFStrategy, DPSGDStrategy, ModelAveragingStrategy
@@ -238,6 +239,62 @@ def test_missing_shard_is_a_clear_error_and_restore_shards_false_starts_from_ran
         "local",
         "local",
     ]  # the count goes on
+
+
+class RemovalsIO(TorchCheckpointIO):
+    """Appends every path it removes to ``removed{global rank}.txt``."""
+
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__()
+        self.out_dir = Path(out_dir)
+
+    def remove_checkpoint(self, path) -> None:
+        super().remove_checkpoint(path)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        with open(self.out_dir / f"removed{rank}.txt", "a") as f:
+            f.write(f"{path}\n")
+
+
+@pytest.fixture(scope="module")
+def linked_last(tmp_path_factory) -> Path:
+    """The first epoch of ``momentum_run`` with a checkpoint after every step, the newest 2 kept, and
+    a ``last-step=<n>.ckpt`` link to the newest, each link removed as the next is made."""
+    out = tmp_path_factory.mktemp("linked")
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=1, save_top_k=2, monitor="step",
+                                 mode="max", save_last="link")  # fmt: skip
+    checkpoint.CHECKPOINT_NAME_LAST = "last-{step}"
+    trainer_kwargs = {"enable_checkpointing": True, "callbacks": [checkpoint], "plugins": [RemovalsIO(out)]}
+    fit_recorded(out, ModelAveragingStrategy, period=K, max_epochs=1, trainer_kwargs=trainer_kwargs)
+    return out
+
+
+def test_each_rank_removes_its_own_shards_and_an_old_link_removes_none(linked_last):
+    """Through the strategy's CheckpointIO; on several nodes each rank's shard may be on its own disk."""
+    ckpt = linked_last / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "epoch=0-step=3.ckpt", "epoch=0-step=3.ckpt.ma", "epoch=0-step=4.ckpt", "epoch=0-step=4.ckpt.ma",
+        "last-step=4.ckpt",
+    ]  # fmt: skip
+    assert sorted(p.name for p in (ckpt / "epoch=0-step=3.ckpt.ma").iterdir()) == ["rank0.pt", "rank1.pt"]
+    for r in range(2):
+        removed = [Path(p) for p in (linked_last / f"removed{r}.txt").read_text().split() if ".ma/" in p]
+        assert [p.relative_to(ckpt).as_posix() for p in removed] == [
+            f"epoch=0-step=1.ckpt.ma/rank{r}.pt", f"epoch=0-step=2.ckpt.ma/rank{r}.pt",
+        ], f"rank {r}"  # fmt: skip
+
+
+def test_resume_through_a_linked_last_checkpoint_finds_the_shards_of_its_target(
+    momentum_run, linked_last, tmp_path
+):
+    _, full, _ = momentum_run
+    last = linked_last / "ckpt" / "last-step=4.ckpt"
+    assert last.is_symlink() and last.resolve().name == "epoch=0-step=4.ckpt"
+    _, resumed, _ = fit_recorded(tmp_path, ModelAveragingStrategy, period=K, ckpt_path=str(last))
+    for r in range(2):
+        assert torch.equal(resumed[r]["start"]["params"], full[r]["records"][3]["params"])
+        assert [rec["global_step"] for rec in resumed[r]["records"]] == [5, 6, 7, 8]
+        for t, (a, b) in enumerate(zip(resumed[r]["records"], full[r]["records"][4:]), start=5):
+            assert torch.equal(a["params"], b["params"]), f"rank {r}: step {t} differs from the uninterrupted run"
 
 
 @pytest.mark.parametrize(
