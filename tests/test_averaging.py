@@ -394,3 +394,18 @@ def test_a_second_fit_continues_every_rank_bit_for_bit(tmp_path, name):
             assert torch.equal(twice["residual"], once["residual"]), f"rank {rank}: GTC's residuals differ"
         assert torch.equal(twice["params"], once["params"]), f"rank {rank}: the parameters differ"
         assert out["unpickled"] == LIFECYCLE[name][0].__name__
+
+
+FABRIC_NAMES = [
+    base + suffix
+    for base in ("ma", "bmuf", "bmuf_gtc", "dpsgd")
+    for suffix in ("", "_spawn", "_fork", "_notebook")
+]
+
+
+@pytest.mark.parametrize("name", FABRIC_NAMES)
+def test_fabric_refuses_every_name_of_the_family_with_the_trainer_to_use(name):
+    """The family runs in the Trainer's optimizer step, which Fabric does not have."""
+    message = rf"{name} is a Lightning Trainer strategy only .* Use Trainer\(strategy='{name}'\)"
+    with pytest.raises(ValueError, match=message):
+        L.Fabric(accelerator="cpu", devices=2, strategy=name)
