@@ -546,7 +546,7 @@ class LocalStepsMixin:
     _shards: RankShards
     _continuing = False  # this fit continues the last one: keep the state
     _carried: dict | None = None  # the last fit's counters, for a fit that keeps only them
-    _fitted: tuple | None = None  # weak references to the last fit's Trainer and model, its trainable names and shapes
+    _fitted: tuple | None = None  # weak references to the last fit's Trainer and model, its trainable layout
 
     @property
     def sync_stats(self) -> dict:

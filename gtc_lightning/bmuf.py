@@ -374,7 +374,7 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_groups"] = None  # process groups do not pickle; setup_distributed makes them again
-        state["_ddp_kwargs"] = {key: value for key, value in self._ddp_kwargs.items() if key != "process_group"}
+        state["_ddp_kwargs"] = {key: v for key, v in self._ddp_kwargs.items() if key != "process_group"}
         return state
 
     @override
@@ -406,4 +406,3 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
                 "bmuf_gtc config: %d groups of %d ranks, period=%d, block_momentum=%g, block_lr=%g, nesterov=%s",
                 learners, self._group_size, self._period, eta, self._block_lr, self._nesterov,
             )  # fmt: skip
-

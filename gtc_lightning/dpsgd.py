@@ -299,7 +299,7 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
         self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup (statistics)
         self._shards = RankShards(self.name, restore_shards)
         self._own: torch.Tensor | None = None  # this rank's parameters while the average is evaluated
-        self._at_end: tuple[torch.Tensor, torch.Tensor] | None = None  # (own, average) flat on the CPU, when fit ended averaged
+        self._at_end: tuple[torch.Tensor, torch.Tensor] | None = None  # (own, average) after average_at_end
 
     @property
     def warmup_steps(self) -> int:

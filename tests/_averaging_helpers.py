@@ -81,7 +81,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: Path, target: Callable
                       WORLD_SIZE=str(world))  # fmt: skip
     try:
         torch.save(target(rank, out_dir, **kwargs), out_dir / f"result{rank}.pt")
-    except BaseException:
+    except Exception:  # noqa: BLE001  (the parent raises it, with the traceback)
         (out_dir / f"error{rank}.txt").write_text(traceback.format_exc())
         os._exit(1)
 
