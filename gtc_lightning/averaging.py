@@ -537,6 +537,8 @@ class LocalStepsMixin:
     builds its state through :meth:`_setup_state`. Lightning makes every rank's model rank 0's
     when it sets up any loop (DDP's broadcast as it wraps the model; ``validate``/``test`` sync the
     module), which would drop the other ranks' local steps: each rank's own tensors are put back.
+    A parameter frozen when fit sets up must stay frozen until it ends (a gradient on it raises:
+    nothing would keep its copies together); unfreeze it between two fits.
     """
 
     name = ""
@@ -544,6 +546,7 @@ class LocalStepsMixin:
     _state: AveragingState | None = None
     _params: list[torch.nn.Parameter]
     _shards: RankShards
+    _frozen: tuple[tuple[str, torch.nn.Parameter], ...] = ()  # frozen at setup: they must get no gradient
     _continuing = False  # this fit continues the last one: keep the state
     _carried: dict | None = None  # the last fit's counters, for a fit that keeps only them
     _fitted: tuple | None = None  # weak references to the last fit's Trainer and model, its trainable layout
@@ -585,6 +588,7 @@ class LocalStepsMixin:
         assert isinstance(self.model, DistributedDataParallel)
         module = self.model.module
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._frozen = tuple((name, p) for name, p in module.named_parameters() if not p.requires_grad)
         self._fitted = (weakref.ref(module.trainer), weakref.ref(module), self._trainable_layout(module))
         if self._continuing:
             assert self._state is not None
@@ -627,10 +631,36 @@ class LocalStepsMixin:
         model: LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        def closure_then_check() -> Any:
+            result = closure()
+            self._check_unfrozen()
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_check, model, **kwargs)
         assert self._state is not None
         self._state.after_step(self._params, self.optimizers)
         return output
+
+    def _unfrozen_diverges(self) -> str | None:
+        """Why a parameter frozen at setup that gets a gradient would drift apart on the ranks (None:
+        it would not)."""
+        return "it is in none of DDP's buckets and not among the parameters averaged"
+
+    def _check_unfrozen(self) -> None:
+        """Raise for a parameter that got a gradient but was frozen when fit set up (unfrozen by
+        Lightning's ``BaseFinetuning``, say): its copies would drift apart without a word."""
+        for name, p in self._frozen:
+            if p.grad is None:
+                continue
+            why = self._unfrozen_diverges()
+            if why is None:
+                return
+            raise RuntimeError(
+                f"{self.name}: parameter {name!r} got a gradient but did not require one when fit set up the model: "
+                f"{why}, so its copies on the ranks would drift apart. Unfreezing during fit (e.g. BaseFinetuning) "
+                "is not supported: make it trainable before trainer.fit (with a zero learning rate until it should "
+                "train), or unfreeze between two trainer.fit calls (the next fit starts from rank 0's model)"
+            )
 
     @override
     def save_checkpoint(

@@ -368,6 +368,12 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
 
         return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
 
+    @override
+    def _unfrozen_diverges(self) -> str | None:
+        if self._state is not None and self._state.averaging:
+            return None  # the neighbour averaging takes each step's trainable parameters
+        return "it is in none of DDP's buckets, whose all-reduce keeps the replicas identical during the warmup"
+
     # ---- evaluating the average ---------------------------------------------------------------
 
     def _evaluate_average(self) -> None:

@@ -409,3 +409,28 @@ def test_fabric_refuses_every_name_of_the_family_with_the_trainer_to_use(name):
     message = rf"{name} is a Lightning Trainer strategy only .* Use Trainer\(strategy='{name}'\)"
     with pytest.raises(ValueError, match=message):
         L.Fabric(accelerator="cpu", devices=2, strategy=name)
+
+
+class UnfreezeOnStep2(L.Callback):
+    """The model's last layer is frozen when fit starts and unfrozen before the second batch (as
+    Lightning's ``BaseFinetuning`` does at an epoch's start)."""
+
+    def setup(self, trainer, pl_module, stage):
+        pl_module.net[2].requires_grad_(False)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            pl_module.net[2].requires_grad_(True)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "kwargs"),
+    [(ModelAveragingStrategy, {"period": 2}), (BMUFStrategy, {"period": 2}), (DPSGDStrategy, {"warmup_steps": 2})],
+    ids=["ma", "bmuf", "dpsgd_warmup"],
+)
+def test_a_parameter_unfrozen_during_fit_is_refused_not_left_to_diverge(tmp_path, strategy, kwargs):
+    """It is in none of DDP's buckets and not among the parameters averaged (D-PSGD averages it once
+    its warmup is over): its copies would drift apart without a word."""
+    with pytest.raises(Exception, match=r"'net\.2\.weight' got a gradient .* trainable before trainer\.fit"):
+        fit_recorded(tmp_path, strategy, max_epochs=1, model_kwargs={"momentum": 0.0},
+                     trainer_kwargs={"callbacks": [UnfreezeOnStep2()]}, **kwargs)  # fmt: skip
