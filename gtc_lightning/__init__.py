@@ -30,7 +30,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from gtc_lightning.averaging import AveragingState, ModelAveragingStrategy, SyncStats
-from gtc_lightning.baselines import BF16AllReduceStrategy, bf16_allreduce_hook
+from gtc_lightning.baselines import BF16AllReduceStrategy, PowerSGDStrategy, bf16_allreduce_hook
 from gtc_lightning.bmuf import BMUFGTCStrategy, BMUFState, BMUFStrategy
 from gtc_lightning.dpsgd import DPSGDState, DPSGDStrategy
 from gtc_lightning.fabric import GTCFabricStrategy, register_trainer_only_names
@@ -49,6 +49,7 @@ __all__ = [
     "GTCState",
     "GTCStrategy",
     "ModelAveragingStrategy",
+    "PowerSGDStrategy",
     "StepStats",
     "SyncStats",
     "bf16_allreduce_hook",
@@ -69,6 +70,8 @@ if "gtc" not in StrategyRegistry:
     GTCStrategy.register_strategies(StrategyRegistry)
 if "ddp_bf16" not in StrategyRegistry:
     BF16AllReduceStrategy.register_strategies(StrategyRegistry)
+if "ddp_powersgd" not in StrategyRegistry:
+    PowerSGDStrategy.register_strategies(StrategyRegistry)
 for _cls in (ModelAveragingStrategy, BMUFStrategy, BMUFGTCStrategy, DPSGDStrategy):
     if _cls.name not in StrategyRegistry:
         _cls.register_strategies(StrategyRegistry)

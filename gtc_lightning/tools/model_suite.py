@@ -1,0 +1,583 @@
+"""Model suite: GTC against DDP, a bf16 all-reduce and PowerSGD on models Lightning users train.
+
+    python -m gtc_lightning.tools.model_suite            # 4 models x 6 methods x 3 seeds x 2, 4 ranks
+    python -m gtc_lightning.tools.model_suite --quick    # CI smoke test: 2 models, 1 seed, 2 ranks
+    python -m gtc_lightning.tools.model_suite --models cnn gru --methods ddp gtc --world-sizes 2 --seeds 0
+
+Every run is a ``Trainer.fit`` on ``W`` CPU ranks started by fork, gloo, with a fixed batch per
+rank (the global batch grows with W, as DDP users run it) from Lightning's DistributedSampler,
+on a synthetic task whose best possible loss is known (:mod:`gtc_lightning.tools.suite_data`).
+All runs of one invocation are measured side by side on the same machine. Per run:
+
+- held-out loss: rank 0 scores the full held-out set with the final parameters, and a few times
+  during training for the curve (all ranks hold the same parameters; the run records whether
+  they are bit-identical at the end);
+- bytes on the wire per rank and step, as the collectives put them there (ring all-reduce:
+  ``2 (W-1)/W`` of the tensor's bytes, :func:`gtc_lightning.hook.allreduce_bytes`): DDP and bf16
+  from the gradient's size; PowerSGD by counting every all-reduce torch's hook issues (P, Q and
+  the uncompressed tensors, the dense warm-up steps included); GTC from its ``gtc_stats``; each
+  against a dense fp32 and bf16 ring all-reduce of the same gradient;
+- the method's own memory in bytes per trainable parameter, beyond DDP's: GTC's state's tensors
+  (residuals, message and count buffers), PowerSGD's error feedback and P/Q buffers; 0 for DDP
+  and bf16 (bf16's cast copy of a bucket lives only during the all-reduce);
+- the median wall time of an optimizer step on rank 0, for information only: the ranks share
+  this machine's cores, and loopback is no network.
+
+Writes ``results.json`` (every run), ``results.md`` (a table per world size) and
+``loss_vs_bytes_<model>.png`` (held-out loss against bytes sent per rank, largest world size)
+into ``--out``. The runtime package never imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import logging
+import math
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+
+from gtc_lightning import BF16AllReduceStrategy, GTCStrategy, PowerSGDStrategy, parameter_checksums
+from gtc_lightning.hook import allreduce_bytes
+from gtc_lightning.tools.suite_models import MODELS, heldout_loss
+
+# Each builds a strategy from the launch settings (start_method, timeout); a GTC mode is one more line.
+METHODS: dict[str, Callable[..., Strategy]] = {
+    "ddp": DDPStrategy,
+    "ddp_bf16": BF16AllReduceStrategy,
+    # start_powerSGD_iter=2: the fewest dense steps torch allows with error feedback (GTC has none)
+    "powersgd_r1": partial(PowerSGDStrategy, matrix_approximation_rank=1, start_powerSGD_iter=2),
+    "powersgd_r4": partial(PowerSGDStrategy, matrix_approximation_rank=4, start_powerSGD_iter=2),
+    "gtc": GTCStrategy,
+    "gtc_auto_1e-3": partial(GTCStrategy, tau="auto", target_density=1e-3),
+}
+
+# Optimizer steps per run: where DDP's held-out loss has stopped improving (see the printed curves).
+STEPS = {"transformer": 300, "cnn": 300, "gru": 300, "speech_dnn": 800}
+QUICK_STEPS = {"transformer": 30, "cnn": 30, "gru": 30, "speech_dnn": 60}
+QUICK_MODELS = ["gru", "speech_dnn"]
+TIMEOUT = timedelta(seconds=180)  # a hung collective fails the run instead of blocking for 30 min
+
+log = logging.getLogger(__name__)
+
+
+# ---- what each rank measures ---------------------------------------------------------------
+
+
+class _CountingDist:
+    """Stands in for ``torch.distributed`` inside torch's hook modules: every ``all_reduce`` adds
+    what it puts on the wire per rank to ``counter[0]``, then runs as usual."""
+
+    def __init__(self, counter: list[int]) -> None:
+        self._counter = counter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+        world = dist.get_world_size(group)
+        self._counter[0] += allreduce_bytes(tensor.numel(), world, tensor.element_size())
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+@contextmanager
+def count_hook_allreduces():
+    """Count the bytes of every all-reduce torch's PowerSGD hook issues (also its dense warm-up
+    through ``default_hooks``); yields the one-element counter. Only in the rank's process."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    counter = [0]
+    saved = (powerSGD_hook.dist, default_hooks.dist)
+    powerSGD_hook.dist = default_hooks.dist = _CountingDist(counter)
+    try:
+        yield counter
+    finally:
+        powerSGD_hook.dist, default_hooks.dist = saved
+
+
+def tensor_bytes(root: Any) -> int:
+    """Bytes of the distinct tensor storages reachable from ``root`` (through its own attributes,
+    then dicts, lists, tuples and dataclasses); each storage once."""
+    seen_storages: set[int] = set()
+    seen_objects: set[int] = set()
+    total = 0
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen_storages:
+                seen_storages.add(storage.data_ptr())
+                total += storage.nbytes()
+            continue
+        if id(obj) in seen_objects or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif dataclasses.is_dataclass(obj):
+            stack.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
+        elif hasattr(obj, "__dict__") and obj is root:
+            stack.extend(vars(obj).values())
+    return total
+
+
+def own_memory_bytes(strategy: Strategy) -> int:
+    """The method's own buffers beyond DDP's, in bytes on this rank."""
+    if isinstance(strategy, GTCStrategy):
+        state = strategy.gtc_state
+        # _applied holds references to DDP's own gradient buckets (the last decode), not GTC's memory.
+        return tensor_bytes({k: v for k, v in vars(state).items() if k != "_applied"})
+    if isinstance(strategy, PowerSGDStrategy):
+        state = strategy.powersgd_state
+        return tensor_bytes([state.error_dict, state.p_memory_dict, state.q_memory_dict])
+    return 0  # DDP; bf16's cast copy of a bucket exists only while it is all-reduced
+
+
+class SuiteProbe(L.Callback):
+    """Runs in every rank: held-out loss (rank 0), bytes sent, step times, memory, a parameter
+    checksum; writes ``rank{r}.json`` into ``out_dir`` at the end of fit.
+
+    Args:
+        out_dir: where the ranks write their records.
+        eval_steps: optimizer steps after which rank 0 scores the held-out set (0: before training).
+    """
+
+    def __init__(self, out_dir: Path, eval_steps: list[int]) -> None:
+        self.out_dir = Path(out_dir)
+        self.eval_steps = set(eval_steps)
+        self.curve: list[tuple[int, float, float]] = []  # (step, held-out loss, bytes sent so far)
+        self.step_seconds: list[float] = []
+        self._counting = None
+        self._counter = [0]
+
+    def setup(self, trainer, pl_module, stage):
+        # Lightning's advice on loader workers and its own deprecations, once per run and rank: noise here.
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*treespec.*")
+        if isinstance(trainer.strategy, PowerSGDStrategy):
+            self._counting = count_hook_allreduces()
+            self._counter = self._counting.__enter__()
+
+    def teardown(self, trainer, pl_module, stage):
+        if self._counting is not None:
+            self._counting.__exit__(None, None, None)
+            self._counting = None
+
+    def numel(self, pl_module) -> int:
+        return sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+
+    def bytes_sent(self, trainer, pl_module) -> float:
+        """Bytes this rank has put on the wire for gradients since the start of fit."""
+        strategy, world = trainer.strategy, trainer.world_size
+        if isinstance(strategy, GTCStrategy):
+            return float(strategy.gtc_stats["total"]["bytes_sent"]) if strategy.gtc_state is not None else 0.0
+        if isinstance(strategy, PowerSGDStrategy):
+            return float(self._counter[0])
+        element = 2 if isinstance(strategy, BF16AllReduceStrategy) else 4
+        return float(trainer.global_step * allreduce_bytes(self.numel(pl_module), world, element))
+
+    def _evaluate(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            self.curve.append(
+                (trainer.global_step, heldout_loss(pl_module), self.bytes_sent(trainer, pl_module))
+            )
+
+    def on_train_start(self, trainer, pl_module):
+        if 0 in self.eval_steps:
+            self._evaluate(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.step_seconds.append(time.perf_counter() - self._started)
+        if trainer.global_step in self.eval_steps:
+            self._evaluate(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module):
+        if not self.curve or self.curve[-1][0] != trainer.global_step:
+            self._evaluate(trainer, pl_module)
+        strategy = trainer.strategy
+        record = {
+            "rank": trainer.global_rank,
+            "steps": trainer.global_step,
+            "numel": self.numel(pl_module),
+            "bytes_sent": self.bytes_sent(trainer, pl_module),
+            "memory_bytes": own_memory_bytes(strategy),
+            "step_seconds": self.step_seconds,
+            "curve": self.curve,
+            "checksum": parameter_checksums(pl_module.parameters()).tolist(),
+            "gtc_total": strategy.gtc_stats["total"] if isinstance(strategy, GTCStrategy) else None,
+        }
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+# ---- one run in the parent ----------------------------------------------------------------
+
+
+@contextmanager
+def restore_environment(*names: str):
+    """Put these environment variables back as they were: the fork launcher writes MASTER_PORT
+    into the parent's environment (the next run must pick a free port of its own) and
+    ``seed_everything`` writes PL_GLOBAL_SEED."""
+    before = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def run_cell(
+    model_name: str, method: str, world_size: int, seed: int, steps: int, evals: int, out_dir: Path
+) -> dict:
+    """Train one model with one method on ``world_size`` forked CPU ranks; return its record.
+
+    Returns:
+        model, method, world_size, seed, steps, numel, best_loss, final_loss, curve, bytes per
+        step and per run (mean over ranks), the fp32 / bf16 ring all-reduce's bytes per step and the
+        ratios to them, step time, memory per parameter, replicas_identical, wall_s; for GTC the
+        mean density (words per rank and gradient element per step).
+    """
+    run_dir = out_dir / "runs" / f"{model_name}-{method}-w{world_size}-s{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    eval_steps = sorted({round(k * steps / evals) for k in range(evals + 1)})
+    with restore_environment("MASTER_PORT", "PL_GLOBAL_SEED"):
+        model, trainer = _build(model_name, method, world_size, seed, steps, SuiteProbe(run_dir, eval_steps))
+        start = time.perf_counter()
+        trainer.fit(model)
+        wall = time.perf_counter() - start
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    return summarise(model_name, method, world_size, seed, model.task.best_loss, ranks, wall)
+
+
+def _build(
+    model_name: str, method: str, world_size: int, seed: int, steps: int, probe: SuiteProbe
+) -> tuple[L.LightningModule, L.Trainer]:
+    """The seeded model, its task drawn for this run, and a Trainer on ``world_size`` forked CPU ranks."""
+    L.seed_everything(seed, verbose=False)  # PL_GLOBAL_SEED: the DistributedSampler's shuffling
+    # exactly the samples the run consumes: no sample seen twice
+    model = MODELS[model_name](train_size=steps * batch_size(model_name) * world_size, seed=seed, steps=steps)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=METHODS[method](start_method="fork", timeout=TIMEOUT),
+        max_steps=steps,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[probe],
+        default_root_dir=probe.out_dir,
+    )
+    return model, trainer
+
+
+def batch_size(model_name: str) -> int:
+    """The model's batch per rank (its ``batch_size`` default)."""
+    return inspect.signature(MODELS[model_name]).parameters["batch_size"].default
+
+
+def summarise(
+    model_name: str, method: str, world_size: int, seed: int, best_loss: float, ranks: list[dict], wall: float
+) -> dict:
+    """One run's record from its ranks' records (bytes: the mean over ranks; the rest: rank 0's)."""
+    rank0 = ranks[0]
+    steps, numel = rank0["steps"], rank0["numel"]
+    per_step = statistics.fmean(r["bytes_sent"] for r in ranks) / steps
+    fp32, bf16 = allreduce_bytes(numel, world_size, 4), allreduce_bytes(numel, world_size, 2)
+    record = {
+        "model": model_name,
+        "method": method,
+        "world_size": world_size,
+        "seed": seed,
+        "steps": steps,
+        "numel": numel,
+        "best_loss": best_loss,
+        "initial_loss": rank0["curve"][0][1] if rank0["curve"][0][0] == 0 else None,
+        "final_loss": rank0["curve"][-1][1],
+        "curve": rank0["curve"],  # (step, held-out loss, rank 0's bytes sent so far)
+        "bytes_per_step": per_step,
+        "bytes_total": per_step * steps,
+        "allreduce_fp32_bytes_per_step": fp32,
+        "allreduce_bf16_bytes_per_step": bf16,
+        "ratio_fp32": fp32 / per_step if per_step else math.inf,
+        "ratio_bf16": bf16 / per_step if per_step else math.inf,
+        "step_seconds": statistics.median(rank0["step_seconds"]),
+        "memory_bytes_per_param": rank0["memory_bytes"] / numel,
+        "replicas_identical": all(r["checksum"] == rank0["checksum"] for r in ranks),
+        "wall_s": wall,
+    }
+    if rank0["gtc_total"] is not None:
+        record["gtc_bytes_sent"] = [r["gtc_total"]["bytes_sent"] for r in ranks]
+        record["gtc_allreduce_fp32_bytes"] = rank0["gtc_total"]["allreduce_fp32_bytes"]
+        record["density"] = statistics.fmean(r["gtc_total"]["words"] for r in ranks) / (steps * numel)
+        record["gtc_dense_steps"] = rank0["gtc_total"]["dense_steps"]  # the dense fallback's steps
+    return record
+
+
+# ---- reports ----------------------------------------------------------------------------------
+
+
+def _human(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _group(results: list[dict]) -> dict[tuple, list[dict]]:
+    """Successful runs by (world size, model, method), in the order they ran."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        if "error" not in r:
+            groups.setdefault((r["world_size"], r["model"], r["method"]), []).append(r)
+    return groups
+
+
+def _table_row(runs: list[dict], ddp_mean: float | None) -> str:
+    """One method on one model and world size, over its seeds."""
+    losses = [r["final_loss"] for r in runs]
+    mean = statistics.fmean(losses)
+    vs = f"{100 * (mean - ddp_mean) / ddp_mean:+.1f} %" if ddp_mean else "-"
+    cells = [
+        runs[0]["model"],
+        runs[0]["method"],
+        f"{mean:.4f} [{min(losses):.4f}-{max(losses):.4f}]",
+        vs,
+        _human(statistics.fmean(r["bytes_per_step"] for r in runs)),
+        f"{statistics.fmean(r['ratio_fp32'] for r in runs):.1f}",
+        f"{statistics.fmean(r['ratio_bf16'] for r in runs):.1f}",
+        f"{1000 * statistics.median(r['step_seconds'] for r in runs):.1f}",
+        f"{statistics.fmean(r['memory_bytes_per_param'] for r in runs):.2f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def report_markdown(results: list[dict]) -> str:
+    """The models, then one table per world size (rows: model x method), then DDP's last
+    evaluations (whether it reached a plateau) and any failed runs."""
+    groups = _group(results)
+    models = list(dict.fromkeys(r["model"] for r in results))
+    worlds = sorted({r["world_size"] for r in results})
+    lines = [
+        "## Models",
+        "",
+        "| model | parameters | steps | batch per rank | best possible loss | initial loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in models:
+        runs = [r for r in results if r["model"] == m and "error" not in r]
+        if runs:
+            initial = statistics.fmean(r["initial_loss"] for r in runs)
+            lines.append(
+                f"| {m} | {runs[0]['numel']:,} | {runs[0]['steps']} | {batch_size(m)} | "
+                f"{runs[0]['best_loss']:.4f} | {initial:.4f} |"
+            )
+    for w in worlds:
+        header = (
+            "| model | method | held-out loss mean [min-max] | vs DDP | bytes/step/rank | x fewer than fp32 "
+            "| x fewer than bf16 | step ms | own memory B/param |"
+        )
+        lines += ["", f"## {w} ranks", "", header, "|---|---|---|---|---|---|---|---|---|"]
+        for m in models:
+            ddp = groups.get((w, m, "ddp"))
+            ddp_mean = statistics.fmean(r["final_loss"] for r in ddp) if ddp else None
+            lines += [
+                _table_row(runs, ddp_mean) for (gw, gm, _), runs in groups.items() if (gw, gm) == (w, m)
+            ]
+    lines += ["", "## DDP's held-out loss at its last evaluations (mean over seeds)", ""]
+    for (w, m, method), runs in groups.items():
+        if method == "ddp":
+            points = zip(*[r["curve"][-4:] for r in runs])
+            shown = ", ".join(f"step {p[0][0]}: {statistics.fmean(q[1] for q in p):.4f}" for p in points)
+            lines.append(f"- {m}, {w} ranks: {shown}")
+    failed = [r for r in results if "error" in r]
+    if failed:
+        lines += ["", "## Failed runs", ""]
+        lines += [
+            f"- {r['model']} {r['method']} W={r['world_size']} seed {r['seed']}: {r['error']}" for r in failed
+        ]
+    not_identical = [r for r in results if "error" not in r and not r["replicas_identical"]]
+    if not_identical:
+        lines += [
+            "",
+            "Replicas not bit-identical at the end: "
+            + ", ".join(
+                f"{r['model']} {r['method']} W={r['world_size']} seed {r['seed']}" for r in not_identical
+            ),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot_loss_vs_bytes(results: list[dict], out_dir: Path) -> list[Path]:
+    """One PNG per model: held-out loss against bytes sent per rank (log x) at the largest world
+    size; per method the seeds' mean curve and its final point with the seeds' range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _group(results)
+    paths = []
+    for m in dict.fromkeys(r["model"] for r in results):
+        worlds = [w for (w, gm, _) in groups if gm == m]
+        if not worlds:
+            continue
+        w = max(worlds)
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        for (gw, gm, method), runs in groups.items():
+            if (gw, gm) != (w, m):
+                continue
+            # the seeds' mean curve (the step-0 point has sent nothing: no place on a log axis)
+            points = [list(p) for p in zip(*[r["curve"] for r in runs])]
+            xs = [statistics.fmean(q[2] for q in p) for p in points if p[0][0] > 0]
+            ys = [statistics.fmean(q[1] for q in p) for p in points if p[0][0] > 0]
+            line = ax.plot(xs, ys, lw=0.8, alpha=0.6)[0]
+            losses, sent = [r["final_loss"] for r in runs], [r["bytes_total"] for r in runs]
+            mean_loss, mean_sent = statistics.fmean(losses), statistics.fmean(sent)
+            ax.errorbar(
+                mean_sent,
+                mean_loss,
+                yerr=[[mean_loss - min(losses)], [max(losses) - mean_loss]],
+                xerr=[[mean_sent - min(sent)], [max(sent) - mean_sent]],
+                fmt="o",
+                color=line.get_color(),
+                capsize=3,
+                label=method,
+            )
+        best = next(r["best_loss"] for r in results if r["model"] == m and "best_loss" in r)
+        ax.axhline(best, ls="--", color="grey", lw=0.8, label=f"best possible {best:.3f}")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"bytes sent per rank in the run ({w} ranks)")
+        ax.set_ylabel("held-out loss (nats)")
+        ax.set_title(f"{m}: held-out loss against bytes sent (seeds' mean, range)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"loss_vs_bytes_{m}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+
+@contextmanager
+def quiet_lightning():
+    """Lightning's per-run banners and the strategies' configuration lines at WARNING, for the run."""
+    names = ("lightning.pytorch", "lightning.fabric", "gtc_lightning")
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def progress_line(record: dict) -> str:
+    """One finished run: its cell, held-out loss, bytes per step and ratios, step time."""
+    cell = f"{record['model']:<11} {record['method']:<14} W={record['world_size']} seed={record['seed']}"
+    if "error" in record:
+        return f"{cell}: FAILED {record['error']}"
+    return (
+        f"{cell}: held-out {record['final_loss']:.4f} (best {record['best_loss']:.4f}), "
+        f"{_human(record['bytes_per_step'])}/step, {record['ratio_fp32']:.1f}x fewer than fp32, "
+        f"{record['ratio_bf16']:.1f}x than bf16, {1000 * record['step_seconds']:.1f} ms/step, "
+        f"{record['wall_s']:.1f} s"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add(
+        "--quick",
+        action="store_true",
+        help=f"smoke test: models {QUICK_MODELS}, seed 0, 2 ranks, a tenth of the steps, 2 evaluations",
+    )
+    add("--out", type=Path, default=Path("model_suite"), help="where results.json/.md and the plots go")
+    add("--models", nargs="+", choices=list(MODELS), help="default: all (--quick: a fast two)")
+    add("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    add("--world-sizes", nargs="+", type=int, help="ranks per run (default 2 4; --quick: 2)")
+    add("--seeds", nargs="+", type=int, help="default 0 1 2 (--quick: 0)")
+    add("--evals", type=int, help="held-out evaluations during a run, for the curve (default 6; --quick: 2)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run every (world size, model, seed, method) cell, print one line per run and the tables.
+
+    Returns:
+        every run's record (a failed run: its cell and ``error``).
+    """
+    # Forked ranks hang in their first parallel op if the parent ran a multi-threaded OpenMP op.
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    args = build_parser().parse_args(argv)
+    models = args.models or (QUICK_MODELS if args.quick else list(MODELS))
+    worlds = args.world_sizes or ([2] if args.quick else [2, 4])
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    evals = args.evals or (2 if args.quick else 6)
+    steps = QUICK_STEPS if args.quick else STEPS
+    if min(worlds) < 2:
+        raise ValueError(f"--world-sizes {worlds}: every run needs at least 2 ranks to exchange anything")
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    cells = [(m, meth, w, s) for w in worlds for m in models for s in seeds for meth in args.methods]
+    shape = f"{len(models)} models x {len(args.methods)} methods x {len(seeds)} seeds x world sizes {worlds}"
+    print(f"model suite: {len(cells)} runs ({shape}) -> {out}", flush=True)
+    results: list[dict] = []
+    start = time.perf_counter()
+    with quiet_lightning():
+        for i, cell in enumerate(cells, 1):
+            try:
+                record = run_cell(*cell, steps[cell[0]], evals, out)
+            except Exception as error:  # noqa: BLE001  (one failed cell must not lose the others)
+                record = dict(zip(("model", "method", "world_size", "seed"), cell))
+                record["error"] = f"{type(error).__name__}: {error}"
+            print(f"[{i}/{len(cells)}] {progress_line(record)}", flush=True)
+            results.append(record)
+            (out / "results.json").write_text(json.dumps(results, indent=1))  # partial results survive
+    table = report_markdown(results)
+    (out / "results.md").write_text(table)
+    plots = plot_loss_vs_bytes(results, out)
+    print(table)
+    print(
+        f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(plots)} plots in "
+        f"{time.perf_counter() - start:.0f} s",
+        flush=True,
+    )
+    return results
+
+
+if __name__ == "__main__":
+    main()

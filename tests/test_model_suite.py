@@ -1,0 +1,206 @@
+"""The model suite (``gtc_lightning.tools.model_suite``): its synthetic tasks' best losses, torch's
+PowerSGD hook as a Lightning strategy on gloo, and the ``--quick`` suite end to end (about 30 s:
+12 fork-started 2-rank runs), checked against what each method must send."""
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from _strategy_helpers import fit, keep_master_port  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.utils.data import default_collate
+
+from gtc_lightning import PowerSGDStrategy
+from gtc_lightning.hook import allreduce_bytes
+from gtc_lightning.tools import model_suite
+from gtc_lightning.tools.suite_data import frames_task, grating_task, hmm_task, markov_task
+from gtc_lightning.tools.suite_models import MODELS
+
+# ---- the synthetic tasks: the best loss is what the true distribution scores -----------------
+
+
+def _train_tensors(task, n):
+    """The first ``n`` training samples as tensors (frames are projected when loaded)."""
+    if hasattr(task.train, "tensors"):
+        return [t[:n] for t in task.train.tensors]
+    return default_collate(task.train.__getitems__(list(range(n))))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n, seed: markov_task(32, 1, 4, 32, n, 64, seed),
+        lambda n, seed: markov_task(8, 2, 3, 32, n, 64, seed),
+        lambda n, seed: grating_task(16, 0.4, n * 4, n * 4, seed),
+        lambda n, seed: grating_task(16, 0.25, n * 4, n * 4, seed),
+        lambda n, seed: frames_task(32, 2, 680, 16, 1.0, n * 4, n * 4, seed),
+        lambda n, seed: hmm_task(8, 16, 0.9, 0.1, 32, n, 1024, seed),
+    ],
+    ids=["markov1", "markov2", "grating", "grating_noisy", "frames", "hmm"],
+)
+def test_true_distribution_scores_the_best_loss(make):
+    """On a fresh sample of ~10^5 predictions (16000 images or frames), the true distribution's mean
+    cross-entropy is the stated best loss within sampling error (about 4 standard errors): the
+    sampler, the entropy (or forward algorithm) and the stationary start agree. A wrong posterior
+    would score worse than its own entropy."""
+    task = make(4000, 7)
+    sample = _train_tensors(task, len(task.train))
+    assert task.true_loss(*sample) == pytest.approx(task.best_loss, abs=0.03)
+    assert 0.0 < task.best_loss
+
+
+def test_hmm_best_loss_beats_a_bigram_model():
+    """The forward algorithm's loss on held-out data is below a bigram model fitted on 128k tokens
+    (which knows only the previous token), and the bigram is below the unigram entropy."""
+    task = hmm_task(8, 16, 0.9, 0.1, 32, 4000, 1024, 3)
+    (train,) = task.train.tensors
+    counts = torch.ones(16, 16, dtype=torch.float64)  # add-one smoothing
+    counts.index_put_(
+        (train[:, :-1].reshape(-1), train[:, 1:].reshape(-1)), torch.tensor(1.0).double(), accumulate=True
+    )
+    (held,) = task.heldout.tensors
+    bigram = float(-(counts / counts.sum(1, keepdim=True)).log()[held[:, :-1], held[:, 1:]].mean())
+    freq = torch.bincount(train.reshape(-1), minlength=16).double()
+    unigram = float(-(freq / freq.sum() * (freq / freq.sum()).log()).sum())
+    assert task.best_loss < bigram - 0.1 < unigram
+
+
+def test_tasks_are_deterministic_per_seed():
+    """The same seed draws the same training set; another seed another; the held-out set is shared."""
+    a, b, c = (markov_task(32, 1, 4, 16, 64, 32, seed) for seed in (0, 0, 1))
+    assert torch.equal(a.train.tensors[0], b.train.tensors[0])
+    assert not torch.equal(a.train.tensors[0], c.train.tensors[0])
+    assert torch.equal(a.heldout.tensors[0], c.heldout.tensors[0])
+    f, g = (frames_task(8, 2, 680, 16, 1.0, 64, 32, 5) for _ in range(2))
+    assert torch.equal(_train_tensors(f, 64)[0], _train_tensors(g, 64)[0])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_models_take_their_batches(name):
+    """Each model's loss on its first training batch is finite and its gradient reaches every
+    parameter."""
+    model = MODELS[name](train_size=2 * model_suite.batch_size(name), steps=10)
+    batch = next(iter(model.train_dataloader()))
+    loss = model.loss(*batch)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# ---- PowerSGD as a Lightning strategy on gloo ------------------------------------------------
+
+
+def test_powersgd_registered_and_validated():
+    assert {"ddp_powersgd", "ddp_powersgd_spawn", "ddp_powersgd_fork"} <= set(StrategyRegistry)
+    with pytest.raises(ValueError, match="start_powerSGD_iter >= 2"):
+        PowerSGDStrategy(start_powerSGD_iter=1)
+    with pytest.raises(ValueError, match="matrix_approximation_rank"):
+        PowerSGDStrategy(matrix_approximation_rank=0)
+
+
+def test_powersgd_runs_on_gloo_with_identical_replicas(tmp_path):
+    """torch's own hook on 2 forked gloo ranks: the replicas stay bit-identical, the 2 dense steps
+    apply updates of high rank, every later step a rank-1 update to the [32, 16] weight (momentum-free
+    SGD, so the weight's change is -lr times the decoded gradient P Q^T)."""
+    _, ranks = fit(
+        tmp_path,
+        strategy=PowerSGDStrategy,
+        max_epochs=2,
+        model_kwargs={"momentum": 0.0},
+        matrix_approximation_rank=1,
+        start_powerSGD_iter=2,
+    )
+    records = [rank["records"] for rank in ranks]
+    for a, b in zip(*records):
+        assert torch.equal(a["params"], b["params"])
+    weights = [ranks[0]["start"]["params"][:512]] + [rec["params"][:512] for rec in records[0]]
+    ranks_of_updates = []
+    for before, after in itertools.pairwise(weights):
+        s = torch.linalg.svdvals((after - before).double().view(32, 16))
+        ranks_of_updates.append(int((s > 1e-4 * s[0]).sum()))
+    assert min(ranks_of_updates[:2]) > 8
+    assert ranks_of_updates[2:] == [1] * (len(weights) - 3)
+
+
+# ---- the quick suite, end to end ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("suite")
+    return out, model_suite.main(["--quick", "--out", str(out)])
+
+
+def _runs(results, method):
+    return [r for r in results if r["method"] == method]
+
+
+def test_quick_suite_every_cell(quick):
+    _, results = quick
+    assert len(results) == len(model_suite.QUICK_MODELS) * len(model_suite.METHODS)
+    for r in results:
+        assert "error" not in r, r
+        assert math.isfinite(r["final_loss"]) and r["replicas_identical"], r
+        assert [p[0] for p in r["curve"]] == [0, r["steps"] // 2, r["steps"]]
+        assert r["best_loss"] < r["initial_loss"]
+    for r in _runs(results, "ddp"):
+        assert r["final_loss"] < r["initial_loss"] - 0.1
+
+
+def test_quick_suite_dense_bytes_are_the_ring_formula(quick):
+    _, results = quick
+    for r in _runs(results, "ddp"):
+        assert r["bytes_per_step"] == allreduce_bytes(r["numel"], 2, 4) == r["allreduce_fp32_bytes_per_step"]
+        assert r["curve"][-1][2] == r["steps"] * r["bytes_per_step"]
+        assert r["ratio_fp32"] == 1.0 and r["memory_bytes_per_param"] == 0
+    for r in _runs(results, "ddp_bf16"):
+        assert r["bytes_per_step"] * 2 == allreduce_bytes(r["numel"], 2, 4)
+        assert r["ratio_bf16"] == 1.0
+
+
+def test_quick_suite_gtc_bytes_are_its_stats(quick):
+    _, results = quick
+    for r in _runs(results, "gtc") + _runs(results, "gtc_auto_1e-3"):
+        assert r["bytes_total"] == pytest.approx(sum(r["gtc_bytes_sent"]) / 2)
+        assert r["gtc_allreduce_fp32_bytes"] == r["steps"] * allreduce_bytes(r["numel"], 2, 4)
+        assert r["ratio_fp32"] > 2 and 0 < r["density"] < 0.5
+        assert r["memory_bytes_per_param"] >= 8  # at least the residual and the next one, float32
+
+
+def _powersgd_bytes_per_step(model_name: str, rank: int) -> int:
+    """What torch's hook all-reduces per compressed step on 2 ranks (the ring moves each rank's
+    4 bytes per element once at W=2): P and Q of every matrix worth compressing, the rest whole."""
+    model = MODELS[model_name](train_size=model_suite.batch_size(model_name) * 2, steps=10)
+    elements = 0
+    for p in model.parameters():
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(n, m, rank)
+        elements += (n + m) * r if (n + m) * r * 2 < n * m else n * m
+    return 4 * elements
+
+
+def test_quick_suite_powersgd_bytes_are_what_the_hook_sends(quick):
+    _, results = quick
+    for r in _runs(results, "powersgd_r1") + _runs(results, "powersgd_r4"):
+        rank = int(r["method"][-1])
+        dense, compressed = 2, r["steps"] - 2  # start_powerSGD_iter=2: two plain all-reduces first
+        expected = dense * allreduce_bytes(r["numel"], 2, 4) + compressed * _powersgd_bytes_per_step(
+            r["model"], rank
+        )
+        assert r["bytes_total"] == expected
+        ddp = next(d for d in _runs(results, "ddp") if d["model"] == r["model"])
+        assert r["bytes_per_step"] < ddp["bytes_per_step"] / 2
+        assert r["memory_bytes_per_param"] >= 4  # the error feedback, float32
+
+
+def test_quick_suite_files(quick):
+    out, results = quick
+    assert json.loads((out / "results.json").read_text())[0]["model"] == results[0]["model"]
+    table = (out / "results.md").read_text()
+    assert "## 2 ranks" in table and "best possible loss" in table
+    for method in model_suite.METHODS:
+        assert f"| {method} |" in table
+    for name in model_suite.QUICK_MODELS:
+        assert (out / f"loss_vs_bytes_{name}.png").stat().st_size > 10_000
