@@ -3,8 +3,8 @@
 A GTC step on gloo sends a 24-byte header from every rank to every rank (the word counts, needed to
 size the word exchange), then the words by all-to-all. The header used to go by all-gather, which
 gloo runs as a ring: world - 1 message latencies in a row; by all-to-all every message is posted at
-once, one latency. This runs both, with the hook's own calls (``hook._send_header`` with
-``exchange="allgather"`` and ``"alltoall"``, then ``hook._send_words``), ``--words`` words per rank,
+once, one latency. This runs both, with the hook's own calls (``hook.send_header`` with
+``exchange="allgather"`` and ``"alltoall"``, then ``hook.send_words``), ``--words`` words per rank,
 alternating the two every repeat so that both see the same network and load::
 
     python -m gtc_lightning.cluster --nodes 4 --rate 1gbit -- \\
@@ -33,7 +33,7 @@ WAYS = ("allgather", "alltoall")  # how the header goes; the words go by all-to-
 
 
 class _Exchange:
-    """The few ``GTCState`` attributes ``hook._send_header`` and ``hook._send_words`` read."""
+    """The few ``GTCState`` attributes ``hook.send_header`` and ``hook.send_words`` read."""
 
     def __init__(self, header_way: str, words: int) -> None:
         self.exchange = header_way
@@ -48,10 +48,10 @@ def one_step(header_way: str, words: int) -> float:
     header = torch.tensor([0, words, 4 * words], dtype=torch.int64)
     dist.barrier()
     start = time.perf_counter()
-    headers = hook._send_header(state, header).view(state.world_size, 3)
+    headers = hook.send_header(state, header).view(state.world_size, 3)
     counts = headers[:, 1].tolist()
     state.exchange = "alltoall"
-    received, _, _, _, _ = hook._send_words(state, counts)
+    received, _, _, _, _ = hook.send_words(state, counts)
     seconds = time.perf_counter() - start
     if received.numel() != sum(counts):
         raise RuntimeError(f"received {received.numel()} words, expected {sum(counts)}")

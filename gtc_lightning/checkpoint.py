@@ -57,14 +57,25 @@ def checkpoint_entry(state: GTCState, world_size: int) -> dict[str, Any]:
     }
 
 
-def save_shard(state: GTCState, checkpoint_io: CheckpointIO, checkpoint_path: _PATH, rank: int, world_size: int) -> None:
-    """Write this rank's residuals beside ``checkpoint_path`` (every rank calls it)."""
+def save_shard(
+    state: GTCState,
+    checkpoint_io: CheckpointIO,
+    checkpoint_path: _PATH,
+    rank: int,
+    world_size: int,
+    optimizers: list[dict] | None = None,
+) -> None:
+    """Write this rank's residuals beside ``checkpoint_path`` (every rank calls it); with
+    ``compress="update"`` also this rank's optimizer states (``optimizers``: their state dicts), which
+    differ between ranks (each rank's optimizer steps on its own gradient)."""
     shard = {
         "rank": rank,
         "world_size": world_size,
         "step": state.step,
         "residual": state.residual_vector(torch.device("cpu")),
     }
+    if optimizers is not None:
+        shard["optimizers"] = optimizers
     checkpoint_io.save_checkpoint(shard, shard_path(checkpoint_path, rank))
 
 
@@ -125,36 +136,42 @@ def restore(
         residuals: False restarts the residuals from zero (counters are still restored).
         hint: how to turn residual restoring off, for the missing-shard error.
 
+    Returns:
+        this rank's own optimizer states from its shard (``compress="update"``, same world size), or
+        None: then every rank takes the checkpoint's (rank 0's).
+
     Raises:
         RuntimeError: a shard that is needed is missing.
     """
     state.load_counters(saved)
     if not residuals:
         log.info("GTC: residuals restart from zero at step %d (not restored)", state.step)
-        return
+        return None
     if saved["names"] != state.param_names or saved["numels"] != state.numels:
         rank_zero_warn("GTC: the checkpoint's parameters differ from the model's; residuals restart from zero")
-        return
+        return None
     old_world = saved["world_size"]
     if "residuals" in saved:  # format 1
         rows = saved["residuals"]
 
-        def load(r: int) -> torch.Tensor:
-            return rows[r]
+        def load(r: int) -> dict:
+            return {"residual": rows[r]}
     else:
 
-        def load(r: int) -> torch.Tensor:
-            return _load_shard(checkpoint_io, checkpoint_path, r, old_world, hint)["residual"]
+        def load(r: int) -> dict:
+            return _load_shard(checkpoint_io, checkpoint_path, r, old_world, hint)
 
     if old_world == world_size:
-        state.load_residual_vector(load(rank).to(device))
+        shard = load(rank)
+        state.load_residual_vector(shard["residual"].to(device))
         log.info("GTC: restored rank %d's residuals at step %d", rank, state.step)
-        return
+        return shard.get("optimizers")
     total = torch.zeros(sum(state.numels), dtype=torch.float64)
     for r in range(old_world):
-        total += load(r).double()
+        total += load(r)["residual"].double()
     state.load_residual_vector((total / old_world).float().to(device))
     rank_zero_warn(
         f"GTC: the checkpoint holds residuals of {old_world} ranks but this run has {world_size}; every rank "
         "starts from their mean, which keeps the pending update (the mean residual) unchanged"
     )
+    return None

@@ -61,6 +61,7 @@ all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _WORD_BYTES = 4
 _HEADER = 3  # int64 values per rank: non-finite count, words, message bytes
 CODINGS = ("none", "rice")
+COMPRESS = ("auto", "gradient", "update")
 AUTO_TAU_INIT = 1e-2  # where tau="auto" starts
 EXCHANGES = ("auto", "alltoall", "allgather")
 # Dense fallback: enter when the sparse exchange would move more bytes than a dense bf16 ring
@@ -194,6 +195,7 @@ def check_options(
     backend: str,
     coding: str = "none",
     target_density: float | None = None,
+    compress: str = "gradient",
 ) -> None:
     """Validate GTC's hyper-parameters, with messages that say what each one means.
 
@@ -243,6 +245,12 @@ def check_options(
         raise ValueError(
             "tau='auto' needs a target_density: the words per rank and gradient element to aim for, e.g. 1e-3"
         )
+    if compress not in COMPRESS:
+        raise ValueError(
+            f"Expect compress in {COMPRESS} ('gradient': Strom's residual of gradients, for plain SGD; 'update': "
+            f"the step each rank's optimizer makes, for momentum SGD and Adam; 'auto': by the optimizer), got "
+            f"{compress!r}"
+        )
 
 
 def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
@@ -280,6 +288,10 @@ class GTCState:
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
         stale: one-step-stale mode (:mod:`gtc_lightning.stale`): each step's exchange runs while
             the next step computes, and its update is applied one step late.
+        coding: ``"rice"``: Golomb-Rice coded messages; ``"none"``: 32-bit words.
+        compress: ``"gradient"`` (Strom's: the residual of gradients, in the DDP hook) or
+            ``"update"`` (:mod:`gtc_lightning.update`: the residual of the steps each rank's
+            optimizer makes); ``"auto"`` until the strategy has seen the optimizers.
     """
 
     def __init__(
@@ -295,8 +307,9 @@ class GTCState:
         stale: bool = False,
         coding: str = "none",
         target_density: float | None = None,
+        compress: str = "gradient",
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density)
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress)
         if tau == "auto":
             tau = AUTO_TAU_INIT
         # The hyper-parameters.
@@ -310,6 +323,8 @@ class GTCState:
         self.backend = backend
         self.stale = bool(stale)
         self.coding = coding
+        self.compress = compress
+        self.target_density = target_density
         self.controller = TauController(target_density, float(tau)) if target_density is not None else None
         # Gradient clipping of each rank's local gradient, set by the strategy from the Trainer:
         # ("norm" | "value", threshold) or None.
@@ -334,14 +349,15 @@ class GTCState:
         self.totals: dict[str, float] = {key: 0 for key in _TOTAL_KEYS}
         if self.rank == 0:
             log.info(
-                "GTC config: tau=%g, warmup_steps=%d, max_consecutive_skips=%s, dense_fallback=%s, "
-                "exchange=%s, stale=%s, world_size=%d, parameters=%d (%d elements)",
-                self.tau,
+                "GTC config: tau=%s, warmup_steps=%d, max_consecutive_skips=%s, dense_fallback=%s, "
+                "exchange=%s, stale=%s, coding=%s, world_size=%d, parameters=%d (%d elements)",
+                f"auto (target_density={target_density:g}, from {self.tau:g})" if target_density else f"{self.tau:g}",
                 self.warmup_steps,
                 self.max_consecutive_skips,
                 self.dense_fallback,
                 self.exchange,
                 self.stale,
+                self.coding,
                 self.world_size,
                 len(self.param_names),
                 sum(self.numels),
@@ -372,6 +388,8 @@ class GTCState:
         self._spare_message: torch.Tensor | None = None
         self._spare_sum: torch.Tensor | None = None
         self._applied: list[tuple[int, torch.Tensor]] = []  # (offset, bucket buffer) of the last decode
+        # compress="update": the parameters before the step, then the message, then the mean update.
+        self._scratch: torch.Tensor | None = None
 
     def bind(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
         """(Re)build the parameter -> name map, e.g. after unpickling the state."""
@@ -395,7 +413,8 @@ class GTCState:
 
     _PICKLED = (
         "tau", "tau32", "warmup_steps", "max_consecutive_skips", "dense_fallback", "exchange", "backend",
-        "stale", "coding", "controller", "clip", "grad_scale", "param_names", "numels", "step", "totals", "last",
+        "stale", "coding", "compress", "target_density", "controller", "clip", "grad_scale", "param_names",
+        "numels", "step", "totals", "last",
         "_dense_mode", "_warned_fallback",
     )  # fmt: skip
 
@@ -635,7 +654,7 @@ class GTCState:
         parameters = list(parameters)
         if stats.mode == "warmup" and not stats.skipped:
             grads = [p.grad for p in parameters if p.grad is not None]
-            stats.skipped = not all(_all_finite(g) for g in grads)
+            stats.skipped = not all(all_finite(g) for g in grads)
         if not stats.skipped:
             self.totals["consecutive_skips"] = 0
             if self.stale:
@@ -737,7 +756,7 @@ def parameter_checksums(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
+def all_finite(tensor: torch.Tensor) -> bool:
     """Exact, and cheaper than ``isfinite(t).all()``: a NaN or Inf element makes the sum
     non-finite; only a finite sum that overflowed needs the elementwise check."""
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
@@ -791,6 +810,8 @@ def gtc_hook(state: GTCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         a Future of the ``[n]`` averaged gradient estimate, written into ``bucket.buffer()``;
         completed when the last bucket of the step arrives.
     """
+    if state.compress == "update":  # gtc_lightning.update: the optimizer's step is compressed, not this
+        return local_hook(state, bucket)
     # 1. Dense warmup, averaged over ranks as DDP's default hook does.
     if state.step < state.warmup_steps:
         if bucket.is_last():
@@ -828,6 +849,16 @@ def gtc_hook(state: GTCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if bucket.is_last():
         _exchange(state)
         _adapt_tau(state)
+    return future
+
+
+def local_hook(state: GTCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """``compress="update"``: the gradient stays local (each rank's optimizer steps on its own), but
+    during the dense warm-up DDP's all-reduce averages it."""
+    if state.step < state.warmup_steps:
+        return allreduce_hook(state.process_group, bucket)
+    future = _new_future(bucket.buffer().device)
+    future.set_result(bucket.buffer())
     return future
 
 
@@ -923,7 +954,7 @@ def _exchange(state: GTCState) -> None:
     else:
         size = state._cursor * _WORD_BYTES
     header = torch.cat([state._bad.to(torch.int64), state._cursor, size])
-    headers = _send_header(state, header).view(world, _HEADER).tolist()
+    headers = send_header(state, header).view(world, _HEADER).tolist()
     header_bytes = (world - 1) * _HEADER * 8
     bad_ranks = [r for r, (bad, _, _) in enumerate(headers) if bad]
     counts = [words for _, words, _ in headers]
@@ -983,10 +1014,10 @@ def _exchange(state: GTCState) -> None:
 
     # 5. One word exchange.
     if state.coding == "rice":
-        data, width, sent, received, _ = _send_coded(state, sizes)
+        data, width, sent, received, _ = send_coded(state, sizes)
         words, lengths = decode_coded(data, sizes, width), None
     else:
-        words, lengths, sent, received, _ = _send_words(state, counts)
+        words, lengths, sent, received, _ = send_words(state, counts)
     exchanged = clock.now()
     state._residual, state._spare = spare, residual
 
@@ -1000,9 +1031,9 @@ def _exchange(state: GTCState) -> None:
     record("sparse", sent, received, exchanged, clock.now())
 
 
-def _send_header(state: GTCState, header: torch.Tensor) -> torch.Tensor:
-    """Step 3's collective: every rank's ``[_HEADER]`` header to every rank, ``[world * _HEADER]``
-    in rank order. With the all-to-all exchange (gloo) the header goes by all-to-all too: each rank
+def send_header(state: GTCState, header: torch.Tensor) -> torch.Tensor:
+    """Step 3's collective: every rank's ``[h]`` int64 header to every rank, ``[world * h]`` in rank
+    order. With the all-to-all exchange (gloo) the header goes by all-to-all too: each rank
     sends its header to each peer at once, one message latency, where gloo's all-gather is a ring of
     world - 1 latencies in a row (``gtc_lightning.bench_exchange`` on 4 emulated nodes at 1 Gbit/s:
     header and 13,000 words a step in 3.1 against 5.5 ms).
@@ -1010,8 +1041,8 @@ def _send_header(state: GTCState, header: torch.Tensor) -> torch.Tensor:
     world = state.world_size
     if world == 1:
         return header
-    headers = torch.empty(world * _HEADER, dtype=torch.int64, device=header.device)
-    if _exchange_kind(state) == "alltoall":
+    headers = torch.empty(world * header.numel(), dtype=torch.int64, device=header.device)
+    if exchange_kind(state) == "alltoall":
         dist.all_to_all_single(headers, header.repeat(world), group=state.process_group)
     else:
         all_gather_equal(headers, header, group=state.process_group)
@@ -1025,7 +1056,7 @@ def word_scale(state: GTCState, world: int, tau32: float | None = None) -> float
     return _f32(_f32((state.tau32 if tau32 is None else tau32) / world) * state.grad_scale)
 
 
-def _send_words(state: GTCState, counts: list[int], async_op: bool = False) -> tuple:
+def send_words(state: GTCState, counts: list[int], async_op: bool = False) -> tuple:
     """Step 5's collective: every rank's words to every rank (all-to-all of uneven messages, or an
     all-gather padded to the longest).
 
@@ -1043,7 +1074,7 @@ def _send_words(state: GTCState, counts: list[int], async_op: bool = False) -> t
     own, message = counts[rank], state._message
     if world == 1 or not sum(counts):
         return message[:own], None, 0, 0, None
-    if _exchange_kind(state) == "alltoall":
+    if exchange_kind(state) == "alltoall":
         words = torch.empty(sum(counts), dtype=torch.int32, device=message.device)
         work = dist.all_to_all_single(
             words, message[:own].repeat(world), output_split_sizes=counts, input_split_sizes=[own] * world,
@@ -1057,7 +1088,7 @@ def _send_words(state: GTCState, counts: list[int], async_op: bool = False) -> t
     return words, counts, sent, sent, work
 
 
-def _send_coded(state: GTCState, sizes: list[int], async_op: bool = False) -> tuple:
+def send_coded(state: GTCState, sizes: list[int], async_op: bool = False) -> tuple:
     """Step 5 with ``coding="rice"``: every rank's Golomb-Rice coded message (``sizes`` bytes each)
     to every rank (all-to-all of uneven messages, or an all-gather padded to the longest).
 
@@ -1070,7 +1101,7 @@ def _send_coded(state: GTCState, sizes: list[int], async_op: bool = False) -> tu
     coded, own = state._coded, sizes[rank]
     if world == 1:
         return coded, None, 0, 0, None
-    if _exchange_kind(state) == "alltoall":
+    if exchange_kind(state) == "alltoall":
         data = torch.empty(sum(sizes), dtype=torch.uint8, device=coded.device)
         work = dist.all_to_all_single(
             data, coded.repeat(world), output_split_sizes=sizes, input_split_sizes=[own] * world, group=group,
@@ -1087,8 +1118,8 @@ def _send_coded(state: GTCState, sizes: list[int], async_op: bool = False) -> tu
 
 
 def decode_coded(data: torch.Tensor, sizes: list[int], width: int | None) -> torch.Tensor:
-    """The words of every rank's coded message in ``data`` (as :func:`_send_coded` received it), rank
-    0's first, as ``_send_words`` gives them."""
+    """The words of every rank's coded message in ``data`` (as :func:`send_coded` received it), rank
+    0's first, as ``send_words`` gives them."""
     if width is None:
         parts = data.split(sizes)
     else:
@@ -1096,7 +1127,7 @@ def decode_coded(data: torch.Tensor, sizes: list[int], width: int | None) -> tor
     return torch.cat([rice_decode(part) for part in parts])
 
 
-def _exchange_kind(state: GTCState) -> str:
+def exchange_kind(state: GTCState) -> str:
     if state.exchange != "auto":
         return state.exchange
     return "alltoall" if dist.get_backend(state.process_group) == "gloo" else "allgather"

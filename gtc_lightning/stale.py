@@ -63,8 +63,8 @@ import torch
 from gtc_lightning.hook import (
     GTCState,
     StepStats,
-    _send_coded,
-    _send_words,
+    send_coded,
+    send_words,
     allreduce_bytes,
     decode_coded,
     decode_dense,
@@ -154,9 +154,9 @@ def _launch_sparse(state: GTCState, counts: list[int], sizes: list[int]) -> tupl
     coded = width = None
     if state.coding == "rice":  # the coded bytes travel; they are decoded when the update is applied
         words, lengths = None, None
-        coded, width, sent, received, work = _send_coded(state, sizes, async_op=True)
+        coded, width, sent, received, work = send_coded(state, sizes, async_op=True)
     else:
-        words, lengths, sent, received, work = _send_words(state, counts, async_op=True)
+        words, lengths, sent, received, work = send_words(state, counts, async_op=True)
     state._residual, state._spare = state._spare, state._residual
     message = state._spare_message
     if message is None or message.shape != state._message.shape or message.device != state._message.device:

@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from gtc_lightning import checkpoint as gtc_checkpoint
 from gtc_lightning import stale as one_step_stale
+from gtc_lightning import update as update_mode
 from gtc_lightning.checkpoint import CHECKPOINT_KEY, SHARD_SUFFIX, shard_path  # noqa: F401  (re-exported)
 from gtc_lightning.hook import (
     GTCState,
@@ -143,6 +144,7 @@ class GTCStrategy(DDPStrategy):
         stale: bool = False,
         coding: Literal["none", "rice"] = "none",
         target_density: float | None = None,
+        compress: Literal["auto", "gradient", "update"] = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -153,7 +155,7 @@ class GTCStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density)
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress)
         if not isinstance(stale, bool):
             raise ValueError(f"Expect stale to be True or False, got {stale!r}")  # noqa: TRY004
         _check_int(
@@ -194,7 +196,15 @@ class GTCStrategy(DDPStrategy):
         self._stale = stale
         self._coding = coding
         self._target_density = target_density
+        self._compress = compress
+        if stale and compress == "update":
+            raise ValueError(
+                "GTCStrategy(stale=True) delays the decoded gradient by a step; it takes compress='gradient' (or "
+                "'auto', which picks it), not compress='update'"
+            )
         self._gtc_state: GTCState | None = None
+        self._update_params: list[torch.nn.Parameter] = []  # compress="update": the state's, in its order
+        self._rank_optimizers: list[dict] | None = None  # this rank's optimizer states from its shard
         self._saved_gtc: tuple[dict, _PATH] | None = None  # checkpoint entry waiting for the state
         self._checked_step = 0
         self._clip: tuple[str, float] | None = None  # the Trainer's clipping, applied per rank
@@ -257,7 +267,9 @@ class GTCStrategy(DDPStrategy):
                 )
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._gate_clipping()
+            self._resolve_compress()
+            if self._gtc_state.compress == "gradient":
+                self._gate_clipping()
         if self._stale and trainer.state.fn == TrainerFn.FITTING and len(self.optimizers) > 1:
             raise ValueError(
                 f"GTCStrategy(stale=True) applies each exchange's update at the next backward pass, which with "
@@ -270,6 +282,35 @@ class GTCStrategy(DDPStrategy):
             trainer.callbacks.insert(
                 len(trainer.callbacks) if where is None else where, _GTCStatsLogger(self)
             )
+
+    @property
+    def compress(self) -> str:
+        """What GTC compresses: ``"gradient"`` or ``"update"`` once fit chose (``"auto"``), else as configured."""
+        return self._gtc_state.compress if self._gtc_state is not None else self._compress
+
+    def _resolve_compress(self) -> None:
+        """``compress="auto"``: the optimizer's step when it keeps per-element state (momentum, Adam's
+        moments), else Strom's gradient (plain SGD, with which both apply the same update, and the
+        gradient mode overlaps the backward pass)."""
+        state = self._gtc_state
+        assert state is not None and self.lightning_module is not None
+        mode = self._compress
+        if mode == "auto":
+            plain = all(
+                type(optimizer) is torch.optim.SGD and all(not group.get("momentum") for group in optimizer.param_groups)
+                for optimizer in self.optimizers
+            )
+            mode = "gradient" if plain or self._stale or len(self.optimizers) != 1 else "update"
+        if mode == "update" and len(self.optimizers) != 1:
+            raise ValueError(
+                f"GTCStrategy(compress='update') compresses the step of one optimizer; this model has "
+                f"{len(self.optimizers)}. Use compress='gradient' (or 'auto'), or one optimizer"
+            )
+        state.compress = mode
+        self._update_params = [p for _, p in self.lightning_module.named_parameters() if p.requires_grad]
+        what = "each rank's optimizer step" if mode == "update" else "the gradient"
+        if self.global_rank == 0:
+            log.info("GTC compresses %s (%s)", what, ", ".join(type(o).__name__ for o in self.optimizers))
 
     def _gate_clipping(self) -> None:
         """Lightning calls ``configure_gradient_clipping`` after the closure, on what the optimizer is
@@ -333,6 +374,7 @@ class GTCStrategy(DDPStrategy):
             stale=self._stale,
             coding=self._coding,
             target_density=self._target_density,
+            compress="auto",
         )
 
     @override
@@ -343,6 +385,9 @@ class GTCStrategy(DDPStrategy):
         model: LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        if self._gtc_state is not None and self._gtc_state.compress == "update":
+            return self._update_step(optimizer, closure, model, **kwargs)
+
         def closure_then_apply_skip() -> Any:
             result = closure()
             state = self._gtc_state
@@ -361,6 +406,39 @@ class GTCStrategy(DDPStrategy):
             scaler = self._grad_scaler()
             if scaler is not None:  # the scale the next backward will use
                 self._gtc_state.grad_scale = float(scaler.get_scale())
+        self._maybe_check_replicas()
+        return output
+
+    def _update_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: LightningModule | torch.nn.Module | None, **kwargs: Any
+    ) -> Any:
+        """``compress="update"`` (:mod:`gtc_lightning.update`): the rank's optimizer steps on its own
+        gradient (clipped by Lightning as it is), and the step it made is compressed and exchanged."""
+        state = self._gtc_state
+        assert state is not None and self.lightning_module is not None
+        params, module = self._update_params, self.lightning_module
+        scaler = self._grad_scaler() is not None
+        warmup = state.step < state.warmup_steps
+        skipped = False
+        if not warmup:
+            update_mode.begin(state, params)
+
+        def closure_then_check() -> Any:
+            nonlocal skipped
+            result = closure()
+            state.check_unknown_gradients(module.named_parameters())
+            if warmup:  # DDP averaged the gradients: every rank steps on the mean
+                update_mode.warmup(state)
+                stats = state.finish_step(params, loss_scaler=scaler)
+                skipped = stats is not None and stats.skipped
+            else:
+                skipped = update_mode.check_finite(state, params, scaler)
+            return result
+
+        lrs = update_mode.learning_rates(optimizer)
+        output = super().optimizer_step(optimizer, closure_then_check, model, **kwargs)
+        if not warmup and not skipped:
+            update_mode.exchange(state, params, lrs)
         self._maybe_check_replicas()
         return output
 
@@ -439,7 +517,10 @@ class GTCStrategy(DDPStrategy):
                 **gtc_checkpoint.checkpoint_entry(state, self.world_size),
                 "pending": one_step_stale.pending_entry(state),
             }
-            gtc_checkpoint.save_shard(state, self.checkpoint_io, filepath, self.global_rank, self.world_size)
+            optimizers = [o.state_dict() for o in self.optimizers] if state.compress == "update" else None
+            gtc_checkpoint.save_shard(
+                state, self.checkpoint_io, filepath, self.global_rank, self.world_size, optimizers=optimizers
+            )
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -463,13 +544,23 @@ class GTCStrategy(DDPStrategy):
     def _restore_gtc(self, saved: dict, path: _PATH) -> None:
         state = self._gtc_state
         assert state is not None
-        gtc_checkpoint.restore(
+        self._rank_optimizers = gtc_checkpoint.restore(
             state, saved, path, self.global_rank, self.world_size, self.checkpoint_io, self.root_device,
             residuals=self._restore_residuals,
         )  # fmt: skip
         # After the residuals: without the stale option the pending update is added to them.
         if self._restore_residuals and saved.get("pending") is not None and saved["names"] == state.param_names:
             one_step_stale.load_pending(state, saved["pending"], self.root_device)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        # compress="update": every rank's optimizer stepped on its own gradient; its own state is in
+        # its shard (the checkpoint holds rank 0's).
+        super().load_optimizer_state_dict(checkpoint)
+        saved, self._rank_optimizers = self._rank_optimizers, None
+        if saved is not None and self._gtc_state is not None and self._gtc_state.compress == "update":
+            for optimizer, state in zip(self.optimizers, saved):
+                optimizer.load_state_dict(state)
 
     # ---- registration --------------------------------------------------------------------------
 

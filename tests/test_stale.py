@@ -156,6 +156,7 @@ def test_bucket_rebuild_under_the_exchange_in_flight(tmp_path, exchange, devices
     """Many small buckets that DDP rebuilds after step 1, while step 1's words are in flight."""
     _, ranks = fit(
         tmp_path, devices=devices, tau=TAU, stale=True, exchange=exchange, bucket_cap_mb=0.0001, max_epochs=1,
+        dense_fallback=False,
         model_kwargs={**SGD, "samples": 32 * devices},
     )  # fmt: skip
     buckets = [rec["buckets"] for rec in ranks[0]["records"]]
@@ -227,7 +228,7 @@ def test_a_parameter_no_rank_uses_at_the_applying_step_still_gets_its_update(tmp
     from test_strategy import Branchy
 
     model = Branchy(momentum=0.0)
-    _, ranks = fit(tmp_path, tau=0.02, stale=True, model=model, find_unused_parameters=True)
+    _, ranks = fit(tmp_path, tau=0.02, stale=True, dense_fallback=False, model=model, find_unused_parameters=True)
     names = [name for name, _ in model.named_parameters()]
     bounds = torch.tensor([0, *ranks[0]["numels"]]).cumsum(0).tolist()
     odd = slice(bounds[names.index("odd.weight")], bounds[names.index("odd.bias") + 1])

@@ -1,0 +1,278 @@
+"""GTC on what the optimizer applies (``GTCStrategy(compress="update")``, the default for momentum
+SGD and the Adam family).
+
+Strom's GTC conserves the gradient: every element of it is either applied or kept in the residual.
+That is lossless for plain SGD, whose update is the gradient times the learning rate. It is not for
+an optimizer with per-element state: Adam divides each decoded ``±tau/W`` vote by the root of its
+own running mean of squared votes, so an element voted at rate ``p`` moves by about ``sqrt(p)`` of
+Adam's normal step, and momentum SGD keeps pushing the old votes after they were applied (what DGC's
+momentum correction and factor masking fix). So here each rank's optimizer steps on its own
+gradient, as in DGC's local momentum, 1-bit Adam's compressed momentum and DeMo's local moments, and
+GTC compresses the step it made. Per optimizer step and rank:
+
+1. Before the step, the parameters are kept in the scratch buffer.
+2. After backward (local gradients: DDP's hook sends nothing), one small all-reduce of a non-finite
+   flag: a NaN/Inf gradient on any rank skips the step on every rank (with an AMP loss scaler every
+   rank's scaler sees it), before any optimizer state is touched.
+3. The rank's optimizer steps on its own gradient: its moments and momentum are its own, like the
+   local models of model averaging (and kept per rank in checkpoints).
+4. The step it made, divided by its learning rate (the optimizer's direction: Adam's
+   ``m / (sqrt(v) + eps)`` plus weight decay, momentum SGD's velocity), is added to the residual,
+   and the parameters go back to the kept copy, exactly.
+5. Threshold: ``tau_r``, this rank's, is the ``1 - target_density`` quantile of ``|residual|``
+   (estimated from a strided sample of :data:`SAMPLE` elements), so that each rank sends about
+   ``target_density * n`` words every step whatever the scale of its optimizer's steps: no gradient
+   scale is presumed, and the warm-up and decay of the learning rate do not move the density. Words
+   ``index | sign << 31`` for ``|r| > tau_r``; ``±tau_r`` subtracted (in place).
+6. One header exchange ``[words, bytes, tau_r]`` and one word exchange, as in the gradient mode
+   (all-to-all on gloo, all-gather on NCCL; ``coding="rice"`` Golomb-Rice codes the messages).
+7. Decode, rank by rank in rank order: ``±tau_r / W`` at each word of rank ``r`` into the scratch
+   buffer (no index twice within a rank, a fixed order across ranks: bit-identical on every rank,
+   on CPU and GPU), then every parameter moves by ``-lr * scratch``: replicas stay bit-identical
+   without a broadcast. Parameters in bf16/fp16 feed what their rounding took off back into every
+   rank's residual.
+
+What is conserved is what the optimizer wanted to apply, in units of its learning rate (kept until
+sent, applied with the learning rate of the step that sends it, as the gradient mode applies a kept
+gradient). Memory: the residual and the scratch buffer, 8 bytes per parameter beyond DDP's.
+Dense warm-up steps (``warmup_steps``) average the gradients as DDP does and step every rank's
+optimizer on the mean.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from gtc_lightning.hook import (
+    GTCState,
+    StepStats,
+    all_finite,
+    allreduce_bytes,
+    decode_coded,
+    send_coded,
+    send_header,
+    send_words,
+)
+from gtc_lightning.ops import torch_ops
+from gtc_lightning.ops.rice import rice_encode
+from gtc_lightning.ops.torch_ops import INDEX_MASK
+
+SAMPLE = 1 << 16  # residual elements the per-rank threshold is estimated from (a strided sample)
+_HEADER = 3  # int64 values per rank: words, message bytes, tau (float64 bits)
+_WORD_BYTES = 4
+
+
+def rank_tau(residual: torch.Tensor, density: float) -> float:
+    """This rank's threshold: the ``1 - density`` quantile of ``|residual|``, from a strided sample
+    of at most about :data:`SAMPLE` elements (all of them for smaller models).
+
+    Args:
+        residual: ``[n]`` float32.
+        density: words per element to aim for, in (0, 1).
+
+    Returns:
+        tau, as a float32 value (0.0 when the quantile is 0: nothing worth sending).
+    """
+    n = residual.numel()
+    if not n:
+        return 0.0
+    sample = residual[:: max(1, n // SAMPLE)].abs()
+    k = min(sample.numel(), max(1, math.ceil((1.0 - density) * sample.numel())))
+    return float(torch.kthvalue(sample.float(), k).values.to(torch.float32))
+
+
+def layout(state: GTCState, params: list[torch.nn.Parameter]) -> None:
+    """The flat residual and scratch buffers, parameters in the state's order, on their device;
+    residuals restored or carried over (by name) go into place. Called at the first step."""
+    if state._residual is not None and state._scratch is not None:
+        return
+    device = params[0].device if params else torch.device("cpu")
+    total = sum(state.numels)
+    state._residual = torch.zeros(total, dtype=torch.float32, device=device)
+    state._scratch = torch.empty(total, dtype=torch.float32, device=device)
+    offset, slots = 0, {}
+    for name, n in zip(state.param_names, state.numels):
+        slots[name] = (offset, n)
+        if name in state._loaded:
+            state._residual[offset : offset + n].copy_(state._loaded[name])
+        offset += n
+    state._slots, state._loaded = slots, {}
+
+
+def _views(buffer: torch.Tensor, state: GTCState, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Per parameter, its slice of a flat buffer, shaped like it."""
+    out = []
+    for p in params:
+        offset, n = state._slots[state._name_of[id(p)]]
+        out.append(buffer[offset : offset + n].view_as(p))
+    return out
+
+
+def begin(state: GTCState, params: list[torch.nn.Parameter]) -> None:
+    """Step 1: keep the parameters in the scratch buffer."""
+    layout(state, params)
+    with torch.no_grad():
+        for view, p in zip(_views(state._scratch, state, params), params):
+            view.copy_(p)
+
+
+def check_finite(state: GTCState, params: list[torch.nn.Parameter], loss_scaler: bool) -> bool:
+    """Step 2: whether some rank's local gradient is non-finite; if so the step is skipped on every
+    rank (``GTCState.finish_step`` applies it: no gradients, or NaN ones for an AMP loss scaler).
+
+    Returns:
+        True when the step is skipped.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    bad = torch.tensor([0 if all(all_finite(g) for g in grads) else 1], dtype=torch.int64)
+    world = state.world_size
+    if world > 1:
+        flags = torch.zeros(world, dtype=torch.int64, device=params[0].device if params else "cpu")
+        flags[state.rank] = bad.to(flags.device)
+        dist.all_reduce(flags, group=state.process_group)
+        bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
+    else:
+        bad_ranks = [0] if bool(bad) else []
+    if not bad_ranks:
+        state.totals["consecutive_skips"] = 0
+        return False
+    state.step += 1
+    header = (world - 1) * world * 8 if world > 1 else 0
+    state._record(
+        StepStats(
+            step=state.step, mode="skipped", skipped=True, bad_ranks=bad_ranks, numel=sum(state.numels),
+            world_size=world, words=0, words_all=0, bytes_sent=header, bytes_received=header,
+            compress_s=0.0, exchange_s=0.0, decompress_s=0.0, tau=state.tau,
+        )
+    )  # fmt: skip
+    state.finish_step(params, loss_scaler=loss_scaler)
+    return True
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> dict[int, float]:
+    """``id(parameter) -> learning rate`` of its group, read before the step uses them."""
+    return {id(p): float(group["lr"]) for group in optimizer.param_groups for p in group["params"]}
+
+
+def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, float]) -> StepStats:
+    """Steps 4-7, after the rank's optimizer stepped: compress the step it made, exchange, apply the
+    decoded mean on every rank."""
+    world, rank = state.world_size, state.rank
+    state.step += 1
+    start = time.perf_counter()
+    residual, scratch = state._residual, state._scratch
+    numel = residual.numel()
+    moved = []  # (parameter, its residual slice, its scratch slice, lr) of the parameters stepped
+    with torch.no_grad():
+        for p, kept, r in zip(params, _views(scratch, state, params), _views(residual, state, params)):
+            lr = lrs.get(id(p))
+            if lr is None or lr == 0.0:
+                p.copy_(kept)  # not in this optimizer, or frozen by a zero rate: nothing to send
+                continue
+            # 4. residual += (kept - p) / lr, then p = kept exactly.
+            step = kept - p.float() if p.dtype != torch.float32 else p.sub_(kept).neg_()
+            r.add_(step, alpha=1.0 / lr)
+            p.copy_(kept)
+            moved.append((p, r, kept, lr))
+
+        # 5. This rank's threshold and words; the scratch buffer holds the message now.
+        if state.target_density is not None:
+            tau32 = rank_tau(residual, state.target_density)
+        else:
+            tau32 = state.tau32  # a fixed tau, in units of the optimizer's direction
+        message = scratch.view(torch.int32)
+        cursor = torch.zeros(1, dtype=torch.int64, device=residual.device)
+        bad = torch.zeros(1, dtype=torch.int32, device=residual.device)
+        if tau32 > 0.0:
+            torch_ops.emit_(residual, tau32, message, cursor, bad, 0)
+        if int(bad):
+            raise RuntimeError(
+                f"GTC (compress='update'): the optimizer made a non-finite step on rank {rank} at optimizer step "
+                f"{state.step} from finite gradients; check its hyper-parameters (eps, learning rate)"
+            )
+        own = int(cursor)
+        compress_s = time.perf_counter() - start
+
+        # 6. Header [words, bytes, tau] and words.
+        start = time.perf_counter()
+        if state.coding == "rice":
+            state._coded = rice_encode(message[:own])
+            size = state._coded.numel()
+        else:
+            size = own * _WORD_BYTES
+        tau_bits = torch.tensor([tau32], dtype=torch.float64).view(torch.int64)
+        header = torch.cat([torch.tensor([own, size], dtype=torch.int64), tau_bits]).to(residual.device)
+        headers = send_header(state, header).view(world, _HEADER).cpu()
+        counts, sizes = headers[:, 0].tolist(), headers[:, 1].tolist()
+        taus = headers[:, 2].contiguous().view(torch.float64).tolist()
+        if state.coding == "rice":
+            data, width, sent, received, _ = send_coded(state, sizes)
+            words, lengths = decode_coded(data, sizes, width), None
+        else:
+            state._message = message  # what send_words sends from
+            words, lengths, sent, received, _ = send_words(state, counts)
+            state._message = None
+            if world == 1:
+                words = words.clone()  # one rank: its own message, a view of the scratch buffer
+        exchanged = time.perf_counter()
+
+        # 7. Decode rank by rank into the scratch buffer, then move every parameter by -lr * it.
+        scratch.zero_()
+        for r, part in enumerate(_rank_words(words, lengths, counts)):
+            if part.numel():
+                scale = _f32(_f32(taus[r]) / world)
+                scratch.index_add_(
+                    0, (part & INDEX_MASK).long(), torch.where(part < 0, -scale, scale).to(torch.float32)
+                )
+        for p, r, update, lr in moved:
+            if p.dtype == torch.float32:
+                p.add_(update, alpha=-lr)
+                continue
+            target = p.float() - lr * update
+            p.copy_(target)
+            r.add_(p.float() - target, alpha=1.0 / lr)  # what the rounding took off, kept
+    header_bytes = (world - 1) * _HEADER * 8
+    fp32_bytes = allreduce_bytes(numel, world)
+    stats = StepStats(
+        step=state.step, mode="sparse", skipped=False, bad_ranks=[], numel=numel, world_size=world, words=own,
+        words_all=sum(counts), bytes_sent=header_bytes + sent, bytes_received=header_bytes + received,
+        compress_s=compress_s, exchange_s=exchanged - start, decompress_s=time.perf_counter() - exchanged,
+        applied=state.step, tau=tau32, share=(world - 1) * max(sizes) / fp32_bytes if fp32_bytes else 0.0,
+    )  # fmt: skip
+    if state.target_density is not None:
+        state.tau, state.tau32 = tau32, tau32
+    state._record(stats)
+    state._last_consumed = True
+    state.settle()
+    return stats
+
+
+def warmup(state: GTCState) -> StepStats:
+    """A dense warm-up step's statistics (DDP's all-reduce averaged the gradients in the hook; every
+    rank's optimizer stepped on the mean, so the parameters agree without an exchange)."""
+    state.step += 1
+    numel, world = sum(state.numels), state.world_size
+    dense = allreduce_bytes(numel, world)
+    stats = StepStats(
+        step=state.step, mode="warmup", skipped=False, bad_ranks=[], numel=numel, world_size=world, words=0,
+        words_all=0, bytes_sent=dense, bytes_received=dense, compress_s=0.0, exchange_s=0.0, decompress_s=0.0,
+    )  # fmt: skip
+    state._record(stats)
+    state._last_consumed = True
+    return stats
+
+
+def _rank_words(words: torch.Tensor, lengths: list[int] | None, counts: list[int]) -> list[torch.Tensor]:
+    """Every rank's words, rank 0's first (from an all-to-all back to back, or padded rows)."""
+    if lengths is None:
+        return list(words.split(counts))
+    rows = words.view(len(lengths), -1)
+    return [rows[r, :n] for r, n in enumerate(lengths)]
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
