@@ -9,6 +9,12 @@ exponential moving average and moves ``log tau`` by ``gain / 1.6`` of the log er
 float arithmetic, so every rank holds the same tau and the replicas stay bit-identical. Warm-up
 (dense) steps and skipped steps do not move it.
 
+``tau="auto"`` presumes no gradient scale: its first compressed step holds every bucket back until
+the last one, takes the ``1 - target_density`` quantile of ``|residual + gradient|`` on each rank
+(a strided sample) and starts from the ranks' geometric mean (one small all-reduce, once), so that
+the first step already sends about the target density. An explicit ``tau`` with a
+``target_density`` starts from that tau instead.
+
 With ``gain = 0.25`` and the density responding within a few steps, the error halves in about
 five steps; a learning-rate halving, which changes the gradients' size, is followed within tens of
 steps. The step counter, tau and the moving average are saved in checkpoints.
@@ -38,6 +44,7 @@ class TauController:
     target_density: float
     tau: float
     ema: float | None = None
+    started: bool = False
     gain: float = 0.25
     smoothing: float = 0.3
     max_change: float = 1.1
@@ -50,6 +57,13 @@ class TauController:
             )
         if not (self.tau > 0 and math.isfinite(self.tau)):
             raise ValueError(f"Expect the initial tau to be a finite number > 0, got {self.tau!r}")
+
+    def start(self, tau: float) -> float:
+        """The measured starting tau (the first compressed step's quantile of ``|residual + gradient|``)."""
+        if tau > 0 and math.isfinite(tau):
+            self.tau = tau
+        self.started = True
+        return self.tau
 
     def update(self, density: float) -> float:
         """Take one step's measured density; return the tau for the next step."""
@@ -66,3 +80,5 @@ class TauController:
     def load_state_dict(self, saved: dict) -> None:
         for key, value in saved.items():
             setattr(self, key, value)
+        if "started" not in saved:  # a checkpoint from before tau's start was measured
+            self.started = True

@@ -62,7 +62,8 @@ _WORD_BYTES = 4
 _HEADER = 3  # int64 values per rank: non-finite count, words, message bytes
 CODINGS = ("none", "rice")
 COMPRESS = ("auto", "gradient", "update")
-AUTO_TAU_INIT = 1e-2  # where tau="auto" starts
+AUTO_TAU_INIT = 1e-2  # tau="auto" before its first compressed step measured where to start
+SAMPLE = 1 << 16  # gradient elements automatic tau's start is measured on (a strided sample)
 EXCHANGES = ("auto", "alltoall", "allgather")
 # Dense fallback: enter when the sparse exchange would move more bytes than a dense bf16 ring
 # all-reduce (half of fp32's), leave again when it moves less than a quarter of fp32's. At 2 ranks
@@ -70,6 +71,7 @@ EXCHANGES = ("auto", "alltoall", "allgather")
 # fp32's lets the fallback fire there, and a step that sends a word for half the elements has
 # stopped compressing anyway.
 FALLBACK_ENTER, FALLBACK_EXIT = 0.5, 0.25
+SILENT_STEPS = 20  # compressed steps in a row in which no rank sent a word before GTC warns
 _NONE = ()
 
 
@@ -310,6 +312,7 @@ class GTCState:
         compress: str = "gradient",
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress)
+        measure = tau == "auto"  # automatic tau measures where to start at its first compressed step
         if tau == "auto":
             tau = AUTO_TAU_INIT
         # The hyper-parameters.
@@ -325,7 +328,9 @@ class GTCState:
         self.coding = coding
         self.compress = compress
         self.target_density = target_density
-        self.controller = TauController(target_density, float(tau)) if target_density is not None else None
+        self.controller = (
+            TauController(target_density, float(tau), started=not measure) if target_density is not None else None
+        )
         # Gradient clipping of each rank's local gradient, set by the strategy from the Trainer:
         # ("norm" | "value", threshold) or None.
         self.clip: tuple[str, float] | None = None
@@ -343,6 +348,7 @@ class GTCState:
         self._usage_handles: list = []
         self._dense_mode = False
         self._warned_fallback = False
+        self._silent = 0  # compressed steps in a row without a word from any rank
         self.last: StepStats | None = None  # the newest exchange, read by the strategy
         self._last_consumed = True
         # The statistics.
@@ -442,7 +448,7 @@ class GTCState:
         self.process_group = None
         self._name_of = {}
         self._used, self._usage_handles = None, []
-        self._last_consumed = True
+        self._last_consumed, self._silent = True, 0
         self._reset_buffers()
         self.load_residual_vector(residuals)
         if pending is not None:
@@ -546,6 +552,10 @@ class GTCState:
         if self.controller is not None and saved.get("controller"):
             self.controller.load_state_dict(saved["controller"])
             self.set_tau(self.controller.tau)
+
+    def measuring_tau(self) -> bool:
+        """Automatic tau that has not started yet: its first compressed step measures where to start."""
+        return self.controller is not None and not self.controller.started
 
     def set_tau(self, tau: float) -> None:
         """The threshold of the next steps (the automatic-tau controller's output)."""
@@ -708,6 +718,16 @@ class GTCState:
     def _record(self, stats: StepStats) -> None:
         self.last = stats
         self._last_consumed = False
+        if stats.mode == "sparse":
+            self._silent = self._silent + 1 if stats.words_all == 0 else 0
+            if self._silent == SILENT_STEPS and self.rank == 0:
+                warnings.warn(
+                    f"GTC: no rank sent a word for {SILENT_STEPS} optimizer steps in a row (up to step {stats.step}, "
+                    f"tau={stats.tau:g}, density 0): every gradient stays below tau in the residuals and nothing "
+                    "reaches the optimizer. Use tau='auto' with a target_density (the default), or a smaller tau",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         self.totals["steps"] += 1
         if stats.mode in ("sparse", "dense", "warmup"):
             self.totals[f"{stats.mode}_steps"] += 1
@@ -840,10 +860,12 @@ def gtc_hook(state: GTCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     state._step_offset = offset + buffer.numel()
     runs = _used_runs(state, params, buffer.numel())
     state._pending.append((bucket, future, offset))
-    if state.clip is not None and state.clip[0] == "norm":
+    norm_clip = state.clip is not None and state.clip[0] == "norm"
+    if norm_clip or state.measuring_tau():
         state._deferred.append((buffer, offset, runs))
-        norm = torch.linalg.vector_norm(buffer, dtype=torch.float32)
-        state._norm_sq = norm * norm if state._norm_sq is None else state._norm_sq + norm * norm
+        if norm_clip:
+            norm = torch.linalg.vector_norm(buffer, dtype=torch.float32)
+            state._norm_sq = norm * norm if state._norm_sq is None else state._norm_sq + norm * norm
     else:
         _threshold_bucket(state, buffer, offset, runs, alpha=1.0 / state.grad_scale)
     if bucket.is_last():
@@ -924,16 +946,44 @@ def _threshold_bucket(
     state._compress_marks.append((start, state._clock.now()))
 
 
+def _first_tau(state: GTCState, alpha: float) -> float:
+    """Automatic tau's start, measured, so that no gradient scale is presumed: every rank takes the
+    ``1 - target_density`` quantile of ``|residual + alpha * gradient|`` over a strided sample of the
+    step's buckets, and the ranks agree on the geometric mean (one small all-reduce, at the first
+    compressed step only)."""
+    residual, _ = state._buffers()
+    total = sum(buffer.numel() for buffer, _, _ in state._deferred)
+    stride = max(1, total // SAMPLE)
+    parts = [
+        (residual[offset : offset + buffer.numel()] + alpha * buffer.float())[::stride]
+        for buffer, offset, _ in state._deferred
+    ]
+    sample = torch.cat(parts).abs() if parts else torch.zeros(1)
+    sample = sample[torch.isfinite(sample)]
+    k = min(sample.numel(), max(1, math.ceil((1.0 - state.controller.target_density) * sample.numel())))
+    tau = float(torch.kthvalue(sample.cpu(), k).values) if sample.numel() else 0.0
+    log_tau = torch.tensor([math.log(tau) if tau > 0 else math.log(AUTO_TAU_INIT)], dtype=torch.float64)
+    if state.world_size > 1:
+        log_tau = log_tau.to(residual.device)
+        dist.all_reduce(log_tau, group=state.process_group)
+        log_tau = log_tau.cpu() / state.world_size
+    return float(torch.exp(log_tau))
+
+
 def _exchange(state: GTCState) -> None:
     """Steps 3-6 for all buckets of one step; completes every Future."""
     state.step += 1
     world, rank = state.world_size, state.rank
     if state._deferred:
-        # Norm clipping: one coefficient for the whole local gradient, unscaled (as
-        # clip_grad_norm_), folded into the gradient's factor.
-        norm = float(state._norm_sq.sqrt()) / state.grad_scale
-        limit = state.clip[1]
-        coef = min(1.0, limit / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+        coef = 1.0
+        if state._norm_sq is not None:
+            # Norm clipping: one coefficient for the whole local gradient, unscaled (as
+            # clip_grad_norm_), folded into the gradient's factor.
+            norm = float(state._norm_sq.sqrt()) / state.grad_scale
+            limit = state.clip[1]
+            coef = min(1.0, limit / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+        if state.measuring_tau():
+            state.set_tau(state.controller.start(_first_tau(state, coef / state.grad_scale)))
         for buffer, offset, runs in state._deferred:
             _threshold_bucket(state, buffer, offset, runs, alpha=coef / state.grad_scale)
         state._deferred = []

@@ -120,7 +120,7 @@ def test_automatic_tau_and_rice_coding(tmp_path):
     for t in range(1, STEPS + 1):
         assert torch.equal(ranks[0][t]["params"], ranks[1][t]["params"])
     taus = [rec["stats"]["last"]["tau"] for rec in ranks[0][1:]]
-    assert taus[0] == 1e-2 and len(set(taus)) == STEPS, taus
+    assert taus[0] != 1e-2 and len(set(taus)) == STEPS, taus  # measured at the first step, then moved
     total = ranks[0][-1]["stats"]["total"]
     assert total["words"] > 0 and total["bytes_sent"] - STEPS * 24 < (WORLD - 1) * 4 * total["words"]
 
