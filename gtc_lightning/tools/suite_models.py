@@ -83,7 +83,7 @@ class TransformerLM(L.LightningModule):
     ) -> None:
         super().__init__()
         self.task = markov_task(
-            vocab, order, support=4, seq_len=seq_len, train_seqs=train_size, heldout_seqs=1024, seed=seed
+            vocab, order, support=4, seq_len=seq_len, train_seqs=train_size, heldout_seqs=512, seed=seed
         )
         self.order, self.steps, self.batch_size = order, steps, batch_size
         self.lr, self.weight_decay, self.warmup = lr, weight_decay, warmup
@@ -140,12 +140,12 @@ class TemplateCNN(L.LightningModule):
         steps: int = 300,
         batch_size: int = 32,
         width: int = 16,
-        lr: float = 0.05,
+        lr: float = 0.1,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
     ) -> None:
         super().__init__()
-        self.task = grating_task(size=16, amplitude=0.4, train=train_size, heldout=4096, seed=seed)
+        self.task = grating_task(size=16, amplitude=0.4, train=train_size, heldout=2048, seed=seed)
         self.steps, self.batch_size = steps, batch_size
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         torch.manual_seed(seed)
@@ -188,14 +188,15 @@ class TemplateCNN(L.LightningModule):
 
 
 class GRULM(L.LightningModule):
-    """GRU next-token model on a hidden Markov model's sequences; Adam.
+    """GRU next-token model on a hidden Markov model's sequences; Adam with warm-up + cosine.
 
     Batch: ``tokens [B, T]``; predicts tokens ``1 .. T-1`` from the tokens before them. The best
     loss is the forward algorithm's (the true HMM's belief over its hidden state).
 
     Args:
         train_size: training sequences. seed: initial weights and samples. batch_size: per rank.
-        vocab, seq_len, embed, hidden: sizes. lr: Adam's.
+        steps: optimizer steps of the run (the schedule's length).
+        vocab, seq_len, embed, hidden: sizes. lr: Adam's peak rate.
     """
 
     def __init__(
@@ -208,13 +209,13 @@ class GRULM(L.LightningModule):
         seq_len: int = 32,
         embed: int = 32,
         hidden: int = 64,
-        lr: float = 3e-3,
+        lr: float = 1e-2,
     ) -> None:
         super().__init__()
         self.task = hmm_task(
             8, vocab, stay=0.9, emission_alpha=0.1, seq_len=seq_len, train=train_size, heldout=1024, seed=seed
         )
-        self.batch_size, self.lr = batch_size, lr
+        self.steps, self.batch_size, self.lr = steps, batch_size, lr
         torch.manual_seed(seed)
         self.embed = nn.Embedding(vocab, embed)
         self.gru = nn.GRU(embed, hidden, batch_first=True)
@@ -229,7 +230,9 @@ class GRULM(L.LightningModule):
         return self.loss(*batch)
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(max(1, self.steps // 20), self.steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
         return _loader(self)
@@ -256,8 +259,8 @@ class SpeechDNN(L.LightningModule):
         batch_size: int = 128,
         classes: int = 32,
         hidden: int = 256,
-        layers: int = 3,
-        lr: float = 1.0,
+        layers: int = 2,
+        lr: float = 2.0,
     ) -> None:
         super().__init__()
         self.task = frames_task(
