@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from gtc_lightning import checkpoint
+from gtc_lightning import update as update_mode
 from gtc_lightning.hook import GTCState, check_options, gtc_hook, sparse_gradient_parameters
 
 
@@ -54,7 +55,9 @@ class GTCFabricStrategy(DDPStrategy):
 
     Args:
         tau, warmup_steps, max_consecutive_skips, dense_fallback, exchange, backend,
-        restore_residuals, coding, target_density: as for :class:`gtc_lightning.GTCStrategy`.
+        restore_residuals, coding, target_density, compress: as for :class:`gtc_lightning.GTCStrategy`
+            (``compress="auto"`` decides when ``fabric.setup`` is given the optimizer; with
+            ``"update"`` every rank's optimizer state goes into its shard of ``fabric.save``).
         gradient_clip_val, gradient_clip_algorithm: clip each rank's local gradient before it enters
             the residual, by its norm over the whole module (as ``clip_grad_norm_``) or by value;
             the decoded update is not clipped again. None: no clipping.
@@ -76,6 +79,7 @@ class GTCFabricStrategy(DDPStrategy):
         restore_residuals: bool = True,
         coding: Literal["none", "rice"] = "none",
         target_density: float | None = None,
+        compress: Literal["auto", "gradient", "update"] = "auto",
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         accelerator: Accelerator | None = None,
@@ -88,7 +92,7 @@ class GTCFabricStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density)
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress)
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
@@ -117,6 +121,8 @@ class GTCFabricStrategy(DDPStrategy):
             "coding": coding,
             "target_density": target_density,
         }
+        self._compress = compress
+        self._update_params: list[torch.nn.Parameter] = []
         self._restore_residuals = bool(restore_residuals)
         self._gtc_state: GTCState | None = None
         self._module: Module | None = None
@@ -163,8 +169,19 @@ class GTCFabricStrategy(DDPStrategy):
         if self._ddp_kwargs.get("find_unused_parameters") or self._ddp_kwargs.get("static_graph"):
             state.track_usage(module.parameters())
         self._module = module
+        if self._compress != "auto":
+            state.compress = self._compress
+        self._update_params = [p for _, p in module.named_parameters() if p.requires_grad]
         ddp.register_comm_hook(state, gtc_hook)
         return ddp
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        # compress="auto": the optimizer's step (as GTCStrategy), once fabric.setup is given it.
+        state = self._gtc_state
+        if state is not None and self._compress == "auto":
+            state.compress = "update"
+        return super().setup_optimizer(optimizer)
 
     def _refuse_clipping(self, what: str) -> None:
         raise ValueError(
@@ -183,15 +200,21 @@ class GTCFabricStrategy(DDPStrategy):
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
+        if self._gtc_state is not None and self._gtc_state.compress == "update":  # local gradients: as DDP
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         self._refuse_clipping(f"max_norm={max_norm}")
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
+        if self._gtc_state is not None and self._gtc_state.compress == "update":  # local gradients: as DDP
+            return super().clip_gradients_value(module, optimizer, clip_val)
         self._refuse_clipping(f"clip_val={clip_val}")
 
     @override
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         state = self._gtc_state
+        if state is not None and state.compress == "update":
+            return self._update_step(optimizer, **kwargs)
         if state is not None and self._module is not None:
             state.check_unknown_gradients(self._module.named_parameters())
             state.finish_step(self._module.parameters(), loss_scaler=self._grad_scaler() is not None)
@@ -199,6 +222,37 @@ class GTCFabricStrategy(DDPStrategy):
         scaler = self._grad_scaler()
         if state is not None and scaler is not None:
             state.grad_scale = float(scaler.get_scale())
+        return output
+
+    def _update_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """``compress="update"`` (:mod:`gtc_lightning.update`): fabric.backward left each rank's own
+        gradient; the rank's optimizer steps on it and the step it made is compressed and exchanged."""
+        state, params = self._gtc_state, self._update_params
+        assert state is not None and self._module is not None
+        state.check_unknown_gradients(self._module.named_parameters())
+        scaler = self._grad_scaler() is not None
+        if self._clip is not None:  # each rank's own gradient, before its optimizer steps on it
+            if scaler:
+                self._grad_scaler().unscale_(optimizer)
+            grads = [p for p in params if p.grad is not None]
+            if self._clip[0] == "norm":
+                torch.nn.utils.clip_grad_norm_(grads, self._clip[1])
+            else:
+                torch.nn.utils.clip_grad_value_(grads, self._clip[1])
+        if state.step < state.warmup_steps:  # DDP averaged the gradients: every rank steps on the mean
+            update_mode.warmup(state)
+            state._last_consumed = False
+            state.finish_step(params, loss_scaler=scaler)
+            output = super().optimizer_step(optimizer, **kwargs)
+        else:
+            update_mode.begin(state, params)
+            skipped = update_mode.check_finite(state, params, scaler)
+            lrs = update_mode.learning_rates(optimizer)
+            output = super().optimizer_step(optimizer, **kwargs)
+            if not skipped:
+                update_mode.exchange(state, params, lrs)
+        if scaler:
+            state.grad_scale = float(self._grad_scaler().get_scale())
         return output
 
     @override
@@ -211,8 +265,11 @@ class GTCFabricStrategy(DDPStrategy):
                 **state,
                 checkpoint.CHECKPOINT_KEY: checkpoint.checkpoint_entry(self._gtc_state, self.world_size),
             }
+            optimizers = None
+            if self._gtc_state.compress == "update":  # every rank's own optimizer state
+                optimizers = {key: value.state_dict() for key, value in state.items() if isinstance(value, Optimizer)}
             checkpoint.save_shard(
-                self._gtc_state, self.checkpoint_io, path, self.global_rank, self.world_size
+                self._gtc_state, self.checkpoint_io, path, self.global_rank, self.world_size, optimizers=optimizers
             )
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
@@ -223,11 +280,15 @@ class GTCFabricStrategy(DDPStrategy):
         rest = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
         entry = rest.pop(checkpoint.CHECKPOINT_KEY, None) if isinstance(rest, dict) else None
         if entry is not None and self._gtc_state is not None:
-            checkpoint.restore(
-                self._gtc_state, entry, path, self.global_rank, self.world_size, self.checkpoint_io,
+            optimizers = checkpoint.restore(
+                self._gtc_state, entry, checkpoint.resolve_link(path), self.global_rank, self.world_size, self.checkpoint_io,
                 self.root_device, residuals=self._restore_residuals,
                 hint="GTCFabricStrategy(restore_residuals=False)",
             )  # fmt: skip
+            if optimizers and isinstance(state, dict) and self._gtc_state.compress == "update":
+                for key, value in state.items():
+                    if isinstance(value, Optimizer) and key in optimizers:
+                        value.load_state_dict(optimizers[key])
         return rest
 
     @override

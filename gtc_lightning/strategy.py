@@ -289,18 +289,14 @@ class GTCStrategy(DDPStrategy):
         return self._gtc_state.compress if self._gtc_state is not None else self._compress
 
     def _resolve_compress(self) -> None:
-        """``compress="auto"``: the optimizer's step when it keeps per-element state (momentum, Adam's
-        moments), else Strom's gradient (plain SGD, with which both apply the same update, and the
-        gradient mode overlaps the backward pass)."""
+        """``compress="auto"``: the optimizer's step (whatever the optimizer: for plain SGD it is the
+        gradient times the rate, for momentum SGD and Adam what they apply), with 8 bytes a parameter
+        of GTC's own; Strom's gradient with ``stale=True`` or several optimizers."""
         state = self._gtc_state
         assert state is not None and self.lightning_module is not None
         mode = self._compress
         if mode == "auto":
-            plain = all(
-                type(optimizer) is torch.optim.SGD and all(not group.get("momentum") for group in optimizer.param_groups)
-                for optimizer in self.optimizers
-            )
-            mode = "gradient" if plain or self._stale or len(self.optimizers) != 1 else "update"
+            mode = "gradient" if self._stale or len(self.optimizers) != 1 else "update"
         if mode == "update" and len(self.optimizers) != 1:
             raise ValueError(
                 f"GTCStrategy(compress='update') compresses the step of one optimizer; this model has "

@@ -1,0 +1,223 @@
+"""``compress="update"`` (and ``"auto"``, which picks it for one optimizer): every rank's optimizer
+steps on its own gradient and GTC compresses the step it made, on 2 forked CPU ranks.
+
+The tests check what the mode promises from the recorded local gradients: replicas bit-identical,
+every rank's wanted step either applied or kept (``sum_r residual growth + W * applied / lr == sum_r
+direction``), the density each rank's threshold aims for, skips, bf16 rounding kept, per-rank
+optimizer states in checkpoints, Fabric, and 8 bytes a parameter of GTC's own."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from _strategy_helpers import (
+    TinyMLP,
+    dataset,
+    fit,
+    keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
+)
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from gtc_lightning import GTCFabricStrategy, GTCStrategy
+
+WORLD, LR, DENSITY = 2, 0.5, 0.05
+UPDATE = {"compress": "update", "tau": "auto", "target_density": DENSITY}
+
+
+class AdamMLP(TinyMLP):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+class Mode(L.Callback):
+    """Writes what the strategy compressed (after fit chose) and its own buffers' bytes per parameter."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        state = trainer.strategy.gtc_state
+        tensors = [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+        nbytes = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+        torch.save({"compress": trainer.strategy.compress, "bytes_per_param": nbytes / sum(state.numels)},
+                   self.out / f"mode{trainer.global_rank}.pt")  # fmt: skip
+
+
+def check_conservation(ranks, directions, lr, atol=1e-5, dtype=torch.float64):
+    """Per step: the ranks' residual growth plus W times the applied step over lr equals the sum of the
+    directions their optimizers wanted (update / lr); replicas bit-identical; returns the steps."""
+    params = ranks[0]["start"]["params"].to(dtype)
+    residuals = [rank["start"]["residual"].to(dtype) for rank in ranks]
+    for t, wanted in enumerate(directions):
+        recs = [rank["records"][t] for rank in ranks]
+        for rec in recs[1:]:
+            assert torch.equal(rec["params"], recs[0]["params"]), f"replicas differ after step {t + 1}"
+        applied = (params - recs[0]["params"].to(dtype)) / lr
+        grown = sum(rec["residual"].to(dtype) - r for rec, r in zip(recs, residuals))
+        assert torch.allclose(grown + WORLD * applied, sum(w.to(dtype) for w in wanted), rtol=0, atol=atol), (
+            f"step {t + 1}: the wanted step is neither applied nor kept"
+        )
+        params, residuals = recs[0]["params"].to(dtype), [rec["residual"].to(dtype) for rec in recs]
+    return len(directions)
+
+
+def test_plain_sgd_applies_or_keeps_every_gradient_at_the_target_density(tmp_path):
+    _, ranks = fit(tmp_path, model_kwargs={"momentum": 0.0, "lr": LR}, **UPDATE)
+    steps = len(ranks[0]["records"])
+    directions = [[rank["records"][t]["local_grad"] for rank in ranks] for t in range(steps)]
+    assert check_conservation(ranks, directions, LR) == 8
+    numel = ranks[0]["records"][0]["stats"]["last"]["numel"]
+    for rank in ranks:
+        for rec in rank["records"]:
+            assert abs(rec["stats"]["last"]["words"] - DENSITY * numel) <= 2, "each rank's threshold aims at the density"
+    assert ranks[0]["records"][-1]["loss"] < ranks[0]["records"][0]["loss"]
+
+
+def test_momentum_sgd_compresses_each_ranks_velocity(tmp_path):
+    """DGC's momentum correction: each rank's velocity is its own, and what it wants is lr * velocity."""
+    momentum = 0.9
+    _, ranks = fit(tmp_path, model_kwargs={"momentum": momentum, "lr": LR}, **UPDATE)
+    directions, velocity = [], [None] * WORLD
+    for t in range(len(ranks[0]["records"])):
+        step = []
+        for r, rank in enumerate(ranks):
+            g = rank["records"][t]["local_grad"].double()
+            velocity[r] = g if velocity[r] is None else momentum * velocity[r] + g
+            step.append(velocity[r])
+        directions.append(step)
+    check_conservation(ranks, directions, LR, atol=1e-4)
+
+
+def test_adamw_trains_with_identical_replicas_and_auto_picks_update(tmp_path):
+    _, ranks = fit(tmp_path, model=AdamMLP(), tau="auto", target_density=DENSITY, compress="auto",
+                   trainer_kwargs={"callbacks": [Mode(tmp_path)]})  # fmt: skip
+    for a, b in zip(ranks[0]["records"], ranks[1]["records"]):
+        assert torch.equal(a["params"], b["params"])
+    losses = [rec["loss"] for rec in ranks[0]["records"]]
+    assert losses[-1] < losses[0]
+    for r in range(WORLD):
+        mode = torch.load(tmp_path / f"mode{r}.pt")
+        assert mode["compress"] == "update"
+        assert mode["bytes_per_param"] == 8, "GTC's own buffers: the residual and the scratch buffer"
+
+
+@pytest.mark.parametrize(("options", "want"), [({"stale": True}, "gradient"), ({"compress": "gradient"}, "gradient")])
+def test_auto_keeps_the_gradient_mode_where_it_must(tmp_path, options, want):
+    fit(tmp_path, model=AdamMLP(), max_epochs=1, tau=0.01, **options, trainer_kwargs={"callbacks": [Mode(tmp_path)]})
+    assert torch.load(tmp_path / "mode0.pt")["compress"] == want
+
+
+def test_resume_restores_every_ranks_own_optimizer_state(tmp_path):
+    """AdamW's moments differ between ranks (each steps on its own gradient): a resume that gave
+    rank 1 rank 0's moments would not continue bit for bit."""
+    _, full = fit(tmp_path / "full", model=AdamMLP(), **UPDATE)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit(tmp_path / "part", model=AdamMLP(), max_epochs=1, **UPDATE,
+        trainer_kwargs={"enable_checkpointing": True, "callbacks": [checkpoint]})  # fmt: skip
+    shard = torch.load(tmp_path / "ckpt" / "last.ckpt.gtc" / "rank1.pt", weights_only=False)
+    assert "exp_avg" in shard["optimizers"][0]["state"][0]
+    _, resumed = fit(tmp_path / "resumed", model=AdamMLP(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), **UPDATE)
+    for rank in range(WORLD):
+        for a, b in zip(resumed[rank]["records"], full[rank]["records"][4:]):
+            assert torch.equal(a["params"], b["params"]) and torch.equal(a["residual"], b["residual"])
+
+
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_everywhere(tmp_path):
+    _, ranks = fit(tmp_path, model_kwargs={"momentum": 0.9, "nan_on": (1, 2, 2)}, **UPDATE)
+    for rank in ranks:
+        recs = rank["records"]
+        assert recs[2]["stats"]["last"]["skipped"] and recs[2]["stats"]["last"]["bad_ranks"] == [1]
+        assert torch.equal(recs[2]["params"], recs[1]["params"])
+        assert torch.equal(recs[2]["residual"], recs[1]["residual"])
+        assert torch.isfinite(recs[-1]["params"]).all() and torch.isfinite(recs[-1]["residual"]).all()
+        assert not torch.equal(recs[3]["params"], recs[2]["params"])
+    assert any("non-finite gradient on rank(s) [1] at optimizer step 3" in w for w in ranks[0]["warnings"])
+
+
+def test_bf16_parameters_keep_what_their_rounding_took_off():
+    """One rank, bf16 parameters: the decoded step, rounded into bf16, falls short of what was sent;
+    the shortfall goes back into the residual, so residual + applied == what the optimizer stepped."""
+    import torch.distributed as dist
+
+    from gtc_lightning import GTCState
+    from gtc_lightning import update as update_mode
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(64, 64).to(torch.bfloat16)
+        state = GTCState(None, layer.named_parameters(), tau="auto", target_density=0.3, compress="update")
+        params = list(layer.parameters())
+        lr = 0.1
+        for _ in range(3):
+            update_mode.begin(state, params)
+            before = [p.detach().double().clone() for p in params]
+            residual = state.residual_vector().double()
+            with torch.no_grad():
+                for p in params:  # what an optimizer would do: a bf16 step
+                    p.sub_(torch.randn_like(p) * lr * 0.05)
+            stepped = torch.cat([(b - p.double()).reshape(-1) for b, p in zip(before, params)]) / lr
+            update_mode.exchange(state, params, {id(p): lr for p in params})
+            applied = torch.cat([(b - p.double()).reshape(-1) for b, p in zip(before, params)]) / lr
+            kept = state.residual_vector().double() - residual
+            assert torch.allclose(kept + applied, stepped, rtol=0, atol=1e-6)
+            assert state.last.words > 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dense_warmup_steps_every_optimizer_on_the_mean(tmp_path):
+    _, ddp = fit(tmp_path / "ddp", strategy="ddp", max_epochs=1, model=AdamMLP())
+    _, ranks = fit(tmp_path / "gtc", model=AdamMLP(), max_epochs=1, warmup_steps=2, **UPDATE)
+    for t in range(2):
+        assert torch.equal(ranks[0]["records"][t]["params"], ddp[0]["records"][t]["params"])
+        assert ranks[1]["records"][t]["stats"]["last"]["mode"] == "warmup"
+    assert ranks[0]["records"][2]["stats"]["last"]["mode"] == "sparse"
+
+
+def _fabric_train(fabric: L.Fabric, out: Path, save: str | None, load: str | None) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if load:
+        fabric.load(load, {"model": model, "optimizer": optimizer})
+    x, y = dataset().tensors
+    params = []
+    for step in range(4):
+        rows = slice((step * WORLD + fabric.global_rank) * 8, (step * WORLD + fabric.global_rank + 1) * 8)
+        fabric.backward(torch.nn.functional.cross_entropy(model(x[rows]), y[rows]))
+        optimizer.step()
+        optimizer.zero_grad()
+        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+    if save:
+        fabric.save(save, {"model": model, "optimizer": optimizer})
+    torch.save({"params": params, "compress": fabric.strategy.compress if hasattr(fabric.strategy, "compress") else
+                fabric.strategy.gtc_state.compress}, out / f"rank{fabric.global_rank}.pt")  # fmt: skip
+
+
+def _fabric(out: Path, save: str | None = None, load: str | None = None) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    strategy = GTCFabricStrategy(tau="auto", target_density=DENSITY, start_method="fork", timeout=timedelta(seconds=60))
+    L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy).launch(_fabric_train, out, save, load)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def test_fabric_picks_update_for_adamw_and_saves_every_ranks_optimizer(tmp_path):
+    ckpt = str(tmp_path / "fabric.ckpt")
+    first = _fabric(tmp_path / "a", save=ckpt)
+    assert first[0]["compress"] == "update"
+    for a, b in zip(first[0]["params"], first[1]["params"]):
+        assert torch.equal(a, b)
+    assert "optimizer" in torch.load(f"{ckpt}.gtc/rank1.pt", weights_only=False)["optimizers"]
+    second = _fabric(tmp_path / "b", load=ckpt)
+    assert torch.equal(second[0]["params"][0], second[1]["params"][0])
+    assert not torch.equal(second[0]["params"][0], first[0]["params"][-1])
+
+
+def test_update_with_stale_is_refused():
+    with pytest.raises(ValueError, match="stale=True.*compress='gradient'"):
+        GTCStrategy(stale=True, compress="update")
