@@ -69,7 +69,7 @@ def train(fabric: L.Fabric, out: Path, nan_at: int | None = None, load: str | No
 
 
 def run(tmp_path: Path, clip: dict | None = None, options: dict | None = None, **kwargs) -> list[list[dict]]:
-    options = {"tau": TAU, **(options or {}), **(clip or {})}
+    options = {"tau": TAU, "compress": "gradient", **(options or {}), **(clip or {})}
     strategy = GTCFabricStrategy(start_method="fork", timeout=timedelta(seconds=60), **options)
     fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch(train, tmp_path, **kwargs)
