@@ -278,8 +278,11 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
             averaged; the broadcast then gives the whole group the representative's.
         restore_shards: restore every rank's model, optimizer state and block state from
             ``<checkpoint>.bmuf_gtc/rank<r>.pt`` on resume (GTC's residuals: ``restore_residuals``).
-        **kwargs: as for :class:`~gtc_lightning.strategy.GTCStrategy` (``tau``, ``warmup_steps`` of
-            dense all-reduce within the groups, ``exchange``, ... and DDP's arguments); the
+        tau, coding: as for :class:`~gtc_lightning.strategy.GTCStrategy`, with the defaults this
+            strategy was measured with (a fixed ``tau=1e-2``, 32-bit words).
+        compress: always Strom's gradient compression within the groups (``"auto"`` means it too).
+        **kwargs: as for :class:`~gtc_lightning.strategy.GTCStrategy` (``warmup_steps`` of dense
+            all-reduce within the groups, ``exchange``, ... and DDP's arguments); the
             ``process_group`` is the strategy's own.
     """
 
@@ -295,6 +298,9 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
         nesterov: bool = True,
         optimizer_state: Literal["keep", "reset", "average"] = "keep",
         restore_shards: bool = True,
+        tau: float | Literal["auto"] = 1e-2,
+        coding: Literal["none", "rice"] = "none",
+        compress: Literal["auto", "gradient"] = "gradient",
         **kwargs: Any,
     ) -> None:
         _check_int("group_size", group_size, 1, "ranks per GTC group; it must divide the world size")
@@ -307,7 +313,14 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
                 "BMUFGTCStrategy makes its own process groups (group_size); remove process_group"
             )
         kwargs.pop("process_group", None)
-        super().__init__(**kwargs)
+        # The two tiers as the seed describes them: Strom's gradient compression within a group (with
+        # the threshold of this strategy's measurements), BMUF's filter over the groups' local steps.
+        if compress not in ("auto", "gradient"):
+            raise ValueError(
+                f"BMUFGTCStrategy compresses gradients within its groups; compress={compress!r} is not supported "
+                "(leave it out)"
+            )
+        super().__init__(tau=tau, coding=coding, compress="gradient", **kwargs)
         self._group_size = group_size
         self._period = period
         self._block_momentum = block_momentum

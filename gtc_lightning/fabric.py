@@ -70,14 +70,14 @@ class GTCFabricStrategy(DDPStrategy):
 
     def __init__(
         self,
-        tau: float | Literal["auto"] = 1e-2,
+        tau: float | Literal["auto"] = "auto",
         warmup_steps: int = 0,
         max_consecutive_skips: int | None = 10,
         dense_fallback: bool = True,
         exchange: Literal["auto", "alltoall", "allgather"] = "auto",
         backend: Literal["auto", "torch", "triton"] = "auto",
         restore_residuals: bool = True,
-        coding: Literal["none", "rice"] = "none",
+        coding: Literal["none", "rice"] = "rice",
         target_density: float | None = None,
         compress: Literal["auto", "gradient", "update"] = "auto",
         gradient_clip_val: float | None = None,

@@ -62,6 +62,7 @@ _WORD_BYTES = 4
 _HEADER = 3  # int64 values per rank: non-finite count, words, message bytes
 CODINGS = ("none", "rice")
 COMPRESS = ("auto", "gradient", "update")
+DEFAULT_DENSITY = 3e-3  # tau="auto" without a target_density: words per rank per element and step
 AUTO_TAU_INIT = 1e-2  # tau="auto" before its first compressed step measured where to start
 SAMPLE = 1 << 16  # gradient elements automatic tau's start is measured on (a strided sample)
 EXCHANGES = ("auto", "alltoall", "allgather")
@@ -243,10 +244,6 @@ def check_options(
             f"Expect target_density to be None or a number in (0, 1) (words per rank per gradient element and "
             f"step, e.g. 1e-3), got {target_density!r}"
         )
-    if tau == "auto" and target_density is None:
-        raise ValueError(
-            "tau='auto' needs a target_density: the words per rank and gradient element to aim for, e.g. 1e-3"
-        )
     if compress not in COMPRESS:
         raise ValueError(
             f"Expect compress in {COMPRESS} ('gradient': Strom's residual of gradients, for plain SGD; 'update': "
@@ -315,6 +312,7 @@ class GTCState:
         measure = tau == "auto"  # automatic tau measures where to start at its first compressed step
         if tau == "auto":
             tau = AUTO_TAU_INIT
+            target_density = DEFAULT_DENSITY if target_density is None else target_density
         # The hyper-parameters.
         self.process_group = process_group
         self.tau = float(tau)

@@ -38,6 +38,7 @@ from gtc_lightning import stale as one_step_stale
 from gtc_lightning import update as update_mode
 from gtc_lightning.checkpoint import CHECKPOINT_KEY, SHARD_SUFFIX, shard_path  # noqa: F401  (re-exported)
 from gtc_lightning.hook import (
+    DEFAULT_DENSITY,
     GTCState,
     all_gather_equal,
     check_options,
@@ -133,7 +134,7 @@ class GTCStrategy(DDPStrategy):
 
     def __init__(
         self,
-        tau: float | Literal["auto"] = 1e-2,
+        tau: float | Literal["auto"] = "auto",
         warmup_steps: int = 0,
         check_replicas_every: int = 0,
         max_consecutive_skips: int | None = 10,
@@ -142,7 +143,7 @@ class GTCStrategy(DDPStrategy):
         backend: Literal["auto", "torch", "triton"] = "auto",
         restore_residuals: bool = True,
         stale: bool = False,
-        coding: Literal["none", "rice"] = "none",
+        coding: Literal["none", "rice"] = "rice",
         target_density: float | None = None,
         compress: Literal["auto", "gradient", "update"] = "auto",
         accelerator: Accelerator | None = None,
@@ -215,6 +216,18 @@ class GTCStrategy(DDPStrategy):
         """The compression threshold: the current one once training runs (it moves with a
         ``target_density``), else the configured one."""
         return self._gtc_state.tau if self._gtc_state is not None else self._tau
+
+    @property
+    def target_density(self) -> float | None:
+        """The words per rank and element automatic tau aims at (None with a fixed tau)."""
+        if self._gtc_state is not None:
+            return self._gtc_state.target_density
+        return self._target_density if self._target_density is not None or self._tau != "auto" else DEFAULT_DENSITY
+
+    @property
+    def coding(self) -> str:
+        """How messages are sent: ``"rice"`` (Golomb-Rice coded) or ``"none"`` (32-bit words)."""
+        return self._coding
 
     @property
     def stale(self) -> bool:

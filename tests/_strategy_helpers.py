@@ -196,6 +196,7 @@ def fit(
     if issubclass(cls, GTCStrategy):
         # The tests of Strom's gradient mode run it whatever the optimizer; compress="update" is asked for.
         strategy_kwargs.setdefault("tau", 0.01)
+        strategy_kwargs.setdefault("coding", "none")
         if not strategy_kwargs.get("stale"):
             strategy_kwargs.setdefault("compress", "gradient")
     kwargs = {

@@ -43,9 +43,19 @@ def test_bad_target_density(bad):
         TauController(target_density=bad, tau=1.0)
 
 
-def test_auto_needs_a_target():
-    with pytest.raises(ValueError, match="target_density"):
-        GTCStrategy(tau="auto")
+def test_auto_without_a_target_aims_at_the_default_density():
+    import torch.distributed as dist
+
+    from gtc_lightning import GTCState
+    from gtc_lightning.hook import DEFAULT_DENSITY
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        state = GTCState(None, TinyMLP().named_parameters(), tau="auto")
+        assert state.target_density == DEFAULT_DENSITY and state.controller.target_density == DEFAULT_DENSITY
+        assert GTCState(None, TinyMLP().named_parameters(), tau=0.01).controller is None  # a fixed tau stays fixed
+    finally:
+        dist.destroy_process_group()
 
 
 def test_tau_tracks_the_target_density(tmp_path):

@@ -166,8 +166,8 @@ def test_options_are_checked_when_the_strategy_is_made():
     for cls in (GTCStrategy, GTCFabricStrategy):
         with pytest.raises(ValueError, match=r"target_density .*\(0, 1\).*got 5.0"):
             cls(target_density=5.0)
-        with pytest.raises(ValueError, match="tau='auto' needs a target_density"):
-            cls(tau="auto")
+        with pytest.raises(ValueError, match=r"compress in .*got 'weights'"):
+            cls(compress="weights")
 
 
 class UnfreezeAtEpoch1(BaseFinetuning):
