@@ -133,13 +133,15 @@ def test_every_config_builds_the_trainer(config, aligned, tmp_path):
     cli = train.build_cli(["--config", str(config), "--data.data_dir", str(aligned),
                            "--exp_dir", str(tmp_path), "--num_threads", "1", *cpu])
     assert isinstance(cli.trainer, Trainer) and cli.model.hparams.num_pdfs == NUM_PDFS
-    if config.name == "gtc.yaml":
-        assert isinstance(cli.trainer.strategy, gtc_lightning.GTCStrategy)
-        assert cli.trainer.strategy.tau == 0.01 and cli.trainer.num_devices == 2
-    if config.name == "gtc_auto.yaml":  # automatic tau, Rice coding, lr 2 over conf/default.yaml's 1.0
-        strategy = cli.trainer.strategy
-        assert isinstance(strategy, gtc_lightning.GTCStrategy) and strategy.tau == "auto"
-        assert strategy._target_density == 2.5e-3 and strategy._coding == "rice"
+    strategy = cli.trainer.strategy
+    if config.name in ("gtc.yaml", "gtc_stale.yaml", "bmuf_gtc.yaml"):  # Strom's fixed tau, as measured
+        assert isinstance(strategy, gtc_lightning.GTCStrategy) and strategy.tau == 0.01
+        assert strategy.target_density is None and strategy.compress == "gradient" and strategy.coding == "none"
+        assert cli.trainer.num_devices == (4 if config.name == "bmuf_gtc.yaml" else 2)
+        assert strategy.stale == (config.name == "gtc_stale.yaml")
+    if config.name == "gtc_auto.yaml":  # automatic tau from 0.01, Rice coding, lr 2 over conf/default.yaml's 1.0
+        assert isinstance(strategy, gtc_lightning.GTCStrategy) and strategy.tau == 0.01
+        assert strategy.target_density == 2.5e-3 and strategy.coding == "rice" and strategy.compress == "gradient"
         assert cli.model.hparams.lr == 2.0 and cli.config.run_name == "gtc_auto" and cli.trainer.num_devices == 2
 
 
