@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from _strategy_helpers import fit, keep_master_port  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
+from _strategy_helpers import fit, keep_master_port  # noqa: F401  (autouse: fork sets MASTER_PORT)
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import default_collate
 
@@ -133,6 +133,14 @@ def quick(tmp_path_factory):
     return out, model_suite.main(["--quick", "--out", str(out)])
 
 
+HOOKS = {
+    "ddp": "allreduce",
+    "ddp_bf16": "bf16_allreduce_hook",
+    "powersgd_r1": "powerSGD_hook",
+    "powersgd_r4": "powerSGD_hook",
+}
+
+
 def _runs(results, method):
     return [r for r in results if r["method"] == method]
 
@@ -145,6 +153,7 @@ def test_quick_suite_every_cell(quick):
         assert math.isfinite(r["final_loss"]) and r["replicas_identical"], r
         assert [p[0] for p in r["curve"]] == [0, r["steps"] // 2, r["steps"]]
         assert r["best_loss"] < r["initial_loss"]
+        assert r["comm_hook"] == HOOKS.get(r["method"], r["comm_hook"])  # what was measured ran
     for r in _runs(results, "ddp"):
         assert r["final_loss"] < r["initial_loss"] - 0.1
 
@@ -162,7 +171,7 @@ def test_quick_suite_dense_bytes_are_the_ring_formula(quick):
 
 def test_quick_suite_gtc_bytes_are_its_stats(quick):
     _, results = quick
-    for r in _runs(results, "gtc") + _runs(results, "gtc_auto_1e-3"):
+    for r in _runs(results, "gtc") + _runs(results, "gtc_auto_1e-3") + _runs(results, "gtc_gradient"):
         assert r["bytes_total"] == pytest.approx(sum(r["gtc_bytes_sent"]) / 2)
         assert r["gtc_allreduce_fp32_bytes"] == r["steps"] * allreduce_bytes(r["numel"], 2, 4)
         assert 0 < r["density"] < 1

@@ -1,6 +1,6 @@
 """Model suite: GTC against DDP, a bf16 all-reduce and PowerSGD on models Lightning users train.
 
-    python -m gtc_lightning.tools.model_suite            # 4 models x 6 methods x 3 seeds x 2, 4 ranks
+    python -m gtc_lightning.tools.model_suite            # 4 models x 7 methods x 3 seeds x 2, 4 ranks
     python -m gtc_lightning.tools.model_suite --quick    # CI smoke test: 2 models, 1 seed, 2 ranks
     python -m gtc_lightning.tools.model_suite --models cnn gru --methods ddp gtc --world-sizes 2 --seeds 0
 
@@ -65,10 +65,12 @@ METHODS: dict[str, Callable[..., Strategy]] = {
     "powersgd_r4": partial(PowerSGDStrategy, matrix_approximation_rank=4, start_powerSGD_iter=2),
     "gtc": GTCStrategy,
     "gtc_auto_1e-3": partial(GTCStrategy, tau="auto", target_density=1e-3),
+    # Strom's GTC on the gradient whatever the optimizer (the default picks "update" for momentum and Adam)
+    "gtc_gradient": partial(GTCStrategy, compress="gradient"),
 }
 
 # Optimizer steps per run: where DDP's held-out loss has stopped improving (see the printed curves).
-STEPS = {"transformer": 200, "cnn": 200, "gru": 200, "speech_dnn": 500}
+STEPS = {"transformer": 200, "cnn": 400, "gru": 200, "speech_dnn": 500}
 QUICK_STEPS = {"transformer": 20, "cnn": 20, "gru": 20, "speech_dnn": 40}
 QUICK_MODELS = ["gru", "speech_dnn"]
 TIMEOUT = timedelta(seconds=180)  # a hung collective fails the run instead of blocking for 30 min
@@ -151,6 +153,15 @@ def own_memory_bytes(strategy: Strategy) -> int:
     return 0  # DDP; bf16's cast copy of a bucket exists only while it is all-reduced
 
 
+def registered_hook(strategy: Strategy) -> str:
+    """The name of the communication hook DDP ran (its own logging data), so a run shows which
+    exchange it measured; ``"allreduce"`` for DDP's built-in one."""
+    try:
+        return strategy.model._get_ddp_logging_data().get("comm_hook", "allreduce")
+    except AttributeError:  # not DDP, or a torch without the logging data
+        return "unknown"
+
+
 class SuiteProbe(L.Callback):
     """Runs in every rank: held-out loss (rank 0), bytes sent, step times, memory, a parameter
     checksum; writes ``rank{r}.json`` into ``out_dir`` at the end of fit.
@@ -226,6 +237,7 @@ class SuiteProbe(L.Callback):
             "curve": self.curve,
             "checksum": parameter_checksums(pl_module.parameters()).tolist(),
             "gtc_total": strategy.gtc_stats["total"] if isinstance(strategy, GTCStrategy) else None,
+            "comm_hook": registered_hook(strategy),
         }
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -257,8 +269,8 @@ def run_cell(
     Returns:
         model, method, world_size, seed, steps, numel, best_loss, final_loss, curve, bytes per
         step and per run (mean over ranks), the fp32 / bf16 ring all-reduce's bytes per step and the
-        ratios to them, step time, memory per parameter, replicas_identical, wall_s; for GTC the
-        mean density (words per rank and gradient element per step).
+        ratios to them, step time, memory per parameter, replicas_identical, comm_hook, wall_s; for
+        GTC the mean density (words per rank and gradient element per step) and its dense steps.
     """
     run_dir = out_dir / "runs" / f"{model_name}-{method}-w{world_size}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -329,6 +341,7 @@ def summarise(
         "step_seconds": statistics.median(rank0["step_seconds"]),
         "memory_bytes_per_param": rank0["memory_bytes"] / numel,
         "replicas_identical": all(r["checksum"] == rank0["checksum"] for r in ranks),
+        "comm_hook": rank0["comm_hook"],
         "wall_s": wall,
     }
     if rank0["gtc_total"] is not None:
@@ -410,7 +423,8 @@ def report_markdown(results: list[dict]) -> str:
                 _table_row(runs, ddp_mean) for (gw, gm, _), runs in groups.items() if (gw, gm) == (w, m)
             ]
     fallback = [
-        f"- {m} {method}, {w} ranks: {statistics.fmean(r['gtc_dense_steps'] for r in runs):.0f} of {runs[0]['steps']}"
+        f"- {m} {method}, {w} ranks: {statistics.fmean(r['gtc_dense_steps'] for r in runs):.0f} "
+        f"of {runs[0]['steps']}"
         for (w, m, method), runs in groups.items()
         if runs[0].get("gtc_dense_steps")
     ]
