@@ -6,11 +6,15 @@ its own model (or the shared one) and its own residual. :class:`VirtualWorkers` 
 ``workers`` workers and runs each step as the strategies do, one worker after the other:
 
 - every worker's gradient is the mean loss of its own batch, by autograd on its model;
-- ``gtc``: the worker's words from :func:`gtc_lightning.ops.compress` on its own residual, the
-  update from :func:`gtc_lightning.ops.decompress` of all workers' words divided by the workers
-  (Strom's ``tau / N`` per vote), and the hook's dense fallback: a step whose longest message would
-  send more than a dense fp32 all-reduce (1.0x to enter, 0.5x to leave) all-reduces residual +
-  gradient and restarts the residuals from zero;
+- ``gtc``: Strom's gradient mode, ``GTCStrategy(compress="gradient", coding="none", tau=...)`` (not
+  the strategy's defaults: automatic tau, Golomb-Rice coding, and for one optimizer the compression
+  of each rank's update): the worker's words from :func:`gtc_lightning.ops.compress` on its own
+  residual, the update from :func:`gtc_lightning.ops.decompress` of all workers' words divided by the
+  workers (Strom's ``tau / N`` per vote), and the hook's dense fallback: a step whose longest message
+  of 32-bit words would send more than ``FALLBACK_ENTER`` (0.5) of a dense fp32 all-reduce's bytes,
+  a bf16 all-reduce's, all-reduces residual + gradient and restarts the residuals from zero, until a
+  step would send less than ``FALLBACK_EXIT`` (0.25) of them (at 2 workers too: a word for more than
+  half the elements);
 - ``ma``: every worker its own model and optimizer, every ``period`` steps the mean (each model
   divided by N, then summed in rank order, as :func:`gtc_lightning.averaging.all_mean`);
 - ``bmuf``: the same mean through :func:`gtc_lightning.bmuf.block_update_` (η = 1 - 1/N by default);
@@ -24,8 +28,10 @@ bit-exact at any number of workers (on the recipe, 4 workers for an epoch: the d
 words and bytes of a 4-rank ``train.py`` run, to the last digit). Elsewhere, with more than 2
 learners, sums are taken in rank order where gloo's ring may add in another: the last bits may differ.
 Automatic tau (``target_density``) runs one controller per GTC group on the words its workers sent,
-as every rank of the group does. Not simulated: dense warmup steps, gradient clipping, the stale
-exchange, Golomb-Rice coding (lossless: it changes bytes, not updates) and time: this measures what
+as every rank of the group does, from ``tau`` as ``GTCStrategy(tau=<a number>, target_density=...)``
+starts (``tau="auto"`` measures its start at the first step: not simulated). Not simulated: dense warmup steps, gradient clipping, the stale
+exchange, Golomb-Rice coding (lossless: it changes the bytes, and with them the steps where the
+dense fallback enters, not a sparse step's update) and time: this measures what
 the schemes learn, the scaling model (:mod:`gtc_lightning.scaling`) what they cost.
 
 The work per step grows with the workers: one forward/backward per worker and, for GTC, one pass over

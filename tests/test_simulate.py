@@ -43,20 +43,27 @@ def check(real: list[dict], simulated: list[torch.Tensor], exact: bool) -> None:
 
 
 def test_gtc_on_two_workers_equals_the_strategy_bit_for_bit(tmp_path):
-    _, ranks = fit(tmp_path, GTCStrategy, tau=0.01, model_kwargs={"momentum": 0.0})
-    params, sim = simulate("gtc", 2, tau=0.01)
+    """Strom's gradient mode at a fixed tau in 32-bit words (what the simulator models), with a tau that
+    sends more than a bf16 all-reduce on the first steps: the dense fallback enters at 2 ranks and leaves
+    again, and both kinds of step, the switches and the bytes match the strategy's (2 ranks: bit for bit)."""
+    _, ranks = fit(tmp_path, GTCStrategy, tau=0.03, compress="gradient", coding="none",
+                   model_kwargs={"momentum": 0.0})  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"sparse exchange would send .* Raise tau \(now 0.03\)"):
+        params, sim = simulate("gtc", 2, tau=0.03)
     check(ranks[0]["records"], params, exact=True)
     stats = sim.stats()["gtc"]
     real = ranks[0]["records"][-1]["stats"]["total"]
     assert stats["total"]["words"] == real["words"] > 0
+    assert stats["total"]["dense_steps"] == real["dense_steps"] > 0
     assert stats["total"]["bytes_sent"] == real["bytes_sent"]
 
 
 def test_gtc_on_four_workers_with_the_dense_fallback_equals_the_strategy(tmp_path):
-    """tau small enough that the sparse exchange would send more than an all-reduce on some steps."""
-    _, ranks = fit(tmp_path, GTCStrategy, devices=4, tau=0.03, model_kwargs={"momentum": 0.0, "samples": 128})
-    with pytest.warns(RuntimeWarning, match=r"sparse exchange would send .* Raise tau \(now 0.03\)"):
-        params, sim = simulate("gtc", 4, samples=128, tau=0.03)
+    """tau small enough that the sparse exchange would send more than a bf16 all-reduce on some steps."""
+    _, ranks = fit(tmp_path, GTCStrategy, devices=4, tau=0.07, compress="gradient", coding="none",
+                   model_kwargs={"momentum": 0.0, "samples": 128})  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"sparse exchange would send .* Raise tau \(now 0.07\)"):
+        params, sim = simulate("gtc", 4, samples=128, tau=0.07)
     check(ranks[0]["records"], params, exact=False)
     real = ranks[0]["records"][-1]["stats"]["total"]
     assert sim.totals["dense_steps"] == real["dense_steps"] > 0
@@ -66,15 +73,17 @@ def test_gtc_on_four_workers_with_the_dense_fallback_equals_the_strategy(tmp_pat
 def test_gtc_on_four_workers_without_dense_steps_equals_the_strategy_bit_for_bit(tmp_path):
     """The decoded update is a count of votes (exact in any order), so without the dense fallback's
     float sums nothing depends on the order the ranks' words are added in."""
-    _, ranks = fit(tmp_path, GTCStrategy, devices=4, tau=0.05, model_kwargs={"momentum": 0.0, "samples": 128})
-    params, sim = simulate("gtc", 4, samples=128, tau=0.05)
+    _, ranks = fit(tmp_path, GTCStrategy, devices=4, tau=0.1, compress="gradient", coding="none",
+                   model_kwargs={"momentum": 0.0, "samples": 128})  # fmt: skip
+    params, sim = simulate("gtc", 4, samples=128, tau=0.1)
     assert sim.totals["dense_steps"] == 0 and sim.totals["words"] > 0
     check(ranks[0]["records"], params, exact=True)
 
 
 def test_gtc_with_automatic_tau_equals_the_strategy_bit_for_bit(tmp_path):
     """One controller on the words both workers sent, as on every rank: the same taus and parameters."""
-    _, ranks = fit(tmp_path, GTCStrategy, tau=0.01, target_density=0.05, model_kwargs={"momentum": 0.0})
+    _, ranks = fit(tmp_path, GTCStrategy, tau=0.01, target_density=0.05, compress="gradient", coding="none",
+                   model_kwargs={"momentum": 0.0})  # fmt: skip
     params, sim = simulate("gtc", 2, tau=0.01, target_density=0.05)
     check(ranks[0]["records"], params, exact=True)
     real = ranks[0]["records"][-1]["stats"]
