@@ -119,7 +119,10 @@ def check_resume(strategy: str, dies_at: int, saved_at: int, tiny_aligned: Path,
         assert loader == [{"epoch": saved_at // 4, "batches": saved_at % 4}]
 
     _fit(common + ["--exp_dir", str(tmp_path / "resumed"), "--ckpt_path", "last"], FinalState(tmp_path / "resumed_state"))
-    for rank in range(1 if strategy == "single" else 2):
+    ranks = 1 if strategy == "single" else 2
+    for run in ("straight", "resumed"):
+        only_the_last_checkpoint(tmp_path / run / "r" / "checkpoints", ranks)
+    for rank in range(ranks):
         a = torch.load(tmp_path / "straight_state" / f"rank{rank}.pt", weights_only=False)
         b = torch.load(tmp_path / "resumed_state" / f"rank{rank}.pt", weights_only=False)
         assert a["step"] == b["step"] == STEPS
@@ -141,6 +144,17 @@ def check_resume(strategy: str, dies_at: int, saved_at: int, tiny_aligned: Path,
     assert rows["resumed"][0] == rows["straight"][0]  # the same columns
     step = rows["resumed"][0].split(",").index("step")
     assert rows["resumed"][1].split(",")[step] == "0"  # the first part's rows are still there
+
+
+def only_the_last_checkpoint(folder: Path, ranks: int) -> None:
+    """``last.ckpt``, the checkpoint it links to and that one's shard folders (one shard per rank):
+    every rank removed its shards of the checkpoints replaced before (the strategies remove each
+    rank's own, so rank 0 alone left the others' behind)."""
+    target = (folder / "last.ckpt").readlink().name
+    left = sorted(p.name for p in folder.iterdir())
+    assert all(name in ("last.ckpt", target) or name.startswith(f"{target}.") for name in left), left
+    for shards in folder.glob(f"{target}.*"):
+        assert sorted(p.name for p in shards.iterdir()) == [f"rank{r}.pt" for r in range(ranks)], shards
 
 
 def test_checkpoint_option_every_n_steps_and_epoch_ends(tiny_aligned, tmp_path):

@@ -238,7 +238,12 @@ class RecipeCheckpoint(ModelCheckpoint):
     pointed to is removed then. A rank lost while the others save (a cut link) thus leaves the
     previous checkpoint complete as ``last.ckpt``: rewriting ``last.ckpt`` in place left rank 0's
     step with shards of other ranks from an earlier step (seen with bmuf_gtc, whose groups run
-    apart between syncs), and the resumed ranks then waited for each other's collectives."""
+    apart between syncs), and the resumed ranks then waited for each other's collectives.
+
+    Every rank removes its own shards of the replaced checkpoints (the strategies' ``remove_checkpoint``:
+    on several nodes each may have written to a disk of its own), after a barrier that follows the
+    link's move, so that no shard of the checkpoint ``last.ckpt`` names is removed before it names
+    the new one."""
 
     LINK = "last.ckpt"
 
@@ -261,15 +266,31 @@ class RecipeCheckpoint(ModelCheckpoint):
         link = Path(self.dirpath) / self.LINK
         self.last_model_path = str(link)
         self._save_checkpoint(trainer, str(target))  # returns after every rank has written its part
-        if not trainer.is_global_zero:
-            return
-        temporary = link.with_name(f".{self.LINK}.{os.getpid()}")
-        temporary.unlink(missing_ok=True)
-        temporary.symlink_to(target.name)
-        os.replace(temporary, link)  # atomic: last.ckpt is the old checkpoint or the new one
-        for old in Path(self.dirpath).glob("*.ckpt"):  # the replaced one, and any a failed save left
-            if old.name not in (target.name, self.LINK) and not old.is_symlink():
-                trainer.strategy.remove_checkpoint(str(old))
+        if trainer.is_global_zero:
+            temporary = link.with_name(f".{self.LINK}.{os.getpid()}")
+            temporary.unlink(missing_ok=True)
+            temporary.symlink_to(target.name)
+            os.replace(temporary, link)  # atomic: last.ckpt is the old checkpoint or the new one
+        trainer.strategy.barrier("RecipeCheckpoint: last.ckpt moved")
+        for old in self._replaced(target):
+            trainer.strategy.remove_checkpoint(str(old))
+
+    def _replaced(self, target: Path) -> list[Path]:
+        """The checkpoints to remove, as this rank sees the folder: the replaced one and any a failed
+        save left, by their files (``step<S>.ckpt``) or by their shard folders (``step<S>.ckpt.<kind>``,
+        all a rank on a disk of its own may have)."""
+        folder = Path(self.dirpath)
+        if not folder.is_dir():  # a rank without shards, on a disk of its own
+            return []
+        names = set()
+        for path in folder.iterdir():
+            if path.is_symlink() or path.name.startswith("."):
+                continue
+            if path.is_file() and path.suffix == ".ckpt":
+                names.add(path.name)
+            elif path.is_dir() and ".ckpt." in path.name:
+                names.add(path.name[: path.name.index(".ckpt.") + len(".ckpt")])
+        return [folder / name for name in sorted(names - {target.name, self.LINK})]
 
     def _save_epoch_end(self, trainer: Trainer) -> None:
         if trainer.fast_dev_run or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
