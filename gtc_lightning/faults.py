@@ -3,7 +3,8 @@
 Two stages, each on :class:`gtc_lightning.cluster.Cluster` (needs root, like the cluster itself):
 
 **link down.** ``recipes/asr/train.py`` trains on N nodes (``conf/tiny.yaml`` on the tiny corpus,
-a checkpoint every few steps, ``--collective_timeout`` seconds). First an uninterrupted run; then
+a checkpoint every few steps, ``--collective_timeout`` seconds; ``gtc`` and ``gtc_stale`` with
+``conf/gtc.yaml`` and ``conf/gtc_stale.yaml``, Strom's gradient mode at a fixed tau). First an uninterrupted run; then
 the same command again, and halfway between its second and third checkpoint (timed from the first
 two writes, whatever the steps cost today) one node's link goes down (``ip link set veth<k> down``
 in its namespace). Every rank must exit with status 1 by itself within the collective timeout plus a
@@ -48,6 +49,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "recipes" / "asr" / "train.py"
 TINY = REPO / "conf" / "tiny.yaml"
+# What the published runs measured as gtc and gtc_stale: Strom's gradient mode at the recipe's fixed
+# tau in 32-bit words, the recipe's configs (the registered names alone are GTCStrategy's defaults:
+# automatic tau, Golomb-Rice coding and, with one optimizer, the update mode).
+CONFIGS = {"gtc": REPO / "conf" / "gtc.yaml", "gtc_stale": REPO / "conf" / "gtc_stale.yaml"}
 ERROR_PREFIX = "train.py: error:"
 # checkpoint entries that name run directories or hold wall-clock state, not training state
 NOT_COMPARED = ("callbacks", "hyper_parameters", "datamodule_hyper_parameters", "hparams_name",
@@ -153,9 +158,10 @@ def message_is_clear(line: str | None, rank: int, cut_rank: int, interface: str)
 
 def train_command(strategy: str, data_dir: Path, exp_dir: Path, timeout: float, every: int,
                   train_args: list[str]) -> list[str]:
-    """``train.py`` on every node: one process each, ``{num_nodes}`` filled in by the cluster."""
-    return [sys.executable, str(TRAIN), "--config", str(TINY), "--trainer.strategy", strategy,
-            "--trainer.devices", "1", "--trainer.num_nodes", "{num_nodes}", "--data.data_dir", str(data_dir),
+    """``train.py`` on every node: one process each, ``{num_nodes}`` filled in by the cluster; ``gtc`` and
+    ``gtc_stale`` with their configs (:data:`CONFIGS`), any other name as ``--trainer.strategy``."""
+    chosen = ["--config", str(CONFIGS[strategy])] if strategy in CONFIGS else ["--trainer.strategy", strategy]
+    return [sys.executable, str(TRAIN), "--config", str(TINY), *chosen, "--trainer.devices", "1", "--trainer.num_nodes", "{num_nodes}", "--data.data_dir", str(data_dir),
             "--exp_dir", str(exp_dir), "--run_name", strategy, "--num_threads", "1",
             "--checkpoint_every_n_steps", str(every), "--collective_timeout", f"{timeout:g}", *train_args]
 

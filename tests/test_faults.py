@@ -97,6 +97,20 @@ def test_cut_lands_between_checkpoints():
     assert faults.cut_delay([100.0, 104.0], 0.5) == pytest.approx(2.0)
 
 
+def test_gtc_runs_the_measured_settings_and_other_names_as_given(tmp_path):
+    """gtc and gtc_stale as docs/faults.md measured them (conf/gtc.yaml, conf/gtc_stale.yaml: Strom's
+    gradient mode, fixed tau, 32-bit words), not GTCStrategy's defaults; any other name as it is."""
+    args = {"data_dir": tmp_path, "exp_dir": tmp_path, "timeout": 10.0, "every": 5, "train_args": []}
+    for name, config in (("gtc", "gtc.yaml"), ("gtc_stale", "gtc_stale.yaml")):
+        command = faults.train_command(name, **args)
+        assert "--trainer.strategy" not in command
+        assert command[command.index(str(faults.TINY)) + 1 : command.index(str(faults.TINY)) + 3] == [
+            "--config", str(faults.REPO / "conf" / config)]  # fmt: skip
+        assert command[command.index("--run_name") + 1] == name
+    command = faults.train_command("ddp", **args)
+    assert command[command.index("--trainer.strategy") + 1] == "ddp"
+
+
 def test_summarize_straggler_medians_and_ranges():
     runs = [
         {"repeat": 0, "links": "equal", "step_s": {"ddp": 1.0, "gtc": 0.10}},
@@ -195,6 +209,8 @@ def test_link_down_stops_every_rank_in_time_and_the_resume_is_bit_exact(netns, t
     assert comparison["tensors"] >= 8
     # last.ckpt links to the last checkpoint every rank finished; the ones it replaced are gone
     for run in ("straight", "cut"):
+        config = (tmp_path / "gtc" / run / "gtc" / "config.yaml").read_text()  # conf/gtc.yaml's settings
+        assert "compress: gradient" in config and "coding: none" in config and "tau: 0.01" in config
         checkpoints = tmp_path / "gtc" / run / "gtc" / "checkpoints"
         assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step20-end.ckpt", "step20-end.ckpt.gtc"]
         assert (checkpoints / "last.ckpt").readlink() == Path("step20-end.ckpt")
