@@ -114,7 +114,9 @@ def _make_callbacks(plan: dict, steps: int):
 
 
 def build_strategy(name: str, tau: float, options: dict[str, Any]):
-    """``single`` (no DDP), a name :mod:`gtc_lightning.bench_step` knows, or a registered one."""
+    """``single`` (no DDP), a name :mod:`gtc_lightning.bench_step` knows, or a registered one. GTC is
+    Strom's gradient mode at the fixed ``tau`` in 32-bit words (what the published runs measured), also
+    under a registered name with options (``gtc:exchange=allgather``), unless they say otherwise."""
     from gtc_lightning import bench_step
 
     if name == "single":
@@ -126,7 +128,7 @@ def build_strategy(name: str, tau: float, options: dict[str, Any]):
             pass
     from lightning.pytorch.strategies import StrategyRegistry
 
-    import gtc_lightning  # noqa: F401  (registers the project's names)
+    import gtc_lightning  # (registers the project's names)
 
     if name not in StrategyRegistry:
         raise ValueError(
@@ -137,6 +139,9 @@ def build_strategy(name: str, tau: float, options: dict[str, Any]):
     cls, params = entry["strategy"], dict(entry["init_params"])
     if "tau" in inspect.signature(cls).parameters:
         params["tau"] = tau
+    if issubclass(cls, gtc_lightning.GTCStrategy):  # as bench_step's gtc, unless the options say otherwise
+        params.setdefault("compress", "gradient")
+        params.setdefault("coding", "none")
     params.update(options)
     return cls(**params)
 

@@ -7,9 +7,11 @@ moment of a noisy machine hits all of them. Per round and strategy it takes the 
 (after warm-up steps); the table gives the median over rounds and each strategy's ratio to
 ``ddp`` computed round by round (median, min-max).
 
-Strategies: ``ddp`` (fp32 all-reduce), ``ddp_bf16`` (bf16 all-reduce), ``gtc`` (its exchange as
-``--exchange`` says), ``gtc_alltoall`` / ``gtc_allgather`` (the two word exchanges, uneven messages
-or padded to the longest), ``gtc_stale`` (one-step-stale GTC: the word exchange overlaps the next
+Strategies: ``ddp`` (fp32 all-reduce), ``ddp_bf16`` (bf16 all-reduce), ``gtc`` (Strom's gradient
+mode at the fixed ``--tau`` in 32-bit words, ``GTCStrategy(compress="gradient", coding="none")``, as
+every ``gtc_*`` here, not GTCStrategy's defaults; its exchange as ``--exchange`` says), ``gtc_rice``
+(the same, Golomb-Rice coded), ``gtc_alltoall`` / ``gtc_allgather`` (the two word exchanges, uneven
+messages or padded to the longest), ``gtc_stale`` (one-step-stale GTC: the word exchange overlaps the next
 step), ``gtc_ddpbuckets`` (GTC in DDP's default 25 MB buckets, one threshold pass each, instead of
 GTCStrategy's default single bucket), ``dpsgd`` (ring-neighbour parameter averaging, overlapping the
 forward and backward passes) and ``nocomm`` (DDP sending nothing: the compute-only step GTC should
@@ -106,6 +108,8 @@ def strategy_totals(strategy) -> dict[str, dict]:
 
 
 def _make_strategy(name: str, tau: float, exchange: str):
+    import inspect
+
     from lightning.pytorch.strategies import DDPStrategy
 
     from gtc_lightning import GTCStrategy
@@ -117,26 +121,29 @@ def _make_strategy(name: str, tau: float, exchange: str):
         return BF16AllReduceStrategy()
     if name == "nocomm":
         return NoCommStrategy()
-    if name == "gtc_stale":
-        return GTCStrategy(tau=tau, exchange=exchange, stale=True)
     if name == "dpsgd":
         from gtc_lightning import DPSGDStrategy
 
         return DPSGDStrategy(average_at_end=False)
-    if name in ("gtc_alltoall", "gtc_allgather"):
-        return GTCStrategy(tau=tau, exchange=name.removeprefix("gtc_"))
-    if name == "gtc_ddpbuckets":
-        return GTCStrategy(tau=tau, exchange=exchange, bucket_cap_mb=DDP_BUCKET_CAP_MB)
-    if name == "gtc_rice":
-        return GTCStrategy(tau=tau, exchange=exchange, coding="rice")
-    if name == "gtc":
-        import inspect
-
-        # (``exchange`` is passed only where the strategy has it, so that the same command can time
-        # an older GTCStrategy for a before/after comparison.)
-        known = inspect.signature(GTCStrategy).parameters
-        return GTCStrategy(tau=tau, **({"exchange": exchange} if "exchange" in known else {}))
-    raise ValueError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
+    # Every GTC variant is Strom's gradient mode at the fixed ``tau`` in 32-bit words (gtc_rice: Golomb-Rice
+    # coded), what the published timings measured, whatever GTCStrategy's defaults (automatic tau, Rice
+    # coding, the update mode). These three go only where the strategy has them, so that the same command
+    # can time an older GTCStrategy (without them: the gradient mode in 32-bit words) for a before/after
+    # comparison.
+    known = inspect.signature(GTCStrategy).parameters
+    measured = (("exchange", exchange), ("compress", "gradient"), ("coding", "none"))
+    options: dict = {key: value for key, value in measured if key in known}
+    if name == "gtc_stale":
+        options["stale"] = True
+    elif name in ("gtc_alltoall", "gtc_allgather"):
+        options["exchange"] = name.removeprefix("gtc_")
+    elif name == "gtc_ddpbuckets":
+        options["bucket_cap_mb"] = DDP_BUCKET_CAP_MB
+    elif name == "gtc_rice":
+        options["coding"] = "rice"
+    elif name != "gtc":
+        raise ValueError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
+    return GTCStrategy(tau=tau, **options)
 
 
 def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int, seed: int,

@@ -31,6 +31,19 @@ def test_parse_strategy_and_burst():
     assert burst_for("100mbit", 1.0) == str(16 * 1024)
 
 
+def test_gtc_is_strom_gradient_mode_at_the_fixed_tau():
+    """What the published rows measured, whatever GTCStrategy's defaults: the gradient mode at the given
+    tau in 32-bit words (gtc_rice: coded), also under a registered name with options, unless they say."""
+    cases = {("gtc", ""): ("none", False), ("gtc_rice", ""): ("rice", False), ("gtc_stale", ""): ("none", True),
+             ("gtc_allgather", ""): ("none", False), ("gtc", ":exchange=allgather"): ("none", False),
+             ("bmuf_gtc", ":period=5"): ("none", False), ("gtc", ":coding=rice"): ("rice", False)}  # fmt: skip
+    for (name, options), (coding, stale) in cases.items():
+        entry = parse_strategy(name + options)
+        strategy = bench_cluster.build_strategy(entry["name"], 0.02, entry["options"])
+        assert (strategy.compress, strategy.coding, strategy.tau, strategy.stale) == ("gradient", coding, 0.02, stale)
+        assert strategy.target_density is None, name + options  # a fixed tau
+
+
 def test_nocomm_runs_once_and_bmuf_gtc_needs_two_groups():
     """nocomm (the compute) is added to every world once, also when the user names it; bmuf_gtc is
     left out of a world with fewer than two groups."""
