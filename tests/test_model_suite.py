@@ -171,7 +171,7 @@ def test_quick_suite_dense_bytes_are_the_ring_formula(quick):
 
 def test_quick_suite_gtc_bytes_are_its_stats(quick):
     _, results = quick
-    for r in _runs(results, "gtc") + _runs(results, "gtc_auto_1e-3") + _runs(results, "gtc_gradient"):
+    for r in _runs(results, "gtc") + _runs(results, "gtc_auto_1e-3") + _runs(results, "gtc_strom_1e-2"):
         assert r["bytes_total"] == pytest.approx(sum(r["gtc_bytes_sent"]) / 2)
         assert r["gtc_allreduce_fp32_bytes"] == r["steps"] * allreduce_bytes(r["numel"], 2, 4)
         assert 0 < r["density"] < 1

@@ -65,8 +65,8 @@ METHODS: dict[str, Callable[..., Strategy]] = {
     "powersgd_r4": partial(PowerSGDStrategy, matrix_approximation_rank=4, start_powerSGD_iter=2),
     "gtc": GTCStrategy,
     "gtc_auto_1e-3": partial(GTCStrategy, tau="auto", target_density=1e-3),
-    # Strom's GTC on the gradient whatever the optimizer (the default picks "update" for momentum and Adam)
-    "gtc_gradient": partial(GTCStrategy, compress="gradient"),
+    # Strom's GTC as the paper has it, whatever the defaults: the gradient, fixed tau, 32-bit words
+    "gtc_strom_1e-2": partial(GTCStrategy, compress="gradient", tau=1e-2, coding="none"),
 }
 
 # Optimizer steps per run: where DDP's held-out loss has stopped improving (see the printed curves).
