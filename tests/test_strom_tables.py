@@ -2,6 +2,7 @@
 two thresholds, two model sizes), decoded, with Strom's rows beside; a second call trains nothing."""
 
 import json
+from pathlib import Path
 
 import pytest
 import strom_tables
@@ -28,14 +29,22 @@ def test_tables_on_the_tiny_corpus(tiny_aligned, tmp_path, monkeypatch):
     low, high = t3["rows"]
     # a higher threshold sends fewer words: a larger compression ratio
     assert low["words_per_step"] > high["words_per_step"] and low["ratio_fp32"] < high["ratio_fp32"]
+    # Strom's scheme in 32-bit words: a 24-byte header and 4 bytes a word; at tau 0.001 the words would send
+    # more than a bf16 all-reduce, so the dense fallback (2 ranks: a fp32 all-reduce of 4n bytes) takes steps
+    assert low["dense_steps"] > 0 and high["dense_steps"] == 0
     for r in t3["rows"]:
         assert r["test_wer"] is not None and r["rel_wer_reduction_pct"] is not None
-        assert r["bytes_per_step"] == pytest.approx(24 + 4 * r["words_per_step"], rel=1e-6)
+        assert "compress: gradient" in (Path(r["run"]) / "config.yaml").read_text()  # not the update mode
+        summary = json.loads((Path(r["run"]) / "train_summary.json").read_text())
+        steps, dense_bytes = summary["gtc"]["total"]["steps"], 4 * summary["num_weights"]
+        sent = 24 * steps + 4 * r["words_per_step"] * steps + r["dense_steps"] * dense_bytes
+        assert r["bytes_per_step"] * steps == pytest.approx(sent, rel=1e-6)
     assert t3["baseline"]["test_wer"] is not None
     assert [(r["layers"], r["hidden"]) for r in t4["rows"]] == [(2, 16), (3, 32)]
     assert t4["rows"][0]["weights"] < t4["rows"][1]["weights"] and all(r["steps"] == 3 for r in t4["rows"])
     text = (tmp_path / "tables.md").read_text()
     assert "| 0.05 |" in text and "| 3 x 32 |" in text and "| 4 | 331,000 | 69 | 846 |" in text
+    assert f"| {low['density']:.2e} | {low['dense_steps']} | " in text
     # everything exists: nothing is trained or decoded again
     monkeypatch.setattr(strom_tables.subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a[0][:3]}"))
     decoded = json.loads((tmp_path / "compare" / "comparison.json").read_text())
