@@ -267,13 +267,15 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
 def test_simulated_workers_match_a_two_rank_run(aligned, tmp_path, scheme):
     """recipes/asr/simulate.py with 2 workers against train.py on 2 forked ranks, same settings: the same
     final model (rank 0's), bit for bit, and for GTC (one model on every rank) the same dev frame
-    accuracy after every epoch. (Between bmuf's syncs each real rank scores its own model on its share
-    of dev; the simulation scores worker 0's on all of it.)"""
+    accuracy after every epoch. GTC is what the simulation models, Strom's gradient mode at tau 0.01 in
+    32-bit words (conf/gtc.yaml; gtc_auto: with automatic tau from there), not GTCStrategy's defaults.
+    (Between bmuf's syncs each real rank scores its own model on its share of dev; the simulation
+    scores worker 0's on all of it.)"""
     import simulate
 
-    strategy = {"gtc": ["--trainer.strategy", "gtc_fork"],
-                "gtc_auto": ["--trainer.strategy", "gtc_lightning.GTCStrategy", "--trainer.strategy.target_density",
-                             "0.02", "--trainer.strategy.start_method", "fork"],
+    gtc = ["--config", str(ROOT / "conf" / "gtc.yaml"), "--trainer.strategy.init_args.start_method", "fork"]
+    strategy = {"gtc": gtc,
+                "gtc_auto": [*gtc, "--trainer.strategy.init_args.target_density", "0.02"],
                 "bmuf": ["--trainer.strategy", "gtc_lightning.BMUFStrategy", "--trainer.strategy.period", "3",
                          "--trainer.strategy.start_method", "fork"]}[scheme]
     summary = _run(["--config", str(ROOT / "conf" / "tiny.yaml"), *strategy, "--trainer.devices", "2",
@@ -281,10 +283,11 @@ def test_simulated_workers_match_a_two_rank_run(aligned, tmp_path, scheme):
                     "--trainer.limit_train_batches", "null", "--trainer.limit_val_batches", "null",
                     "--data.batch_size", "8", "--model.schedule", "halve"])
     auto = ["--target-density", "0.02"] if scheme == "gtc_auto" else []
+    tau = ["--tau", "0.01"] if scheme != "bmuf" else []
     # bmuf also flushes denormals: nothing in this tiny model is that small, so still bit for bit
     flush = ["--flush-denormal"] if scheme == "bmuf" else []
     try:
-        sim = simulate.main(["--scheme", scheme.removesuffix("_auto"), *auto, *flush, "--workers", "2",
+        sim = simulate.main(["--scheme", scheme.removesuffix("_auto"), *tau, *auto, *flush, "--workers", "2",
                              "--data-dir", str(aligned), "--global-batch", "16", "--epochs", "2", "--hidden-dim",
                              "32", "--num-layers", "2", "--lr", "0.5", "--period", "3",
                              "--exp-dir", str(tmp_path / "sim")])  # fmt: skip
@@ -293,8 +296,10 @@ def test_simulated_workers_match_a_two_rank_run(aligned, tmp_path, scheme):
     finally:
         torch.set_flush_denormal(False)
     assert sim["global_steps"] == summary["global_steps"] > 6
-    if scheme != "bmuf":
+    if scheme != "bmuf":  # and rank 0's words, dense steps and bytes (32-bit words, as the simulation counts)
         assert sim["dev_frame_acc"] == summary["dev_frame_acc"]
+        for key in ("words", "dense_steps", "bytes_sent"):
+            assert sim["gtc"]["total"][key] == summary["gtc"]["total"][key], key
     if scheme == "gtc_auto":  # the same last tau, and the report knows it was automatic
         from local.dnn.compare import run_row
 

@@ -11,7 +11,10 @@ the one Lightning saves), so a simulated run is decoded and compared like a trai
 accuracy is worker 0's model on all of dev; for ``gtc`` (one model) that is what a real run reports,
 while between the syncs of ``ma`` and ``bmuf`` a real run scores each rank's own model on its share. The global
 batch stays ``--global-batch`` frames (512: the recipe's 2 x 256), so that only the scheme and the
-number of workers change, as in the README's strategy comparison.
+number of workers change, as in the README's strategy comparison. ``gtc`` and ``bmuf_gtc`` are Strom's
+gradient mode at ``--tau`` in 32-bit words, as ``--config conf/gtc.yaml`` (and ``conf/bmuf_gtc.yaml``)
+train it (with ``--target-density``: automatic tau from ``--tau``), not ``--strategy gtc``, which runs
+GTCStrategy's defaults.
 
 Speed is not simulated (the workers run one after the other): the scaling model gives it.
 The work grows with the workers (one pass over a 1.5 M-float residual per GTC worker and step): on
