@@ -111,8 +111,8 @@ def test_local_step_schemes_on_two_workers_equal_the_strategies_bit_for_bit(tmp_
 
 
 def test_bmuf_gtc_on_four_workers_equals_the_strategy(tmp_path):
-    _, ranks, syncs = fit_recorded(tmp_path, BMUFGTCStrategy, devices=4, period=3, tau=0.01,
-                                   model_kwargs={"momentum": 0.0, "samples": 128})  # fmt: skip
+    _, ranks, syncs = fit_recorded(tmp_path, BMUFGTCStrategy, devices=4, period=3, tau=0.01, compress="gradient",
+                                   coding="none", model_kwargs={"momentum": 0.0, "samples": 128})  # fmt: skip
     params, sim = simulate("bmuf_gtc", 4, samples=128, period=3, tau=0.01, group_size=2)
     check(ranks[0]["records"], params, exact=False)
     assert sim.block_momentum == 0.5  # 1 - 1/N for N = 2 groups
