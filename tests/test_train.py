@@ -153,6 +153,7 @@ def test_gtc_config_trains_on_the_tiny_corpus(tiny_aligned, tmp_path):
                     "--exp_dir", str(tmp_path), "--trainer.max_epochs", "1", "--num_threads", "1"])
     assert summary["strategy_class"] == "GTCStrategy" and summary["run_name"] == "gtc"
     assert summary["world_size"] == 2 and summary["tau"] == 0.01
+    assert (summary["target_density"], summary["coding"], summary["compress"]) == (None, "none", "gradient")
     assert summary["global_steps"] == 4 and summary["gtc"]["step"] == 4
     assert summary["gtc"]["total"]["bytes_sent"] > 0 and len(summary["dev_frame_acc"]) == 1
 
@@ -212,6 +213,10 @@ def test_gtc_run_with_two_forked_ranks(aligned, tmp_path):
                     "--trainer.max_epochs", "1", "--num_threads", "1", "--trainer.precision", "bf16-mixed"])
     assert summary["world_size"] == 2 and summary["strategy"] == "gtc" and summary["tau"] > 0
     assert summary["precision"] == "bf16-mixed"
+    # the registered name alone: GTCStrategy's defaults, as fit resolved them (one optimizer: the update mode)
+    from gtc_lightning.hook import DEFAULT_DENSITY
+
+    assert (summary["target_density"], summary["coding"], summary["compress"]) == (DEFAULT_DENSITY, "rice", "update")
     assert summary["gtc"]["step"] > 0 and summary["gtc"]["total"]["bytes_sent"] > 0
     assert len(summary["dev_frame_acc"]) == 1
 

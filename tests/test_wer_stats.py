@@ -136,6 +136,12 @@ def test_comparison_names_automatic_tau_and_coding(tmp_path):
     (tmp_path / "plain" / "train_summary.json").write_text(json.dumps({**summary, "precision": "bf16-mixed"}))
     row = {**run_row(tmp_path / "plain"), "rel_wer_change_pct": None}
     assert row["precision"] == "bf16-mixed" and "| plain | gtc, bf16-mixed | 2 | 0.0123 |" in markdown_table([row])
+    # a run of the name alone since GTCStrategy's defaults changed: its summary says what fit chose
+    settings = {"target_density": 0.003, "coding": "rice", "compress": "update"}
+    (tmp_path / "plain" / "train_summary.json").write_text(json.dumps({**summary, **settings}))
+    row = {**run_row(tmp_path / "plain"), "rel_wer_change_pct": None}
+    assert {k: row[k] for k in settings} == settings
+    assert "| plain | gtc, update, rice, bf16-mixed | 2 | auto, density 0.003 (last 0.0123) |" in markdown_table([row])
 
 
 def test_comparison_reports_seeds_pairs_and_the_gmm_reference(tmp_path, caplog):

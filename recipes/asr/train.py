@@ -449,6 +449,11 @@ class RunSummary(Callback):
             "accelerator": type(trainer.accelerator).__name__,
             "precision": str(trainer.precision),  # 32-true, or bf16-mixed: products in bfloat16, weights in float32
             "tau": getattr(strategy, "tau", None),
+            # GTC's settings as fit resolved them (the defaults are automatic tau, Rice coding and, with one
+            # optimizer, the update mode): what the comparison labels the run with
+            "target_density": getattr(strategy, "target_density", None),
+            "coding": getattr(strategy, "coding", None),
+            "compress": getattr(strategy, "compress", None),
             "gtc": getattr(strategy, "gtc_stats", None),  # rank 0's step count and byte totals
             "sync": getattr(strategy, "sync_stats", None),  # ma, bmuf, bmuf_gtc: rank 0's syncs and bytes
             "epochs": trainer.current_epoch,

@@ -130,9 +130,12 @@ def run_row(run_dir: Path | str) -> dict:
         "strategy": _run_strategy(run_dir, summary),
         "workers": world,
         "tau": summary.get("tau"),  # the last one where it moved (target_density)
-        # a trained run's strategy init_args, else a simulated run's options (read only then)
-        "target_density": args.get("target_density") or (run_config(run_dir).get("simulate") or {}).get("target_density"),
-        "coding": args.get("coding") or ("none" if summary.get("gtc") else None),
+        # the summary's (runs since GTCStrategy's defaults changed), else a trained run's strategy init_args,
+        # else a simulated run's options (read only then); a strategy named without init_args before: none
+        "target_density": summary.get("target_density") or args.get("target_density")
+        or (run_config(run_dir).get("simulate") or {}).get("target_density"),
+        "coding": summary.get("coding") or args.get("coding") or ("none" if summary.get("gtc") else None),
+        "compress": summary.get("compress") or args.get("compress") or ("gradient" if summary.get("gtc") else None),
         # runs from before the summary recorded it: their config's, where null is Lightning's 32-true
         "precision": summary.get("precision") or (run_config(run_dir).get("trainer") or {}).get("precision") or "32-true",
         "words_per_step": words,
@@ -190,7 +193,8 @@ def markdown_table(rows: list[dict]) -> str:
         tau = _fmt(r["tau"], ".3g")
         if r.get("target_density") is not None:
             tau = f"auto, density {r['target_density']:g} (last {tau})"
-        strategy = r["strategy"] + (f", {r['coding']}" if r.get("coding") not in (None, "none") else "")
+        strategy = r["strategy"] + (", update" if r.get("compress") == "update" else "")
+        strategy += f", {r['coding']}" if r.get("coding") not in (None, "none") else ""
         strategy += f", {r['precision']}" if r.get("precision", "32-true") != "32-true" else ""
         lines.append(" | ".join([
             f"| {r['run']}", strategy, str(r["workers"]), tau, _fmt(r["epochs"], "d"),
