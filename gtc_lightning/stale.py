@@ -63,15 +63,15 @@ import torch
 from gtc_lightning.hook import (
     GTCState,
     StepStats,
-    send_coded,
-    send_words,
     allreduce_bytes,
     decode_coded,
     decode_dense,
     dense_rounding,
     feed_back,
-    sparse_rounding,
     reduce_dense,
+    send_coded,
+    send_words,
+    sparse_rounding,
     word_scale,
 )
 from gtc_lightning.ops.torch_ops import INDEX_MASK, SIGN_BIT

@@ -15,7 +15,6 @@ from _strategy_helpers import (
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from gtc_lightning import GTCStrategy
 from gtc_lightning.auto_tau import SLOPE, TauController
 
 TARGET = 0.02
