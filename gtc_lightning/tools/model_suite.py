@@ -497,6 +497,11 @@ def plot_loss_vs_bytes(results: list[dict], out_dir: Path) -> list[Path]:
             )
         best = next(r["best_loss"] for r in results if r["model"] == m and "best_loss" in r)
         ax.axhline(best, ls="--", color="grey", lw=0.8, label=f"best possible {best:.3f}")
+        # the final points matter: show the curves' ends, down to the best possible loss
+        worst = max(
+            r["final_loss"] for (gw, gm, _), runs in groups.items() if (gw, gm) == (w, m) for r in runs
+        )
+        ax.set_ylim(best - 0.05 * (worst - best), best + 2 * (worst - best))
         ax.set_xscale("log")
         ax.set_xlabel(f"bytes sent per rank in the run ({w} ranks)")
         ax.set_ylabel("held-out loss (nats)")
