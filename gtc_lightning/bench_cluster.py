@@ -21,10 +21,13 @@ message sizes just measured and no compute. What it separates, per strategy:
   construction; the Cluster API's count for the whole run is recorded beside it.
 
 Next to the wire bytes stands what the strategy itself counts (its hook's ``bytes_sent``; for DDP
-the ring formula ``2 (W-1)/W · 4n``). GTC's residuals start from a triangular distribution on
-(-tau, tau), near the steady state of thresholding, so that a few steps measure the message size
-of a long run instead of the first steps' near-empty messages (``--residual-start zero`` turns it
-off). The scaling model (:mod:`gtc_lightning.scaling`) is calibrated on the replays and its step
+the ring formula ``2 (W-1)/W · 4n``; for PowerSGD the ring bytes of every all-reduce its hook issued,
+recorded by :func:`gtc_lightning.bench_step.powersgd_meter`, whose sizes the replay replays). GTC's
+residuals at a fixed tau start from a triangular distribution on (-tau, tau), near the steady state of
+thresholding, so that a few steps measure the message size of a long run instead of the first steps'
+near-empty messages (``--residual-start zero`` turns it off); ``gtc_update`` (GTCStrategy's defaults:
+the optimizer's step, automatic per-rank tau, Rice coding) sends its target density from the first
+step. The scaling model (:mod:`gtc_lightning.scaling`) is calibrated on the replays and its step
 predictions compared with the measured steps.
 
 Example (the README's run; needs root for the namespaces)::
@@ -56,8 +59,9 @@ from typing import Any
 
 from gtc_lightning import scaling
 
-DEFAULT_STRATEGIES = ("ddp", "ddp_bf16", "gtc")
-GTC_LIKE = ("gtc", "gtc_alltoall", "gtc_allgather", "gtc_stale", "gtc_rice")  # one word exchange per step
+DEFAULT_STRATEGIES = ("ddp", "ddp_bf16", "powersgd_r1", "powersgd_r4", "gtc", "gtc_update")
+# one word exchange per step
+GTC_LIKE = ("gtc", "gtc_alltoall", "gtc_allgather", "gtc_stale", "gtc_rice", "gtc_update")
 OPTIONAL_STRATEGIES = ("gtc_stale", "ma", "bmuf", "bmuf_gtc", "dpsgd")  # joined when they exist
 DEFAULT_TAU = {"recipe": 2e-2, "strom": 1e-2}  # ~30x the per-rank gradient RMS on the benchmark's data
 _COMPUTE_FLOPS = 5e10  # about what one core of this host sustains on these layers; only to choose step counts
@@ -75,7 +79,7 @@ def _counters(interface: str | None) -> dict[str, int]:
     }
 
 
-def _make_callbacks(plan: dict, steps: int):
+def _make_callbacks(plan: dict, warmup: int, steps: int):
     import lightning as L
     import torch
 
@@ -88,22 +92,25 @@ def _make_callbacks(plan: dict, steps: int):
             self.ends: list[dict] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx + 1 in (plan["warmup"], plan["warmup"] + steps):
+            if batch_idx + 1 in (warmup, warmup + steps):
+                totals = bench_step.strategy_totals(trainer.strategy, trainer.callbacks)
                 self.ends.append(
                     {
                         "t": time.perf_counter(),
                         "wire": _counters(plan["interface"]),
-                        "stats": {k: v["total"] for k, v in bench_step.strategy_totals(trainer.strategy).items()},
+                        "stats": {k: v["total"] for k, v in totals.items()},
                     }
                 )
 
     class ResidualStart(L.Callback):
         """GTC residuals drawn from the triangular distribution on (-tau, tau), the stationary one of
-        a zero-mean random walk that gives back tau each time it leaves the interval."""
+        a zero-mean random walk that gives back tau each time it leaves the interval. Only at a fixed
+        tau: with automatic tau (``gtc_update``) each rank's threshold is its residual's quantile at the
+        target density, which sets the message size from the first step on."""
 
         def on_train_start(self, trainer, pl_module):
             state = getattr(trainer.strategy, "gtc_state", None)
-            if state is None or plan["residual_start"] == "zero":
+            if state is None or plan["residual_start"] == "zero" or state.target_density is not None:
                 return
             n = state.residual_vector().numel()
             g = torch.Generator().manual_seed(1000 + trainer.global_rank)
@@ -218,15 +225,17 @@ def node_worker(plan_path: str) -> None:
             period = getattr(strategy, "period", None)
             if isinstance(period, int) and period > 1:
                 steps = math.ceil(steps / period) * period  # whole periods only
+            # PowerSGD's window opens after its plain all-reduce steps
+            warmup = bench_step.segment_warmup(entry["name"], plan["warmup"])
             args = argparse.Namespace(
-                warmup=plan["warmup"],
+                warmup=warmup,
                 steps=steps,
                 batch=plan["batch"],
                 lr=plan["lr"],
                 tau=plan["tau"],
                 exchange="auto",
             )
-            meter, start = _make_callbacks(plan, steps)
+            meter, start = _make_callbacks(plan, warmup, steps)
             seg = bench_step._segment(
                 args,
                 spec,
@@ -245,6 +254,8 @@ def node_worker(plan_path: str) -> None:
                 for key in ("period", "group_size", "tau")
                 if isinstance(getattr(strategy, key, None), (int, float))
             }
+            if "powersgd" in seg:  # bytes of each all-reduce of a step, in the order this rank issued them
+                facts[name]["allreduces"] = [n * size for n, size in seg["powersgd"]["sizes"]]
             if rank == 0:
                 print(
                     f"[bench_cluster] round {r} {name}: {steps} steps, {window.get('step_s', float('nan')):.3f} s/step",
@@ -322,12 +333,16 @@ def replay(plan: dict, segments: dict, facts: dict) -> dict:
         dist.all_reduce(words)
         mean_words, word_bytes = (float(x) / world for x in words)
         f = facts.get(name, {})
+        # PowerSGD's all-reduces as rank 0 issued them: every rank replays the same ones in the same order
+        allreduces = [f.get("allreduces", [])]
+        dist.broadcast_object_list(allreduces, src=0)
         msg = scaling.Messages(
             numel=numel,
             words=mean_words,
             word_bytes=word_bytes if base in GTC_LIKE else scaling.WORD_BYTES,
             period=int(f.get("period", 1)),
             group_size=int(f.get("group_size", 2)),
+            allreduces=tuple(allreduces[0]),
         )
         colls = scaling.collectives(base, world, msg)
         if colls is None:
@@ -426,7 +441,8 @@ def parse_strategy(text: str) -> dict[str, Any]:
 
 
 def available_strategies() -> list[str]:
-    """The default list: DDP fp32 and bf16, GTC, and whichever of the other schemes exist."""
+    """The default list: DDP fp32 and bf16, PowerSGD at rank 1 and 4, GTC (Strom's and the defaults), and
+    whichever of the other schemes exist."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     import gtc_lightning  # noqa: F401
@@ -644,6 +660,7 @@ def _collectives_of(row: dict, words: float | None = None) -> list[scaling.Colle
         word_bytes=row.get("word_bytes") or scaling.WORD_BYTES,
         period=int(facts.get("period", 1)),
         group_size=int(facts.get("group_size", 2)),
+        allreduces=tuple(facts.get("allreduces", ())),
     )
     return scaling.collectives(row["base"], row["world"], msg)
 
@@ -1141,9 +1158,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategies",
         nargs="+",
         default=None,
-        help="strategy names, with constructor options after ':' (bmuf:period=5,block_lr=1.0); default: ddp "
-        "ddp_bf16 gtc and whichever of gtc_stale ma bmuf bmuf_gtc dpsgd exist (periods 5); nocomm is "
-        "always added (the compute), and 'single' runs at 1 worker",
+        help="strategy names, with constructor options after ':' (bmuf:period=5,block_lr=1.0); default: "
+        f"{' '.join(DEFAULT_STRATEGIES)} and whichever of gtc_stale ma bmuf bmuf_gtc dpsgd exist (periods 5); "
+        "nocomm is always added (the compute), and 'single' runs at 1 worker",
     )
     add(
         "--tau",

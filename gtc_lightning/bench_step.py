@@ -9,7 +9,11 @@ moment of a noisy machine hits all of them. Per round and strategy it takes the 
 
 Strategies: ``ddp`` (fp32 all-reduce), ``ddp_bf16`` (bf16 all-reduce), ``gtc`` (Strom's gradient
 mode at the fixed ``--tau`` in 32-bit words, ``GTCStrategy(compress="gradient", coding="none")``, as
-every ``gtc_*`` here, not GTCStrategy's defaults; its exchange as ``--exchange`` says), ``gtc_rice``
+every ``gtc_*`` here but ``gtc_update``, not GTCStrategy's defaults; its exchange as ``--exchange`` says),
+``gtc_update`` (GTCStrategy's defaults as of 2026-11-28, asked for explicitly: each rank's optimizer steps
+on its own gradient and GTC compresses the step it made, a per-rank tau at density 3e-3, Golomb-Rice
+coded), ``powersgd_r1`` / ``powersgd_r4`` (torch's PowerSGD hook at rank 1 and 4, built as the model
+suite builds them; the bytes of every all-reduce the hook issues are counted), ``gtc_rice``
 (the same, Golomb-Rice coded), ``gtc_alltoall`` / ``gtc_allgather`` (the two word exchanges, uneven
 messages or padded to the longest), ``gtc_stale`` (one-step-stale GTC: the word exchange overlaps the next
 step), ``gtc_ddpbuckets`` (GTC in DDP's default 25 MB buckets, one threshold pass each, instead of
@@ -42,9 +46,19 @@ import time
 from pathlib import Path
 
 STRATEGIES = (
-    "ddp", "ddp_bf16", "gtc", "gtc_alltoall", "gtc_allgather", "gtc_rice", "gtc_stale", "gtc_ddpbuckets", "dpsgd",
-    "nocomm",
+    "ddp", "ddp_bf16", "gtc", "gtc_alltoall", "gtc_allgather", "gtc_rice", "gtc_stale", "gtc_ddpbuckets", "gtc_update",
+    "powersgd_r1", "powersgd_r4", "dpsgd", "nocomm",
 )
+# gtc_update: GTCStrategy()'s defaults on 2026-11-28 (hook.DEFAULT_DENSITY), pinned so that its rows keep
+# their meaning if the defaults move
+GTC_UPDATE = {"compress": "update", "tau": "auto", "target_density": 3e-3, "coding": "rice"}
+# PowerSGD as the model suite builds it: rank r, start_powerSGD_iter=2 (the fewest dense steps torch allows
+# with error feedback), PowerSGDState's other defaults; and in one DDP bucket (GTCStrategy's default cap),
+# because on gloo torch's hook deadlocks with two buckets in flight: each bucket's ``then`` callback
+# waits for its next all-reduce on one of gloo's two worker threads, and two such waits leave no thread
+# to run the all-reduces (the model suite's models, under 1 MB, have one bucket anyway)
+POWERSGD_RANKS = {"powersgd_r1": 1, "powersgd_r4": 4}
+POWERSGD_START_ITER = 2
 DDP_BUCKET_CAP_MB = 25  # gtc_ddpbuckets: DDP's own default bucket cap (GTCStrategy's is one bucket)
 MODELS = {"recipe": (5, 512, 150), "strom": (5, 1536, 2700)}
 INPUT_DIM = 17 * 40
@@ -93,18 +107,81 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def strategy_totals(strategy) -> dict[str, dict]:
+def strategy_totals(strategy, callbacks=()) -> dict[str, dict]:
     """Every ``*_stats`` property's step count and numeric running totals (``gtc_stats``,
-    ``sync_stats``, ...), copied: ``{name: {"step": int, "total": {key: float}}}``."""
+    ``sync_stats``, ...) of ``strategy`` and of ``callbacks`` (``powersgd_stats`` of
+    :func:`powersgd_meter`'s), copied: ``{name: {"step": int, "total": {key: float}}}``."""
     out = {}
-    for name in dir(type(strategy)):
-        if name.endswith("_stats") and isinstance(getattr(type(strategy), name, None), property):
-            stats = getattr(strategy, name)
-            total = stats.get("total") if isinstance(stats, dict) else None
-            if total:
-                numbers = {k: float(v) for k, v in total.items() if isinstance(v, (int, float))}
-                out[name] = {"step": int(stats.get("step", 0)), "total": numbers}
+    for owner in (strategy, *callbacks):
+        for name in dir(type(owner)):
+            if name.endswith("_stats") and isinstance(getattr(type(owner), name, None), property):
+                stats = getattr(owner, name)
+                total = stats.get("total") if isinstance(stats, dict) else None
+                if total:
+                    numbers = {k: float(v) for k, v in total.items() if isinstance(v, (int, float))}
+                    out[name] = {"step": int(stats.get("step", 0)), "total": numbers}
     return out
+
+
+def powersgd_meter():
+    """A callback that records every all-reduce torch's PowerSGD hook issues during ``fit`` (P, Q and the
+    uncompressed tensors of each bucket; the dense warm-up's through ``default_hooks``), step by step, as
+    the model suite counts them: by standing in for ``torch.distributed`` in the hook's modules.
+
+    Its ``powersgd_stats`` (``{"step", "total": {"bytes_sent", "allreduces"}}``) count the bytes each rank
+    puts on the wire in a ring all-reduce, ``2 (W-1)/W`` of each tensor's; ``sizes`` holds each finished
+    step's all-reduces as ``[numel, element bytes]`` in the order this rank issued them.
+    """
+    import lightning as L
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from gtc_lightning.hook import allreduce_bytes
+
+    class Recording:
+        """``torch.distributed`` as the hook modules see it, with ``all_reduce`` recorded."""
+
+        def __init__(self, meter) -> None:
+            self._meter = meter
+
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+            world = dist.get_world_size(group)
+            # list.append: atomic, also from the gloo thread that runs the hook's later ``then`` steps
+            self._meter._current.append((tensor.numel(), tensor.element_size(), world))
+            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    class PowerSGDMeter(L.Callback):
+        def __init__(self) -> None:
+            self.sizes: list[list[tuple[int, int]]] = []
+            self._current: list[tuple[int, int, int]] = []
+            self._bytes = 0
+            self._count = 0
+            self._saved = None
+
+        @property
+        def powersgd_stats(self) -> dict:
+            return {"step": len(self.sizes), "total": {"bytes_sent": self._bytes, "allreduces": self._count}}
+
+        def setup(self, trainer, pl_module, stage):
+            self._saved = (powerSGD_hook.dist, default_hooks.dist)
+            powerSGD_hook.dist = default_hooks.dist = Recording(self)
+
+        def teardown(self, trainer, pl_module, stage):
+            if self._saved is not None:
+                powerSGD_hook.dist, default_hooks.dist = self._saved
+                self._saved = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            # DDP waited for every bucket's future (the Q all-reduce last) before backward returned
+            step, self._current = self._current, []
+            self._bytes += sum(allreduce_bytes(n, world, size) for n, size, world in step)
+            self._count += len(step)
+            self.sizes.append([(n, size) for n, size, _ in step])
+
+    return PowerSGDMeter()
 
 
 def _make_strategy(name: str, tau: float, exchange: str):
@@ -113,7 +190,8 @@ def _make_strategy(name: str, tau: float, exchange: str):
     from lightning.pytorch.strategies import DDPStrategy
 
     from gtc_lightning import GTCStrategy
-    from gtc_lightning.baselines import BF16AllReduceStrategy, NoCommStrategy
+    from gtc_lightning.baselines import BF16AllReduceStrategy, NoCommStrategy, PowerSGDStrategy
+    from gtc_lightning.strategy import BUCKET_CAP_MB
 
     if name == "ddp":
         return DDPStrategy()
@@ -121,10 +199,17 @@ def _make_strategy(name: str, tau: float, exchange: str):
         return BF16AllReduceStrategy()
     if name == "nocomm":
         return NoCommStrategy()
+    if name in POWERSGD_RANKS:
+        return PowerSGDStrategy(
+            matrix_approximation_rank=POWERSGD_RANKS[name], start_powerSGD_iter=POWERSGD_START_ITER,
+            bucket_cap_mb=BUCKET_CAP_MB,
+        )
     if name == "dpsgd":
         from gtc_lightning import DPSGDStrategy
 
         return DPSGDStrategy(average_at_end=False)
+    if name == "gtc_update":  # the defaults, asked for: no fixed tau (``tau`` is not used)
+        return GTCStrategy(exchange=exchange, **GTC_UPDATE)
     # Every GTC variant is Strom's gradient mode at the fixed ``tau`` in 32-bit words (gtc_rice: Golomb-Rice
     # coded), what the published timings measured, whatever GTCStrategy's defaults (automatic tau, Rice
     # coding, the update mode). These three go only where the strategy has them, so that the same command
@@ -146,6 +231,11 @@ def _make_strategy(name: str, tau: float, exchange: str):
     return GTCStrategy(tau=tau, **options)
 
 
+def segment_warmup(strategy_name: str, warmup: int) -> int:
+    """Untimed steps of a segment: ``warmup``, and for PowerSGD at least its plain all-reduce steps."""
+    return max(warmup, POWERSGD_START_ITER) if strategy_name in POWERSGD_RANKS else warmup
+
+
 def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int, seed: int,
              callbacks=(), strategy=None) -> dict:
     """One ``fit`` of ``warmup + steps`` steps; returns per-step seconds and GTC statistics.
@@ -158,7 +248,8 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
     from torch.utils.data import DataLoader
 
     outputs = model_spec[2]
-    total = args.warmup + args.steps
+    warmup = segment_warmup(strategy_name, args.warmup)
+    total = warmup + args.steps
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(total * args.batch, INPUT_DIM, generator=g)
     y = torch.randint(0, outputs, (total * args.batch,), generator=g)
@@ -172,25 +263,30 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
             if pl_module.device.type == "cuda":
                 torch.cuda.synchronize(pl_module.device)  # the step's kernels finished, not just queued
             self.marks.append(time.perf_counter())
-            if len(self.marks) == args.warmup:
-                self.after_warmup = strategy_totals(trainer.strategy)
+            if len(self.marks) == warmup:
+                self.after_warmup = strategy_totals(trainer.strategy, trainer.callbacks)
+
+    from gtc_lightning.baselines import PowerSGDStrategy
 
     clock = Clock()
+    strategy = strategy or _make_strategy(strategy_name, args.tau, args.exchange)
+    # PowerSGD's all-reduces, recorded before the clock and the callbacks read a step's totals
+    meters = [powersgd_meter()] if isinstance(strategy, PowerSGDStrategy) else []
     trainer = L.Trainer(
-        accelerator=getattr(args, "accelerator", "cpu"), precision=getattr(args, "precision", "32-true"), devices=devices, num_nodes=num_nodes, strategy=strategy or _make_strategy(strategy_name, args.tau, args.exchange),
+        accelerator=getattr(args, "accelerator", "cpu"), precision=getattr(args, "precision", "32-true"), devices=devices, num_nodes=num_nodes, strategy=strategy,
         max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[clock, *callbacks], use_distributed_sampler=False,
+        enable_model_summary=False, callbacks=[*meters, clock, *callbacks], use_distributed_sampler=False,
     )  # fmt: skip
     # One item per batch, sliced rather than collated from single frames: on a GPU, collating 1024
     # frames one by one took longer than the step's compute (H100: ~7 of ~15 ms per step).
     batches = [(x[i : i + args.batch], y[i : i + args.batch]) for i in range(0, total * args.batch, args.batch)]
     data = DataLoader(batches, batch_size=None, shuffle=False)
     trainer.fit(make_dnn(model_spec, args.lr), data)
-    steps = [b - a for a, b in zip(clock.marks[args.warmup - 1 :], clock.marks[args.warmup :])]
+    steps = [b - a for a, b in zip(clock.marks[warmup - 1 :], clock.marks[warmup:])]
     out = {"step_s": statistics.median(steps), "steps": steps}
     # Statistics per timed step: the totals at the end less those after the warm-up (which hold the
     # first step's kernel compilation on a GPU).
-    end, start = strategy_totals(trainer.strategy), clock.after_warmup
+    end, start = strategy_totals(trainer.strategy, trainer.callbacks), clock.after_warmup
     timed = {}
     for name, stats in end.items():
         before = start.get(name, {"step": 0, "total": {}})
@@ -206,6 +302,10 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
     if "sync_stats" in timed:
         n, total_stats = timed["sync_stats"]
         out["sync"] = {key: total_stats[key] / n for key in ("bytes_sent", "exchange_s")}
+    if "powersgd_stats" in timed:
+        n, total_stats = timed["powersgd_stats"]
+        out["powersgd"] = {key: total_stats[key] / n for key in ("bytes_sent", "allreduces")}
+        out["powersgd"]["sizes"] = meters[0].sizes[-1]  # the last step's all-reduces, [numel, element bytes]
     return out
 
 
@@ -273,6 +373,11 @@ def summarize(data: dict) -> str:
             if fp32 and name in ("ddp", "ddp_bf16"):
                 sent_bytes = fp32 if name == "ddp" else fp32 / 2
                 sent, vs = f"{sent_bytes:,.0f}", f"{fp32 / sent_bytes:.1f}x / {fp32 / 2 / sent_bytes:.1f}x"
+            powersgd = [seg["powersgd"] for seg in segs if "powersgd" in seg]
+            if powersgd:
+                sent_bytes = statistics.mean(p["bytes_sent"] for p in powersgd)
+                sent = f"{sent_bytes:,.0f}"
+                vs = f"{fp32 / sent_bytes:.1f}x / {fp32 / 2 / sent_bytes:.1f}x" if fp32 and sent_bytes else "-"
             sync = [seg["sync"] for seg in segs if "sync" in seg]
             if sync:
                 sent_bytes = statistics.mean(s["bytes_sent"] for s in sync)

@@ -42,6 +42,12 @@ G ranks per group):
   to every other rank, then each rank's 4m bytes of words to every other rank, both by all-to-all
   (the hook's exchange on gloo). ``gtc_allgather``: header and words by all-gather, the words
   padded to the longest message (``max_words``).
+- ``gtc_update`` (GTC on each rank's optimizer step): first an all-reduce of one int64 non-finite
+  flag per rank (8W bytes), then the header (24 bytes) and the words as ``gtc``, at the bytes per word
+  they were sent in (Golomb-Rice coded: ~10 bits).
+- ``powersgd_r1``, ``powersgd_r4`` (torch's PowerSGD hook): the ring all-reduces it issued in a
+  measured step, each bucket's uncompressed tensors, P and Q (``allreduces``: their bytes); unknown
+  (None) without them.
 - ``ma``, ``bmuf``: every K steps a ring all-reduce of 4n bytes.
 - ``bmuf_gtc`` (two tiers): GTC within groups of G ranks every step; every K steps the groups'
   representatives all-reduce 4n bytes and broadcast the result within their group.
@@ -208,6 +214,9 @@ PATTERNS = (
     "gtc_allgather",
     "gtc_stale",
     "gtc_rice",
+    "gtc_update",
+    "powersgd_r1",
+    "powersgd_r4",
     "ma",
     "bmuf",
     "bmuf_gtc",
@@ -230,6 +239,8 @@ class Messages:
         word_bytes: bytes per word as sent (4; less with entropy coding).
         period: K, steps between two model averagings (ma, bmuf, bmuf_gtc).
         group_size: G, ranks per group (bmuf_gtc).
+        allreduces: bytes of each all-reduce of a step, in order (PowerSGD: measured, as its hook
+            issued them).
     """
 
     numel: int
@@ -238,6 +249,7 @@ class Messages:
     word_bytes: float = WORD_BYTES
     period: int = 1
     group_size: int = 2
+    allreduces: tuple[float, ...] = ()
 
 
 def collectives(strategy: str, world: int, msg: Messages) -> list[Collective] | None:
@@ -252,6 +264,10 @@ def collectives(strategy: str, world: int, msg: Messages) -> list[Collective] | 
         return [Collective("allreduce", 2 * n, w)]
     if strategy in ("gtc", "gtc_alltoall", "gtc_stale", "gtc_rice"):
         return words
+    if strategy == "gtc_update":
+        return [Collective("allreduce", 8 * w, w), *words]
+    if strategy.startswith("powersgd"):
+        return [Collective("allreduce", size, w) for size in msg.allreduces] if msg.allreduces else None
     if strategy == "gtc_allgather":
         longest = msg.max_words if msg.max_words is not None else msg.words
         return [

@@ -175,3 +175,19 @@ def test_measure_sync_work_times_each_scheme_in_one_or_several_processes():
         assert set(work) == {"ma", "bmuf", "bmuf_gtc"} and all(v > 0 for v in work.values())
     with pytest.raises(ValueError, match="processes 0"):
         bench_cluster.measure_sync_work((2, 16, 8), processes=0)
+
+
+def test_replay_of_powersgd_and_gtc_update_is_what_they_send():
+    """The replay and the model run what each strategy sent: PowerSGD the all-reduces its hook issued
+    (their measured bytes, from the row's facts; none measured, no replay), gtc_update the non-finite
+    flags' all-reduce (one int64 a rank), then the header and the words at their coded bytes per word."""
+    assert bench_cluster.build_strategy("gtc_update", 0.02, {}).compress == "update"
+    sizes = [40, 160, 2848]
+    row = {"base": "powersgd_r1", "world": 4, "weights": 10**6, "words": None, "facts": {"allreduces": sizes}}
+    assert bench_cluster._collectives_of(row) == [scaling.Collective("allreduce", size, 4) for size in sizes]
+    assert scaling.collectives("powersgd_r4", 4, scaling.Messages(numel=10**6)) is None
+    row = {"base": "gtc_update", "world": 4, "weights": 10**6, "words": 3000.0, "word_bytes": 1.2, "facts": {}}
+    assert bench_cluster._collectives_of(row) == [
+        scaling.Collective("allreduce", 32, 4), scaling.Collective("alltoall", scaling.HEADER_BYTES, 4),
+        scaling.Collective("alltoall", 1.2 * 3000.0, 4)]  # fmt: skip
+    assert "gtc_update" in bench_cluster.GTC_LIKE  # its bytes per word are read from its statistics

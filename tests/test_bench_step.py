@@ -47,3 +47,51 @@ def test_gpu_option_needs_gpus(capsys):
     with pytest.raises(SystemExit):
         bench_step.main(["--accelerator", "gpu", "--world", "1", "--out", "/nonexistent/x.json"])
     assert "needs 1 visible GPUs, found 0" in capsys.readouterr().err
+
+
+def test_new_names_build_powersgd_as_the_model_suite_and_gtc_update_as_the_defaults():
+    """powersgd_r1/r4 are the model suite's PowerSGD (rank r, start_powerSGD_iter=2) in one DDP bucket;
+    gtc_update asks for what GTCStrategy() does today: the optimizer's step, automatic tau at density
+    3e-3, Rice coding (a fixed-tau ``gtc`` stays Strom's gradient mode)."""
+    from gtc_lightning import GTCStrategy, PowerSGDStrategy
+    from gtc_lightning.strategy import BUCKET_CAP_MB
+    from gtc_lightning.tools.model_suite import METHODS
+
+    for name, rank in bench_step.POWERSGD_RANKS.items():
+        built = bench_step._make_strategy(name, 1e-2, "auto")
+        assert isinstance(built, PowerSGDStrategy)
+        assert built._powersgd_kwargs == METHODS[name]()._powersgd_kwargs
+        assert built._powersgd_kwargs["matrix_approximation_rank"] == rank
+        assert built._ddp_kwargs["bucket_cap_mb"] == BUCKET_CAP_MB
+    update = bench_step._make_strategy("gtc_update", 1e-2, "auto")
+    defaults = GTCStrategy()
+    assert (update.compress, update.tau, update.target_density, update.coding) == (
+        "update", "auto", defaults.target_density, defaults.coding)  # fmt: skip
+    assert defaults.compress == "auto" and defaults.tau == "auto"  # auto: "update" for one optimizer
+    gtc = bench_step._make_strategy("gtc", 1e-2, "auto")
+    assert (gtc.compress, gtc.tau, gtc.coding) == ("gradient", 1e-2, "none")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        bench_step._make_strategy("powersgd_r2", 1e-2, "auto")
+
+
+@pytest.mark.parametrize("rank", [1, 4])
+def test_powersgd_meter_records_the_hooks_all_reduces(rank):
+    """The recipe's DNN on one rank, a compressed step: one bucket, three all-reduces, the biases whole,
+    then P (``[rows, r]`` of every weight matrix) and Q (``[columns, r]``); at W ranks each costs the
+    ring's 2 (W-1)/W of its bytes. A few seconds."""
+    from argparse import Namespace
+
+    from gtc_lightning.hook import allreduce_bytes
+
+    layers, hidden, outputs = spec = bench_step.MODELS["recipe"]
+    rows = [hidden] * layers + [outputs]  # Linear weights are [out, in]: rows = outputs, columns = inputs
+    columns = [bench_step.INPUT_DIM] + [hidden] * layers
+    args = Namespace(warmup=1, steps=2, batch=8, lr=0.1, tau=1e-3, exchange="auto")
+    seg = bench_step._segment(args, spec, f"powersgd_r{rank}", devices=1, num_nodes=1, seed=0)
+    # the window opens after PowerSGD's two plain all-reduce steps whatever the warm-up asked for
+    assert len(seg["steps"]) == 2
+    assert seg["powersgd"]["sizes"] == [(sum(rows), 4), (rank * sum(rows), 4), (rank * sum(columns), 4)]
+    assert seg["powersgd"]["allreduces"] == 3 and seg["powersgd"]["bytes_sent"] == 0  # one rank sends nothing
+    for world in (2, 4):
+        sent = sum(allreduce_bytes(n, world, size) for n, size in seg["powersgd"]["sizes"])
+        assert sent == 2 * (world - 1) * 4 * (sum(rows) + rank * (sum(rows) + sum(columns))) // world
