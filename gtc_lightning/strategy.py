@@ -65,11 +65,11 @@ class GTCStrategy(DDPStrategy):
 
     With no arguments (``strategy="gtc"``) nothing presumes a gradient scale or an optimizer:
     ``compress="auto"`` compresses what each rank's optimizer applies (:mod:`gtc_lightning.update`),
-    ``tau="auto"`` picks each step's threshold so that every rank sends about ``3e-3`` of the
+    ``tau="auto"`` picks each step's threshold so that every rank sends about ``1e-2`` of the
     parameters as words (:data:`~gtc_lightning.hook.DEFAULT_DENSITY`), and ``coding="rice"`` sends
     those words Golomb-Rice coded (~10 bits a word instead of 32). A fp32 ring all-reduce sends
-    ``64 / (W * density * bits a word)`` times the bytes: ~530x at 4 ranks (the model suite,
-    ``python -m gtc_lightning.tools.model_suite``, measures it). GTC's own memory: 8 bytes a parameter.
+    ``64 / (W * density * bits a word)`` times the bytes: 140-170x at 4 ranks in the model suite
+    (``python -m gtc_lightning.tools.model_suite``). GTC's own memory: 8 bytes a parameter.
 
     Args:
         tau: the threshold. Each rank adds to a per-element residual (the gradient, or with
@@ -95,7 +95,7 @@ class GTCStrategy(DDPStrategy):
         backend: the compression kernels: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"``,
             or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests).
         target_density: the words each rank sends per element and step (density), for automatic
-            tau; None with ``tau="auto"``: 3e-3. With ``compress="update"`` each rank's threshold is
+            tau; None with ``tau="auto"``: 1e-2. With ``compress="update"`` each rank's threshold is
             the ``1 - target_density`` quantile of its residual, every step (the density is met
             exactly); with ``"gradient"`` one tau for all ranks moves after every step towards it
             (:mod:`gtc_lightning.auto_tau`), starting where the first step's gradients put it, or at

@@ -67,6 +67,14 @@ METHODS: dict[str, Callable[..., Strategy]] = {
     "gtc_auto_1e-3": partial(GTCStrategy, tau="auto", target_density=1e-3),
     # Strom's GTC as the paper has it, whatever the defaults: the gradient, fixed tau, 32-bit words
     "gtc_strom_1e-2": partial(GTCStrategy, compress="gradient", tau=1e-2, coding="none"),
+    # The density sweep: the update mode (the defaults' mode) and Strom's gradient mode, automatic tau, Rice
+    "gtc_1e-2": partial(GTCStrategy, target_density=1e-2),
+    "gtc_3e-2": partial(GTCStrategy, target_density=3e-2),
+    "gtc_1e-1": partial(GTCStrategy, target_density=1e-1),
+    "gtc_3e-1": partial(GTCStrategy, target_density=3e-1),
+    "gtc_gradient_1e-2": partial(GTCStrategy, compress="gradient", target_density=1e-2),
+    "gtc_gradient_3e-3": partial(GTCStrategy, compress="gradient", target_density=3e-3),
+    "gtc_gradient_3e-2": partial(GTCStrategy, compress="gradient", target_density=3e-2),
 }
 
 # Optimizer steps per run: where DDP's held-out loss has stopped improving (see the printed curves).
