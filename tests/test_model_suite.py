@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import default_collate
 
 from gtc_lightning import PowerSGDStrategy
-from gtc_lightning.hook import allreduce_bytes
+from gtc_lightning.hook import DEFAULT_DENSITY, allreduce_bytes
 from gtc_lightning.tools import model_suite
 from gtc_lightning.tools.suite_data import frames_task, grating_task, hmm_task, markov_task
 from gtc_lightning.tools.suite_models import MODELS
@@ -147,7 +147,7 @@ def _runs(results, method):
 
 def test_quick_suite_every_cell(quick):
     _, results = quick
-    assert len(results) == len(model_suite.QUICK_MODELS) * len(model_suite.METHODS)
+    assert len(results) == len(model_suite.QUICK_MODELS) * len(model_suite.DEFAULT_METHODS)
     for r in results:
         assert "error" not in r, r
         assert math.isfinite(r["final_loss"]) and r["replicas_identical"], r
@@ -171,13 +171,18 @@ def test_quick_suite_dense_bytes_are_the_ring_formula(quick):
 
 def test_quick_suite_gtc_bytes_are_its_stats(quick):
     _, results = quick
-    for r in _runs(results, "gtc") + _runs(results, "gtc_auto_1e-3") + _runs(results, "gtc_strom_1e-2"):
+    gtc = [r for r in results if r["method"].startswith("gtc")]
+    assert {"gtc", "gtc_3e-3", "gtc_3e-2", "gtc_strom_1e-2"} <= {r["method"] for r in gtc}
+    for r in gtc:
         assert r["bytes_total"] == pytest.approx(sum(r["gtc_bytes_sent"]) / 2)
         assert r["gtc_allreduce_fp32_bytes"] == r["steps"] * allreduce_bytes(r["numel"], 2, 4)
         assert 0 < r["density"] < 1
-        if r["method"] == "gtc_auto_1e-3":  # (the default tau may fall back to dense steps; auto adapts)
-            assert r["ratio_fp32"] > 2 and r["gtc_dense_steps"] < r["steps"]
-        assert r["memory_bytes_per_param"] >= 8  # at least the residual and the next one, float32
+        if r["method"] != "gtc_strom_1e-2":  # the update mode: its density target, met every step
+            target = {"gtc": DEFAULT_DENSITY, "gtc_3e-3": 3e-3, "gtc_3e-2": 3e-2}[r["method"]]
+            assert target / 2 < r["density"] < target * 1.5 and r["gtc_dense_steps"] == 0
+            assert 8 <= r["memory_bytes_per_param"] < 8.1  # the residual and the scratch buffer (and the coded message)
+        else:
+            assert r["memory_bytes_per_param"] >= 8
 
 
 def _powersgd_bytes_per_step(model_name: str, rank: int) -> int:
@@ -211,7 +216,7 @@ def test_quick_suite_files(quick):
     assert json.loads((out / "results.json").read_text())[0]["model"] == results[0]["model"]
     table = (out / "results.md").read_text()
     assert "## 2 ranks" in table and "best possible loss" in table
-    for method in model_suite.METHODS:
+    for method in model_suite.DEFAULT_METHODS:
         assert f"| {method} |" in table
     for name in model_suite.QUICK_MODELS:
         assert (out / f"loss_vs_bytes_{name}.png").stat().st_size > 10_000
