@@ -43,11 +43,13 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from gtc_lightning.hook import (
+    FALLBACK_ENTER,
     GTCState,
     StepStats,
     all_finite,
@@ -245,6 +247,16 @@ def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, f
     )  # fmt: skip
     if state.target_density is not None:
         state.tau, state.tau32 = tau32, tau32
+    elif stats.share > FALLBACK_ENTER and not state._warned_fallback and rank == 0:
+        state._warned_fallback = True
+        warnings.warn(
+            f"GTC (compress='update'): at optimizer step {state.step} the words of up to {max(counts)} of {numel} "
+            f"elements (density {max(counts) / max(numel, 1):.2%}) sent more bytes than a bf16 all-reduce, at the "
+            f"fixed tau={tau32:g}. In this mode tau is in units of the optimizer's step over its learning rate "
+            "(Adam's: about 1 a step): use tau='auto' with a target_density (the default), or a larger tau",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     state._record(stats)
     state._last_consumed = True
     state.settle()

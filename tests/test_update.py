@@ -221,3 +221,11 @@ def test_fabric_picks_update_for_adamw_and_saves_every_ranks_optimizer(tmp_path)
 def test_update_with_stale_is_refused():
     with pytest.raises(ValueError, match="stale=True.*compress='gradient'"):
         GTCStrategy(stale=True, compress="update")
+
+
+def test_a_fixed_tau_far_below_the_optimizers_steps_is_named(tmp_path):
+    """A fixed tau of 1e-2 in the update mode of AdamW (whose steps over its rate are about 1): nearly
+    every element sends a word every step; warned about once with tau and the fix."""
+    _, ranks = fit(tmp_path, model=AdamMLP(), max_epochs=1, compress="update", tau=0.01)
+    warned = [w for w in ranks[0]["warnings"] if "sent more bytes than a bf16 all-reduce" in w]
+    assert len(warned) == 1 and "tau=0.01" in warned[0] and "tau='auto'" in warned[0]
