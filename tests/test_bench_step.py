@@ -51,8 +51,8 @@ def test_gpu_option_needs_gpus(capsys):
 
 def test_new_names_build_powersgd_as_the_model_suite_and_gtc_update_as_the_defaults():
     """powersgd_r1/r4 are the model suite's PowerSGD (rank r, start_powerSGD_iter=2) in one DDP bucket;
-    gtc_update asks for what GTCStrategy() does today: the optimizer's step, automatic tau at density
-    3e-3, Rice coding (a fixed-tau ``gtc`` stays Strom's gradient mode)."""
+    gtc_update asks for what GTCStrategy() does today: the optimizer's step, automatic tau at the default
+    density, Rice coding (a fixed-tau ``gtc`` stays Strom's gradient mode)."""
     from gtc_lightning import GTCStrategy, PowerSGDStrategy
     from gtc_lightning.strategy import BUCKET_CAP_MB
     from gtc_lightning.tools.model_suite import METHODS
