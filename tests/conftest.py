@@ -42,3 +42,16 @@ def _one_torch_thread():
     fork-started ranks of the next test never inherit a multi-threaded OpenMP state."""
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A test that runs a one-rank DDP fit in the pytest process leaves torch's default process group
+    (and gloo's threads) behind, and Lightning keeps it; a later test's fork-started ranks then
+    inherit it, skip their own ``init_process_group`` and wait forever on a group whose threads
+    did not survive the fork. Destroy it after every test."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
