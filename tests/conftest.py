@@ -44,14 +44,25 @@ def _one_torch_thread():
     yield
 
 
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE",
+               "LOCAL_WORLD_SIZE")
+
+
 @pytest.fixture(autouse=True)
 def _no_process_group_left():
     """A test that runs a one-rank DDP fit in the pytest process leaves torch's default process group
     (and gloo's threads) behind, and Lightning keeps it; a later test's fork-started ranks then
     inherit it, skip their own ``init_process_group`` and wait forever on a group whose threads
-    did not survive the fork. Destroy it after every test."""
+    did not survive the fork. Destroy it after every test, and put back the launch variables
+    (``MASTER_PORT``, ...) that Lightning wrote into the pytest process's environment."""
+    before = {name: os.environ.get(name) for name in _LAUNCH_ENV}
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
