@@ -7,7 +7,7 @@ still applies the same update at the same step, so the replicas stay bit-identic
 optimizer applies at step t is computed from the gradients of step t-1 (staleness 1).
 
 Per optimizer step t, at the hook's last bucket, after thresholding, the header exchange and the
-skip / dense decision of :func:`gtc_lightning.hook.gtc_hook` (steps 2-4 there, unchanged, with the
+skip / dense decision of :func:`gtc_lightning.algorithms.gtc.hook.gtc_hook` (steps 2-4 there, unchanged, with the
 step's one host synchronisation):
 
 1. Skip (a non-finite value on some rank): nothing is sent and nothing applied at step t, the
@@ -27,9 +27,10 @@ step's one host synchronisation):
 Decoding uses the synchronous mode's kernels and float32 arithmetic, times the loss scale of the
 applying step's backward (which the scaler divides out at that step). A vote is worth the tau of
 the step that sent it over the world size: with automatic tau (``target_density``) tau moves after
-every step, so the exchange in flight keeps its own tau (``InFlight.tau32``, and ``"tau32"`` in a
-checkpoint's pending entry). DDP rebuilds its buckets after
-the first step, under an exchange in flight: its words then move with their parameters (by name) first.
+every step, so the exchange in flight keeps its own tau (``tau32`` of its
+:class:`~gtc_lightning.algorithms.gtc.inflight.InFlight`, and ``"tau32"`` in a checkpoint's pending
+entry). DDP rebuilds its buckets after the first step, under an exchange in flight: its words then
+move with their parameters (by name) first.
 
 Where the exchange in flight goes:
 
@@ -43,7 +44,7 @@ Where the exchange in flight goes:
   The parameters after the last step hold every update but the last step's, which stays pending in
   the state and in any checkpoint saved after the fit, and is applied first by a fit that resumes.
 - Parameters no rank used in the applying step's backward (``find_unused_parameters``) get no
-  gradient from DDP: :func:`finish_stale` hands them their part of the update.
+  gradient from DDP: :meth:`GTCState.finish_step` hands them their part of the update.
 - Several optimizers are refused by the strategy: the update would reach whichever optimizer
   steps after the next backward pass.
 
@@ -55,64 +56,14 @@ handed to the optimizer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-from gtc_lightning.hook import (
-    GTCState,
-    StepStats,
-    allreduce_bytes,
-    decode_coded,
-    decode_dense,
-    dense_rounding,
-    feed_back,
-    reduce_dense,
-    send_coded,
-    send_words,
-    sparse_rounding,
-    word_scale,
-)
+from gtc_lightning.algorithms.common import allreduce_bytes
+from gtc_lightning.algorithms.gtc.decode import decode_dense, dense_rounding, sparse_rounding, valid_words
+from gtc_lightning.algorithms.gtc.exchange import feed_back, reduce_dense, send_coded, send_words, word_scale
+from gtc_lightning.algorithms.gtc.inflight import InFlight
+from gtc_lightning.algorithms.gtc.state import GTCState
 from gtc_lightning.ops.torch_ops import INDEX_MASK, SIGN_BIT
-
-
-@dataclass
-class InFlight:
-    """An exchange launched at one step, applied at a later one.
-
-    Attributes:
-        step: the optimizer step that launched it.
-        kind: ``"sparse"`` (words: vote counts times ``tau / world``) or ``"dense"`` (sums of the ranks'
-            residual + gradient, divided by ``world``).
-        world: the ranks that took part.
-        tau32: sparse: the float32 tau the words were thresholded with (automatic tau moves it
-            before they are applied).
-        work: the collective's handle until it was waited for.
-        words: sparse: the received words, ``[m]`` or ``[W * width]`` with ``lengths``.
-        lengths: valid words per row of a padded all-gather, else None.
-        coded: sparse with ``coding="rice"``: the received bytes until decoded into ``words``.
-        sizes: the ranks' coded message bytes; ``width``: the padded row length of an all-gather of
-            coded messages, else None.
-        sums: dense: ``[capacity]`` float32 sums, laid out as ``slots``.
-        slots: the flat layout it was launched in (parameter name -> (offset, numel)).
-        vector: ``[sum(numels)]`` float32 in parameter order (vote counts or sums), when restored
-            from a checkpoint.
-    """
-
-    step: int
-    kind: str
-    world: int
-    tau32: float | None = None
-    work: Any = None
-    words: torch.Tensor | None = None
-    lengths: list[int] | None = None
-    coded: torch.Tensor | None = None
-    sizes: list[int] | None = None
-    width: int | None = None
-    sums: torch.Tensor | None = None
-    slots: dict | None = None
-    vector: torch.Tensor | None = None
 
 
 def exchange_stale(
@@ -183,19 +134,10 @@ def _launch_dense(state: GTCState, unused: list, own: int, numel: int) -> tuple[
     return flight, sent, sent
 
 
-def _received_words(flight: InFlight) -> None:
-    """A Rice-coded exchange's words, decoded (``flight.coded`` -> ``words``); the callers have
-    waited for the exchange."""
-    if flight.coded is None:
-        return
-    flight.words, flight.lengths = decode_coded(flight.coded, flight.sizes, flight.width), None
-    flight.coded = flight.sizes = flight.width = None
-
-
 def _apply(state: GTCState, flight: InFlight, outputs: list) -> list:
     """Decode ``flight`` into the bucket buffers of the step in progress; returns what low-precision
-    buckets rounded off (:func:`~gtc_lightning.hook.feed_back`)."""
-    _received_words(flight)
+    buckets rounded off (:func:`~gtc_lightning.algorithms.gtc.exchange.feed_back`)."""
+    flight.received_words()
     if flight.kind == "sparse" and flight.slots is not None and flight.slots is not state._slots:
         flight.words, flight.lengths = _relayout_words(flight.words, flight.lengths, flight.slots, state._slots)
         flight.slots = state._slots
@@ -209,7 +151,7 @@ def _apply(state: GTCState, flight: InFlight, outputs: list) -> list:
         return dense_rounding(flight.sums, flight.world, outputs, state.grad_scale)
     flat = torch.zeros(sum(state.numels), dtype=torch.float32, device=state._counts.device)
     for name, n, part in zip(
-        state.param_names, state.numels, pending_vector(state, flight).split(state.numels)
+        state.param_names, state.numels, flight.vector_in(state.param_names, state.numels).split(state.numels)
     ):
         if name in state._slots:
             offset, _ = state._slots[name]
@@ -228,9 +170,7 @@ def _relayout_words(words: torch.Tensor, lengths: list[int] | None, old: dict, n
     (DDP rebuilt its buckets under the exchange in flight): each word moves with its parameter,
     O(words). Returns ``(words, None)``, all valid, no longer in ascending order (decoding counts
     votes, so the order does not change a bit)."""
-    if lengths is not None:
-        rows = words.view(len(lengths), -1)
-        words = torch.cat([rows[r, :n] for r, n in enumerate(lengths)])
+    words = valid_words(words, lengths)
     names = sorted((name for name in old if name in new), key=lambda name: old[name][0])
     starts = torch.tensor([old[name][0] for name in names], dtype=torch.int64, device=words.device)
     moved = torch.tensor([new[name][0] for name in names], dtype=torch.int64, device=words.device)
@@ -238,119 +178,3 @@ def _relayout_words(words: torch.Tensor, lengths: list[int] | None, old: dict, n
     which = torch.searchsorted(starts, index, right=True) - 1
     index = index - starts[which] + moved[which]
     return index.int() | (words & SIGN_BIT), None
-
-
-def pending_vector(state: GTCState, flight: InFlight) -> torch.Tensor:
-    """``flight``'s update as ``[sum(numels)]`` float32 in parameter order: vote counts (sparse) or
-    sums (dense), zero for parameters outside its layout. Waits for it first."""
-    if flight.vector is not None:
-        return flight.vector
-    if flight.work is not None:
-        flight.work.wait()
-        flight.work = None
-    _received_words(flight)
-    if flight.kind == "sparse":
-        words = flight.words
-        if flight.lengths is not None:
-            rows = words.view(len(flight.lengths), -1)
-            words = torch.cat([rows[r, :n] for r, n in enumerate(flight.lengths)])
-        flat = torch.zeros(sum(state.numels), dtype=torch.float32, device=words.device)
-        flat.index_add_(0, (words & INDEX_MASK).long(), torch.where(words < 0, -1.0, 1.0).to(torch.float32))
-    else:
-        flat = flight.sums
-    parts = []
-    for name, n in zip(state.param_names, state.numels):
-        offset, _ = flight.slots.get(name, (None, n))
-        parts.append(flat[offset : offset + n] if offset is not None else flat.new_zeros(n))
-    return torch.cat(parts) if parts else flat.new_zeros(0)
-
-
-def pending_by_name(state: GTCState, flight: InFlight) -> tuple[InFlight, dict[str, torch.Tensor]]:
-    """``flight`` (waited for) and its update per parameter name, before the state is bound to
-    another set of parameters (:meth:`GTCState.rebind`)."""
-    vector = pending_vector(state, flight)
-    return flight, dict(zip(state.param_names, vector.split(state.numels)))
-
-
-def pending_in_order(state: GTCState, flight: InFlight, parts: dict[str, torch.Tensor]) -> InFlight:
-    """``flight`` as a vector in the rebound state's parameter order (zero for new parameters),
-    applied through the generic path at the next step, in whatever layout DDP builds then."""
-    vector = torch.cat(
-        [
-            parts[name] if name in parts and parts[name].numel() == n else _zeros(parts, n)
-            for name, n in zip(state.param_names, state.numels)
-        ]
-    ) if state.numels else torch.zeros(0)
-    return InFlight(step=flight.step, kind=flight.kind, world=flight.world, tau32=flight.tau32, vector=vector)
-
-
-def _zeros(parts: dict[str, torch.Tensor], n: int) -> torch.Tensor:
-    like = next(iter(parts.values()), None)
-    return torch.zeros(n, dtype=torch.float32, device=like.device if like is not None else "cpu")
-
-
-def drain(state: GTCState) -> InFlight | None:
-    """Wait for the exchange in flight, if any (checkpoints, end of fit); it stays pending."""
-    flight = state._in_flight
-    if flight is not None and flight.work is not None:
-        flight.work.wait()
-        flight.work = None
-    return flight
-
-
-def pending_entry(state: GTCState) -> dict | None:
-    """The exchange in flight, drained, for a checkpoint: ``{"step", "kind", "world", "vector", "tau32"}``
-    (``tau32``: what a vote of a sparse update is worth times ``world``; None for a dense one)."""
-    flight = drain(state)
-    if flight is None:
-        return None
-    vector = pending_vector(state, flight).to("cpu", copy=True)
-    tau32 = None if flight.kind == "dense" else (state.tau32 if flight.tau32 is None else flight.tau32)
-    return {"step": flight.step, "kind": flight.kind, "world": flight.world, "vector": vector, "tau32": tau32}
-
-
-def load_pending(state: GTCState, entry: dict, device: torch.device) -> None:
-    """Restore a checkpoint's pending update: applied at the next step (``stale``), or added to every
-    rank's residual otherwise (the mean residual is the update still to come, so nothing is lost)."""
-    vector = entry["vector"].to(device=device, dtype=torch.float32)
-    tau32 = entry.get("tau32")  # None: a checkpoint from before tau was saved with it (fixed tau)
-    if state.stale:
-        state._in_flight = InFlight(
-            step=entry["step"], kind=entry["kind"], world=entry["world"], tau32=tau32, vector=vector
-        )
-        return
-    if entry["kind"] == "sparse":
-        update = vector * (state.tau32 if tau32 is None else tau32) / entry["world"]
-    else:
-        update = vector / entry["world"]
-    state.load_residual_vector(state.residual_vector(device) + update)
-
-
-def finish_stale(state: GTCState, parameters: list, stats: StepStats, loss_scaler: bool) -> None:
-    """The optimizer's view of a stale step that was not skipped (called by ``finish_step``).
-
-    Nothing applied (the first compressed step): no gradients, so that the optimizer does not move
-    (zeros stay under a loss scaler). Parameters that no rank used in this backward keep
-    ``grad = None`` under DDP, although the update being applied, an earlier step's, may move them:
-    they get their part of it from the bucket buffers (checked only for them).
-    """
-    if stats.mode not in ("sparse", "dense"):
-        return
-    if stats.applied is None:
-        if not loss_scaler:
-            for p in parameters:
-                p.grad = None
-        return
-    if state._used is None or not state._applied:
-        return
-    for p in parameters:
-        name = state._name_of.get(id(p))
-        if p.grad is not None or name not in state._slots:
-            continue
-        offset, n = state._slots[name]
-        for start, buffer in state._applied:
-            if start <= offset < start + buffer.numel():
-                values = buffer[offset - start : offset - start + n]
-                if bool(values.any()):
-                    p.grad = values.view_as(p).clone()
-                break

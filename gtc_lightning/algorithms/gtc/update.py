@@ -48,24 +48,18 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gtc_lightning.hook import (
-    FALLBACK_ENTER,
-    GTCState,
-    StepStats,
-    all_finite,
-    allreduce_bytes,
-    decode_coded,
-    send_coded,
-    send_header,
-    send_words,
-)
+from gtc_lightning.algorithms.common import all_finite, allreduce_bytes
+from gtc_lightning.algorithms.gtc.config import FALLBACK_ENTER, WORD_BYTES, f32
+from gtc_lightning.algorithms.gtc.decode import decode_coded
+from gtc_lightning.algorithms.gtc.exchange import send_coded, send_header, send_words
+from gtc_lightning.algorithms.gtc.state import GTCState
+from gtc_lightning.algorithms.gtc.stats import StepStats
 from gtc_lightning.ops import torch_ops
 from gtc_lightning.ops.rice import rice_encode
 from gtc_lightning.ops.torch_ops import INDEX_MASK
 
 SAMPLE = 1 << 16  # residual elements the per-rank threshold is estimated from (a strided sample)
 _HEADER = 3  # int64 values per rank: words, message bytes, tau (float64 bits)
-_WORD_BYTES = 4
 
 
 def rank_tau(residual: torch.Tensor, density: float) -> float:
@@ -205,7 +199,7 @@ def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, f
             state._coded = rice_encode(message[:own])
             size = state._coded.numel()
         else:
-            size = own * _WORD_BYTES
+            size = own * WORD_BYTES
         tau_bits = torch.tensor([tau32], dtype=torch.float64).view(torch.int64)
         header = torch.cat([torch.tensor([own, size], dtype=torch.int64), tau_bits]).to(residual.device)
         headers = send_header(state, header).view(world, _HEADER).cpu()
@@ -226,7 +220,7 @@ def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, f
         scratch.zero_()
         for r, part in enumerate(_rank_words(words, lengths, counts)):
             if part.numel():
-                scale = _f32(_f32(taus[r]) / world)
+                scale = f32(f32(taus[r]) / world)
                 scratch.index_add_(
                     0, (part & INDEX_MASK).long(), torch.where(part < 0, -scale, scale).to(torch.float32)
                 )
@@ -284,7 +278,3 @@ def _rank_words(words: torch.Tensor, lengths: list[int] | None, counts: list[int
         return list(words.split(counts))
     rows = words.view(len(lengths), -1)
     return [rows[r, :n] for r, n in enumerate(lengths)]
-
-
-def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
