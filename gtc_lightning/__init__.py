@@ -4,7 +4,9 @@ Importing the package registers the strategy names ``"gtc"`` (processes started 
 the script, Lightning's default), ``"gtc_spawn"``, ``"gtc_fork"`` and ``"gtc_notebook"``, each
 also as ``..._find_unused_parameters_true`` / ``_false`` (as Lightning names its DDP variants).
 The other strategies of the family are registered the same way: ``"ma"`` (periodic model
-averaging, :mod:`gtc_lightning.averaging`), ``"bmuf"`` and ``"bmuf_gtc"`` (:mod:`gtc_lightning.bmuf`).
+averaging, :mod:`gtc_lightning.strategies.averaging`), ``"bmuf"`` and ``"bmuf_gtc"``
+(:mod:`gtc_lightning.strategies.bmuf`), ``"dpsgd"``, and the dense baselines ``"ddp_bf16"`` and
+``"ddp_powersgd"``; Fabric's registry gets ``"gtc"`` too.
 Processes started by re-running the script import the package again through the script itself,
 so they know the names too. Use it in a Lightning project like this::
 
@@ -13,7 +15,7 @@ so they know the names too. Use it in a Lightning project like this::
     from gtc_lightning import GTCStrategy
 
     model, data = MyLightningModule(), MyDataModule()
-    # by name, with the defaults (tau=1e-2):
+    # by name, with the defaults (tau="auto" at density 1e-2, Rice coding, compress="auto"):
     trainer = L.Trainer(accelerator="gpu", devices=8, strategy="gtc")
     # or configured: threshold, 100 dense warmup steps, replica check every 1000 steps
     strategy = GTCStrategy(tau=1e-2, warmup_steps=100, check_replicas_every=1000, bucket_cap_mb=25)
@@ -22,6 +24,13 @@ so they know the names too. Use it in a Lightning project like this::
     print(trainer.strategy.gtc_stats["total"]["ratio_bf16"])  # bf16 all-reduce bytes per byte sent
 
 ``tau`` works best near 15x the per-rank gradient RMS; see DESIGN.md for measurements.
+
+The package is laid out in layers (docs/architecture.md): :mod:`gtc_lightning.ops` (kernels and
+their torch twins), :mod:`gtc_lightning.algorithms` (GTC and the averaging family, torch only),
+:mod:`gtc_lightning.strategies` (the Lightning and Fabric strategies) and :mod:`gtc_lightning.tools`
+(benchmarks, the cluster emulator, simulations: never imported by a training run). The modules of
+0.1.0 at the top (``gtc_lightning.hook``, ``gtc_lightning.strategy``, ...) are aliases of their new
+homes that warn, for one release.
 """
 
 import logging
@@ -29,13 +38,16 @@ import logging
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from gtc_lightning.averaging import AveragingState, ModelAveragingStrategy, SyncStats
-from gtc_lightning.baselines import BF16AllReduceStrategy, PowerSGDStrategy, bf16_allreduce_hook
-from gtc_lightning.bmuf import BMUFGTCStrategy, BMUFState, BMUFStrategy
-from gtc_lightning.dpsgd import DPSGDState, DPSGDStrategy
-from gtc_lightning.fabric import GTCFabricStrategy, register_trainer_only_names
-from gtc_lightning.hook import GTCState, StepStats, gtc_hook, parameter_checksums
-from gtc_lightning.strategy import GTCStrategy
+from gtc_lightning.algorithms.averaging import AveragingState, BMUFState, DPSGDState, SyncStats
+from gtc_lightning.algorithms.common import parameter_checksums
+from gtc_lightning.algorithms.gtc import GTCState, StepStats, gtc_hook
+from gtc_lightning.algorithms.hooks import bf16_allreduce_hook
+from gtc_lightning.strategies.averaging import ModelAveragingStrategy
+from gtc_lightning.strategies.baselines import BF16AllReduceStrategy, PowerSGDStrategy
+from gtc_lightning.strategies.bmuf import BMUFGTCStrategy, BMUFStrategy
+from gtc_lightning.strategies.dpsgd import DPSGDStrategy
+from gtc_lightning.strategies.fabric import GTCFabricStrategy, register_trainer_only_names
+from gtc_lightning.strategies.gtc import GTCStrategy
 
 __all__ = [
     "AveragingState",
@@ -56,7 +68,7 @@ __all__ = [
     "gtc_hook",
     "parameter_checksums",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Show the configuration line and restore messages at INFO, the way Lightning's own logger does,
 # unless the application configured logging itself.

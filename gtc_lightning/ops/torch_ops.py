@@ -102,7 +102,7 @@ def emit_(
     """The second half of :func:`threshold_` on a residual that already holds residual + gradient:
     emit the words of ``|out| > tau`` and subtract ``±tau`` there, in place (arguments as there).
 
-    The simulator (``gtc_lightning.simulate``) lets autograd add each worker's gradient into its
+    The simulator (``gtc_lightning.tools.simulate``) lets autograd add each worker's gradient into its
     residual, so that no gradient is flattened or added a second time.
     """
     n = out.numel()

@@ -460,7 +460,7 @@ def decode_(
 
 # Every kernel with its argument types (triton signature strings, constexprs excluded), its
 # CUDA_CONFIG entry and the constexprs a compile needs besides BLOCK: what an ahead-of-time compile
-# needs (``python -m gtc_lightning.bench --compile-only``).
+# needs (``python -m gtc_lightning.tools.bench --compile-only``).
 KERNELS = {
     "count_nonfinite": (
         _count_nonfinite_kernel,

@@ -22,7 +22,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH
 
-from gtc_lightning.hook import GTCState
+from gtc_lightning.algorithms.gtc.state import GTCState
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """GTC for Lightning Fabric: ``Fabric(strategy="gtc")``.
 
 Fabric's ``DDPStrategy`` registers no communication hook; :class:`GTCFabricStrategy` wraps the
-module in DDP with :func:`~gtc_lightning.hook.gtc_hook` on CPU/gloo and CUDA/NCCL alike, applies
+module in DDP with :func:`~gtc_lightning.algorithms.gtc.hook.gtc_hook` on CPU/gloo and CUDA/NCCL alike, applies
 each step's skip decision in ``optimizer.step()``, and keeps every rank's residuals in
 ``fabric.save`` / ``fabric.load`` checkpoints (shards beside the file, as the Lightning strategy
 does)::
@@ -45,9 +45,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from gtc_lightning import checkpoint
-from gtc_lightning import update as update_mode
-from gtc_lightning.hook import GTCState, check_options, gtc_hook, sparse_gradient_parameters
+from gtc_lightning.algorithms.gtc import update as update_mode
+from gtc_lightning.algorithms.gtc.config import check_options, sparse_gradient_parameters
+from gtc_lightning.algorithms.gtc.hook import gtc_hook
+from gtc_lightning.algorithms.gtc.state import GTCState
+from gtc_lightning.strategies import checkpoint
 
 
 class GTCFabricStrategy(DDPStrategy):
@@ -225,7 +227,7 @@ class GTCFabricStrategy(DDPStrategy):
         return output
 
     def _update_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """``compress="update"`` (:mod:`gtc_lightning.update`): fabric.backward left each rank's own
+        """``compress="update"`` (:mod:`gtc_lightning.algorithms.gtc.update`): fabric.backward left each rank's own
         gradient; the rank's optimizer steps on it and the step it made is compressed and exchanged."""
         state, params = self._gtc_state, self._update_params
         assert state is not None and self._module is not None

@@ -1,7 +1,7 @@
 """``GTCStrategy``: Lightning's DDP with its gradient all-reduce replaced by threshold compression.
 
-The strategy only wires things together: it builds the :class:`~gtc_lightning.hook.GTCState`,
-registers :func:`~gtc_lightning.hook.gtc_hook` on the DDP model (on CPU/gloo as on CUDA/NCCL),
+The strategy only wires things together: it builds the :class:`~gtc_lightning.algorithms.gtc.state.GTCState`,
+registers :func:`~gtc_lightning.algorithms.gtc.hook.gtc_hook` on the DDP model (on CPU/gloo as on CUDA/NCCL),
 hands it the Trainer's gradient clipping and AMP's loss scale, applies each step's skip decision
 before the optimizer runs, checks that the replicas agree, saves and restores every rank's
 residuals in checkpoints (one shard per rank), and logs statistics.
@@ -27,35 +27,21 @@ from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from gtc_lightning import checkpoint as gtc_checkpoint
-from gtc_lightning import stale as one_step_stale
-from gtc_lightning import update as update_mode
-from gtc_lightning.checkpoint import CHECKPOINT_KEY, SHARD_SUFFIX, shard_path  # noqa: F401  (re-exported)
-from gtc_lightning.hook import (
-    DEFAULT_DENSITY,
-    GTCState,
-    all_gather_equal,
-    check_options,
-    gtc_hook,
-    parameter_checksums,
-    sparse_gradient_parameters,
-)
+from gtc_lightning.algorithms.common import all_gather_equal, check_int, parameter_checksums
+from gtc_lightning.algorithms.gtc import update as update_mode
+from gtc_lightning.algorithms.gtc.config import DEFAULT_DENSITY, check_options, sparse_gradient_parameters
+from gtc_lightning.algorithms.gtc.hook import gtc_hook
+from gtc_lightning.algorithms.gtc.state import GTCState
+from gtc_lightning.strategies import checkpoint as gtc_checkpoint
+from gtc_lightning.strategies.checkpoint import CHECKPOINT_KEY
+from gtc_lightning.strategies.common import drop_hook_args, hint_unused_parameters, register_names
 
 log = logging.getLogger(__name__)
-
-_HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
-
-
-def _check_int(name: str, value: Any, low: int, meaning: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"Expect {name} to be an int >= {low} ({meaning}), got {value!r}")
-
 
 BUCKET_CAP_MB = 1024  # GTCStrategy's default DDP bucket cap: one bucket for models up to 256 M weights
 
@@ -64,9 +50,9 @@ class GTCStrategy(DDPStrategy):
     """DDP with Strom's gradient threshold compression (GTC) instead of dense all-reduce.
 
     With no arguments (``strategy="gtc"``) nothing presumes a gradient scale or an optimizer:
-    ``compress="auto"`` compresses what each rank's optimizer applies (:mod:`gtc_lightning.update`),
+    ``compress="auto"`` compresses what each rank's optimizer applies (:mod:`gtc_lightning.algorithms.gtc.update`),
     ``tau="auto"`` picks each step's threshold so that every rank sends about ``1e-2`` of the
-    parameters as words (:data:`~gtc_lightning.hook.DEFAULT_DENSITY`), and ``coding="rice"`` sends
+    parameters as words (:data:`~gtc_lightning.algorithms.gtc.config.DEFAULT_DENSITY`), and ``coding="rice"`` sends
     those words Golomb-Rice coded (~10 bits a word instead of 32). A fp32 ring all-reduce sends
     ``64 / (W * density * bits a word)`` times the bytes: 140-170x at 4 ranks in the model suite
     (``python -m gtc_lightning.tools.model_suite``). GTC's own memory: 8 bytes a parameter.
@@ -98,7 +84,7 @@ class GTCStrategy(DDPStrategy):
             tau; None with ``tau="auto"``: 1e-2. With ``compress="update"`` each rank's threshold is
             the ``1 - target_density`` quantile of its residual, every step (the density is met
             exactly); with ``"gradient"`` one tau for all ranks moves after every step towards it
-            (:mod:`gtc_lightning.auto_tau`), starting where the first step's gradients put it, or at
+            (:mod:`gtc_lightning.algorithms.gtc.auto_tau`), starting where the first step's gradients put it, or at
             a given numeric ``tau``. Lower density, more compression, slower progress per step.
         compress: what the residuals hold. ``"update"``: each rank's optimizer steps on its own
             gradient (its momentum and Adam moments are its own, checkpointed per rank) and GTC
@@ -120,7 +106,7 @@ class GTCStrategy(DDPStrategy):
             runs while the next step computes and its update is applied one step late; the replicas
             stay bit-identical. The first compressed step applies nothing, and the last step's
             update is not applied at the end of fit (it is kept for a resume). See
-            :mod:`gtc_lightning.stale` for skips, checkpoints and the rest. Takes ``coding="rice"``
+            :mod:`gtc_lightning.algorithms.gtc.stale` for skips, checkpoints and the rest. Takes ``coding="rice"``
             (the coded bytes travel, decoded when applied) and automatic tau (each update is scaled
             with the tau of the step that sent it). Refused with several optimizers.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -180,18 +166,10 @@ class GTCStrategy(DDPStrategy):
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress)
         if not isinstance(stale, bool):
             raise ValueError(f"Expect stale to be True or False, got {stale!r}")  # noqa: TRY004
-        _check_int(
+        check_int(
             "check_replicas_every", check_replicas_every, 0, "steps between replica checks; 0 turns it off"
         )
-        # LightningCLI passes every DDPStrategy argument explicitly, the hook ones as None.
-        clashing = sorted(key for key in _HOOK_ARGS if kwargs.get(key) is not None)
-        if clashing:
-            raise ValueError(
-                f"GTCStrategy registers its own DDP communication hook; remove {clashing} "
-                "(or use DDPStrategy for another hook)"
-            )
-        for key in _HOOK_ARGS:
-            kwargs.pop(key, None)
+        drop_hook_args(kwargs, "GTCStrategy")
         if kwargs.get("bucket_cap_mb") is None:
             kwargs["bucket_cap_mb"] = BUCKET_CAP_MB
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
@@ -442,7 +420,7 @@ class GTCStrategy(DDPStrategy):
     def _update_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: LightningModule | torch.nn.Module | None, **kwargs: Any
     ) -> Any:
-        """``compress="update"`` (:mod:`gtc_lightning.update`): the rank's optimizer steps on its own
+        """``compress="update"`` (:mod:`gtc_lightning.algorithms.gtc.update`): the rank's optimizer steps on its own
         gradient (clipped by Lightning as it is), and the step it made is compressed and exchanged."""
         state = self._gtc_state
         assert state is not None and self.lightning_module is not None
@@ -503,29 +481,23 @@ class GTCStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        _augment_message(
+        hint_unused_parameters(
             exception,
-            pattern=".*Expected to have finished reduction in the prior iteration.*",
-            new_message=(
-                "It looks like your LightningModule has parameters that were not used in producing the loss returned"
-                " by training_step. If this is intentional, enable the detection of unused parameters, either with"
-                f" `strategy='{'gtc_stale' if self._stale else 'gtc'}_find_unused_parameters_true'` or with"
-                " `strategy=GTCStrategy(find_unused_parameters=True)`. GTC then leaves a parameter a rank did not"
-                " use out of that rank's message and keeps its residual."
-            ),
+            "gtc_stale" if self._stale else "gtc",
+            " GTC then leaves a parameter a rank did not use out of that rank's message and keeps its residual.",
         )
 
     @override
     def on_train_end(self) -> None:
         # stale=True: the last step's exchange is waited for, and stays pending (not applied).
         if self._gtc_state is not None:
-            one_step_stale.drain(self._gtc_state)
+            self._gtc_state.drain()
 
     @override
     def teardown(self) -> None:
         if self._gtc_state is not None:
             try:
-                one_step_stale.drain(self._gtc_state)
+                self._gtc_state.drain()
             except RuntimeError as error:  # a peer that failed: nothing left to wait for
                 log.warning("GTC: the exchange in flight did not complete (%s); dropped", error)
                 self._gtc_state._in_flight = None
@@ -545,7 +517,7 @@ class GTCStrategy(DDPStrategy):
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = {
                 **gtc_checkpoint.checkpoint_entry(state, self.world_size),
-                "pending": one_step_stale.pending_entry(state),
+                "pending": state.pending_entry(),
             }
             optimizers = [o.state_dict() for o in self.optimizers] if state.compress == "update" else None
             gtc_checkpoint.save_shard(
@@ -580,7 +552,7 @@ class GTCStrategy(DDPStrategy):
         )  # fmt: skip
         # After the residuals: without the stale option the pending update is added to them.
         if self._restore_residuals and saved.get("pending") is not None and saved["names"] == state.param_names:
-            one_step_stale.load_pending(state, saved["pending"], self.root_device)
+            state.load_pending(saved["pending"], self.root_device)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -651,29 +623,3 @@ class _GTCStatsLogger(Callback):
         if state.controller is not None:
             bar["gtc_tau"] = state.tau
         pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
-
-
-_LAUNCHERS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
-
-
-def register_names(registry: _StrategyRegistry, cls: type, name: str, description: str, **init_args: Any) -> None:
-    """``name``, ``name_spawn``, ``name_fork``, ``name_notebook``, each also with
-    ``_find_unused_parameters_true`` / ``_false``, as Lightning names its DDP variants; ``init_args``
-    go to every one of them."""
-    for suffix, start_method in _LAUNCHERS:
-        registry.register(
-            f"{name}{suffix}",
-            cls,
-            description=f"{description}, start_method '{start_method}'",
-            start_method=start_method,
-            **init_args,
-        )
-        for unused in (True, False):
-            registry.register(
-                f"{name}{suffix}_find_unused_parameters_{str(unused).lower()}",
-                cls,
-                description=f"{description}, find_unused_parameters={unused}, start_method '{start_method}'",
-                start_method=start_method,
-                find_unused_parameters=unused,
-                **init_args,
-            )

@@ -1,0 +1,74 @@
+"""The Lightning glue every strategy of the package shares: its names registered as Lightning names
+its DDP variants, DDP's own communication-hook arguments refused, the unused-parameter hint, and a
+callback added once, before the checkpoint callbacks."""
+
+from typing import Any
+
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.utilities.exceptions import _augment_message
+
+HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+LAUNCHERS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
+
+
+def register_names(registry: _StrategyRegistry, cls: type, name: str, description: str, **init_args: Any) -> None:
+    """``name``, ``name_spawn``, ``name_fork``, ``name_notebook``, each also with
+    ``_find_unused_parameters_true`` / ``_false``, as Lightning names its DDP variants; ``init_args``
+    go to every one of them."""
+    for suffix, start_method in LAUNCHERS:
+        registry.register(
+            f"{name}{suffix}",
+            cls,
+            description=f"{description}, start_method '{start_method}'",
+            start_method=start_method,
+            **init_args,
+        )
+        for unused in (True, False):
+            registry.register(
+                f"{name}{suffix}_find_unused_parameters_{str(unused).lower()}",
+                cls,
+                description=f"{description}, find_unused_parameters={unused}, start_method '{start_method}'",
+                start_method=start_method,
+                find_unused_parameters=unused,
+                **init_args,
+            )
+
+
+def drop_hook_args(kwargs: dict, who: str) -> None:
+    """Refuse DDP's own communication-hook arguments (LightningCLI passes every DDPStrategy argument
+    explicitly, the hook ones as ``None``: those are dropped)."""
+    clashing = sorted(key for key in HOOK_ARGS if kwargs.get(key) is not None)
+    if clashing:
+        raise ValueError(
+            f"{who} registers its own DDP communication hook; remove {clashing} (or use DDPStrategy for another "
+            "hook)"
+        )
+    for key in HOOK_ARGS:
+        kwargs.pop(key, None)
+
+
+def hint_unused_parameters(exception: BaseException, name: str, more: str = "") -> None:
+    """Add to DDP's "Expected to have finished reduction" error how to turn on the detection of unused
+    parameters for the strategy registered as ``name``; ``more``: what the strategy then does."""
+    _augment_message(
+        exception,
+        pattern=".*Expected to have finished reduction in the prior iteration.*",
+        new_message=(
+            "It looks like your LightningModule has parameters that were not used in producing the loss returned"
+            " by training_step. If this is intentional, enable the detection of unused parameters, either with"
+            f" `strategy='{name}_find_unused_parameters_true'` or with `find_unused_parameters=True`.{more}"
+        ),
+    )
+
+
+def add_callback(trainer: Trainer, callback: Callback) -> None:
+    """Once, before the checkpoint callbacks (so that they can monitor the logged statistics)."""
+    if any(type(cb) is type(callback) and getattr(cb, "prefix", None) == getattr(callback, "prefix", None)
+           for cb in trainer.callbacks):  # fmt: skip
+        return
+    where = next(
+        (i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks)
+    )
+    trainer.callbacks.insert(where, callback)
