@@ -15,7 +15,7 @@ from _strategy_helpers import (
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from gtc_lightning.auto_tau import SLOPE, TauController
+from gtc_lightning.algorithms.gtc.auto_tau import SLOPE, TauController
 
 TARGET = 0.02
 
@@ -46,7 +46,7 @@ def test_auto_without_a_target_aims_at_the_default_density():
     import torch.distributed as dist
 
     from gtc_lightning import GTCState
-    from gtc_lightning.hook import DEFAULT_DENSITY
+    from gtc_lightning.algorithms.gtc.config import DEFAULT_DENSITY
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -24,7 +24,7 @@ from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 
 from gtc_lightning import BMUFGTCStrategy, BMUFStrategy, DPSGDStrategy, ModelAveragingStrategy
-from gtc_lightning.hook import allreduce_bytes
+from gtc_lightning.algorithms.common import allreduce_bytes
 
 K = 3  # syncs after steps 3 and 6 of 8 (2 epochs x 4 batches per rank)
 STEPS = 8

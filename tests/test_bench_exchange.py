@@ -1,4 +1,4 @@
-"""``python -m gtc_lightning.bench_exchange``: both header ways on 2 local gloo ranks, its JSON, and
+"""``python -m gtc_lightning.tools.bench_exchange``: both header ways on 2 local gloo ranks, its JSON, and
 the errors without a launcher."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from gtc_lightning import bench_exchange
+from gtc_lightning.tools import bench_exchange
 
 
 def test_two_ranks_time_both_header_ways(tmp_path):
     out = tmp_path / "exchange.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29731",
-           "-m", "gtc_lightning.bench_exchange", "--words", "50", "--repeats", "4", "--warmup", "1",
+           "-m", "gtc_lightning.tools.bench_exchange", "--words", "50", "--repeats", "4", "--warmup", "1",
            "--json", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -34,4 +34,4 @@ def test_errors_name_the_bad_value(monkeypatch, capsys):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit):
         bench_exchange.main([])
-    assert "gtc_lightning.cluster" in capsys.readouterr().err
+    assert "gtc_lightning.tools.cluster" in capsys.readouterr().err

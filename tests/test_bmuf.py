@@ -20,8 +20,8 @@ from _strategy_helpers import (
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from gtc_lightning import BMUFGTCStrategy, BMUFStrategy
-from gtc_lightning.bmuf import block_update_, group_ranks
-from gtc_lightning.hook import allreduce_bytes
+from gtc_lightning.algorithms.averaging.bmuf import block_update_, group_ranks
+from gtc_lightning.algorithms.common import allreduce_bytes
 
 K = 3  # block syncs after steps 3 and 6 of 8 (2 epochs x 4 batches per rank)
 TAU = 0.05

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from gtc_lightning import cluster
-from gtc_lightning.cluster import Cluster, parse_rate
+from gtc_lightning.tools import cluster
+from gtc_lightning.tools.cluster import Cluster, parse_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 # The module run as a file: the same CLI without importing the package (and Lightning) first.
-CLUSTER_PY = str(ROOT / "gtc_lightning" / "cluster.py")
+CLUSTER_PY = str(ROOT / "gtc_lightning" / "tools" / "cluster.py")
 PY = sys.executable
 
 
@@ -264,7 +264,7 @@ def test_lightning_ddp_runs_on_two_nodes_through_the_cli(netns, tmp_path):
     script.write_text(LIGHTNING)
     out = tmp_path / "out"
     proc = subprocess.run(
-        [PY, "-m", "gtc_lightning.cluster", "--nodes", "2", "--rate", "100mbit", "--out", str(out), "--timeout",
+        [PY, "-m", "gtc_lightning.tools.cluster", "--nodes", "2", "--rate", "100mbit", "--out", str(out), "--timeout",
          "300", "--", PY, str(script), "{num_nodes}"],
         check=False, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr

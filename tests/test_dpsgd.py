@@ -183,7 +183,7 @@ def test_neighbour_exchange_posts_every_receive_before_any_send(monkeypatch):
 
     import torch.distributed as dist
 
-    from gtc_lightning.dpsgd import neighbour_ops
+    from gtc_lightning.algorithms.averaging.dpsgd import neighbour_ops
 
     monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None: SimpleNamespace(
         op=op, tensor=tensor, peer=peer))

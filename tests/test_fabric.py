@@ -20,7 +20,7 @@ from _strategy_helpers import (
     keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
 )
 
-from gtc_lightning.fabric import GTCFabricStrategy
+from gtc_lightning.strategies.fabric import GTCFabricStrategy
 
 TAU, LR, STEPS, WORLD = 0.05, 0.5, 4, 2
 

@@ -1,4 +1,4 @@
-"""Faults on the emulated cluster (``gtc_lightning.faults``): a link taken down mid-training stops
+"""Faults on the emulated cluster (``gtc_lightning.tools.faults``): a link taken down mid-training stops
 every rank within the collective timeout with a message that names the problem, and the resume
 from the last checkpoint is bit-exact; per-node rates and link state of ``Cluster``; the pure
 logic (checkpoint comparison, messages, the cut's timing, the straggler summary, the report).
@@ -19,8 +19,8 @@ import pytest
 import torch
 from test_cluster import netns  # noqa: F401  (fixture: skips without namespaces, checks teardown)
 
-from gtc_lightning import faults
-from gtc_lightning.cluster import Cluster
+from gtc_lightning.tools import faults
+from gtc_lightning.tools.cluster import Cluster
 
 # ---------------------------------------------------------------------------- checkpoint comparison
 
@@ -128,7 +128,7 @@ def test_summarize_straggler_medians_and_ranges():
 
 def test_render_states_command_machine_and_failures():
     results = {
-        "command": "python -m gtc_lightning.faults", "started": "2026-11-23T16:00:00+00:00", "wall_s": 600,
+        "command": "python -m gtc_lightning.tools.faults", "started": "2026-11-23T16:00:00+00:00", "wall_s": 600,
         "host": {"cpus": 2, "load_at_start": [1.0, 1, 1], "load_at_end": [2.0, 1, 1]},
         "args": {"rate": "100mbit", "train_args": "--trainer.max_epochs 2", "every": 10, "timeout": 20.0,
                  "slack": 15.0, "cut_fraction": 0.5, "steps": 5, "rounds": 2, "repeats": 2},
@@ -141,7 +141,7 @@ def test_render_states_command_machine_and_failures():
                                    "straggler": None, "slowdown": None}]},
     }
     text = faults.render(results)
-    assert "Made by `python -m gtc_lightning.faults`" in text and "2 CPU cores" in text
+    assert "Made by `python -m gtc_lightning.tools.faults`" in text and "2 CPU cores" in text
     assert "| 2 | bmuf_gtc | skipped: needs 4 nodes |" in text
     assert "gtc: the run ended (ok) before the link was cut" in text
     assert "| ddp | 1.000 | - | - |" in text and "Runs that failed: rep 0 equal (failed)" in text

@@ -13,7 +13,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import default_collate
 
 from gtc_lightning import PowerSGDStrategy
-from gtc_lightning.hook import DEFAULT_DENSITY, allreduce_bytes
+from gtc_lightning.algorithms.common import allreduce_bytes
+from gtc_lightning.algorithms.gtc.config import DEFAULT_DENSITY
 from gtc_lightning.tools import model_suite
 from gtc_lightning.tools.suite_data import frames_task, grating_task, hmm_task, markov_task
 from gtc_lightning.tools.suite_models import MODELS

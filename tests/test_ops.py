@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from gtc_lightning import bench, ops
+from gtc_lightning import ops
 from gtc_lightning.ops import compress, decompress
 from gtc_lightning.ops import triton_kernels as tk
 from gtc_lightning.ops.reference import compress_reference, decompress_reference
+from gtc_lightning.tools import bench
 
 TAU = 0.75  # exact in float32, so fp32 and float64 arithmetic agree on it
 SIGN = -(1 << 31)
@@ -390,7 +391,7 @@ def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run(
-        [sys.executable, "-m", "gtc_lightning.bench", "--compile-only"],
+        [sys.executable, "-m", "gtc_lightning.tools.bench", "--compile-only"],
         env=env,
         check=False,
         capture_output=True,

@@ -4,9 +4,10 @@ import math
 
 import pytest
 
-from gtc_lightning import scaling
-from gtc_lightning.hook import _HEADER, allreduce_bytes
-from gtc_lightning.scaling import Collective, Messages, Network, Node
+from gtc_lightning.algorithms.common import allreduce_bytes
+from gtc_lightning.algorithms.gtc.config import HEADER
+from gtc_lightning.tools import scaling
+from gtc_lightning.tools.scaling import Collective, Messages, Network, Node
 
 GBIT = Network(1e9, latency_s=1e-4)  # 1.25e8 bytes/s, 0.1 ms per hop
 
@@ -45,7 +46,7 @@ def test_network_terms_add_wire_overhead_and_host():
 
 
 def test_gtc_pattern_sends_header_and_words_to_every_other_rank():
-    assert scaling.HEADER_BYTES == 8 * _HEADER  # the hook's header, int64 values per rank
+    assert scaling.HEADER_BYTES == 8 * HEADER  # the hook's header, int64 values per rank
     colls = scaling.collectives("gtc", 4, Messages(numel=10**6, words=1000))
     # header: 3 * 24 bytes; words: 3 * 4 * 1000 bytes
     assert scaling.bytes_per_step(colls) == 3 * 24 + 3 * 4000

@@ -1,4 +1,4 @@
-"""The one-process simulation of many workers (gtc_lightning.simulate) against real multi-process runs
+"""The one-process simulation of many workers (gtc_lightning.tools.simulate) against real multi-process runs
 of the strategies: the same parameters after every step (bit for bit on 2 ranks)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from _averaging_helpers import fit_recorded
 from _strategy_helpers import BATCH, SAMPLES, TinyMLP, dataset, fit, keep_master_port  # noqa: F401
 
 from gtc_lightning import BMUFGTCStrategy, BMUFStrategy, GTCStrategy, ModelAveragingStrategy
-from gtc_lightning.simulate import VirtualWorkers
+from gtc_lightning.tools.simulate import VirtualWorkers
 
 LR = 0.5
 

@@ -1,4 +1,4 @@
-"""The soak command (``python -m gtc_lightning.soak``) on a few steps: replicas checked and found
+"""The soak command (``python -m gtc_lightning.tools.soak``) on a few steps: replicas checked and found
 identical for gtc and ddp; a replica made to drift is caught at the next check and the command
 fails."""
 
@@ -10,7 +10,7 @@ import sys
 
 def _soak(tmp_path, *extra):
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "gtc_lightning.soak", "--model", "2x32:8", "--batch", "16", "--steps", "30",
+    cmd = [sys.executable, "-m", "gtc_lightning.tools.soak", "--model", "2x32:8", "--batch", "16", "--steps", "30",
            "--every", "10", "--progress", "0", "--out", str(out), *extra]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     return proc, json.loads(out.read_text()) if out.exists() else None

@@ -24,7 +24,6 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 
 from gtc_lightning import GTCFabricStrategy, GTCStrategy
-from gtc_lightning.stale import pending_vector
 
 TAU, LR, WORLD = 0.05, 0.5, 2
 
@@ -38,7 +37,7 @@ def _final_state(strategy: GTCStrategy, model: L.LightningModule) -> dict:
         "step": state.step,
         "tau": state.tau,
         "dense_mode": state._dense_mode,
-        "pending": pending_vector(state, flight).clone() if flight is not None else None,
+        "pending": flight.vector_in(state.param_names, state.numels).clone() if flight is not None else None,
     }
 
 

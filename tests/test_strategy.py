@@ -26,7 +26,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 
 from gtc_lightning import GTCState, GTCStrategy
-from gtc_lightning.hook import FALLBACK_ENTER, FALLBACK_EXIT, allreduce_bytes
+from gtc_lightning.algorithms.common import allreduce_bytes
+from gtc_lightning.algorithms.gtc.config import FALLBACK_ENTER, FALLBACK_EXIT
 
 TAU = 0.05
 WORLD = 2
@@ -209,7 +210,7 @@ def test_bucket_rebuild_keeps_residuals_with_their_parameters(gtc_run, tmp_path)
 def test_one_bucket_by_default_and_the_users_cap_kept():
     """GTCStrategy hands DDP a 1 GB bucket cap unless told otherwise (its hook's host work is per
     bucket); a cap the user gives, or LightningCLI's explicit None for "default", is respected."""
-    from gtc_lightning.strategy import BUCKET_CAP_MB
+    from gtc_lightning.strategies.gtc import BUCKET_CAP_MB
 
     assert GTCStrategy()._ddp_kwargs["bucket_cap_mb"] == BUCKET_CAP_MB == 1024
     assert GTCStrategy(bucket_cap_mb=None)._ddp_kwargs["bucket_cap_mb"] == BUCKET_CAP_MB
@@ -653,7 +654,7 @@ def test_ddp_hook_arguments_given_as_none_are_accepted():
 
 
 def test_finiteness_check_is_exact_when_the_sum_overflows():
-    from gtc_lightning.hook import all_finite
+    from gtc_lightning.algorithms.common import all_finite
 
     assert all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows, the elements are finite
     assert not all_finite(torch.tensor([1.0, float("nan")]))
@@ -663,7 +664,7 @@ def test_finiteness_check_is_exact_when_the_sum_overflows():
 
 
 def _header_rank(rank: int, world: int, store_path: str, exchange: str, queue) -> None:
-    from gtc_lightning import hook
+    from gtc_lightning.algorithms.gtc import exchange as hook
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:

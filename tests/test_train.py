@@ -214,7 +214,7 @@ def test_gtc_run_with_two_forked_ranks(aligned, tmp_path):
     assert summary["world_size"] == 2 and summary["strategy"] == "gtc" and summary["tau"] > 0
     assert summary["precision"] == "bf16-mixed"
     # the registered name alone: GTCStrategy's defaults, as fit resolved them (one optimizer: the update mode)
-    from gtc_lightning.hook import DEFAULT_DENSITY
+    from gtc_lightning.algorithms.gtc.config import DEFAULT_DENSITY
 
     assert (summary["target_density"], summary["coding"], summary["compress"]) == (DEFAULT_DENSITY, "rice", "update")
     assert summary["gtc"]["step"] > 0 and summary["gtc"]["total"]["bytes_sent"] > 0

@@ -144,7 +144,7 @@ def test_bf16_parameters_keep_what_their_rounding_took_off():
     import torch.distributed as dist
 
     from gtc_lightning import GTCState
-    from gtc_lightning import update as update_mode
+    from gtc_lightning.algorithms.gtc import update as update_mode
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

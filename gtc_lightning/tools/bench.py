@@ -1,8 +1,8 @@
 """Throughput of ``compress`` / ``decompress``: Triton kernels vs the torch reference, one run.
 
-    python -m gtc_lightning.bench                       # sizes 1M,14.6M,100M at 0.5 % density
-    python -m gtc_lightning.bench --device cpu --sizes 1M --repeats 3
-    python -m gtc_lightning.bench --compile-only        # compile every kernel for sm_90, no GPU needed
+    python -m gtc_lightning.tools.bench                       # sizes 1M,14.6M,100M at 0.5 % density
+    python -m gtc_lightning.tools.bench --device cpu --sizes 1M --repeats 3
+    python -m gtc_lightning.tools.bench --compile-only        # compile every kernel for sm_90, no GPU needed
 
 Bytes counted (n elements, m words): compress 12n + 4m (read grad, read and write the
 residual, write the words); decompress 4n + 4m (write the output, read the words); the

@@ -3,12 +3,12 @@
 A GTC step on gloo sends a 24-byte header from every rank to every rank (the word counts, needed to
 size the word exchange), then the words by all-to-all. The header used to go by all-gather, which
 gloo runs as a ring: world - 1 message latencies in a row; by all-to-all every message is posted at
-once, one latency. This runs both, with the hook's own calls (``hook.send_header`` with
-``exchange="allgather"`` and ``"alltoall"``, then ``hook.send_words``), ``--words`` words per rank,
+once, one latency. This runs both, with the hook's own calls (``exchange.send_header`` with
+``exchange="allgather"`` and ``"alltoall"``, then ``exchange.send_words``), ``--words`` words per rank,
 alternating the two every repeat so that both see the same network and load::
 
-    python -m gtc_lightning.cluster --nodes 4 --rate 1gbit -- \\
-        python -m gtc_lightning.bench_exchange --words 13000 --json exp/exchange_1gbit.json
+    python -m gtc_lightning.tools.cluster --nodes 4 --rate 1gbit -- \\
+        python -m gtc_lightning.tools.bench_exchange --words 13000 --json exp/exchange_1gbit.json
 
 Reads the launcher's environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``);
 rank 0 prints and writes the medians, the per-repeat ratio (all-to-all header / all-gather header)
@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gtc_lightning import hook
+from gtc_lightning.algorithms.gtc import exchange
 
 WAYS = ("allgather", "alltoall")  # how the header goes; the words go by all-to-all in both
 
 
 class _Exchange:
-    """The few ``GTCState`` attributes ``hook.send_header`` and ``hook.send_words`` read."""
+    """The few ``GTCState`` attributes ``exchange.send_header`` and ``exchange.send_words`` read."""
 
     def __init__(self, header_way: str, words: int) -> None:
         self.exchange = header_way
@@ -48,10 +48,10 @@ def one_step(header_way: str, words: int) -> float:
     header = torch.tensor([0, words, 4 * words], dtype=torch.int64)
     dist.barrier()
     start = time.perf_counter()
-    headers = hook.send_header(state, header).view(state.world_size, 3)
+    headers = exchange.send_header(state, header).view(state.world_size, 3)
     counts = headers[:, 1].tolist()
     state.exchange = "alltoall"
-    received, _, _, _, _ = hook.send_words(state, counts)
+    received, _, _, _, _ = exchange.send_words(state, counts)
     seconds = time.perf_counter() - start
     if received.numel() != sum(counts):
         raise RuntimeError(f"received {received.numel()} words, expected {sum(counts)}")
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.words < 0 or args.repeats < 1:
         p.error(f"--words {args.words} must be >= 0 and --repeats {args.repeats} >= 1")
     if "RANK" not in os.environ:
-        p.error("no RANK in the environment: run it under python -m gtc_lightning.cluster (or torchrun)")
+        p.error("no RANK in the environment: run it under python -m gtc_lightning.tools.cluster (or torchrun)")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:

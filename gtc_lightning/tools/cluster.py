@@ -1,8 +1,8 @@
 """Emulated cluster: run any training command on N network namespaces of this machine.
 
-    python -m gtc_lightning.cluster --nodes 4 --rate 1gbit -- \\
+    python -m gtc_lightning.tools.cluster --nodes 4 --rate 1gbit -- \\
         python recipes/asr/train.py --strategy gtc --trainer.num_nodes 4 --trainer.devices 1
-    python -m gtc_lightning.cluster --cleanup       # remove what killed runs left behind
+    python -m gtc_lightning.tools.cluster --cleanup       # remove what killed runs left behind
 
 Topology (every address lives only inside namespaces the tool creates)::
 
@@ -134,9 +134,9 @@ def missing_privileges() -> str | None:
                if not caps >> bit & 1]
     if not missing:
         return None
-    return (f"gtc_lightning.cluster needs root, or {' and '.join(missing)}, to create network namespaces, "
+    return (f"gtc_lightning.tools.cluster needs root, or {' and '.join(missing)}, to create network namespaces, "
             f"veth links and tc qdiscs (running as uid {os.geteuid()} without them). Run it as root, "
-            f"e.g. `sudo .venv/bin/python -m gtc_lightning.cluster ...`, or in a container started with "
+            f"e.g. `sudo .venv/bin/python -m gtc_lightning.tools.cluster ...`, or in a container started with "
             f"--cap-add NET_ADMIN --cap-add SYS_ADMIN")
 
 
@@ -395,7 +395,7 @@ class Cluster:
                 self._say(f"torn down: {len(self._created)} namespaces (with their links and bridge)"
                     + (f", blackhole route {self.subnet}" if self._route else ""))
             for problem in problems:
-                say(f"teardown problem: {problem}; `python -m gtc_lightning.cluster --cleanup` retries")
+                say(f"teardown problem: {problem}; `python -m gtc_lightning.tools.cluster --cleanup` retries")
             self._created, self._route, self._started = [], None, False
             if self._lock_fd is not None:
                 (LOCK_DIR / f"{self.prefix}.lock").unlink(missing_ok=True)
@@ -869,7 +869,7 @@ def cleanup_leftovers() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m gtc_lightning.cluster",
+        prog="python -m gtc_lightning.tools.cluster",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a command on N emulated nodes: network namespaces of this machine joined by veth "
                     "links to a bridge, each link shaped both ways with tc tbf. Needs root (or CAP_NET_ADMIN "
@@ -896,7 +896,7 @@ links, bridge and the blackhole route are removed in every case; after a SIGKILL
 `--cleanup` removes them (and kills what still runs inside).
 
 example:
-  python -m gtc_lightning.cluster --nodes 4 --rate 1gbit --out exp/cluster/gtc -- \\
+  python -m gtc_lightning.tools.cluster --nodes 4 --rate 1gbit --out exp/cluster/gtc -- \\
       python recipes/asr/train.py --strategy gtc --trainer.num_nodes 4 --trainer.devices 1
 """)
     add = parser.add_argument

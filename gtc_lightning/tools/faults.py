@@ -1,6 +1,6 @@
-"""``python -m gtc_lightning.faults``: a cut link and a slow link on the emulated cluster.
+"""``python -m gtc_lightning.tools.faults``: a cut link and a slow link on the emulated cluster.
 
-Two stages, each on :class:`gtc_lightning.cluster.Cluster` (needs root, like the cluster itself):
+Two stages, each on :class:`gtc_lightning.tools.cluster.Cluster` (needs root, like the cluster itself):
 
 **link down.** ``recipes/asr/train.py`` trains on N nodes (``conf/tiny.yaml`` on the tiny corpus,
 a checkpoint every few steps, ``--collective_timeout`` seconds; ``gtc`` and ``gtc_stale`` with
@@ -16,16 +16,16 @@ run's: every tensor with ``torch.equal`` (parameters, optimizer state, scheduler
 entries), every other value with ``==``, and every per-rank shard beside the checkpoint (GTC's
 residuals, the local-step schemes' models and optimizers).
 
-**straggler.** :func:`gtc_lightning.bench_cluster.run_config` (the benchmark's program: the
+**straggler.** :func:`gtc_lightning.tools.bench_cluster.run_config` (the benchmark's program: the
 acoustic DNN on random frames, every strategy in turn in the same processes, ``nocomm`` as the
 compute) with all links at the base rate, then with one node's link at a tenth of it; repeated,
 the order alternating, so that each strategy's slowdown comes with its spread.
 
 Example (the README's run)::
 
-    python -m gtc_lightning.faults --down-nodes 2 4 --down-strategies gtc ddp ddp_bf16 gtc_stale ma bmuf \
+    python -m gtc_lightning.tools.faults --down-nodes 2 4 --down-strategies gtc ddp ddp_bf16 gtc_stale ma bmuf \
         bmuf_gtc dpsgd --repeats 3 --md docs/faults.md --json docs/faults.json
-    python -m gtc_lightning.faults --stages link_down --down-nodes 4 --down-strategies gtc ddp
+    python -m gtc_lightning.tools.faults --stages link_down --down-nodes 4 --down-strategies gtc ddp
 
 Writes ``<out>/faults.json`` and ``<out>/faults.md`` (or ``--json``/``--md``); every run's node logs
 and ``cluster.json`` under ``<out>/link_down/n<N>/<strategy>/`` and ``<out>/straggler/rep<r>/<links>/``.
@@ -284,7 +284,7 @@ def link_down_case(cluster, strategy: str, args: argparse.Namespace, out: Path) 
 
 
 def link_down_stage(args: argparse.Namespace) -> list[dict]:
-    from gtc_lightning.cluster import Cluster
+    from gtc_lightning.tools.cluster import Cluster
 
     records = []
     for nodes in args.down_nodes:
@@ -303,7 +303,7 @@ def link_down_stage(args: argparse.Namespace) -> list[dict]:
 
 def straggler_stage(args: argparse.Namespace) -> dict[str, Any]:
     from gtc_lightning import bench_cluster as bc
-    from gtc_lightning.cluster import Cluster, parse_rate
+    from gtc_lightning.tools.cluster import Cluster, parse_rate
 
     slow_bits = parse_rate(args.rate) / args.slow_factor
     slow = f"{slow_bits / 1e6:g}mbit"
@@ -432,7 +432,7 @@ def render(results: dict) -> str:
             "",
             "## A straggler: one link at a tenth of the rate",
             "",
-            (f"`gtc_lightning.bench_cluster`'s program ({st['model']} model, 256 frames per worker and step, "
+            (f"`gtc_lightning.tools.bench_cluster`'s program ({st['model']} model, 256 frames per worker and step, "
             f"{results['args']['steps']} timed steps per segment, {results['args']['rounds']} rounds, median segment) "
             f"on {st['nodes']} nodes: all links at {st['rate']}, then node {st['slow_node']}'s link at "
             f"{st['slow_rate']} (both ways); {results['args']['repeats']} repeats, the order alternating. Step "
@@ -454,7 +454,7 @@ def render(results: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gtc_lightning.faults", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m gtc_lightning.tools.faults", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--stages", nargs="+", choices=["link_down", "straggler"], default=["link_down", "straggler"])
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         md.write_text(render(json.loads(js.read_text())))
         print(md.read_text())
         return 0
-    from gtc_lightning.cluster import missing_privileges, missing_tools
+    from gtc_lightning.tools.cluster import missing_privileges, missing_tools
 
     problem = missing_privileges() or missing_tools()
     if problem:
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results: dict[str, Any] = {
         "schema": "gtc_lightning.faults/1",
-        "command": shlex.join(["python", "-m", "gtc_lightning.faults", *argv]),
+        "command": shlex.join(["python", "-m", "gtc_lightning.tools.faults", *argv]),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "host": {"cpus": os.cpu_count(), "load_at_start": os.getloadavg()},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         js.write_text(json.dumps(results, indent=1) + "\n")
         md.write_text(render(results))
 
-    from gtc_lightning.cluster import Interrupted
+    from gtc_lightning.tools.cluster import Interrupted
 
     try:
         if "link_down" in args.stages:

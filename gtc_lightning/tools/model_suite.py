@@ -13,7 +13,7 @@ All runs of one invocation are measured side by side on the same machine. Per ru
   during training for the curve (all ranks hold the same parameters; the run records whether
   they are bit-identical at the end);
 - bytes on the wire per rank and step, as the collectives put them there (ring all-reduce:
-  ``2 (W-1)/W`` of the tensor's bytes, :func:`gtc_lightning.hook.allreduce_bytes`): DDP and bf16
+  ``2 (W-1)/W`` of the tensor's bytes, :func:`gtc_lightning.algorithms.common.allreduce_bytes`): DDP and bf16
   from the gradient's size; PowerSGD by counting every all-reduce torch's hook issues (P, Q and
   the uncompressed tensors, the dense warm-up steps included); GTC from its ``gtc_stats``; each
   against a dense fp32 and bf16 ring all-reduce of the same gradient;
@@ -53,7 +53,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from gtc_lightning import BF16AllReduceStrategy, GTCStrategy, PowerSGDStrategy, parameter_checksums
-from gtc_lightning.hook import allreduce_bytes
+from gtc_lightning.algorithms.common import allreduce_bytes
 from gtc_lightning.tools.suite_models import MODELS, heldout_loss
 
 # Each builds a strategy from the launch settings (start_method, timeout); a GTC mode is one more line.

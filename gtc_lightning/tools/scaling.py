@@ -773,15 +773,15 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     from pathlib import Path
 
-    from gtc_lightning.cluster import parse_rate, parse_time
+    from gtc_lightning.tools.cluster import parse_rate, parse_time
 
     parser = argparse.ArgumentParser(
-        prog="python -m gtc_lightning.scaling",
+        prog="python -m gtc_lightning.tools.scaling",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Without --weights: the built-in scenarios (Strom's Table 2, H100 nodes, seeds/004) and their plot. "
         "With --weights, --frames-per-s and --rate: your cluster, e.g. "
-        "python -m gtc_lightning.scaling --weights 14.6e6 --frames-per-s 2e6 --frames 1024 --rate 100gbit "
+        "python -m gtc_lightning.tools.scaling --weights 14.6e6 --frames-per-s 2e6 --frames 1024 --rate 100gbit "
         "--gpus-per-node 8 --intra-rate 900gbit --density 1e-3",
     )
     parser.add_argument(

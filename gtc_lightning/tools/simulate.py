@@ -16,8 +16,8 @@ its own model (or the shared one) and its own residual. :class:`VirtualWorkers` 
   step would send less than ``FALLBACK_EXIT`` (0.25) of them (at 2 workers too: a word for more than
   half the elements);
 - ``ma``: every worker its own model and optimizer, every ``period`` steps the mean (each model
-  divided by N, then summed in rank order, as :func:`gtc_lightning.averaging.all_mean`);
-- ``bmuf``: the same mean through :func:`gtc_lightning.bmuf.block_update_` (η = 1 - 1/N by default);
+  divided by N, then summed in rank order, as :func:`gtc_lightning.algorithms.averaging.model_averaging.all_mean`);
+- ``bmuf``: the same mean through :func:`gtc_lightning.algorithms.averaging.bmuf.block_update_` (η = 1 - 1/N by default);
 - ``bmuf_gtc``: ``gtc`` within groups of ``group_size`` consecutive workers (one model per group),
   BMUF across the groups every ``period`` steps; residuals carry over a block sync.
 
@@ -32,7 +32,7 @@ as every rank of the group does, from ``tau`` as ``GTCStrategy(tau=<a number>, t
 starts (``tau="auto"`` measures its start at the first step: not simulated). Not simulated: dense warmup steps, gradient clipping, the stale
 exchange, Golomb-Rice coding (lossless: it changes the bytes, and with them the steps where the
 dense fallback enters, not a sparse step's update) and time: this measures what
-the schemes learn, the scaling model (:mod:`gtc_lightning.scaling`) what they cost.
+the schemes learn, the scaling model (:mod:`gtc_lightning.tools.scaling`) what they cost.
 
 The work per step grows with the workers: one forward/backward per worker and, for GTC, one pass over
 a residual per worker (``workers x weights`` floats). Autograd adds each worker's gradient straight
@@ -52,10 +52,16 @@ from typing import Any
 
 import torch
 
-from gtc_lightning.auto_tau import TauController
-from gtc_lightning.averaging import flatten, unflatten_
-from gtc_lightning.bmuf import block_update_, check_block_args, default_block_momentum, group_ranks
-from gtc_lightning.hook import _HEADER, _WORD_BYTES, FALLBACK_ENTER, FALLBACK_EXIT, _f32, allreduce_bytes
+from gtc_lightning.algorithms.averaging.bmuf import (
+    block_update_,
+    check_block_args,
+    default_block_momentum,
+    group_ranks,
+)
+from gtc_lightning.algorithms.averaging.model_averaging import flatten, unflatten_
+from gtc_lightning.algorithms.common import allreduce_bytes
+from gtc_lightning.algorithms.gtc.auto_tau import TauController
+from gtc_lightning.algorithms.gtc.config import FALLBACK_ENTER, FALLBACK_EXIT, HEADER, WORD_BYTES, f32
 from gtc_lightning.ops import step_ops
 
 SCHEMES = ("gtc", "ma", "bmuf", "bmuf_gtc")
@@ -80,7 +86,7 @@ class VirtualWorkers:
         group_size: workers per GTC group (``bmuf_gtc``).
         dense_fallback: GTC's fallback to a dense all-reduce, as ``GTCStrategy(dense_fallback=...)``.
         target_density: automatic tau, as ``GTCStrategy(target_density=...)``: after every step each GTC
-            group's :class:`~gtc_lightning.auto_tau.TauController` moves the group's tau from the
+            group's :class:`~gtc_lightning.algorithms.gtc.auto_tau.TauController` moves the group's tau from the
             words its workers sent (per worker and element). None keeps tau fixed.
         backend: the step primitives, as ``GTCStrategy(backend=...)``: ``"auto"`` (Triton on CUDA,
             torch elsewhere), ``"torch"`` or ``"triton"``.
@@ -202,7 +208,7 @@ class VirtualWorkers:
         losses = []
         for g, members in enumerate(self.groups):
             if self.compressed:
-                words, tau32 = [], _f32(self.taus[g])
+                words, tau32 = [], f32(self.taus[g])
                 for w in members:
                     losses.append(self._gradient(g, batches[w], into=self.residuals[w]))
                     words.append(self._compress(w, tau32))
@@ -234,7 +240,8 @@ class VirtualWorkers:
         return self._message[: int(self._cursor)].clone()
 
     def _exchange(self, g: int, members: list[int], words: list[torch.Tensor], tau32: float) -> torch.Tensor:
-        """GTC within one group, as the hook decides and decodes (steps 3-6 of ``gtc_lightning.hook``);
+        """GTC within one group, as the hook decides and decodes (steps 3-6 of
+        ``gtc_lightning.algorithms.gtc.hook``);
         ``tau32``: the threshold the words were emitted with."""
         size = len(members)
         peers = size - 1
@@ -242,9 +249,9 @@ class VirtualWorkers:
             density = sum(len(m) for m in words) / (size * self.numel)
             self.taus[g] = self.controllers[g].update(density)
         fp32_bytes = allreduce_bytes(self.numel, size)
-        header = peers * _HEADER * 8
+        header = peers * HEADER * 8
         if self.dense_fallback and size > 1:
-            share = peers * max(_WORD_BYTES * len(m) for m in words) / fp32_bytes
+            share = peers * max(WORD_BYTES * len(m) for m in words) / fp32_bytes
             self.dense_mode[g] = share > (FALLBACK_EXIT if self.dense_mode[g] else FALLBACK_ENTER)
             if self.dense_mode[g] and not self._warned_fallback:
                 self._warned_fallback = True
@@ -270,10 +277,10 @@ class VirtualWorkers:
             return total.div_(size)
         if first:
             self.totals["words"] += len(words[0])
-            self.totals["gtc_bytes_sent"] += header + peers * _WORD_BYTES * len(words[0])
+            self.totals["gtc_bytes_sent"] += header + peers * WORD_BYTES * len(words[0])
         update = torch.empty(self.numel, device=self._counts.device)
         # One vote is worth tau / size in float32, as the hook's (and ``decompress``'s) scale.
-        self.ops.decode_(torch.cat(words), None, self._counts, [(0, update)], _f32(tau32 / size))
+        self.ops.decode_(torch.cat(words), None, self._counts, [(0, update)], f32(tau32 / size))
         return update
 
     def _sync(self) -> None:

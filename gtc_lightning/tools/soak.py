@@ -1,4 +1,4 @@
-"""``python -m gtc_lightning.soak``: a long run that checks the replicas stay bit-identical.
+"""``python -m gtc_lightning.tools.soak``: a long run that checks the replicas stay bit-identical.
 
 Trains the recipe's acoustic DNN (or ``--model LxH:K``) with each strategy that promises identical
 replicas (``gtc``, ``gtc_stale``, ``ddp``, ``ddp_bf16``) for ``--steps`` optimizer steps on 2 (``--world``)
@@ -10,7 +10,7 @@ and prints one line per strategy: steps, checks, mismatches, wall time, first an
 
 Example (the README's run)::
 
-    python -m gtc_lightning.soak --steps 10000 --every 100 --out exp/soak/report.json
+    python -m gtc_lightning.tools.soak --steps 10000 --every 100 --out exp/soak/report.json
 """
 
 from __future__ import annotations

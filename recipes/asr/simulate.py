@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train the recipe's DNN with N data-parallel workers simulated in one process (``gtc_lightning.simulate``):
+"""Train the recipe's DNN with N data-parallel workers simulated in one process (``gtc_lightning.tools.simulate``):
 what ``gtc``, ``ma``, ``bmuf`` and ``bmuf_gtc`` learn at 8 to 128 workers, on one device.
 
 Each worker gets the batches ``train.py --trainer.devices N`` gives rank r (the same permutation of
@@ -71,7 +71,7 @@ def frame_accuracy(model: torch.nn.Module, dm: AsrDataModule, device: torch.devi
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from gtc_lightning.simulate import SCHEMES
+    from gtc_lightning.tools.simulate import SCHEMES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scheme", choices=SCHEMES, required=True)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import lightning as L
 
-    from gtc_lightning.simulate import VirtualWorkers
+    from gtc_lightning.tools.simulate import VirtualWorkers
 
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if a.device == "auto" else a.device))

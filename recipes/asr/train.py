@@ -797,7 +797,7 @@ if __name__ == "__main__":
         print(f"train.py: error: {exc}", file=sys.stderr)
         # Without interpreter teardown: the broken process group's threads can abort it there
         # ("terminate called without an active exception", exit -6 instead of 1: seen on one rank
-        # of 16 in the link-down runs of gtc_lightning.faults). Checkpoints are already on disk.
+        # of 16 in the link-down runs of gtc_lightning.tools.faults). Checkpoints are already on disk.
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()
