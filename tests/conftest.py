@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes" / "asr"))
+sys.path.insert(0, str(ROOT / "recipes" / "asr" / "research"))  # its research scripts: simulate, strom_tables, ...
 
 import shutil
 

@@ -1,5 +1,5 @@
 """local.dnn.sharpness against the exactly formed Hessian of a small model, the training-time
-monitor on a two-rank GTC run and a single-device run, and recipes/asr/sharpness.py on a finished run."""
+monitor on a two-rank GTC run and a single-device run, and recipes/asr/research/sharpness.py on a finished run."""
 
 import json
 from pathlib import Path

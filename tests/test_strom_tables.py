@@ -1,4 +1,4 @@
-"""``recipes/asr/strom_tables.py`` on the tiny corpus: both tables from real runs (a baseline, GTC at
+"""``recipes/asr/research/strom_tables.py`` on the tiny corpus: both tables from real runs (a baseline, GTC at
 two thresholds, two model sizes), decoded, with Strom's rows beside; a second call trains nothing."""
 
 import json

@@ -270,7 +270,7 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
 
 @pytest.mark.parametrize("scheme", ["gtc", "gtc_auto", "bmuf"])
 def test_simulated_workers_match_a_two_rank_run(aligned, tmp_path, scheme):
-    """recipes/asr/simulate.py with 2 workers against train.py on 2 forked ranks, same settings: the same
+    """recipes/asr/research/simulate.py with 2 workers against train.py on 2 forked ranks, same settings: the same
     final model (rank 0's), bit for bit, and for GTC (one model on every rank) the same dev frame
     accuracy after every epoch. GTC is what the simulation models, Strom's gradient mode at tau 0.01 in
     32-bit words (conf/gtc.yaml; gtc_auto: with automatic tau from there), not GTCStrategy's defaults.

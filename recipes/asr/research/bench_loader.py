@@ -1,6 +1,6 @@
 """Peak memory and throughput of the DNN's training loaders as the corpus grows.
 
-    python recipes/asr/bench_loader.py --data-dir data/synthetic-default --out docs/loader
+    python recipes/asr/research/bench_loader.py --data-dir data/synthetic-default --out docs/loader
 
 Each measurement runs in a fresh Python process (peak RSS is per process: ``ru_maxrss`` after
 the run, imports included), draws ``--batches`` training batches and reports frames/s:
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # the recipe: local/
 
 
 def _corpus(data_dir: str, hours: float | None) -> tuple[Path, float, int]:
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{parts[-1]['splicing_frames_per_s']} frames/s", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = "python recipes/asr/bench_loader.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python recipes/asr/research/bench_loader.py " + " ".join(argv if argv is not None else sys.argv[1:])
     out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows, "parts": parts}, indent=1))
     header = (f"`{command}` ({time.strftime('%Y-%m-%d')}; up to {args.batches} batches of {args.batch_size} frames "
               f"per row, at most one epoch; buffer {args.buffer_frames} frames)")

@@ -8,8 +8,8 @@ order for seed ``--data-seed`` on one worker (the baseline's first batches), thr
 each run was trained with. Writes one JSON line per run to stdout and, with ``--out``, a JSON list.
 
 Usage:
-  python recipes/asr/sharpness.py --runs exp/dnn/baseline exp/dnn/gtc
-  python recipes/asr/sharpness.py --runs exp/lr2b/{baseline_lr2,gtc_rice_auto2.5e-3_lr2} --batches 16 --iters 30 \\
+  python recipes/asr/research/sharpness.py --runs exp/dnn/baseline exp/dnn/gtc
+  python recipes/asr/research/sharpness.py --runs exp/lr2b/{baseline_lr2,gtc_rice_auto2.5e-3_lr2} --batches 16 --iters 30 \\
       --data-dir data/synthetic-default --out exp/lr2b/sharpness.json
 """
 
@@ -21,7 +21,7 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipe: local/, evaluate.py
 
 import torch
 from evaluate import load_checkpoint, locate_run

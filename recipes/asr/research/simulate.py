@@ -23,8 +23,8 @@ groups of 8, 10 ms per BMUF worker), so an epoch of 1,648 steps takes about 3 mi
 and 20 at 128. On CUDA the GTC ops run as Triton kernels.
 
 Usage:
-  python recipes/asr/simulate.py --scheme gtc --workers 32 --exp-dir exp/sim --seed 0
-  python recipes/asr/simulate.py --scheme bmuf_gtc --workers 128 --group-size 8 --period 50
+  python recipes/asr/research/simulate.py --scheme gtc --workers 32 --exp-dir exp/sim --seed 0
+  python recipes/asr/research/simulate.py --scheme bmuf_gtc --workers 128 --group-size 8 --period 50
   python recipes/asr/evaluate.py --runs exp/dnn/baseline exp/sim/gtc_w32 --out exp/sim/compare
 """
 
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipe: local/, evaluate.py
 
 import numpy as np
 import torch

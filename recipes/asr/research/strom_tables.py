@@ -15,14 +15,14 @@ up where it stopped. Writes ``<exp-dir>/tables.md`` and ``tables.json``, with St
 ours.
 
 Usage:
-  python recipes/asr/strom_tables.py                                    # default corpus, both tables
-  python recipes/asr/strom_tables.py --taus 0.01 0.04 --sizes 5x512 5x1024 --epochs 2 --size-steps 200
-  python recipes/asr/strom_tables.py --tables 4 --data-dir data/synthetic-default
-  python recipes/asr/strom_tables.py --train-args "--config conf/tiny.yaml" --taus 0.01 --sizes 2x32 --epochs 1
+  python recipes/asr/research/strom_tables.py                                    # default corpus, both tables
+  python recipes/asr/research/strom_tables.py --taus 0.01 0.04 --sizes 5x512 5x1024 --epochs 2 --size-steps 200
+  python recipes/asr/research/strom_tables.py --tables 4 --data-dir data/synthetic-default
+  python recipes/asr/research/strom_tables.py --train-args "--config conf/tiny.yaml" --taus 0.01 --sizes 2x32 --epochs 1
   # Table 3 over seeds: one call per seed (--seed N --exp-dir exp/strom/seedN), then
   python recipes/asr/evaluate.py --compare-only --baseline baseline --out exp/strom/compare \\
       --runs exp/strom/seed*/{baseline,tau*}
-  python recipes/asr/strom_tables.py --combine exp/strom/compare/comparison.json
+  python recipes/asr/research/strom_tables.py --combine exp/strom/compare/comparison.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TRAIN = REPO / "recipes" / "asr" / "train.py"
 EVALUATE = REPO / "recipes" / "asr" / "evaluate.py"
 log = logging.getLogger("strom_tables")

@@ -6,7 +6,7 @@ Why the recipe measures it: plain SGD at rate η cannot stay where the loss's sh
 leave for a flatter region, "the edge of stability"), so a baseline trained at lr 2 ends near 1.
 GTC applies only the elements whose residual crossed τ, each by at most ``lr·τ`` a step, and
 an oscillation smaller than τ per element cancels in the residual before it is sent: nothing stops
-it in sharper regions. ``SharpnessMonitor`` follows it during training; ``recipes/asr/sharpness.py``
+it in sharper regions. ``SharpnessMonitor`` follows it during training; ``recipes/asr/research/sharpness.py``
 measures finished runs (docs/auto_tau_rice.md, "Sharpness").
 """
 
