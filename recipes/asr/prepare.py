@@ -16,6 +16,8 @@ Stages (each skipped when it has already completed; ``--stage`` / ``--stop-stage
                (training) and fMLLR decoding (dev, test)
   8  report    report.json and a readable summary
 
+These are the recipe's stages 0-8 in run.sh too (its 9-11 train the baseline and GTC, decode and compare).
+
 A stage is marked done (``<data-dir>/.done/<stage>``) only when it completed, and before it runs
 what it writes (``STAGE_OUTPUTS``) is cleared: killing a run in the middle of any stage and running
 the same command again gives what an uninterrupted run gives (``local/atomic.py``).

@@ -3,15 +3,23 @@
 # SAT), fMLLR alignments, fbank speaker transforms -> DNN baseline (1 worker) and GTC (2 workers)
 # -> HCLG decoding -> comparison table (WERs with 95 % intervals) and plot.
 #
+# One stage numbering for the whole recipe (stage=N: start there; stop_stage=M: stop after M):
+#   0-8  data, prepare.py's own stages (0 corpus, 1 features, 2 lang, 3 mono, 4 tri, 5 sat, 6 align,
+#        7 adapt, 8 report; each skipped once done)
+#   9    single-device DNN baseline
+#   10   GTC, 2 workers
+#   11   decode dev/test, compare
+#
 #   bash recipes/asr/run.sh                        # everything, data stages skipped once done
-#   stage=1 bash recipes/asr/run.sh                # from the baseline training on
-#   seeds="1 2" stage=1 bash recipes/asr/run.sh    # two more seeds, then the comparison over all
+#   stage=9 bash recipes/asr/run.sh                # from the baseline training on
+#   seeds="1 2" stage=9 bash recipes/asr/run.sh    # two more seeds, then the comparison over all
+#   stage=9 stop_stage=10 bash recipes/asr/run.sh  # train only (baseline and GTC), no decoding
 #   data=data/mini_librispeech bash recipes/asr/run.sh   # after prepare.py --corpus ... (see README)
-#   test_sweep=1 stage=3 bash recipes/asr/run.sh   # also test at every acoustic scale (fixed-scale tables)
+#   test_sweep=1 stage=11 bash recipes/asr/run.sh  # also test at every acoustic scale (fixed-scale tables)
 #   precision=32-true bash recipes/asr/run.sh      # train in float32 (default: bf16-mixed where the
 #                                                  # device computes bfloat16 natively, local/dnn/precision.py)
 #
-# Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 3 decodes
+# Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 11 decodes
 # the runs not decoded yet (dev at each acoustic scale, test at the one dev picks; with test_sweep=1
 # also test at each scale, for the comparison's fixed-scale tables) and compares every run found for
 # seeds 0 1 2. Each stage prints its wall and
@@ -23,6 +31,7 @@ python=${python:-.venv/bin/python}
 data=${data:-data/synthetic-default}
 exp=${exp:-exp/dnn}
 stage=${stage:-0}
+stop_stage=${stop_stage:-11}
 seeds=${seeds:-0}
 test_sweep=${test_sweep:-0}
 case "$test_sweep" in 0|1) ;; *) echo "run.sh: test_sweep=$test_sweep: use test_sweep=1 (test at every scale) or 0" >&2; exit 2 ;; esac
@@ -32,31 +41,35 @@ echo "== DNN training precision: $precision"
 
 run_dir() { if [ "$1" = 0 ]; then echo "$exp"; else echo "$exp/seed$1"; fi; }
 
-if [ "$stage" -le 0 ]; then
-  echo "== stage 0: data pipeline (corpus, features, lang, GMM-HMM, alignments, adaptation) -> $data"
-  time $python recipes/asr/prepare.py --data-dir "$data"
+case "$stage$stop_stage" in *[!0-9]*) echo "run.sh: stage=$stage stop_stage=$stop_stage: use numbers 0-11" >&2; exit 2 ;; esac
+run() { [ "$stage" -le "$1" ] && [ "$1" -le "$stop_stage" ]; }  # is stage $1 selected?
+
+if [ "$stage" -le 8 ] && [ "$stop_stage" -ge 0 ]; then
+  last=$(( stop_stage < 8 ? stop_stage : 8 ))
+  echo "== stages $stage-$last: data pipeline (corpus, features, lang, GMM-HMM, alignments, adaptation) -> $data"
+  time $python recipes/asr/prepare.py --data-dir "$data" --stage "$stage" --stop-stage "$last"
 fi
 for seed in $seeds; do
   dir=$(run_dir "$seed")
-  if [ "$stage" -le 1 ]; then
-    echo "== stage 1: single-device baseline, seed $seed (global batch of the 2-worker runs) -> $dir/baseline"
+  if run 9; then
+    echo "== stage 9: single-device baseline, seed $seed (global batch of the 2-worker runs) -> $dir/baseline"
     time $python recipes/asr/train.py --config conf/baseline.yaml --data.data_dir "$data" --exp_dir "$dir" \
       --seed_everything "$seed" --data.seed "$seed" --trainer.precision "$precision"
   fi
-  if [ "$stage" -le 2 ]; then
-    echo "== stage 2: GTC, 2 workers, seed $seed -> $dir/gtc"
+  if run 10; then
+    echo "== stage 10: GTC, 2 workers, seed $seed -> $dir/gtc"
     time $python recipes/asr/train.py --strategy gtc --data.data_dir "$data" --exp_dir "$dir" --run_name gtc \
       --seed_everything "$seed" --data.seed "$seed" --trainer.precision "$precision"
   fi
 done
-if [ "$stage" -le 3 ]; then
+if run 11; then
   runs=()
   for seed in 0 1 2; do
     for name in baseline gtc; do
       [ -f "$(run_dir "$seed")/$name/train_summary.json" ] && runs+=("$(run_dir "$seed")/$name")
     done
   done
-  echo "== stage 3: decode dev/test, compare ${#runs[@]} runs -> $exp/compare"
+  echo "== stage 11: decode dev/test, compare ${#runs[@]} runs -> $exp/compare"
   sweep=""; [ "$test_sweep" = 1 ] && sweep=--test-sweep  # test also at every scale: fixed-scale tables
   time $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded $sweep
 fi
