@@ -622,5 +622,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return results
 
 
+def cli() -> None:
+    """The ``gtc-model-suite`` command: :func:`main` without its return value (an exit status of 0)."""
+    main()
+
+
 if __name__ == "__main__":
     main()
