@@ -5,6 +5,7 @@ from gtc_lightning._moved import alias
 __getattr__, __dir__ = alias(
     __name__,
     "gtc_lightning.strategies.averaging",
+    "gtc_lightning.strategies.loggers",
     "gtc_lightning.algorithms.averaging.model_averaging",
     "gtc_lightning.strategies.common",
     "gtc_lightning.algorithms.common",

@@ -5,6 +5,7 @@ from gtc_lightning._moved import alias
 __getattr__, __dir__ = alias(
     __name__,
     "gtc_lightning.strategies.gtc",
+    "gtc_lightning.strategies.loggers",
     "gtc_lightning.strategies.common",
     "gtc_lightning.strategies.checkpoint",
     "gtc_lightning.algorithms.common",

@@ -20,7 +20,6 @@ Lightning strategy the same way for every scheme. DDP's own buffer broadcast
 """
 
 import logging
-import math
 import os
 import weakref
 from collections.abc import Callable
@@ -31,7 +30,6 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
@@ -47,6 +45,7 @@ from gtc_lightning.strategies.common import (
     hint_unused_parameters,
     register_names,
 )
+from gtc_lightning.strategies.loggers import SyncStatsLogger
 
 log = logging.getLogger(__name__)
 
@@ -174,43 +173,6 @@ def scale_learning_rates(strategy: Strategy, factor: float) -> None:
         for key in ("base_lrs", "_last_lr"):
             if isinstance(getattr(scheduler, key, None), list):
                 setattr(scheduler, key, [lr * factor for lr in getattr(scheduler, key)])
-
-
-class SyncStatsLogger(Callback):
-    """Logs the newest step's statistics under ``prefix/`` through ``LightningModule.log`` on the
-    steps the Trainer logs (``log_every_n_steps``; ``log`` costs ~1 ms a value), and the ratio to
-    DDP's bytes and the sync count in the progress bar; the strategy's ``sync_stats`` has every step's."""
-
-    def __init__(self, state_of: Callable[[], AveragingState | None], prefix: str) -> None:
-        self._state_of = state_of
-        self.prefix = prefix
-        self._logged_step = -1
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        state = self._state_of()
-        if state is None or state.last is None or state.last.step == self._logged_step:
-            return  # no optimizer step since the last log: a gradient-accumulation micro-step
-        connector = getattr(trainer, "_logger_connector", None)
-        if connector is not None and not connector.should_update_logs:
-            return
-        last, total, p = state.last, state.stats()["total"], self.prefix
-        self._logged_step = last.step
-        ratio = total["ratio_fp32"] if math.isfinite(total["ratio_fp32"]) else 0.0
-        values = {
-            f"{p}/bytes_sent": float(last.bytes_sent),
-            f"{p}/bytes_received": float(last.bytes_received),
-            f"{p}/sync": float(last.mode == "sync"),
-            f"{p}/exchange_s": last.exchange_s,
-            f"{p}/syncs": float(total["syncs"]),
-            f"{p}/bytes_sent_total": float(total["bytes_sent"]),
-            f"{p}/ratio_fp32": ratio,
-        }
-        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
-        bar = {f"{p}_vs_fp32": ratio, f"{p}_syncs": float(total["syncs"])}
-        pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
 
 
 # ---- the strategy -----------------------------------------------------------------------------------

@@ -56,14 +56,10 @@ from gtc_lightning.algorithms.averaging.bmuf import (
 )
 from gtc_lightning.algorithms.averaging.model_averaging import OPTIMIZER_STATES, broadcast_
 from gtc_lightning.algorithms.common import check_int
-from gtc_lightning.strategies.averaging import (
-    LocalStepsMixin,
-    ModelAveragingStrategy,
-    RankShards,
-    SyncStatsLogger,
-)
+from gtc_lightning.strategies.averaging import LocalStepsMixin, ModelAveragingStrategy, RankShards
 from gtc_lightning.strategies.common import add_callback
 from gtc_lightning.strategies.gtc import GTCStrategy
+from gtc_lightning.strategies.loggers import SyncStatsLogger
 
 log = logging.getLogger(__name__)
 

@@ -63,8 +63,9 @@ from gtc_lightning.algorithms.averaging.model_averaging import (
     unflatten_,
 )
 from gtc_lightning.algorithms.common import check_int
-from gtc_lightning.strategies.averaging import LocalStepsMixin, RankShards, SyncStatsLogger
+from gtc_lightning.strategies.averaging import LocalStepsMixin, RankShards
 from gtc_lightning.strategies.common import add_callback, drop_hook_args
+from gtc_lightning.strategies.loggers import SyncStatsLogger
 
 log = logging.getLogger(__name__)
 

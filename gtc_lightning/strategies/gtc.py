@@ -10,7 +10,6 @@ residuals in checkpoints (one shard per rank), and logs statistics.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -23,7 +22,6 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -39,7 +37,13 @@ from gtc_lightning.algorithms.gtc.hook import gtc_hook
 from gtc_lightning.algorithms.gtc.state import GTCState
 from gtc_lightning.strategies import checkpoint as gtc_checkpoint
 from gtc_lightning.strategies.checkpoint import CHECKPOINT_KEY
-from gtc_lightning.strategies.common import drop_hook_args, hint_unused_parameters, register_names
+from gtc_lightning.strategies.common import (
+    add_callback,
+    drop_hook_args,
+    hint_unused_parameters,
+    register_names,
+)
+from gtc_lightning.strategies.loggers import GTCStatsLogger
 
 log = logging.getLogger(__name__)
 
@@ -288,12 +292,7 @@ class GTCStrategy(DDPStrategy):
                 f"{len(self.optimizers)} optimizers may belong to another optimizer than the one whose parameters "
                 "it moves; use one optimizer, or stale=False"
             )
-        if not any(isinstance(cb, _GTCStatsLogger) for cb in trainer.callbacks):
-            # Before the checkpoint callbacks, so that they can monitor the GTC metrics.
-            where = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), None)
-            trainer.callbacks.insert(
-                len(trainer.callbacks) if where is None else where, _GTCStatsLogger(self)
-            )
+        add_callback(trainer, GTCStatsLogger(self))  # before the checkpoint callbacks: they may monitor it
 
     @property
     def compress(self) -> str:
@@ -573,53 +572,3 @@ class GTCStrategy(DDPStrategy):
         register_names(
             strategy_registry, cls, "gtc_stale", "DDP with one-step-stale gradient threshold compression", stale=True
         )
-
-
-class _GTCStatsLogger(Callback):
-    """Logs the newest GTC step's statistics through ``LightningModule.log`` on the steps the Trainer
-    logs (``log_every_n_steps``); added by the strategy. ``gtc_stats`` has every step's."""
-
-    def __init__(self, strategy: GTCStrategy) -> None:
-        self._strategy = strategy
-        self._logged_step = -1
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        state = self._strategy.gtc_state
-        if state is None or state.last is None or state.last.step == self._logged_step:
-            return  # no exchange since the last log: a gradient-accumulation micro-step
-        # Only on the steps the Trainer sends to its loggers (log_every_n_steps): LightningModule.log
-        # costs ~1 ms a value, as much as the whole exchange of a small model.
-        connector = getattr(trainer, "_logger_connector", None)
-        if connector is not None and not connector.should_update_logs:
-            return
-        state.settle(block=False)
-        last = state.last
-        self._logged_step = last.step
-
-        def finite(x: float) -> float:
-            return x if math.isfinite(x) else 0.0
-
-        values = {
-            "gtc/words": float(last.words),
-            "gtc/words_all": float(last.words_all),
-            "gtc/bytes_sent": float(last.bytes_sent),
-            "gtc/bytes_received": float(last.bytes_received),
-            "gtc/allreduce_fp32_bytes": float(last.allreduce_fp32_bytes),
-            "gtc/ratio_fp32": finite(last.ratio_fp32),
-            "gtc/ratio_bf16": finite(last.ratio_bf16),
-            "gtc/compress_s": last.compress_s,
-            "gtc/exchange_s": last.exchange_s,
-            "gtc/decompress_s": last.decompress_s,
-            "gtc/skips": float(state.totals["skips"]),
-            "gtc/overflows": float(state.totals["overflows"]),
-            "gtc/dense": float(last.dense),
-            "gtc/tau": last.tau,
-        }
-        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
-        bar = {"gtc_vs_fp32": finite(last.ratio_fp32), "gtc_vs_bf16": finite(last.ratio_bf16)}
-        if state.controller is not None:
-            bar["gtc_tau"] = state.tau
-        pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
