@@ -16,5 +16,11 @@ __getattr__, __dir__ = alias(
     "gtc_lightning.ops",
     "gtc_lightning.ops.rice",
     "gtc_lightning.ops.torch_ops",
-    renamed={"_HEADER": "HEADER", "_WORD_BYTES": "WORD_BYTES", "_f32": "f32", "_TOTAL_KEYS": "TOTAL_KEYS", "_Clock": "Clock"},
+    renamed={
+        "_HEADER": "HEADER",
+        "_WORD_BYTES": "WORD_BYTES",
+        "_f32": "f32",
+        "_TOTAL_KEYS": "TOTAL_KEYS",
+        "_Clock": "Clock",
+    },
 )

@@ -9,5 +9,10 @@ __getattr__, __dir__ = alias(
     "gtc_lightning.strategies.common",
     "gtc_lightning.strategies.checkpoint",
     "gtc_lightning.algorithms.common",
-    renamed={"_HOOK_ARGS": "HOOK_ARGS", "_check_int": "check_int", "_LAUNCHERS": "LAUNCHERS"},
+    renamed={
+        "_HOOK_ARGS": "HOOK_ARGS",
+        "_check_int": "check_int",
+        "_LAUNCHERS": "LAUNCHERS",
+        "_GTCStatsLogger": "GTCStatsLogger",
+    },
 )
