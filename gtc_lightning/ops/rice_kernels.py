@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gtc_lightning.ops.triton_kernels import INTERPRETED, _check_runnable
+from gtc_lightning.ops.triton_kernels import INTERPRETED, check_runnable
 
 BLOCK = 65536 if INTERPRETED else 1024
 WARPS = 4
@@ -129,7 +129,7 @@ def _grid(n: int) -> tuple[int]:
 
 def pack_unary(ends: torch.Tensor, bits: int) -> torch.Tensor:
     """``[ceil(bits/32)]`` int32: ones, with a zero at each of ``ends`` (``[m]`` int64)."""
-    _check_runnable(ends)
+    check_runnable(ends)
     stream = torch.full(((bits + 31) // 32,), -1, dtype=torch.int32, device=ends.device)
     if ends.numel():
         _clear_bits_kernel[_grid(ends.numel())](ends, stream, ends.numel(), BLOCK=BLOCK, num_warps=WARPS)
@@ -138,7 +138,7 @@ def pack_unary(ends: torch.Tensor, bits: int) -> torch.Tensor:
 
 def pack_fixed(values: torch.Tensor, width: int) -> torch.Tensor:
     """``[ceil(m * width / 32)]`` int32: the ``width``-bit ``values`` (``[m]`` int64) back to back."""
-    _check_runnable(values)
+    check_runnable(values)
     m = values.numel()
     stream = torch.zeros((m * width + 31) // 32 + 1, dtype=torch.int32, device=values.device)
     if m:
@@ -152,7 +152,7 @@ def zero_positions(stream: torch.Tensor, m: int) -> torch.Tensor:
     Raises:
         ValueError: the stream holds another number of zeros.
     """
-    _check_runnable(stream)
+    check_runnable(stream)
     n = stream.numel()
     counts = torch.empty(n, dtype=torch.int64, device=stream.device)
     if n:
@@ -169,7 +169,7 @@ def zero_positions(stream: torch.Tensor, m: int) -> torch.Tensor:
 
 def unpack_fixed(stream: torch.Tensor, m: int, width: int) -> torch.Tensor:
     """``[m]`` int64: the ``width``-bit fields of ``stream``."""
-    _check_runnable(stream)
+    check_runnable(stream)
     out = torch.empty(m, dtype=torch.int64, device=stream.device)
     if m:
         _fields_kernel[_grid(m)](stream, out, m, stream.numel(), width, BLOCK=BLOCK, num_warps=WARPS)

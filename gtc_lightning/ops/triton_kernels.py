@@ -224,7 +224,7 @@ def compress_warps(block: int) -> int:
     return max(1, min(16, block // 128))
 
 
-def _check_runnable(t: torch.Tensor) -> None:
+def check_runnable(t: torch.Tensor) -> None:
     if not t.is_cuda and not INTERPRETED:
         raise RuntimeError(
             f"the Triton kernels run on CUDA tensors (or on CPU with TRITON_INTERPRET=1 set before "
@@ -292,7 +292,7 @@ def _launch_compress(
         raise ValueError(f"{n} elements is more than 2**31-1 addressable by a 31-bit index")
     if not (0.0 < tau32 <= FLT_MAX):
         raise ValueError(f"tau must be a finite float32 > 0, got {tau32!r}")
-    _check_runnable(grad)
+    check_runnable(grad)
     words = torch.empty(0, dtype=torch.int32, device=grad.device)
     if n == 0:
         return words, 0
@@ -353,7 +353,7 @@ def _launch_decompress(words: torch.Tensor, numel: int, scale: float, block: int
     _check_block(block)
     if not 0 <= numel <= MAX_NUMEL:
         raise ValueError(f"numel must be in [0, 2**31-1], got {numel}")
-    _check_runnable(words)
+    check_runnable(words)
     out = torch.zeros(numel, dtype=torch.float32, device=words.device)
     m = words.numel()
     if m == 0:
@@ -407,7 +407,7 @@ def threshold_(
 
     No host sync: the words go to ``message[cursor:]`` and ``cursor`` advances on the device.
     """
-    _check_runnable(grad)
+    check_runnable(grad)
     n = grad.numel()
     if n == 0:
         return
@@ -426,7 +426,7 @@ def apply_words_(residual: torch.Tensor, words: torch.Tensor, tau32: float) -> N
     m = words.numel()
     if m == 0:
         return
-    _check_runnable(words)
+    check_runnable(words)
     block = WORDS_BLOCK
     _apply_words_kernel[(triton.cdiv(m, block),)](
         words, residual, m, tau32, BLOCK=block, num_warps=CUDA_CONFIG["words"][1], **FP_OPTIONS
@@ -442,7 +442,7 @@ def decode_(
 ) -> None:
     """Triton twin of ``torch_ops.decode_``: atomics count the valid words, one pass per output
     writes ``float32(count) * scale`` and clears ``counts``."""
-    _check_runnable(counts)
+    check_runnable(counts)
     if lengths is None:
         lengths, width = [words.numel()], words.numel()
     else:

@@ -1,4 +1,5 @@
 """Emulated cluster: run any training command on N network namespaces of this machine.
+Long file: one tool with its whole life cycle (set-up, shaping, the run, teardown after a kill, cleanup).
 
     python -m gtc_lightning.tools.cluster --nodes 4 --rate 1gbit -- \\
         python recipes/asr/train.py --strategy gtc --trainer.num_nodes 4 --trainer.devices 1

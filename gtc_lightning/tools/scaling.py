@@ -1,5 +1,6 @@
 """Scaling model: step time and speed-up of each strategy on 1-128 nodes, from the compute time of a
 step and the messages each strategy sends.
+Long file: one model of every strategy's messages, its calibration, its command and its plot.
 
 A step is its compute (forward, backward, optimizer; plus the strategy's own work on the gradient,
 such as GTC's thresholding and decoding, and on the model at a sync, such as BMUF's block update,
