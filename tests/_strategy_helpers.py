@@ -99,6 +99,13 @@ class TinyMLP(L.LightningModule):
         return DataLoader(dataset(self.samples), batch_size=BATCH, shuffle=False)
 
 
+class AdamMLP(TinyMLP):
+    """:class:`TinyMLP` with AdamW (each rank's moments differ under ``compress="update"``)."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+
 class Recorder(L.Callback):
     """Per batch: step, parameters, residuals, local gradients, GTC statistics, loss; saved per
     rank at the end. Local gradients are captured by tensor hooks, before DDP sees them."""

@@ -11,15 +11,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from _strategy_helpers import TinyMLP, fit, keep_master_port  # noqa: F401  (autouse: MASTER_PORT)
+from _strategy_helpers import AdamMLP, TinyMLP, fit, keep_master_port  # noqa: F401  (autouse: MASTER_PORT)
 
 DATA = Path(__file__).resolve().parent / "data" / "checkpoints_0.1.0"
 WORLD = 2
-
-
-class AdamMLP(TinyMLP):
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
 
 class OptimizerAtStart(L.Callback):

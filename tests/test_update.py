@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 import torch
 from _strategy_helpers import (
-    TinyMLP,
+    AdamMLP,
     dataset,
     fit,
     keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
@@ -26,11 +26,6 @@ from gtc_lightning import GTCFabricStrategy, GTCStrategy
 
 WORLD, LR, DENSITY = 2, 0.5, 0.05
 UPDATE = {"compress": "update", "tau": "auto", "target_density": DENSITY}
-
-
-class AdamMLP(TinyMLP):
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
 
 class Mode(L.Callback):

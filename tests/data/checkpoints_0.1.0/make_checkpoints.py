@@ -20,18 +20,13 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from _strategy_helpers import TinyMLP, fit
+from _strategy_helpers import AdamMLP, TinyMLP, fit
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 RUNS = {
     "gtc_gradient": {"compress": "gradient", "tau": 0.01, "coding": "none", "dense_fallback": False},
     "gtc_update": {"compress": "update", "tau": "auto", "coding": "rice", "target_density": 0.05},
 }
-
-
-class AdamMLP(TinyMLP):
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
 
 if __name__ == "__main__":
