@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # gtc_lightning/tools/faults.py -> the checkout
 TRAIN = REPO / "recipes" / "asr" / "train.py"
 TINY = REPO / "conf" / "tiny.yaml"
 # What the published runs measured as gtc and gtc_stale: Strom's gradient mode at the recipe's fixed
