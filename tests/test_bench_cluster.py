@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from test_cluster import netns  # noqa: F401  (the fixture: nothing of the cluster left behind)
 
-from gtc_lightning import bench_cluster, scaling
-from gtc_lightning.bench_cluster import burst_for, parse_strategy
+from gtc_lightning.tools import bench_cluster, scaling
+from gtc_lightning.tools.bench_cluster import burst_for, parse_strategy
 
 
 def test_parse_strategy_and_burst():
@@ -71,7 +71,7 @@ def test_report_names_targets_only_where_they_can_be_read():
 
 def test_two_nodes_tiny_model(netns, tmp_path):  # noqa: F811  (netns: the fixture imported above)
     out = tmp_path / "bench"
-    command = [sys.executable, "-m", "gtc_lightning.bench_cluster", "--models", "2x16:8", "--workers", "1", "2",
+    command = [sys.executable, "-m", "gtc_lightning.tools.bench_cluster", "--models", "2x16:8", "--workers", "1", "2",
                "--rates", "1gbit", "--strategies", "ddp", "gtc", "--steps", "2", "--min-steps", "2", "--rounds", "1",
                "--warmup", "1", "--replay-steps", "2", "--tau", "1e-3", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)

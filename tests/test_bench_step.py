@@ -1,4 +1,4 @@
-"""``python -m gtc_lightning.bench_step``: one forked rank on CPU, its table and JSON, the per-step
+"""``python -m gtc_lightning.tools.bench_step``: one forked rank on CPU, its table and JSON, the per-step
 statistics over the timed steps only, and the GPU option's error without GPUs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from gtc_lightning import bench_step
+from gtc_lightning.tools import bench_step
 
 
 def test_one_rank_table_and_timed_statistics(tmp_path, capsys):
@@ -54,24 +54,24 @@ def test_new_names_build_powersgd_as_the_model_suite_and_gtc_update_as_the_defau
     gtc_update asks for what GTCStrategy() does today: the optimizer's step, automatic tau at the default
     density, Rice coding (a fixed-tau ``gtc`` stays Strom's gradient mode)."""
     from gtc_lightning import GTCStrategy, PowerSGDStrategy
-    from gtc_lightning.strategy import BUCKET_CAP_MB
+    from gtc_lightning.strategies.gtc import BUCKET_CAP_MB
     from gtc_lightning.tools.model_suite import METHODS
 
     for name, rank in bench_step.POWERSGD_RANKS.items():
-        built = bench_step._make_strategy(name, 1e-2, "auto")
+        built = bench_step.make_strategy(name, 1e-2, "auto")
         assert isinstance(built, PowerSGDStrategy)
         assert built._powersgd_kwargs == METHODS[name]()._powersgd_kwargs
         assert built._powersgd_kwargs["matrix_approximation_rank"] == rank
         assert built._ddp_kwargs["bucket_cap_mb"] == BUCKET_CAP_MB
-    update = bench_step._make_strategy("gtc_update", 1e-2, "auto")
+    update = bench_step.make_strategy("gtc_update", 1e-2, "auto")
     defaults = GTCStrategy()
     assert (update.compress, update.tau, update.target_density, update.coding) == (
         "update", "auto", defaults.target_density, defaults.coding)  # fmt: skip
     assert defaults.compress == "auto" and defaults.tau == "auto"  # auto: "update" for one optimizer
-    gtc = bench_step._make_strategy("gtc", 1e-2, "auto")
+    gtc = bench_step.make_strategy("gtc", 1e-2, "auto")
     assert (gtc.compress, gtc.tau, gtc.coding) == ("gradient", 1e-2, "none")
     with pytest.raises(ValueError, match="unknown strategy"):
-        bench_step._make_strategy("powersgd_r2", 1e-2, "auto")
+        bench_step.make_strategy("powersgd_r2", 1e-2, "auto")
 
 
 @pytest.mark.parametrize("rank", [1, 4])
@@ -81,7 +81,7 @@ def test_powersgd_meter_records_the_hooks_all_reduces(rank):
     ring's 2 (W-1)/W of its bytes. A few seconds."""
     from argparse import Namespace
 
-    from gtc_lightning.hook import allreduce_bytes
+    from gtc_lightning.algorithms.common import allreduce_bytes
 
     layers, hidden, outputs = spec = bench_step.MODELS["recipe"]
     rows = [hidden] * layers + [outputs]  # Linear weights are [out, in]: rows = outputs, columns = inputs

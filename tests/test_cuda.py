@@ -178,7 +178,7 @@ def _train_main(rank: int, world: int, port: int, backend: str, exchange: str, c
     from torch.utils.data import DataLoader, TensorDataset
 
     from gtc_lightning import GTCStrategy
-    from gtc_lightning.bench_step import make_dnn
+    from gtc_lightning.tools.bench_step import make_dnn
 
     torch.use_deterministic_algorithms(True)
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own frames
@@ -198,11 +198,11 @@ def _train_main(rank: int, world: int, port: int, backend: str, exchange: str, c
 
 
 def _launch(tmp_path: Path, world: int, backend: str, exchange: str = "auto", coding: str = "none") -> list[dict]:
-    from gtc_lightning.bench_step import _free_port
+    from gtc_lightning.tools.bench_step import free_port
 
     out = tmp_path / f"{world}_{backend}_{exchange}_{coding}"
     out.mkdir()
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
     code = "import sys, test_cuda; a = sys.argv[1:]; test_cuda._train_main(int(a[0]), int(a[1]), int(a[2]), *a[3:])"
     argv = [str(world), str(port), backend, exchange, coding, str(out)]

@@ -1,9 +1,11 @@
-"""``python -m gtc_lightning.bench_cluster``: every strategy's step on an emulated commodity network.
+"""``python -m gtc_lightning.tools.bench_cluster``: every strategy's step on an emulated commodity network.
+Long file: one benchmark with its runs, the collectives it replays, the calibration of the scaling model
+and its report (the emulator: cluster.py; the model: scaling.py).
 
-For each model, number of workers (one per emulated node of :mod:`gtc_lightning.cluster`; 1 worker
+For each model, number of workers (one per emulated node of :mod:`gtc_lightning.tools.cluster`; 1 worker
 is the single-device baseline, no network) and link rate, one cluster run trains every strategy in
 turn in the same processes, round after round (``ddp``, ``ddp_bf16``, ``gtc``, ..., ``nocomm``,
-``ddp``, ...), with :func:`gtc_lightning.bench_step._segment`'s Lightning steps of the acoustic DNN
+``ddp``, ...), with :func:`gtc_lightning.tools.bench_step._segment`'s Lightning steps of the acoustic DNN
 on random frames. Then, in the same processes, it replays each strategy's collectives with the
 message sizes just measured and no compute. What it separates, per strategy:
 
@@ -22,18 +24,18 @@ message sizes just measured and no compute. What it separates, per strategy:
 
 Next to the wire bytes stands what the strategy itself counts (its hook's ``bytes_sent``; for DDP
 the ring formula ``2 (W-1)/W · 4n``; for PowerSGD the ring bytes of every all-reduce its hook issued,
-recorded by :func:`gtc_lightning.bench_step.powersgd_meter`, whose sizes the replay replays). GTC's
+recorded by :func:`gtc_lightning.tools.bench_step.powersgd_meter`, whose sizes the replay replays). GTC's
 residuals at a fixed tau start from a triangular distribution on (-tau, tau), near the steady state of
 thresholding, so that a few steps measure the message size of a long run instead of the first steps'
 near-empty messages (``--residual-start zero`` turns it off); ``gtc_update`` (GTCStrategy's defaults:
 the optimizer's step, automatic per-rank tau, Rice coding) sends its target density from the first
-step. The scaling model (:mod:`gtc_lightning.scaling`) is calibrated on the replays and its step
+step. The scaling model (:mod:`gtc_lightning.tools.scaling`) is calibrated on the replays and its step
 predictions compared with the measured steps.
 
 Example (the README's run; needs root for the namespaces)::
 
-    python -m gtc_lightning.bench_cluster --out exp/bench_cluster
-    python -m gtc_lightning.bench_cluster --models recipe --workers 2 --rates 1gbit --steps 3 --rounds 1
+    python -m gtc_lightning.tools.bench_cluster --out exp/bench_cluster
+    python -m gtc_lightning.tools.bench_cluster --models recipe --workers 2 --rates 1gbit --steps 3 --rounds 1
 
 Writes ``<out>/results.json`` (schema ``gtc_lightning.bench_cluster/1``: ``args``, ``configs`` with
 per-configuration load averages and cluster results, ``rows`` with one record per model, workers,
@@ -57,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gtc_lightning import scaling
+from gtc_lightning.tools import scaling
 
 DEFAULT_STRATEGIES = ("ddp", "ddp_bf16", "powersgd_r1", "powersgd_r4", "gtc", "gtc_update")
 # one word exchange per step
@@ -83,7 +85,7 @@ def _make_callbacks(plan: dict, warmup: int, steps: int):
     import lightning as L
     import torch
 
-    from gtc_lightning import bench_step
+    from gtc_lightning.tools import bench_step
 
     class WireMeter(L.Callback):
         """Veth counters, time and the strategy's own statistics at the window's two ends."""
@@ -121,16 +123,16 @@ def _make_callbacks(plan: dict, warmup: int, steps: int):
 
 
 def build_strategy(name: str, tau: float, options: dict[str, Any]):
-    """``single`` (no DDP), a name :mod:`gtc_lightning.bench_step` knows, or a registered one. GTC is
+    """``single`` (no DDP), a name :mod:`gtc_lightning.tools.bench_step` knows, or a registered one. GTC is
     Strom's gradient mode at the fixed ``tau`` in 32-bit words (what the published runs measured), also
     under a registered name with options (``gtc:exchange=allgather``), unless they say otherwise."""
-    from gtc_lightning import bench_step
+    from gtc_lightning.tools import bench_step
 
     if name == "single":
         return "auto"
     if not options:
         try:
-            return bench_step._make_strategy(name, tau, "auto")
+            return bench_step.make_strategy(name, tau, "auto")
         except (ValueError, ImportError):
             pass
     from lightning.pytorch.strategies import StrategyRegistry
@@ -196,7 +198,7 @@ def node_worker(plan_path: str) -> None:
 
     import torch
 
-    from gtc_lightning import bench_step
+    from gtc_lightning.tools import bench_step
 
     plan = json.loads(Path(plan_path).read_text())
     # Lightning sets torch's threads to cores / local processes (2 here, with one process per node)
@@ -307,7 +309,7 @@ def _word_bytes(windows: list[dict], world: int) -> float:
 
 
 def replay(plan: dict, segments: dict, facts: dict) -> dict:
-    """Each strategy's collectives (:func:`gtc_lightning.scaling.collectives`) with the measured word
+    """Each strategy's collectives (:func:`gtc_lightning.tools.scaling.collectives`) with the measured word
     counts and no compute, ``replay_steps`` steps (whole periods), each after a pause."""
     import torch
     import torch.distributed as dist
@@ -389,7 +391,7 @@ def _run_collective(c: scaling.Collective, strategy: str, ranks: tuple[int, ...]
     import torch
     import torch.distributed as dist
 
-    from gtc_lightning.dpsgd import neighbour_ops
+    from gtc_lightning.algorithms.averaging.dpsgd import neighbour_ops
 
     p = len(ranks)
     if c.kind == "allreduce":
@@ -446,7 +448,7 @@ def available_strategies() -> list[str]:
     from lightning.pytorch.strategies import StrategyRegistry
 
     import gtc_lightning  # noqa: F401
-    from gtc_lightning import bench_step
+    from gtc_lightning.tools import bench_step
 
     out = list(DEFAULT_STRATEGIES)
     small_periods = {"ma": "ma:period=5", "bmuf": "bmuf:period=5", "bmuf_gtc": "bmuf_gtc:period=5"}
@@ -474,7 +476,7 @@ def choose_steps(
 def burst_for(rate: str, burst_ms: float, mtu: int = 1500) -> str:
     """tbf bucket of ``burst_ms`` at the line rate, at least 16 KiB (~11 packets): tbf needs about a
     millisecond's worth to reach its rate here, and a bigger bucket lets small messages through unshaped."""
-    from gtc_lightning.cluster import parse_rate
+    from gtc_lightning.tools.cluster import parse_rate
 
     bits = parse_rate(rate)
     return str(max(16 * 1024, 4 * mtu, round(bits / 8 * burst_ms / 1e3))) if bits else "256kb"
@@ -492,8 +494,8 @@ def run_config(
     """One configuration: every strategy on ``world`` nodes at ``rate`` (or one process, no network)."""
     import subprocess
 
-    from gtc_lightning import bench_step
-    from gtc_lightning.cluster import parse_rate
+    from gtc_lightning.tools import bench_step
+    from gtc_lightning.tools.cluster import parse_rate
 
     spec = bench_step.parse_model(model)
     out = Path(args.out) / model / f"w{world}" / (rate or "local")
@@ -527,7 +529,7 @@ def run_config(
     command = [
         sys.executable,
         "-m",
-        "gtc_lightning.bench_cluster",
+        "gtc_lightning.tools.bench_cluster",
         "--node-worker",
         str(out / "plan.json"),
         "--num-nodes",
@@ -577,7 +579,7 @@ def run_config(
 
 def summarize_config(record: dict, ranks: list[dict], plan: dict) -> list[dict]:
     """One row per strategy: step, compute, comm, codec, network alone, wire and hook bytes."""
-    from gtc_lightning.hook import allreduce_bytes
+    from gtc_lightning.algorithms.common import allreduce_bytes
 
     world, n = record["world"], parameter_count(tuple(plan["spec"]))
     rank0 = next(r for r in ranks if r["rank"] == 0)
@@ -668,9 +670,9 @@ def _collectives_of(row: dict, words: float | None = None) -> list[scaling.Colle
 def _time_sync_work(spec: tuple[int, int, int], threads: int, repeats: int, barrier=None) -> dict[str, float]:
     import torch
 
-    from gtc_lightning import bench_step
-    from gtc_lightning.averaging import flatten, unflatten_
-    from gtc_lightning.bmuf import BMUFState
+    from gtc_lightning.algorithms.averaging.bmuf import BMUFState
+    from gtc_lightning.algorithms.averaging.model_averaging import flatten, unflatten_
+    from gtc_lightning.tools import bench_step
 
     torch.set_num_threads(threads)
     params = [p.detach() for p in bench_step.make_dnn(spec, 0.1).parameters()]
@@ -713,9 +715,9 @@ def measure_sync_work(
     with the strategies' own functions and no collective, in ``processes`` processes of ``threads``
     torch threads each doing it at the same moment, as the ranks of one host do at a sync (they share
     its cores and memory bandwidth): median of ``repeats`` after one warm-up, the slowest process's.
-    ``ma`` flattens the parameters, divides and copies them back (:func:`gtc_lightning.averaging.all_mean`
+    ``ma`` flattens the parameters, divides and copies them back (:func:`gtc_lightning.algorithms.averaging.model_averaging.all_mean`
     and ``unflatten_`` without the all-reduce); ``bmuf`` adds the block update
-    (:meth:`gtc_lightning.bmuf.BMUFState.update`); ``bmuf_gtc``'s representative adds the flat copies
+    (:meth:`gtc_lightning.algorithms.averaging.bmuf.BMUFState.update`); ``bmuf_gtc``'s representative adds the flat copies
     of the broadcast to its group."""
     if processes < 1:
         raise ValueError(f"processes {processes}: need at least 1")
@@ -1094,7 +1096,7 @@ def finish(results: dict, out: Path, png: Path | None = None) -> None:
     for r in rows:
         if r["base"] in scaling.SYNCING:
             needed.setdefault(r["model"], {1}).add(sync_ranks(r))  # 1: the projections' one node
-    from gtc_lightning import bench_step
+    from gtc_lightning.tools import bench_step
 
     for m, counts in needed.items():
         for count in sorted(counts):
@@ -1140,7 +1142,7 @@ def _strategies_for(world: int, strategies: list[dict]) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m gtc_lightning.bench_cluster",
+        prog="python -m gtc_lightning.tools.bench_cluster",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -1238,8 +1240,8 @@ def main(argv: list[str] | None = None) -> int:
             f"need 1 <= --min-steps <= --steps, --warmup >= 1, --rounds >= 1; got {args.min_steps}, "
             f"{args.steps}, {args.warmup}, {args.rounds}"
         )
-    from gtc_lightning import bench_step
-    from gtc_lightning.cluster import Cluster, Interrupted, missing_privileges, missing_tools
+    from gtc_lightning.tools import bench_step
+    from gtc_lightning.tools.cluster import Cluster, Interrupted, missing_privileges, missing_tools
 
     for model in args.models:
         bench_step.parse_model(model)

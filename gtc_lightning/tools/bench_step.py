@@ -1,4 +1,4 @@
-"""``python -m gtc_lightning.bench_step``: training-step time of each strategy, side by side.
+"""``python -m gtc_lightning.tools.bench_step``: training-step time of each strategy, side by side.
 
 Runs real Lightning training steps of an acoustic DNN (17 x 40 fbank windows in, sigmoid hidden
 layers, softmax over pdf-ids) on random data with every strategy in turn, in the same processes
@@ -26,11 +26,11 @@ Models: ``recipe`` (5 x 512, 150 outputs: 1.48 M weights, the recipe's CPU model
 
 On one machine it forks ``--world`` ranks (gloo on loopback). Under a launcher that sets
 ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` (e.g.
-``python -m gtc_lightning.cluster``) it runs as one of those ranks with ``--num-nodes``.
+``python -m gtc_lightning.tools.cluster``) it runs as one of those ranks with ``--num-nodes``.
 
 Example::
 
-    python -m gtc_lightning.bench_step --models recipe strom --rounds 3 --steps 20
+    python -m gtc_lightning.tools.bench_step --models recipe strom --rounds 3 --steps 20
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def make_dnn(model_spec: tuple[int, int, int], lr: float):
     return DNN()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -136,7 +136,7 @@ def powersgd_meter():
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    from gtc_lightning.hook import allreduce_bytes
+    from gtc_lightning.algorithms.common import allreduce_bytes
 
     class Recording:
         """``torch.distributed`` as the hook modules see it, with ``all_reduce`` recorded."""
@@ -184,14 +184,14 @@ def powersgd_meter():
     return PowerSGDMeter()
 
 
-def _make_strategy(name: str, tau: float, exchange: str):
+def make_strategy(name: str, tau: float, exchange: str):
     import inspect
 
     from lightning.pytorch.strategies import DDPStrategy
 
     from gtc_lightning import GTCStrategy
-    from gtc_lightning.baselines import BF16AllReduceStrategy, NoCommStrategy, PowerSGDStrategy
-    from gtc_lightning.strategy import BUCKET_CAP_MB
+    from gtc_lightning.strategies.baselines import BF16AllReduceStrategy, NoCommStrategy, PowerSGDStrategy
+    from gtc_lightning.strategies.gtc import BUCKET_CAP_MB
 
     if name == "ddp":
         return DDPStrategy()
@@ -241,7 +241,7 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
     """One ``fit`` of ``warmup + steps`` steps; returns per-step seconds and GTC statistics.
 
     ``callbacks`` join the Trainer's after the step clock; ``strategy`` (an instance or a registered
-    name) replaces the one ``strategy_name`` would build (``gtc_lightning.bench_cluster`` uses both).
+    name) replaces the one ``strategy_name`` would build (``gtc_lightning.tools.bench_cluster`` uses both).
     """
     import lightning as L
     import torch
@@ -266,10 +266,10 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
             if len(self.marks) == warmup:
                 self.after_warmup = strategy_totals(trainer.strategy, trainer.callbacks)
 
-    from gtc_lightning.baselines import PowerSGDStrategy
+    from gtc_lightning.strategies.baselines import PowerSGDStrategy
 
     clock = Clock()
-    strategy = strategy or _make_strategy(strategy_name, args.tau, args.exchange)
+    strategy = strategy or make_strategy(strategy_name, args.tau, args.exchange)
     # PowerSGD's all-reduces, recorded before the clock and the callbacks read a step's totals
     meters = [powersgd_meter()] if isinstance(strategy, PowerSGDStrategy) else []
     trainer = L.Trainer(
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         import torch.multiprocessing as mp
 
-        mp.start_processes(_local_rank_main, args=(args, _free_port()), nprocs=args.world, start_method="fork")
+        mp.start_processes(_local_rank_main, args=(args, free_port()), nprocs=args.world, start_method="fork")
     print(summarize(json.loads(Path(args.out).read_text())))
 
 

@@ -302,7 +302,7 @@ def link_down_stage(args: argparse.Namespace) -> list[dict]:
 
 
 def straggler_stage(args: argparse.Namespace) -> dict[str, Any]:
-    from gtc_lightning import bench_cluster as bc
+    from gtc_lightning.tools import bench_cluster as bc
     from gtc_lightning.tools.cluster import Cluster, parse_rate
 
     slow_bits = parse_rate(args.rate) / args.slow_factor

@@ -22,7 +22,7 @@ import os
 import time
 from pathlib import Path
 
-from gtc_lightning.bench_step import INPUT_DIM, _free_port, _make_strategy, make_dnn, parse_model
+from gtc_lightning.tools.bench_step import INPUT_DIM, free_port, make_dnn, make_strategy, parse_model
 
 IDENTICAL = ("gtc", "gtc_stale", "ddp", "ddp_bf16")  # the strategies that promise identical replicas
 
@@ -69,7 +69,7 @@ def _soak_one(args, name: str) -> dict:
 
     check = ReplicaCheck()
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.world, strategy=_make_strategy(name, args.tau, "auto"),
+        accelerator="cpu", devices=args.world, strategy=make_strategy(name, args.tau, "auto"),
         max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[check], use_distributed_sampler=True,
     )  # fmt: skip
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parse_model(args.model)
     import torch.multiprocessing as mp
 
-    mp.start_processes(_rank_main, args=(args, _free_port()), nprocs=args.world, start_method="fork")
+    mp.start_processes(_rank_main, args=(args, free_port()), nprocs=args.world, start_method="fork")
     report = json.loads(Path(args.out).read_text())
     ok = True
     for run in report["runs"]:
