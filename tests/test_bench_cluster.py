@@ -61,9 +61,9 @@ def test_report_names_targets_only_where_they_can_be_read():
     from pathlib import Path
 
     docs = Path(__file__).resolve().parents[1] / "docs"
-    full = bench_cluster.render(json.loads((docs / "bench_cluster.json").read_text()))
+    full = bench_cluster.render(json.loads((docs / "benchmarks" / "bench_cluster.json").read_text()))
     assert "Targets (4 workers, Strom's model):" in full and "| 100mbit | step, fp32 DDP / GTC |" in full
-    dpsgd = json.loads((docs / "bench_dpsgd_strom.json").read_text())
+    dpsgd = json.loads((docs / "experiments" / "bench_dpsgd_strom.json").read_text())
     assert dpsgd["targets"] == []
     text = bench_cluster.render(dpsgd)
     assert "Targets" not in text and "| strom | 4 | 100mbit | dpsgd |" in text
@@ -128,7 +128,7 @@ def test_two_nodes_tiny_model(netns, tmp_path):  # noqa: F811  (netns: the fixtu
 def test_overlapped_exchange_is_added_to_the_step_where_no_core_is_spare():
     """dpsgd and gtc_stale overlap their exchange with compute only on a host with a core beside every
     worker's threads; on the 2-core host of the published run, with 2 and 4 workers, it adds."""
-    published = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench_cluster.json").read_text())
+    published = json.loads((Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "bench_cluster.json").read_text())
     rows = {(r["model"], r["world"], r["rate"], r["strategy"]): r for r in published["rows"]}
     shared = bench_cluster.calibrate(published["rows"], published["configs"], cpus=2, threads=1)
     spare = bench_cluster.calibrate(published["rows"], published["configs"], cpus=64, threads=1)
@@ -149,7 +149,7 @@ def test_sync_arithmetic_is_added_once_per_period_with_as_many_ranks_doing_it():
     """ma, bmuf and bmuf_gtc pay their sync's own arithmetic (flat copies, BMUF's block update) once per
     period, measured with as many processes at once as the row has ranks doing it: all ranks, or one
     representative per group for bmuf_gtc. The published run carries those measurements."""
-    published = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench_cluster.json").read_text())
+    published = json.loads((Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "bench_cluster.json").read_text())
     sync_work = published["sync_work"]
     rows = {(r["model"], r["world"], r["rate"], r["strategy"]): r for r in published["rows"]}
     plain = bench_cluster.calibrate(published["rows"], published["configs"], cpus=2, threads=1)

@@ -98,7 +98,7 @@ def test_cut_lands_between_checkpoints():
 
 
 def test_gtc_runs_the_measured_settings_and_other_names_as_given(tmp_path):
-    """gtc and gtc_stale as docs/faults.md measured them (conf/gtc.yaml, conf/gtc_stale.yaml: Strom's
+    """gtc and gtc_stale as docs/benchmarks/faults.md measured them (conf/gtc.yaml, conf/gtc_stale.yaml: Strom's
     gradient mode, fixed tau, 32-bit words), not GTCStrategy's defaults; any other name as it is."""
     args = {"data_dir": tmp_path, "exp_dir": tmp_path, "timeout": 10.0, "every": 5, "train_args": []}
     for name, config in (("gtc", "gtc.yaml"), ("gtc_stale", "gtc_stale.yaml")):

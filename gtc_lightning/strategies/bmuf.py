@@ -18,7 +18,7 @@ gain ζ / (1 - η) = N makes up for averaging N learners' updates (what Su et al
 scaling the learning rate by N). That holds when every learner keeps its own batch size; when the
 global batch is split N ways instead, each learner's block already moves about as far as the
 single learner would, and the gain N overshoots: on the recipe at 32 workers of 16 frames, η = 1 -
-1/32 did not train and η = 0.75 did (docs/simulated_workers.md). Both forms of block momentum are
+1/32 did not train and η = 0.75 did (docs/experiments/simulated_workers.md). Both forms of block momentum are
 theirs; the Nesterov form is the default here, as in DiLoCo's outer optimizer.
 
 DiLoCo (Douillard et al., 2023) is BMUF with Nesterov block momentum under other names: its outer

@@ -119,7 +119,7 @@ class GTCStrategy(DDPStrategy):
             :data:`BUCKET_CAP_MB`, 1 GB, so that a model's gradients reach the hook in one bucket
             and the hook's fixed host work per bucket is paid once a step, where DDP's 25 MB
             split Strom's DNN into three: on an H100 that cut 0.3-1.3 ms from a 6-7 ms step, on
-            CPU it changed nothing (docs/gpu.md);
+            CPU it changed nothing (docs/experiments/gpu_h100.md);
             ``find_unused_parameters``, ``static_graph``, ``process_group``: the exchange runs in
             that group). DDP's own communication-hook arguments may only be ``None``.
 

@@ -24,7 +24,7 @@ the order alternating, so that each strategy's slowdown comes with its spread.
 Example (the README's run)::
 
     python -m gtc_lightning.tools.faults --down-nodes 2 4 --down-strategies gtc ddp ddp_bf16 gtc_stale ma bmuf \
-        bmuf_gtc dpsgd --repeats 3 --md docs/faults.md --json docs/faults.json
+        bmuf_gtc dpsgd --repeats 3 --md docs/benchmarks/faults.md --json docs/benchmarks/faults.json
     python -m gtc_lightning.tools.faults --stages link_down --down-nodes 4 --down-strategies gtc ddp
 
 Writes ``<out>/faults.json`` and ``<out>/faults.md`` (or ``--json``/``--md``); every run's node logs

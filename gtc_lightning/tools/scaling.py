@@ -499,7 +499,7 @@ STROM_2015 = Scenario(
     frames=1024,
     net=Network(1e9, latency_s=50e-6),
 )
-# An H100 node (assumed). Measured through Lightning on an H100 (docs/gpu.md), a 1024-frame step of
+# An H100 node (assumed). Measured through Lightning on an H100 (docs/experiments/gpu_h100.md), a 1024-frame step of
 # this DNN takes ~3 ms with nothing sent, Lightning's own loop being most of it, and GTC's hook adds
 # 1.1-2.3 ms of host work: these scenarios describe a much leaner training loop than Lightning's.
 # Strom's DNN costs 6 n = 88 MFLOP per frame; 2e6
@@ -786,7 +786,7 @@ def main(argv: list[str] | None = None) -> None:
         "--gpus-per-node 8 --intra-rate 900gbit --density 1e-3",
     )
     parser.add_argument(
-        "--png", type=Path, default=None, help="plot (built-in scenarios: default docs/scaling.png)"
+        "--png", type=Path, default=None, help="plot (built-in scenarios: default docs/benchmarks/scaling.png)"
     )
     mine = parser.add_argument_group("your cluster (all three of --weights, --frames-per-s, --rate)")
     mine.add_argument("--weights", type=float, help="trainable elements of the model, e.g. 14.6e6")
@@ -836,7 +836,7 @@ def main(argv: list[str] | None = None) -> None:
     print(render_scenarios())
     print(f"**{seeds_004_scenario().name}**, and at other latencies (both tiers):\n")
     print(render_seeds_004())
-    png = args.png or Path("docs/scaling.png")
+    png = args.png or Path("docs/benchmarks/scaling.png")
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_scenarios(png, [STROM_2015, H100[25], H100[100], seeds_004_scenario()])
     print(f"plot: {png}")

@@ -1,6 +1,6 @@
 """Peak memory and throughput of the DNN's training loaders as the corpus grows.
 
-    python recipes/asr/research/bench_loader.py --data-dir data/synthetic-default --out docs/loader
+    python recipes/asr/research/bench_loader.py --data-dir data/synthetic-default --out docs/benchmarks/loader
 
 Each measurement runs in a fresh Python process (peak RSS is per process: ``ru_maxrss`` after
 the run, imports included), draws ``--batches`` training batches and reports frames/s:
@@ -179,7 +179,7 @@ def _run_one(data_dir: str, spec: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default="data/synthetic-default", help="a recipe data dir with ali/ (stage 6)")
-    parser.add_argument("--out", default="docs/loader", help="writes <out>.json and <out>.md")
+    parser.add_argument("--out", default="docs/benchmarks/loader", help="writes <out>.json and <out>.md")
     parser.add_argument("--batches", type=int, default=3000, help="training batches drawn per measurement (at most one epoch; the buffer reaches its steady size after about 5 * buffer / batch size batches)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--buffer-frames", type=int, default=400_000)

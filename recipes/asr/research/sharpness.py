@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sharpness of trained DNN runs: the largest eigenvalue of the training loss's Hessian at each run's
 final checkpoint (``local.dnn.sharpness``), on the same training frames for every run, so that
-runs on one data dir can be compared (GTC against the baseline: docs/auto_tau_rice.md, "Sharpness").
+runs on one data dir can be compared (GTC against the baseline: docs/experiments/auto_tau_rice.md, "Sharpness").
 
 The frames: the first ``--batches`` batches of ``--batch-size`` frames of the training data's epoch-0
 order for seed ``--data-seed`` on one worker (the baseline's first batches), through the front end

@@ -478,7 +478,7 @@ def family_reports(run_dirs: list[Path], baseline: str, speaker_of: dict[str, st
     """``seeds_report`` on the test utterances of each voice family (``voice_family``), or ``{}``
     when the test set has one family or more than ``max_families`` (speaker ids without that
     structure). On the synthetic corpus the dev set has espeak voices only, so this is where a
-    difference that dev cannot see shows (docs/auto_tau_rice.md, "Sharpness")."""
+    difference that dev cannot see shows (docs/experiments/auto_tau_rice.md, "Sharpness")."""
     families = sorted({voice_family(s) for s in speaker_of.values()})
     if not 2 <= len(families) <= max_families:
         return {}

@@ -41,7 +41,7 @@ class AcousticModel(LightningModule):
             taken at the weights moved by ``sam_rho`` (Euclidean length, all parameters together)
             along the rank's own batch gradient, then applied to the unmoved weights. One more
             forward and backward a step; the first gradient never leaves the rank (no words, no
-            all-reduce). A diagnostic for GTC's sharpness (docs/auto_tau_rice.md, "Sharpness").
+            all-reduce). A diagnostic for GTC's sharpness (docs/experiments/auto_tau_rice.md, "Sharpness").
     """
 
     def __init__(

@@ -7,7 +7,7 @@ leave for a flatter region, "the edge of stability"), so a baseline trained at l
 GTC applies only the elements whose residual crossed τ, each by at most ``lr·τ`` a step, and
 an oscillation smaller than τ per element cancels in the residual before it is sent: nothing stops
 it in sharper regions. ``SharpnessMonitor`` follows it during training; ``recipes/asr/research/sharpness.py``
-measures finished runs (docs/auto_tau_rice.md, "Sharpness").
+measures finished runs (docs/experiments/auto_tau_rice.md, "Sharpness").
 """
 
 from __future__ import annotations
