@@ -74,7 +74,7 @@ class BMUFStrategy(ModelAveragingStrategy):
         block_momentum: η in [0, 1); ``None``: Chen & Huo's 1 - 1/N for N ranks (0.5 at 2, 0.75 at 4).
         block_lr: ζ > 0; Chen & Huo use 1. (DiLoCo's outer learning rate.)
         nesterov: Nesterov block momentum (the default, as in CNTK's BMUF and in DiLoCo).
-        warmup_steps, optimizer_state, scale_lr, restore_shards, **kwargs: as for
+        warmup_steps, optimizer_state, scale_lr, restore_shards, kwargs: as for
             :class:`~gtc_lightning.strategies.averaging.ModelAveragingStrategy`; the first block starts after
             the warmup (``scale_lr`` with the default η makes up for the averaging twice). Every
             rank's checkpoint shard (``<checkpoint>.bmuf/rank<r>.pt``) holds its model, optimizer

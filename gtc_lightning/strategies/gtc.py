@@ -113,8 +113,8 @@ class GTCStrategy(DDPStrategy):
             :mod:`gtc_lightning.algorithms.gtc.stale` for skips, checkpoints and the rest. Takes ``coding="rice"``
             (the coded bytes travel, decoded when applied) and automatic tau (each update is scaled
             with the tau of the step that sent it). Refused with several optimizers.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as for ``DDPStrategy``.
+        accelerator: as for ``DDPStrategy``, and so are ``parallel_devices``, ``cluster_environment``,
+            ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``, ``start_method``.
         **kwargs: passed to ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``: GTC's default is
             :data:`BUCKET_CAP_MB`, 1 GB, so that a model's gradients reach the hook in one bucket
             and the hook's fixed host work per bucket is paid once a step, where DDP's 25 MB
