@@ -63,8 +63,8 @@ class GTCFabricStrategy(DDPStrategy):
         gradient_clip_val, gradient_clip_algorithm: clip each rank's local gradient before it enters
             the residual, by its norm over the whole module (as ``clip_grad_norm_``) or by value;
             the decoded update is not clipped again. None: no clipping.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
-        process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
+        accelerator: as for Fabric's ``DDPStrategy``, and so are ``parallel_devices``, ``cluster_environment``,
+            ``checkpoint_io``, ``precision``, ``process_group_backend``, ``timeout``, ``start_method``.
         **kwargs: passed to ``DistributedDataParallel`` (``process_group`` is honoured by the
             exchange; ``find_unused_parameters`` and ``static_graph`` are tracked as in the
             Lightning strategy).
