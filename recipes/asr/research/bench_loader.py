@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
               f"per row, at most one epoch; buffer {args.buffer_frames} frames)")
     columns = ("| loader | workers | readers | corpus (h) | batches | setup (s) | frames/s | peak RSS (MB) | "
                "worker/reader peak RSS (MB) | buffer peak (frames) |")
-    lines = [header, "", columns, "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["# The data loader: memory against streaming", "", header, "", columns, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['loader']} | {r['workers']} | {r['readers']} | {r['hours']} | {r['batches']} | {r['setup_s']} | {r['frames_per_s']:,} | "
                      f"{r['peak_rss_mb']:,} | {r['worker_peak_rss_mb'] or ''} | {r['buffer_peak_resident_frames'] or ''} |")
