@@ -5,7 +5,7 @@ the script, Lightning's default), ``"gtc_spawn"``, ``"gtc_fork"`` and ``"gtc_not
 also as ``..._find_unused_parameters_true`` / ``_false`` (as Lightning names its DDP variants).
 The other strategies of the family are registered the same way: ``"ma"`` (periodic model
 averaging, :mod:`gtc_lightning.strategies.averaging`), ``"bmuf"`` and ``"bmuf_gtc"``
-(:mod:`gtc_lightning.strategies.bmuf`), ``"dpsgd"``, and the dense baselines ``"ddp_bf16"`` and
+(:mod:`gtc_lightning.strategies.bmuf`), ``"dpsgd"``, ``"adpsgd"``, and the dense baselines ``"ddp_bf16"`` and
 ``"ddp_powersgd"``; Fabric's registry gets ``"gtc"`` too.
 Processes started by re-running the script import the package again through the script itself,
 so they know the names too. Use it in a Lightning project like this::
@@ -38,10 +38,11 @@ import logging
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from gtc_lightning.algorithms.averaging import AveragingState, BMUFState, DPSGDState, SyncStats
+from gtc_lightning.algorithms.averaging import ADPSGDState, AveragingState, BMUFState, DPSGDState, SyncStats
 from gtc_lightning.algorithms.common import parameter_checksums
 from gtc_lightning.algorithms.gtc import GTCState, StepStats, gtc_hook
 from gtc_lightning.algorithms.hooks import bf16_allreduce_hook
+from gtc_lightning.strategies.adpsgd import ADPSGDStrategy
 from gtc_lightning.strategies.averaging import ModelAveragingStrategy
 from gtc_lightning.strategies.baselines import BF16AllReduceStrategy, PowerSGDStrategy
 from gtc_lightning.strategies.bmuf import BMUFGTCStrategy, BMUFStrategy
@@ -50,6 +51,8 @@ from gtc_lightning.strategies.fabric import GTCFabricStrategy, register_trainer_
 from gtc_lightning.strategies.gtc import GTCStrategy
 
 __all__ = [
+    "ADPSGDState",
+    "ADPSGDStrategy",
     "AveragingState",
     "BF16AllReduceStrategy",
     "BMUFGTCStrategy",
@@ -84,7 +87,7 @@ if "ddp_bf16" not in StrategyRegistry:
     BF16AllReduceStrategy.register_strategies(StrategyRegistry)
 if "ddp_powersgd" not in StrategyRegistry:
     PowerSGDStrategy.register_strategies(StrategyRegistry)
-for _cls in (ModelAveragingStrategy, BMUFStrategy, BMUFGTCStrategy, DPSGDStrategy):
+for _cls in (ModelAveragingStrategy, BMUFStrategy, BMUFGTCStrategy, DPSGDStrategy, ADPSGDStrategy):
     if _cls.name not in StrategyRegistry:
         _cls.register_strategies(StrategyRegistry)
 if "gtc" not in FABRIC_STRATEGY_REGISTRY:  # Lightning Fabric has a registry of its own

@@ -323,6 +323,7 @@ TRAINER_ONLY = {
     "bmuf": "BMUF runs in the Trainer's optimizer step",
     "bmuf_gtc": "BMUF-GTC runs in the Trainer's optimizer step",
     "dpsgd": "D-PSGD runs in the Trainer's optimizer step",
+    "adpsgd": "AD-PSGD runs in the Trainer's optimizer step and its synchronisation points in the Trainer's hooks",
 }
 
 

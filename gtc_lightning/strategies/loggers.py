@@ -1,7 +1,8 @@
 """The callbacks that log each strategy's statistics through ``LightningModule.log`` on the steps the
 Trainer logs (``log_every_n_steps``: ``log`` costs ~1 ms a value, as much as the whole exchange of a
 small model): :class:`GTCStatsLogger` for GTC (``gtc/...``), :class:`SyncStatsLogger` for the averaging
-family (``ma/...``, ``bmuf/...``, ``dpsgd/...``). The strategies add them once, before the
+family (``ma/...``, ``bmuf/...``, ``dpsgd/...``), :class:`StalenessLogger` for ``adpsgd``
+(``adpsgd/...``, with the staleness of its asynchronous exchanges). The strategies add them once, before the
 checkpoint callbacks, so that those can monitor what they log."""
 
 from __future__ import annotations
@@ -103,3 +104,51 @@ class SyncStatsLogger(Callback):
         pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
         bar = {f"{p}_vs_fp32": ratio, f"{p}_syncs": float(total["syncs"])}
         pl_module.log_dict(bar, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
+
+
+class StalenessLogger(SyncStatsLogger):
+    """:class:`SyncStatsLogger` for ``adpsgd``, plus the staleness of the means applied on each logged
+    step (``adpsgd/staleness``: the largest, in local steps; ``adpsgd/lag``: how many steps the peers'
+    models were behind this rank's; ``adpsgd/applied``; ``adpsgd/blocked_s``: the wait for the
+    staleness bound) and their totals, and at each training epoch's end, a global synchronisation
+    point (``sync_point``: the strategy's, which drains the exchanges and measures the spread), the
+    replicas' spread (``adpsgd/spread`` over all ranks, ``adpsgd/distance_max`` the largest rank's
+distance from the mean)."""
+
+    def __init__(self, state_of: Callable[[], Any], prefix: str, sync_point: Callable[[], None]) -> None:
+        super().__init__(state_of, prefix)
+        self._sync_point = sync_point
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        state = self._state_of()
+        before = self._logged_step
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if state is None or self._logged_step == before or state.last_staleness is None:
+            return  # not a logged step (or a dense warmup step)
+        last, total, p = state.last_staleness, state.stats()["total"], self.prefix
+        values = {
+            f"{p}/staleness": float(last["staleness"]),
+            f"{p}/lag": float(last["lag"]),
+            f"{p}/applied": float(last["applied"]),
+            f"{p}/blocked_s": float(last["blocked_s"]),
+            f"{p}/staleness_max": float(total["staleness_max"]),
+            f"{p}/staleness_mean": float(total["staleness_mean"]),
+            f"{p}/blocked_s_total": float(total["blocked_s"]),
+        }
+        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sync_point()
+        state = self._state_of()
+        if state is None or state.measured is None:
+            return
+        p = self.prefix  # (an all-reduce each: this is a synchronisation point)
+        pl_module.log(f"{p}/spread", state.measured["spread"], on_step=False, on_epoch=True, sync_dist=True)
+        pl_module.log(
+            f"{p}/distance_max", state.measured["distance"], on_step=False, on_epoch=True, sync_dist=True,
+            reduce_fx="max",
+        )  # fmt: skip

@@ -1,0 +1,472 @@
+"""Asynchronous decentralised parallel SGD (AD-PSGD), torch only: the bipartite pairing, the pair
+exchange that runs in a background thread, and its state.
+
+Lian, Zhang, Zhang & Liu, "Asynchronous Decentralized Parallel Stochastic Gradient Descent", ICML
+2018; the form IBM trains its Switchboard LSTM with (Zhang et al., ``seeds/003_…``). Each rank
+takes local optimizer steps on its own gradient; after each of them it averages its parameters
+with one peer, without a global barrier:
+
+* The ranks are split in two: even ranks are *active*, odd ranks *passive*. Only an active rank
+  starts an exchange, and only with a passive one, so that no two ranks wait for each other in a
+  cycle (the communication graph is bipartite: deadlock-free). The peer of an active rank's n-th
+  exchange comes from a fixed schedule (:func:`schedule_peer`): ``"ring"`` alternates between its
+  right and left ring neighbours as in the seed, ``"random"`` draws a passive rank from a seeded
+  hash of (seed, rank, n). The schedule keeps no state but the exchange counter, which a
+  checkpoint keeps.
+* An active rank hands a flat copy ``s_a`` of its parameters to its communication thread after its
+  step and goes on computing. The thread sends ``s_a`` to the peer and receives the peer's model
+  ``s_p``; both compute the same mean ``m = (s_a + s_p) * 0.5`` (addition is commutative in floating
+  point: the two means are equal bit for bit).
+* A passive rank's communication thread waits for requests from any active rank. For each it takes
+  the newest model its training loop published (or the mean of its last exchange, if that is newer),
+  replies with it, and keeps the mean; a slow passive rank answers at the speed of its network, not
+  of its compute.
+* A mean is applied by the training loop at its next step boundary (:meth:`ADPSGDState.after_step`) as
+  ``x <- m + (x - s)``: the local steps taken since ``s`` was sent are kept on top of the average.
+  When none were taken the rank holds exactly ``m``. The sum of the ranks' models is kept (up to
+  rounding): each pair's exchange moves the two by opposite amounts.
+* Staleness: the local steps between the model a rank sent and the step boundary that applies the
+  mean. A passive rank applies its means one step after the model it sent (staleness 1, the best the
+  seed reports for overlapped communication); an active rank's exchange may stay in flight for
+  several of its steps (a slow link or a busy peer), and when it reaches ``max_staleness`` the rank
+  blocks until it lands. Each rank starts a new exchange once the last one landed.
+
+A global synchronisation point (an epoch end, validation, a checkpoint, the end of fit) calls
+:meth:`ADPSGDState.drain` on every rank: an active rank waits for its exchange and tells every
+passive rank that it stops; a passive rank serves until every active rank stopped. Then every mean
+is applied, nothing is in flight, and collectives on the default group may run.
+
+The exchange runs on a gloo process group of its own (CPU tensors; on GPUs the flat copies go
+through host memory, as the seed's averaging does), used by one thread of each process at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from gtc_lightning.algorithms.averaging.model_averaging import (
+    AveragingState,
+    SyncStats,
+    all_mean,
+    flatten,
+    unflatten_,
+)
+from gtc_lightning.algorithms.common import allreduce_bytes, check_int
+
+log = logging.getLogger(__name__)
+
+PEERINGS = ("ring", "random")
+REQUEST, STOP = 1, 0  # the header's first word
+HEADER_TAG, MODEL_TAG, REPLY_HEADER_TAG, REPLY_TAG = 11, 12, 13, 14
+HEADER_WORDS = 3  # [kind, the sender's step, the sender's rank]
+ADPSGD_TOTALS = ("applied", "staleness_sum", "staleness_max", "lag_sum", "blocked_s")
+
+
+def actives(world: int) -> list[int]:
+    """The ranks that start exchanges: the even ones."""
+    return list(range(0, world, 2))
+
+
+def passives(world: int) -> list[int]:
+    """The ranks that answer them: the odd ones."""
+    return list(range(1, world, 2))
+
+
+def check_world(world: int, peering: str) -> None:
+    """At least 2 ranks; the ring pairing needs an even number (on an odd ring two even ranks are
+    neighbours, and neither would answer the other)."""
+    if peering not in PEERINGS:
+        raise ValueError(f"Expect peering in {PEERINGS}, got {peering!r}")
+    if world < 2:
+        raise ValueError(
+            f"adpsgd averages each rank with a peer, so it needs at least 2 ranks; got {world}. "
+            "Train with more devices (or num_nodes), or with a single-device strategy"
+        )
+    if peering == "ring" and world % 2:
+        raise ValueError(
+            f"adpsgd with peering='ring' pairs each even rank with its odd ring neighbours, which needs an even "
+            f"number of ranks; got {world}. Use an even number of ranks, or peering='random' (each even rank draws "
+            "an odd peer)"
+        )
+
+
+def _mix(*words: int) -> int:
+    """splitmix64 over the words: a stateless, seeded hash (the schedule needs no saved generator)."""
+    x = 0x9E3779B97F4A7C15
+    for w in words:
+        x = (x ^ (w & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
+        x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x
+
+
+def schedule_peer(rank: int, world: int, exchange: int, peering: str = "ring", seed: int = 0) -> int:
+    """The passive peer of active ``rank``'s ``exchange``-th exchange (from 0).
+
+    ``"ring"``: the right neighbour on even exchanges, the left one on odd ones (the one other rank
+    when ``world == 2``): at any round of exchanges the pairs are disjoint. ``"random"``: a passive
+    rank drawn from a hash of (``seed``, ``rank``, ``exchange``)."""
+    if rank % 2:
+        raise ValueError(f"rank {rank} is passive: only even ranks start exchanges")
+    if peering == "ring":
+        return (rank + 1) % world if exchange % 2 == 0 else (rank - 1) % world
+    choices = passives(world)
+    return choices[_mix(seed, rank, exchange) % len(choices)]
+
+
+@dataclass
+class Landed:
+    """One exchange's outcome on this rank: the mean, the model this rank sent and the step it was
+    published at, the peer, the peer's step, and the seconds the exchange took (the thread's)."""
+
+    mean: torch.Tensor
+    sent: torch.Tensor
+    sent_step: int
+    peer: int
+    peer_step: int
+    seconds: float
+
+
+class ADPSGDState(AveragingState):
+    """State of AD-PSGD on this rank: its role, the exchange schedule, the communication thread and
+    what it brought, and the statistics of :class:`AveragingState` plus the staleness.
+
+    Args:
+        comm_group: a gloo process group over all ranks (``dist.new_group(backend="gloo")``), used
+            only by the exchange.
+        max_staleness: local steps an active rank's exchange may stay in flight; at that many the
+            rank blocks until it lands (>= 1).
+        peering: ``"ring"`` or ``"random"`` (:func:`schedule_peer`).
+        seed: the ``"random"`` schedule's seed.
+        warmup_steps: optimizer steps of dense gradient all-reduce before the exchanges start.
+    """
+
+    def __init__(
+        self,
+        comm_group: dist.ProcessGroup,
+        max_staleness: int = 2,
+        peering: str = "ring",
+        seed: int = 0,
+        warmup_steps: int = 0,
+    ) -> None:
+        check_int("max_staleness", max_staleness, 1, "local steps an exchange may stay in flight")
+        check_int("seed", seed, 0, "the seed of peering='random'")
+        world = dist.get_world_size()
+        check_world(world, peering)
+        super().__init__(period=1, warmup_steps=warmup_steps, process_group=None)
+        # The hyper-parameters.
+        self.comm_group = comm_group
+        self.max_staleness = max_staleness
+        self.peering = peering
+        self.seed = seed
+        self.rank = dist.get_rank()
+        self.active = self.rank % 2 == 0
+        self.actives, self.passives = actives(world), passives(world)
+        # The internal state.
+        self.exchanges = 0  # exchanges this (active) rank started: the schedule's position
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._jobs: queue.Queue = queue.Queue()  # active: (sent, step, peer) or None to stop
+        self._arrived: queue.Queue = queue.Queue()  # active: Landed, or an exception
+        self._in_flight: tuple[int, int] | None = None  # active: (step sent, peer)
+        self._landed: list[Landed] = []  # passive: the means the thread kept, not applied yet
+        self._view: torch.Tensor | None = None  # passive: the newest model (published, or a mean since)
+        self._view_step = 0
+        self._error: BaseException | None = None
+        self._blocked_s = 0.0  # this step's wait for the staleness bound
+        # The statistics.
+        for key in ADPSGD_TOTALS:
+            self.totals[key] = 0
+        self.totals["spread_bytes"] = 0
+        self.last_staleness: dict | None = None  # the newest step's: {"applied", "staleness", "lag", "blocked_s"}
+        self.measured: dict | None = None  # the newest spread: {"step", "spread", "distance"}
+
+    @property
+    def averaging(self) -> bool:
+        """Whether the warmup is over (the exchanges run)."""
+        return self.step >= self.warmup_steps
+
+    @property
+    def running(self) -> bool:
+        """Whether the communication thread runs (since the first step after the last sync point)."""
+        return self._thread is not None
+
+    # ---- the training loop's side ----------------------------------------------------------------
+
+    def start(self, params: list[torch.Tensor]) -> None:
+        """Start the communication thread (no-op when it runs): call it on every rank before the
+        first local step after a global synchronisation point."""
+        if self._thread is not None:
+            return
+        self._error = None
+        if self.active:
+            target = self._active_loop
+        else:
+            self._view, self._view_step = self._flat(params), self.step
+            target = self._passive_loop
+        self._thread = threading.Thread(target=target, name=f"adpsgd-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    @override
+    def after_step(self, params: list[torch.Tensor], optimizers: list[Optimizer]) -> SyncStats:
+        """The step boundary: apply the means that landed, and on an active rank start the next
+        exchange, blocking first when the one in flight reached ``max_staleness``."""
+        if not self.averaging:
+            return super().after_step(params, optimizers)  # a dense warmup step
+        started = time.perf_counter()
+        self.step += 1
+        self._blocked_s = 0.0
+        self._raise_error()
+        landed: list[Landed] = []
+        if self.active:
+            landed += self._collect(params, block=False)
+            if self._in_flight is not None and self.step - self._in_flight[0] >= self.max_staleness:
+                landed += self._collect(params, block=True)
+            if self._in_flight is None and self._thread is not None:
+                peer = schedule_peer(self.rank, len(self.actives) + len(self.passives), self.exchanges,
+                                     self.peering, self.seed)  # fmt: skip
+                self.exchanges += 1
+                self._in_flight = (self.step, peer)
+                self._jobs.put((self._flat(params), self.step, peer))
+        else:
+            with self._lock:
+                landed, self._landed = self._landed, []
+                self._apply(params, landed)
+                self._view, self._view_step = self._flat(params), self.step
+        stats = self._count(params, landed, time.perf_counter() - started)
+        self._record(stats)
+        return stats
+
+    def drain(self, params: list[torch.Tensor]) -> bool:
+        """A global synchronisation point, on every rank: finish the exchanges, stop the thread and
+        apply every mean. Returns whether anything ran (``False``: it was stopped already)."""
+        if self._thread is None:
+            return False
+        landed: list[Landed] = []
+        if self.active:
+            if self._in_flight is not None:
+                landed += self._collect(params, block=True)
+            self._jobs.put(None)
+            self._thread.join()
+            self._raise_error()
+            header = torch.tensor([STOP, self.step, self.rank], dtype=torch.int64)
+            works = [dist.isend(header, peer, group=self.comm_group, tag=HEADER_TAG) for peer in self.passives]
+            for work in works:
+                work.wait()
+        else:
+            self._thread.join()  # it returns once every active rank said it stops
+            self._raise_error()
+            with self._lock:
+                landed, self._landed = self._landed, []
+                self._apply(params, landed)
+                self._view = None
+        self._thread = None
+        for item in landed:  # (the step counter stays: staleness counts the steps since each was sent)
+            self._note(item)
+            for key in ("bytes_sent", "bytes_received"):
+                self.totals[key] += item.sent.numel() * item.sent.element_size()
+        return True
+
+    def abandon(self) -> None:
+        """After an exception in the training loop: let the thread go without waiting for it (an
+        active rank's stops after its exchange; a passive rank's stays blocked until the group's
+        timeout, a daemon thread that does not keep the process alive)."""
+        if self._thread is not None and self.active:
+            self._jobs.put(None)
+        self._thread = None
+        self._in_flight = None
+
+    def _flat(self, params: list[torch.Tensor]) -> torch.Tensor:
+        return flatten(params).cpu()
+
+    def _apply(self, params: list[torch.Tensor], landed: list[Landed]) -> None:
+        """``x <- m + (x - s)`` for each landed mean in turn: exactly ``m`` when ``x`` is still ``s``."""
+        if not landed:
+            return
+        x = self._flat(params)
+        for item in landed:
+            x = item.mean + (x - item.sent)
+        unflatten_(x, params)
+
+    def _collect(self, params: list[torch.Tensor], block: bool) -> list[Landed]:
+        """Active: the exchange in flight, applied if it landed (waited for when ``block``)."""
+        if self._in_flight is None:
+            return []
+        try:
+            if block:
+                waited = time.perf_counter()
+                item = self._arrived.get()
+                self._blocked_s += time.perf_counter() - waited
+            else:
+                item = self._arrived.get_nowait()
+        except queue.Empty:
+            return []
+        self._in_flight = None
+        if isinstance(item, BaseException):
+            self._error = item
+            self._raise_error()
+        self._apply(params, [item])
+        return [item]
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(
+                f"adpsgd: rank {self.rank}'s exchange thread failed at step {self.step}: {error!r}. A peer that "
+                "stopped or a timeout of the exchange's gloo group (the strategy's `timeout`) are the usual causes"
+            ) from error
+
+    def _note(self, item: Landed) -> tuple[int, int]:
+        staleness, lag = self.step - item.sent_step, item.sent_step - item.peer_step
+        self.totals["applied"] += 1
+        self.totals["staleness_sum"] += staleness
+        self.totals["staleness_max"] = max(self.totals["staleness_max"], staleness)
+        self.totals["lag_sum"] += lag
+        return staleness, lag
+
+    def _count(self, params: list[torch.Tensor], landed: list[Landed], seconds: float) -> SyncStats:
+        numel = sum(p.numel() for p in params)
+        size = sum(item.sent.numel() * item.sent.element_size() for item in landed)
+        noted = [self._note(item) for item in landed]
+        self.totals["blocked_s"] += self._blocked_s
+        self.last_staleness = {
+            "applied": len(landed),
+            "staleness": max((s for s, _ in noted), default=0),
+            "lag": sum(lag for _, lag in noted) / len(noted) if noted else 0.0,
+            "blocked_s": self._blocked_s,
+        }
+        return SyncStats(
+            step=self.step, mode="sync" if landed else "local", numel=numel, world_size=self.world_size,
+            bytes_sent=size, bytes_received=size, exchange_s=seconds,
+        )  # fmt: skip
+
+    # ---- the communication thread ------------------------------------------------------------------
+
+    def _active_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            sent, step, peer = job
+            try:
+                self._arrived.put(self._exchange(sent, step, peer))
+            except BaseException as error:  # noqa: BLE001  (the training loop raises it)
+                self._arrived.put(error)
+                return
+
+    def _exchange(self, sent: torch.Tensor, step: int, peer: int) -> Landed:
+        started = time.perf_counter()
+        group = self.comm_group
+        header = torch.tensor([REQUEST, step, self.rank], dtype=torch.int64)
+        reply_header, reply = torch.empty(HEADER_WORDS, dtype=torch.int64), torch.empty_like(sent)
+        works = [  # the receives posted before the sends, as for dpsgd's neighbour exchange
+            dist.irecv(reply_header, peer, group=group, tag=REPLY_HEADER_TAG),
+            dist.irecv(reply, peer, group=group, tag=REPLY_TAG),
+            dist.isend(header, peer, group=group, tag=HEADER_TAG),
+            dist.isend(sent, peer, group=group, tag=MODEL_TAG),
+        ]
+        for work in works:
+            work.wait()
+        mean = (sent + reply).mul_(0.5)
+        return Landed(mean, sent, step, peer, int(reply_header[1]), time.perf_counter() - started)
+
+    def _passive_loop(self) -> None:
+        try:
+            stopped = 0
+            header = torch.empty(HEADER_WORDS, dtype=torch.int64)
+            while stopped < len(self.actives):
+                src = dist.recv(header, None, group=self.comm_group, tag=HEADER_TAG)
+                kind, peer_step, _ = header.tolist()
+                if kind == STOP:
+                    stopped += 1
+                    continue
+                self._serve(src, peer_step)
+        except BaseException as error:  # noqa: BLE001  (the training loop raises it)
+            self._error = error
+
+    def _serve(self, src: int, peer_step: int) -> None:
+        started = time.perf_counter()
+        assert self._view is not None
+        incoming = torch.empty_like(self._view)
+        dist.recv(incoming, src, group=self.comm_group, tag=MODEL_TAG)
+        with self._lock:  # atomic with the training loop's step boundary
+            sent, sent_step = self._view, self._view_step
+            mean = (incoming + sent).mul_(0.5)
+            self._view = mean
+        reply_header = torch.tensor([REQUEST, sent_step, self.rank], dtype=torch.int64)
+        works = [
+            dist.isend(reply_header, src, group=self.comm_group, tag=REPLY_HEADER_TAG),
+            dist.isend(sent, src, group=self.comm_group, tag=REPLY_TAG),
+        ]
+        for work in works:
+            work.wait()
+        with self._lock:
+            self._landed.append(Landed(mean, sent, sent_step, src, peer_step, time.perf_counter() - started))
+
+    # ---- the collectives of the synchronisation points -------------------------------------------------
+
+    def measure_spread(self, params: list[torch.Tensor]) -> dict:
+        """The RMS distance of each rank's ``params`` from their mean over the ranks (a collective on
+        the default group: call it on every rank, at a synchronisation point)."""
+        with torch.no_grad():
+            mean, size = all_mean(params, None)
+            squared = (flatten(params).to(mean.dtype) - mean).double().pow(2).mean().reshape(1)
+            distance = math.sqrt(float(squared))
+            dist.all_reduce(squared)
+        self.totals["spread_bytes"] += size + allreduce_bytes(1, self.world_size, 8)
+        spread = math.sqrt(float(squared) / self.world_size)
+        self.measured = {"step": self.step, "spread": spread, "distance": distance}
+        return self.measured
+
+    def average_(self, params: list[torch.Tensor]) -> None:
+        """Overwrite every rank's ``params`` with their mean over the ranks (a collective)."""
+        with torch.no_grad():
+            mean, _ = all_mean(params, None)
+            unflatten_(mean, params)
+
+    # ---- checkpoints and statistics ----------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict:
+        """The step counter, the schedule's position and the statistics (taken at a synchronisation
+        point: nothing is in flight)."""
+        if self._thread is not None:
+            raise RuntimeError("adpsgd: the state is saved at a synchronisation point; call drain() first")
+        return {**super().state_dict(), "exchanges": self.exchanges}
+
+    @override
+    def load_state_dict(self, saved: dict) -> None:
+        super().load_state_dict(saved)
+        self.exchanges = int(saved.get("exchanges", 0))
+
+    @override
+    def __getstate__(self) -> dict:
+        """As :class:`AveragingState`'s, without the thread, its queues and lock, and the group."""
+        state = {**self.__dict__, "process_group": None, "spread": None, "comm_group": None}
+        state.update(_lock=None, _thread=None, _jobs=None, _arrived=None, _landed=[], _view=None, _in_flight=None)
+        return state
+
+    @override
+    def stats(self) -> dict:
+        """``{"step", "last", "total", "staleness", "spread"}``: ``staleness`` the newest step's
+        (``applied`` means, their largest ``staleness`` in local steps, the mean ``lag``: how many
+        steps the peers' models were behind the ones this rank sent, ``blocked_s``); ``total`` adds
+        ``applied`` (means), ``staleness_max``, ``staleness_mean``, ``lag_mean`` and ``blocked_s``."""
+        out = super().stats()
+        applied = self.totals["applied"]
+        out["total"]["staleness_mean"] = self.totals["staleness_sum"] / applied if applied else 0.0
+        out["total"]["lag_mean"] = self.totals["lag_sum"] / applied if applied else 0.0
+        return {**out, "staleness": self.last_staleness, "spread": self.measured}
+

@@ -1,0 +1,249 @@
+"""Asynchronous decentralised parallel SGD (``"adpsgd"``) as a Lightning strategy (the pairing, the
+background exchange and its state: :mod:`gtc_lightning.algorithms.averaging.adpsgd`). Lian et al.,
+"Asynchronous Decentralized Parallel Stochastic Gradient Descent", ICML 2018, as IBM trains its
+Switchboard LSTM with it (``seeds/003_…``): the asynchronous form of :mod:`.dpsgd`, which tolerates a
+slow rank.
+
+Per rank, between two global synchronisation points:
+
+1. Dense warmup: for the first ``warmup_steps`` optimizer steps DDP's all-reduce averages the
+   gradients (the replicas stay identical), as for ``dpsgd``.
+2. Local steps: afterwards DDP reduces nothing (its gradient synchronisation is off, as inside
+   ``no_sync``: no collective runs in the forward or backward pass), and each rank's optimizer
+   steps on its own gradient, at its own pace.
+3. Pair averaging in the background, after each local step: even ranks start an exchange with an
+   odd peer from a fixed schedule (``peering``), odd ranks answer whoever asks; the mean of the two
+   models is applied at the next step boundary on top of the steps taken since. A rank whose
+   exchange is ``max_staleness`` steps old waits for it; a slow rank delays only the exchanges with
+   it (a slow odd rank not even those: its communication thread answers at once).
+
+The global synchronisation points are the ends of the training epochs, validation, test and
+predict loops, checkpoints and the end of fit: there every rank finishes its exchanges
+(:meth:`~gtc_lightning.algorithms.averaging.adpsgd.ADPSGDState.drain`) before anything global runs, and the
+spread between the replicas is measured (``adpsgd/spread``, ``adpsgd/distance``, logged at each
+epoch end). As for ``dpsgd``: validation evaluates the average of all ranks' parameters, fit ends
+with every rank on that average (``average_at_end``), the checkpoint holds the average and
+``<checkpoint>.adpsgd/rank<r>.pt`` every rank's own parameters, optimizer state and schedule
+position (:class:`~gtc_lightning.strategies.averaging.RankShards`), taken after the drain: a resume
+restores each rank's state bit for bit. What happens after it depends, as in the uninterrupted run,
+on which exchange lands at which step: the runs are not reproducible step for step.
+
+Each rank runs the same number of batches per epoch (Lightning's sampler), so the fast ranks wait
+for a slow one at the next synchronisation point: between two of them they run at their own pace.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from gtc_lightning.algorithms.averaging.adpsgd import PEERINGS, ADPSGDState, check_world
+from gtc_lightning.algorithms.averaging.model_averaging import local_hook
+from gtc_lightning.algorithms.common import check_int
+from gtc_lightning.strategies.averaging import LocalStepsMixin
+from gtc_lightning.strategies.common import add_callback
+from gtc_lightning.strategies.dpsgd import DPSGDStrategy
+from gtc_lightning.strategies.loggers import StalenessLogger
+
+log = logging.getLogger(__name__)
+
+
+class ADPSGDStrategy(DPSGDStrategy):
+    """DDP whose ranks take local optimizer steps at their own pace and average their parameters
+    with one peer after each, in the background (asynchronous D-PSGD).
+
+    Args:
+        max_staleness: local steps an even rank's exchange may stay in flight before the rank waits
+            for it (>= 1; odd ranks apply each mean one step after the model they sent).
+        peering: ``"ring"``: each even rank alternates between its right and left ring neighbours
+            (needs an even number of ranks; the seed's pairing); ``"random"``: each even rank draws
+            an odd peer per exchange from a hash of ``seed``, its rank and the exchange's number.
+        seed: the seed of ``peering="random"``.
+        warmup_steps: optimizer steps of dense gradient averaging (DDP's all-reduce) first.
+        average_eval: evaluation loops see the mean of all ranks' parameters (as for ``dpsgd``).
+        average_at_end: at the end of fit every rank's parameters become the mean over the ranks.
+        restore_shards: on resume, restore every rank's own parameters, optimizer state and
+            schedule position from ``<checkpoint>.adpsgd/rank<r>.pt``; ``False`` starts every rank
+            from the checkpoint's average.
+        **kwargs: as for ``DDPStrategy`` (``timeout`` also bounds each exchange). DDP's own
+            communication-hook arguments and ``process_group`` may only be ``None``.
+
+    The exchange runs on a gloo group of its own, created on every rank as fit sets up.
+    """
+
+    name = "adpsgd"
+    description = "asynchronous decentralised parallel SGD (background pair averaging)"
+
+    def __init__(
+        self,
+        max_staleness: int = 2,
+        peering: Literal["ring", "random"] = "ring",
+        seed: int = 0,
+        warmup_steps: int = 0,
+        average_eval: bool = True,
+        average_at_end: bool = True,
+        restore_shards: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        check_int(
+            "max_staleness", max_staleness, 1,
+            "local steps an exchange may stay in flight; the odd ranks apply each mean one step after the model "
+            "they sent, so 0 cannot be kept: use dpsgd for the synchronous form",
+        )  # fmt: skip
+        if peering not in PEERINGS:
+            raise ValueError(f"Expect peering in {PEERINGS} (the schedule of each even rank's peers), got {peering!r}")
+        check_int("seed", seed, 0, "the seed of peering='random'")
+        if kwargs.get("process_group") is not None:
+            raise ValueError(
+                f"adpsgd pairs all ranks over a gloo group of its own; process_group={kwargs['process_group']!r} "
+                "cannot restrict it. Remove process_group (or use dpsgd, whose ring is that group's ranks)"
+            )
+        super().__init__(
+            warmup_steps=warmup_steps, average_eval=average_eval, average_at_end=average_at_end,
+            restore_shards=restore_shards, **kwargs,
+        )  # fmt: skip
+        self._max_staleness = max_staleness
+        self._peering = peering
+        self._seed = seed
+        self._comm_group: dist.ProcessGroup | None = None
+
+    @property
+    def max_staleness(self) -> int:
+        return self._max_staleness
+
+    @property
+    def peering(self) -> str:
+        return self._peering
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def adpsgd_state(self) -> ADPSGDState | None:
+        """The pairing, step counter, schedule position and statistics; ``None`` before ``fit``."""
+        return self._state  # type: ignore[return-value]
+
+    @override
+    def _configure_launcher(self) -> None:
+        check_world(self.num_nodes * self.num_processes, self._peering)  # as the Trainer is built
+        super(DPSGDStrategy, self)._configure_launcher()
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super(DPSGDStrategy, self).setup(trainer)  # LocalStepsMixin's, without dpsgd's per-step spread
+        if trainer.state.fn == TrainerFn.FITTING:
+            add_callback(trainer, StalenessLogger(lambda: self._state, self.name, self._sync_point))
+            self._continue_own_model()
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
+        if self._comm_group is None:  # (collective: every rank, once per strategy)
+            timeout = self._timeout if isinstance(self._timeout, timedelta) else None
+            self._comm_group = dist.new_group(backend="gloo", timeout=timeout)
+        group = self._comm_group
+        self._state = state = self._setup_state(
+            lambda: ADPSGDState(group, self._max_staleness, self._peering, self._seed, self._warmup_steps)
+        )
+        state.comm_group = group  # (a continued fit's state: the group of this fit)
+        if self.global_rank == 0 and not self._continuing:
+            log.info(
+                "%s config: max_staleness=%d, peering=%s, seed=%d, warmup_steps=%d, average_eval=%s, "
+                "average_at_end=%s, world_size=%d",
+                self.name, self._max_staleness, self._peering, self._seed, self._warmup_steps, self._average_eval,
+                self._average_at_end, state.world_size,
+            )  # fmt: skip
+        self.model.register_comm_hook(state, local_hook)  # the dense warmup's all-reduce
+        self.model.require_forward_param_sync = False  # no buffer broadcast in the forward pass
+        self._sync_gradients()
+
+    def _sync_gradients(self) -> None:
+        """DDP reduces gradients during the warmup only (afterwards as inside ``no_sync``: no collective)."""
+        if isinstance(self.model, DistributedDataParallel) and self._state is not None:
+            self.model.require_backward_grad_sync = not self._state.averaging
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Any,
+        model: LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        state = self._state
+        if state is not None and state.averaging:
+            state.start(self._params)  # after a synchronisation point: the communication thread again
+        output = super(DPSGDStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+        self._sync_gradients()
+        return output
+
+    @override
+    def _unfrozen_diverges(self) -> str | None:
+        return "it is not among the parameters exchanged (those trainable when fit set up)"
+
+    # ---- the global synchronisation points ----------------------------------------------------------
+
+    def _sync_point(self) -> None:
+        """Finish every exchange on this rank (every rank calls it at the same points), then measure
+        the replicas' spread."""
+        state = self._state
+        if isinstance(state, ADPSGDState) and state.drain(self._params):
+            state.measure_spread(self._params)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._sync_point()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._sync_point()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._sync_point()
+        super().on_predict_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self._sync_point()
+        super().on_train_end()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        self._sync_point()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        state = self._state
+        if isinstance(state, ADPSGDState):
+            state.abandon()
+        LocalStepsMixin.on_exception(self, exception)
+
+    @override
+    def teardown(self) -> None:
+        state = self._state
+        idle = not (isinstance(state, ADPSGDState) and state.running)
+        if self._comm_group is not None and dist.is_initialized() and idle:
+            dist.destroy_process_group(self._comm_group)
+        self._comm_group = None
+        super().teardown()
+
+    @override
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_comm_group"] = None  # process groups do not pickle
+        return state
