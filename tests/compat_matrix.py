@@ -1,10 +1,16 @@
 """The compatibility matrix, declared: Lightning feature x strategy -> the promised outcome.
 
 ``tests/test_compat.py`` runs every cell on 2 CPU ranks started by fork and checks it against this
-table; the README's table is rendered from it. A new strategy of the family joins by adding one
+table; the tables in the docs are rendered from it. A new strategy of the family joins by adding one
 entry to ``STRATEGIES`` and its outcome to every row of ``MATRIX``.
 
-Run ``python tests/compat_matrix.py`` to rewrite the README's table after changing the matrix.
+Two forms, each between its own markers in any Markdown file: the whole matrix (one row per feature,
+one column per strategy, every note; ``BEGIN``/``END``, the docs' reference page) and the short form
+(one row per strategy with what it refuses; ``SHORT_BEGIN``/``SHORT_END``, the README).
+
+Run ``python tests/compat_matrix.py`` after changing the matrix: it rewrites every block in the README
+and in ``docs/reference/compat_matrix.md`` (where that page exists); ``python tests/compat_matrix.py
+FILE ...`` rewrites the blocks of the files given. ``tests/test_compat.py`` fails when one drifts.
 """
 
 from __future__ import annotations
@@ -13,9 +19,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS_PAGE = ROOT / "docs" / "reference" / "compat_matrix.md"
 BEGIN = "<!-- compat-matrix: begin (generated from tests/compat_matrix.py; do not edit by hand) -->"
 END = "<!-- compat-matrix: end -->"
+SHORT_BEGIN = "<!-- compat-matrix-short: begin (generated from tests/compat_matrix.py; do not edit by hand) -->"
+SHORT_END = "<!-- compat-matrix-short: end -->"
 REGENERATE = "python tests/compat_matrix.py"
 
 
@@ -515,9 +525,22 @@ def cell_text(outcome: Outcome) -> str:
     return f"**refused** {when}: {outcome.text}"
 
 
-def render_table() -> str:
-    """The README's table: one row per feature, one column per strategy."""
+def render_table(short: bool = False) -> str:
+    """The whole matrix: one row per feature, one column per strategy (``short=False``); or the short
+    form: one row per strategy of the family, the features it refuses where ``ddp`` works (every
+    other row of the matrix works; a feature DDP itself refuses is Lightning's, and left out)."""
     names = list(STRATEGIES)
+    if short:
+        lines = [
+            f"| strategy | refused where DDP works (each other feature of the {len(MATRIX)}-row matrix works) |",
+            "|---|---|",
+        ]
+        for name in names[1:]:
+            refusals = [
+                title for title, outcomes in MATRIX.values() if not outcomes[name].works and outcomes[names[0]].works
+            ]
+            lines.append(f"| `{name}` | " + ("; ".join(refusals) if refusals else "nothing") + " |")
+        return "\n".join(lines)
     lines = [
         "| Lightning feature | " + " | ".join(f"`{name}`" for name in names) + " |",
         "|---|" + "---|" * len(names),
@@ -527,26 +550,66 @@ def render_table() -> str:
     return "\n".join(lines)
 
 
+FORMS = {False: (BEGIN, END), True: (SHORT_BEGIN, SHORT_END)}  # short -> its markers
+
+
+def marked_table(text: str, short: bool = False) -> str | None:
+    """What ``text`` holds between the markers of one form; ``None`` when it has none."""
+    begin, end = FORMS[short]
+    if begin not in text or end not in text:
+        return None
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+
+
 def readme_table(text: str) -> str:
-    """What the README holds between the markers."""
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"README.md lacks the markers {BEGIN!r} and {END!r} around the compatibility table")
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+    """What a file holds between the markers of the whole matrix (kept for callers of 0.2.0)."""
+    table = marked_table(text)
+    if table is None:
+        raise ValueError(f"the file lacks the markers {BEGIN!r} and {END!r} around the compatibility table")
+    return table
 
 
-def update_readme(path: Path = README) -> bool:
-    """Rewrite the table between the markers; returns whether the file changed."""
+def stale_blocks(path: Path) -> list[str]:
+    """The forms whose block in ``path`` differs from the matrix (``"full"``, ``"short"``)."""
     text = path.read_text()
-    old = readme_table(text)
-    new = render_table()
-    if old == new:
+    return [
+        "short" if short else "full"
+        for short in FORMS
+        if (table := marked_table(text, short)) is not None and table != render_table(short)
+    ]
+
+
+def update_file(path: Path) -> bool:
+    """Rewrite every block of either form in ``path``; returns whether the file changed.
+
+    Raises:
+        ValueError: ``path`` has the markers of neither form.
+    """
+    text = original = path.read_text()
+    if all(marked_table(text, short) is None for short in FORMS):
+        raise ValueError(f"{path} has no compatibility-table markers ({BEGIN!r} or {SHORT_BEGIN!r})")
+    for short, (begin, end) in FORMS.items():
+        if marked_table(text, short) is not None:
+            head, rest = text.split(begin, 1)
+            tail = rest.split(end, 1)[1]
+            text = f"{head}{begin}\n{render_table(short)}\n{end}{tail}"
+    if text == original:
         return False
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    path.write_text(f"{head}{BEGIN}\n{new}\n{END}{tail}")
+    path.write_text(text)
     return True
 
 
+def update_readme(path: Path = README) -> bool:
+    """Rewrite the blocks of ``path`` (the README by default); returns whether the file changed."""
+    return update_file(path)
+
+
+def default_targets() -> list[Path]:
+    """The README, and the docs' reference page where it exists."""
+    return [README] + ([DOCS_PAGE] if DOCS_PAGE.is_file() else [])
+
+
 if __name__ == "__main__":
-    changed = update_readme(Path(sys.argv[1]) if len(sys.argv) > 1 else README)
-    print(f"{README}: compatibility table {'rewritten' if changed else 'already up to date'}")
+    for target in [Path(arg) for arg in sys.argv[1:]] or default_targets():
+        changed = update_file(target)
+        print(f"{target}: compatibility table {'rewritten' if changed else 'already up to date'}")

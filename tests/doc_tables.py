@@ -1,0 +1,159 @@
+"""The tables in the Markdown that are rendered from JSON in the repository, and the script that renders them.
+
+Each table sits between two markers, ``<!-- NAME: begin (...) -->`` and ``<!-- NAME: end -->``, in any
+of the files ``FILES`` lists; ``TABLES`` maps NAME to the function that renders it. Three kinds:
+
+- ``model-suite``: the README's summary of the model suite at 4 ranks, from
+  ``docs/benchmarks/model_suite/results.json`` (``python -m gtc_lightning.tools.model_suite --out
+  docs/benchmarks/model_suite`` writes it);
+- ``compat-matrix`` and ``compat-matrix-short``: the compatibility matrix, from ``tests/compat_matrix.py``;
+- ``recipe-results``: the current section of ``recipes/asr/RESULTS.md``, from ``recipes/asr/RESULTS.json``
+  (``recipes/asr/local/results.py``).
+
+    python tests/doc_tables.py           # rewrite every stale table
+    python tests/doc_tables.py --check   # exit 1 and name the stale tables
+
+``tests/test_doc_tables.py`` fails when a table differs from what its JSON renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_SUITE_JSON = ROOT / "docs" / "benchmarks" / "model_suite" / "results.json"
+REGENERATE = "python tests/doc_tables.py"
+MARKER = re.compile(r"<!-- ([a-z0-9-]+): begin \(.*?\) -->\n(.*?)\n?<!-- \1: end -->", re.S)
+
+# The model suite's models as the README names them: (label, optimizer).
+SUITE_MODELS = {
+    "transformer": ("transformer LM", "AdamW"),
+    "cnn": ("CNN + BatchNorm", "SGD Nesterov"),
+    "gru": ("GRU", "Adam"),
+    "speech_dnn": ("speech DNN", "plain SGD"),
+}
+# The columns of the README's summary: (method in results.json, header).
+SUITE_COLUMNS = (
+    ("gtc", "GTC defaults (density 1e-2)"),
+    ("gtc_3e-2", "GTC, density 3e-2"),
+    ("powersgd_r1", "PowerSGD rank 1"),
+    ("powersgd_r4", "PowerSGD rank 4"),
+    ("ddp_bf16", "bf16 all-reduce"),
+)
+SUITE_WORLD_SIZE = 4
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.0f}×" if x >= 30 else f"{x:.1f}×"
+
+
+def model_suite_table(path: Path = MODEL_SUITE_JSON, world_size: int = SUITE_WORLD_SIZE) -> str:
+    """Held-out loss against DDP's (mean over seeds) and how many times fewer bytes than a fp32 ring
+    all-reduce, per model and method, as ``tools/model_suite.py``'s own report computes them."""
+    runs = [r for r in json.loads(path.read_text()) if r["world_size"] == world_size and "error" not in r]
+
+    def of(model: str, method: str) -> list[dict]:
+        return [r for r in runs if r["model"] == model and r["method"] == method]
+
+    lines = [
+        "| model, optimizer | " + " | ".join(header for _, header in SUITE_COLUMNS) + " |",
+        "|---|" + "---|" * len(SUITE_COLUMNS),
+    ]
+    for model, (label, optimizer) in SUITE_MODELS.items():
+        ddp = statistics.fmean(r["final_loss"] for r in of(model, "ddp"))
+        cells = []
+        for method, _ in SUITE_COLUMNS:
+            mine = of(model, method)
+            loss = statistics.fmean(r["final_loss"] for r in mine)
+            ratio = statistics.fmean(r["ratio_fp32"] for r in mine)
+            cells.append(f"{100 * (loss - ddp) / ddp:+.1f} %, {_ratio(ratio)}")
+        lines.append(f"| {label}, {optimizer} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _load(name: str, path: Path):
+    """The module at ``path`` (imported once; dataclasses need it in ``sys.modules``)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _compat(short: bool) -> Callable[[], str]:
+    return lambda: _load("compat_matrix", ROOT / "tests" / "compat_matrix.py").render_table(short)
+
+
+def _recipe_results() -> str:
+    results = _load("recipe_results", ROOT / "recipes" / "asr" / "local" / "results.py")
+    return results.render(json.loads(results.SNAPSHOT.read_text()))
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "model-suite": model_suite_table,
+    "compat-matrix": _compat(False),
+    "compat-matrix-short": _compat(True),
+    "recipe-results": _recipe_results,
+}
+
+
+def files() -> list[Path]:
+    """Every Markdown file that may hold a table: the README, the recipe's, CHANGELOG and the docs."""
+    fixed = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "recipes" / "asr" / "README.md",
+             ROOT / "recipes" / "asr" / "RESULTS.md"]
+    return [p for p in fixed if p.is_file()] + sorted((ROOT / "docs").rglob("*.md"))
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """(name, content) of every marked table in ``text``."""
+    return [(m.group(1), m.group(2).strip("\n")) for m in MARKER.finditer(text)]
+
+
+def stale(path: Path) -> list[str]:
+    """The names of the tables in ``path`` that differ from what renders now (unknown names included)."""
+    return [name for name, content in blocks(path.read_text())
+            if name not in TABLES or content != TABLES[name]()]
+
+
+def rewrite(path: Path) -> bool:
+    """Render every known table of ``path`` again; returns whether the file changed."""
+    text = path.read_text()
+
+    def render(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in TABLES:
+            return m.group(0)
+        begin = m.group(0).split("\n", 1)[0]
+        return f"{begin}\n{TABLES[name]()}\n<!-- {name}: end -->"
+
+    new = MARKER.sub(render, text)
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 if a table is stale")
+    args = parser.parse_args(argv)
+    status = 0
+    for path in files():
+        if args.check:
+            for name in stale(path):
+                print(f"{path.relative_to(ROOT)}: table {name!r} is stale; regenerate: {REGENERATE}")
+                status = 1
+        elif rewrite(path):
+            print(f"{path.relative_to(ROOT)}: rewritten")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Docs that stay true: the tables rendered from JSON match their JSON, and the recipe's results add up.
+
+Every table between ``<!-- NAME: begin ... -->`` and ``<!-- NAME: end -->`` markers in the README, the
+recipe's README and RESULTS.md, CHANGELOG.md and docs/ is compared with what ``tests/doc_tables.py``
+renders from the JSON in the repository; ``python tests/doc_tables.py`` rewrites the stale ones.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import doc_tables  # noqa: E402
+
+ROOT = doc_tables.ROOT
+
+
+@pytest.mark.parametrize("path", doc_tables.files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_tables_are_rendered_from_their_json(path: Path):
+    stale = doc_tables.stale(path)
+    assert not stale, (
+        f"{path.relative_to(ROOT)}: {', '.join(stale)} differ from what their JSON renders "
+        f"(or name no known table); regenerate: `{doc_tables.REGENERATE}`"
+    )
+
+
+def test_the_readme_and_results_hold_their_tables():
+    readme = [name for name, _ in doc_tables.blocks((ROOT / "README.md").read_text())]
+    assert {"model-suite", "compat-matrix-short"} <= set(readme), readme
+    results = [name for name, _ in doc_tables.blocks((ROOT / "recipes" / "asr" / "RESULTS.md").read_text())]
+    assert results == ["recipe-results"], results
+
+
+def test_every_rendered_table_has_rows():
+    for name, render in doc_tables.TABLES.items():
+        assert render().count("\n|") >= 3, f"{name} renders no table"
+
+
+def test_recipe_results_add_up():
+    """Each %WER line of RESULTS.json: errors = ins + del + sub, and the WER is errors over words."""
+    snap = json.loads((ROOT / "recipes" / "asr" / "RESULTS.json").read_text())
+    records = [g[split] for g in snap["gmm"].values() for split in ("dev", "test")]
+    records += [d[split] for d in snap["decodes"].values() for split in ("dev", "test")]
+    assert records
+    for r in records:
+        assert r["ins"] + r["del"] + r["sub"] == r["errors"], r
+        assert abs(100 * r["errors"] / r["words"] - r["wer"]) < 0.006, r
+    runs = {f"{r['run']}/{r['seed']}" for r in snap["comparison"]["runs"]}
+    assert runs == set(snap["decodes"]), "every compared run needs its decode results"
+
+
+def test_ci_runs_the_readme_test_command():
+    """`.ci/run` runs exactly the test command the README shows."""
+    command = "bash setup.sh && .venv/bin/python -m pytest -q tests"
+    assert f"```bash\n{command}\n```" in (ROOT / "README.md").read_text()
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()
