@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_SUITE_JSON = ROOT / "docs" / "benchmarks" / "model_suite" / "results.json"
 REGENERATE = "python tests/doc_tables.py"
-MARKER = re.compile(r"<!-- ([a-z0-9-]+): begin \(.*?\) -->\n(.*?)\n?<!-- \1: end -->", re.S)
+MARKER = re.compile(r"<!-- ([a-z0-9-]+): begin \(.*?\) -->\n(.*?)\n?<!-- \1: end -->", re.DOTALL)
 
 # The model suite's models as the README names them: (label, optimizer).
 SUITE_MODELS = {

@@ -37,7 +37,6 @@ from compat_matrix import (
     STRATEGIES,
     default_targets,
     marked_table,
-    render_table,
     stale_blocks,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint

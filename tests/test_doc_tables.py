@@ -8,6 +8,7 @@ renders from the JSON in the repository; ``python tests/doc_tables.py`` rewrites
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import doc_tables  # noqa: E402
+import doc_tables
 
 ROOT = doc_tables.ROOT
 
@@ -59,3 +60,13 @@ def test_ci_runs_the_readme_test_command():
     command = "bash setup.sh && .venv/bin/python -m pytest -q tests"
     assert f"```bash\n{command}\n```" in (ROOT / "README.md").read_text()
     assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_links_resolve():
+    """Every relative link of the README and the recipe's pages names a file of the repository."""
+    broken = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "recipes" / "asr").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)", doc.read_text()):
+            if not re.match(r"[a-z]+:", target) and not (doc.parent / target).exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, "links to nothing:\n" + "\n".join(broken)

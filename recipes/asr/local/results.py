@@ -196,9 +196,9 @@ def render(snap: dict) -> str:
                     cell += f" ({_relative_change(v['vs_baseline']['mean'])})"
                 cells.append(cell)
             out.append(f"| {name} | " + " | ".join(cells) + " |")
-    out += ["", "Decoding real-time factor: not recorded (the decoder logs it, no file keeps it); the decoding "
-            "times above are wall time of the whole decoding, dev at every acoustic scale of the grid and test "
-            "at the one dev picked. Train times are wall time on a machine shared with other jobs."]
+    out += ["", ("Decoding real-time factor: not recorded (the decoder logs it, no file keeps it); the decoding "
+                 "times above are wall time of the whole decoding, dev at every acoustic scale of the grid and "
+                 "test at the one dev picked. Train times are wall time on a machine shared with other jobs.")]
     return "\n".join(out)
 
 
