@@ -128,7 +128,9 @@ def render(snap: dict) -> str:
     out = [
         f"Collected {c['date']} at commit {c['commit'] or 'not recorded'} from `{c['exp']}` and `{c['data']}`"
         + (f" (corpus version {version})" if version else "") + ". Seeds: "
-        + ", ".join(map(str, seeds)) + ".",
+        + ", ".join(map(str, seeds)) + "."
+        + (" With one seed, a difference of a few per cent is within the spread between trainings: read"
+           " a small change as no change." if len(seeds) == 1 else ""),
         "",
         "| split | utterances | hours | speakers |",
         "|---|---|---|---|",
