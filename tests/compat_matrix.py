@@ -9,7 +9,7 @@ one column per strategy, every note; ``BEGIN``/``END``, the docs' reference page
 (one row per strategy with what it refuses; ``SHORT_BEGIN``/``SHORT_END``, the README).
 
 Run ``python tests/compat_matrix.py`` after changing the matrix: it rewrites every block in the README
-and in ``docs/reference/compat_matrix.md`` (where that page exists); ``python tests/compat_matrix.py
+and in ``docs/reference/compat_matrix.md`` (where that page holds one); ``python tests/compat_matrix.py
 FILE ...`` rewrites the blocks of the files given. ``tests/test_compat.py`` fails when one drifts.
 """
 
@@ -605,8 +605,9 @@ def update_readme(path: Path = README) -> bool:
 
 
 def default_targets() -> list[Path]:
-    """The README, and the docs' reference page where it exists."""
-    return [README] + ([DOCS_PAGE] if DOCS_PAGE.is_file() else [])
+    """The README, and the docs' reference page where it holds a block."""
+    page = DOCS_PAGE.is_file() and any(marked_table(DOCS_PAGE.read_text(), short) is not None for short in FORMS)
+    return [README] + ([DOCS_PAGE] if page else [])
 
 
 if __name__ == "__main__":
