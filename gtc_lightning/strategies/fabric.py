@@ -56,8 +56,9 @@ class GTCFabricStrategy(DDPStrategy):
     """Fabric's DDP with Strom's gradient threshold compression instead of dense all-reduce.
 
     Args:
-        tau, warmup_steps, max_consecutive_skips, dense_fallback, exchange, backend,
-        restore_residuals, coding, target_density, compress: as for :class:`gtc_lightning.GTCStrategy`
+        tau: as for :class:`gtc_lightning.GTCStrategy`, and so are ``warmup_steps``,
+            ``max_consecutive_skips``, ``dense_fallback``, ``exchange``, ``backend``,
+            ``restore_residuals``, ``coding``, ``target_density``, ``compress``
             (``compress="auto"`` decides when ``fabric.setup`` is given the optimizer; with
             ``"update"`` every rank's optimizer state goes into its shard of ``fabric.save``).
         gradient_clip_val, gradient_clip_algorithm: clip each rank's local gradient before it enters
