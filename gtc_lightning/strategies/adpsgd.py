@@ -30,6 +30,10 @@ on which exchange lands at which step: the runs are not reproducible step for st
 
 Each rank runs the same number of batches per epoch (Lightning's sampler), so the fast ranks wait
 for a slow one at the next synchronisation point: between two of them they run at their own pace.
+Nothing else synchronises them: DDP runs no collective after the warmup, and the Trainer's
+broadcast of rank 0's SIGTERM flag before every batch is skipped (:func:`no_sigterm_broadcast`;
+each rank still stops on a SIGTERM of its own). A ``self.log(..., sync_dist=True)`` in
+``training_step`` is a collective per step, and makes every rank wait for the slowest again.
 """
 
 from __future__ import annotations
@@ -56,6 +60,15 @@ from gtc_lightning.strategies.dpsgd import DPSGDStrategy
 from gtc_lightning.strategies.loggers import StalenessLogger
 
 log = logging.getLogger(__name__)
+
+
+def no_sigterm_broadcast(trainer: Trainer) -> None:
+    """Lightning broadcasts rank 0's SIGTERM flag before every training batch (a collective: a global
+    barrier per step, which would make every rank wait for the slowest). This trainer's epoch loop
+    skips it; each rank still stops on its own SIGTERM at the end of its batch (Lightning's own check)."""
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "_broadcast_sigterm_tensor"):
+        loop._broadcast_sigterm_tensor = lambda: None
 
 
 class ADPSGDStrategy(DPSGDStrategy):
@@ -145,6 +158,7 @@ class ADPSGDStrategy(DPSGDStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             add_callback(trainer, StalenessLogger(lambda: self._state, self.name, self._sync_point))
             self._continue_own_model()
+            no_sigterm_broadcast(trainer)
 
     @override
     def _register_ddp_hooks(self) -> None:

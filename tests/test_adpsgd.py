@@ -1,0 +1,342 @@
+"""AD-PSGD (``ADPSGDStrategy``, ``"adpsgd"``) on 2 and 4 forked CPU ranks.
+
+The exchange itself is tested on plain tensors over gloo (no Lightning): after a pair's exchange both
+ranks hold the mean of what they sent, bit for bit; an exchange slower than the steps makes the
+active rank block at ``max_staleness``. Through the Trainer: a rank that sleeps every step does not
+slow the others down between synchronisation points; validation and the end of fit see the
+consensus model; a resume restores every rank's state as the checkpoint's drain left it.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from _averaging_helpers import mean, run_ranks
+from _strategy_helpers import (
+    BATCH,
+    TIMEOUT,
+    TinyMLP,
+    fit,
+    keep_master_port,  # noqa: F401  (autouse)
+)
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from gtc_lightning import ADPSGDStrategy
+from gtc_lightning.algorithms.averaging.adpsgd import ADPSGDState, check_world, schedule_peer
+
+SGD = {"momentum": 0.0}
+
+
+# ---- the pairing --------------------------------------------------------------------------------
+
+
+def test_ring_schedule_alternates_right_and_left_so_each_round_pairs_disjointly():
+    assert [schedule_peer(0, 4, n) for n in range(4)] == [1, 3, 1, 3]
+    assert [schedule_peer(2, 4, n) for n in range(4)] == [3, 1, 3, 1]
+    assert [schedule_peer(0, 2, n) for n in range(3)] == [1, 1, 1]
+    for n in range(6):  # every round: the active ranks' peers are distinct
+        peers = [schedule_peer(a, 8, n) for a in (0, 2, 4, 6)]
+        assert sorted(peers) == [1, 3, 5, 7]
+
+
+def test_random_schedule_draws_odd_peers_from_the_seed():
+    draws = [schedule_peer(2, 8, n, "random", seed=7) for n in range(64)]
+    assert set(draws) == {1, 3, 5, 7}  # every passive rank, no active one
+    assert draws == [schedule_peer(2, 8, n, "random", seed=7) for n in range(64)]  # stateless
+    assert draws != [schedule_peer(2, 8, n, "random", seed=8) for n in range(64)]
+    assert {schedule_peer(0, 3, n, "random") for n in range(16)} == {1}  # an odd world: "random" only
+    with pytest.raises(ValueError, match="rank 1 is passive"):
+        schedule_peer(1, 4, 0)
+
+
+@pytest.mark.parametrize(
+    ("world", "peering", "message"),
+    [(1, "ring", "at least 2 ranks"), (3, "ring", r"even number of ranks; got 3.*peering='random'"),
+     (2, "star", r"peering in \('ring', 'random'\), got 'star'")],
+)  # fmt: skip
+def test_bad_worlds_are_refused_with_the_fix(world, peering, message):
+    with pytest.raises(ValueError, match=message):
+        check_world(world, peering)
+
+
+# ---- the exchange on plain tensors (gloo, no Lightning) -------------------------------------------
+
+
+def _init(rank: int) -> dist.ProcessGroup:
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=TIMEOUT)
+
+
+def _one_round(rank: int, out_dir: Path) -> dict:
+    """Each rank's own random model; one step boundary (the active ranks start their first exchange)
+    and a drain; no local step in between."""
+    group = _init(rank)
+    torch.manual_seed(rank)
+    params = [torch.randn(5, 3), torch.randn(7)]
+    sent = torch.cat([p.reshape(-1) for p in params]).clone()
+    state = ADPSGDState(group, max_staleness=1)
+    state.start(params)
+    state.after_step(params, [])
+    state.drain(params)
+    return {"sent": sent, "after": torch.cat([p.reshape(-1) for p in params]), "totals": state.stats()["total"]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_pair_exchange_leaves_both_on_the_mean_of_what_they_sent(tmp_path, world):
+    out = run_ranks(tmp_path, _one_round, devices=world, timeout=60)
+    for active in range(0, world, 2):
+        peer = schedule_peer(active, world, 0)
+        expected = (out[active]["sent"] + out[peer]["sent"]) * 0.5
+        assert torch.equal(out[active]["after"], expected), f"rank {active}"
+        assert torch.equal(out[peer]["after"], expected), f"rank {peer}"
+    for rank in out:
+        assert rank["totals"]["applied"] == 1 and not torch.equal(rank["after"], rank["sent"])
+    total_before = sum(rank["sent"].double() for rank in out)
+    total_after = sum(rank["after"].double() for rank in out)
+    torch.testing.assert_close(total_after, total_before)  # the pairs moved by opposite amounts
+
+
+def _slow_link(rank: int, out_dir: Path, max_staleness: int, steps: int) -> dict:
+    """The passive rank answers each exchange 0.15 s late (a slow link); the active rank's steps take
+    0.01 s, the passive rank's 0.06 s. Records every step boundary's staleness."""
+    group = _init(rank)
+    if rank % 2:
+        serve = ADPSGDState._serve
+
+        def late(self, src, peer_step):
+            time.sleep(0.15)
+            serve(self, src, peer_step)
+
+        ADPSGDState._serve = late
+    params = [torch.full((4,), float(rank))]
+    state = ADPSGDState(group, max_staleness=max_staleness)
+    state.start(params)
+    seen = []
+    for _ in range(steps):
+        time.sleep(0.06 if rank % 2 else 0.01)
+        with torch.no_grad():
+            params[0].add_(1.0)  # a local step
+        state.after_step(params, [])
+        seen.append(dict(state.last_staleness))
+    state.drain(params)
+    return {"seen": seen, "totals": state.stats()["total"]}
+
+
+def test_the_active_rank_blocks_when_its_exchange_reaches_max_staleness(tmp_path):
+    out = run_ranks(tmp_path, _slow_link, devices=2, timeout=60, max_staleness=3, steps=12)
+    active = out[0]
+    staleness = [s["staleness"] for s in active["seen"] if s["applied"]]
+    assert staleness and max(staleness) == 3, staleness  # in flight 3 steps, then waited for
+    assert active["totals"]["staleness_max"] == 3
+    assert active["totals"]["blocked_s"] > 0.05
+    assert sum(s["applied"] for s in active["seen"]) >= 2  # it went on exchanging
+    passive = [s["staleness"] for s in out[1]["seen"] if s["applied"]]
+    assert passive and max(passive) <= 1  # the passive rank applies each mean at its next boundary
+
+
+# ---- through the Trainer ------------------------------------------------------------------------
+
+
+class Validated(TinyMLP):
+    """Validates on the training data after each epoch and saves the parameters it validated."""
+
+    def __init__(self, out_dir: Path, **kwargs):
+        super().__init__(**kwargs)
+        self.out_dir, self.seen = Path(out_dir), []
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def on_validation_end(self):  # runs before the strategy puts each rank's own parameters back
+        self.seen.append(torch.cat([p.detach().reshape(-1) for p in self.parameters()]).clone())
+        torch.save(self.seen, self.out_dir / f"seen{self.global_rank}.pt")
+
+
+def test_stats_are_logged_and_validation_sees_the_average_of_the_drained_ranks(tmp_path):
+    """2 ranks, 2 epochs of 4 steps; a checkpoint after each epoch's last step (a synchronisation
+    point), validation after each epoch."""
+    every = ModelCheckpoint(dirpath=tmp_path / "every", every_n_train_steps=4, save_top_k=-1)
+    trainer_kwargs = {"logger": CSVLogger(save_dir=tmp_path, name="csv"), "enable_checkpointing": True,
+                      "callbacks": [every], "num_sanity_val_steps": 0}  # fmt: skip
+    trainer, ranks = fit(tmp_path, strategy=ADPSGDStrategy, model=Validated(tmp_path, **SGD),
+                         trainer_kwargs=trainer_kwargs, max_staleness=2)  # fmt: skip
+    assert [len(rank["records"]) for rank in ranks] == [8, 8]
+    pairs = zip(ranks[0]["records"], ranks[1]["records"])
+    assert any(not torch.equal(a["params"], b["params"]) for a, b in pairs)  # the replicas drift between syncs
+    seen = [torch.load(tmp_path / f"seen{r}.pt") for r in range(2)]
+    for k, step in enumerate((4, 8)):  # the checkpoint drained; validation averaged what it left
+        ckpt = tmp_path / "every" / f"epoch={k}-step={step}.ckpt"
+        own = [torch.load(f"{ckpt}.adpsgd/rank{r}.pt", weights_only=False)["state_dict"] for r in range(2)]
+        own = [torch.cat([v.reshape(-1) for v in state.values()]) for state in own]
+        assert torch.equal(seen[0][k], mean(own)) and torch.equal(seen[1][k], mean(own)), f"validation {k}"
+        saved = torch.load(ckpt, weights_only=False)
+        assert torch.equal(torch.cat([v.reshape(-1) for v in saved["state_dict"].values()]), mean(own))
+        assert saved["adpsgd"]["step"] == step and 1 <= saved["adpsgd"]["exchanges"] <= step  # rank 0's
+    (metrics,) = Path(trainer.default_root_dir).rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics.read_text().splitlines()))
+    steps = [row for row in rows if row.get("adpsgd/staleness")]
+    assert len(steps) == 8
+    assert all(0 <= float(row["adpsgd/staleness"]) <= 2 for row in steps)
+    assert float(steps[-1]["adpsgd/staleness_max"]) <= 2
+    assert sum(float(row["adpsgd/applied"]) for row in steps) >= 4  # rank 0's (the one logged)
+    spreads = [float(row["adpsgd/spread"]) for row in rows if row.get("adpsgd/spread")]
+    assert len(spreads) == 2  # measured at each epoch's first synchronisation point, the checkpoint
+    for k, logged in enumerate(spreads):
+        own = [torch.load(tmp_path / "every" / f"epoch={k}-step={4 * k + 4}.ckpt.adpsgd" / f"rank{r}.pt",
+                          weights_only=False)["state_dict"] for r in range(2)]  # fmt: skip
+        own = [torch.cat([v.reshape(-1) for v in state.values()]).double() for state in own]
+        center = (own[0] + own[1]) / 2
+        expected = math.sqrt(sum(float((x - center).pow(2).mean()) for x in own) / 2)
+        assert logged == pytest.approx(expected, rel=1e-4, abs=1e-9)
+
+
+class Slow(TinyMLP):
+    """One rank sleeps ``seconds`` in every training step; every rank records when each batch ends."""
+
+    def __init__(self, out_dir: Path, slow_rank: int, seconds: float, **kwargs):
+        super().__init__(**kwargs)
+        self.out_dir, self.slow_rank, self.seconds, self.ends = Path(out_dir), slow_rank, seconds, []
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.slow_rank:
+            time.sleep(self.seconds)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.ends.append(time.perf_counter())
+
+    def on_train_epoch_start(self):
+        self.began = time.perf_counter()
+
+    def on_train_epoch_end(self):  # before the epoch end's synchronisation point (the strategy's callback)
+        applied = self.trainer.strategy.sync_stats["total"]["applied"]
+        torch.save({"took": self.ends[-1] - self.began, "applied": applied}, self.out_dir / f"slow{self.global_rank}.pt")
+
+
+@pytest.mark.parametrize(("world", "slow_rank"), [(2, 1), (2, 0), (4, 1)])
+def test_a_slow_rank_does_not_slow_the_others_between_synchronisation_points(tmp_path, world, slow_rank):
+    """One rank sleeps 0.3 s a step for 6 steps: the others run their 6 steps (and their exchanges,
+    some with the slow rank) in well under half its time, then wait for it at the epoch's end."""
+    steps, seconds = 6, 0.3
+    model = Slow(tmp_path, slow_rank, seconds, samples=world * steps * BATCH, **SGD)
+    fit(tmp_path, strategy=ADPSGDStrategy, devices=world, max_epochs=1, model=model)
+    out = [torch.load(tmp_path / f"slow{r}.pt") for r in range(world)]
+    slow = out[slow_rank]["took"]
+    assert slow >= steps * seconds
+    for rank, got in enumerate(out):
+        assert got["applied"] >= 1, f"rank {rank} applied no mean"
+        if rank != slow_rank:
+            assert got["took"] < 0.5 * slow, f"rank {rank} took {got['took']:.2f} s, the slow rank {slow:.2f} s"
+
+
+def _fit_checkpoint_resume(rank: int, out_dir: Path, world: int) -> dict:
+    """One rank of: 1 epoch with a checkpoint at its 4th (last) step, then a new Trainer that resumes
+    from it for a second epoch. Returns what the test compares with the checkpoint's shards."""
+
+    class Started(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            optimizer = trainer.optimizers[0]
+            self.start = {
+                "params": torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone(),
+                "momentum": torch.cat(
+                    [optimizer.state[p]["momentum_buffer"].reshape(-1) for p in pl_module.parameters()]
+                ).clone(),
+                "step": trainer.strategy.adpsgd_state.step,
+                "exchanges": trainer.strategy.adpsgd_state.exchanges,
+            }
+
+    def trainer(max_epochs: int, callbacks: list) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu", devices=world, strategy=ADPSGDStrategy(timeout=TIMEOUT), max_epochs=max_epochs,
+            logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=out_dir,
+        )  # fmt: skip
+
+    samples = world * 4 * BATCH
+    first = trainer(1, [ModelCheckpoint(dirpath=out_dir / "ckpt", every_n_train_steps=4, save_top_k=-1)])
+    model = TinyMLP(samples=samples)
+    first.fit(model)
+    own, average = first.strategy._at_end  # each rank's own model at the end, and the consensus
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    started = Started()
+    second = trainer(2, [started])
+    second.fit(TinyMLP(samples=samples), ckpt_path=str(out_dir / "ckpt" / "epoch=0-step=4.ckpt"))
+    return {"own": own, "average": average, "final": final, "start": started.start,
+            "global_step": second.global_step, "state": second.strategy.adpsgd_state.state_dict()}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_consensus_at_the_end_and_a_bit_exact_resume(tmp_path, world):
+    out = run_ranks(tmp_path, _fit_checkpoint_resume, devices=world, timeout=90, world=world)
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    own = [rank["own"] for rank in out]
+    for rank in out:  # the end of fit: every rank on the mean of the ranks' own models
+        assert torch.equal(rank["final"], out[0]["final"])
+        if world == 2:
+            assert torch.equal(rank["final"], mean(own))
+        else:
+            torch.testing.assert_close(rank["final"], mean(own), rtol=0, atol=1e-6)
+    for r, rank in enumerate(out):
+        shard = torch.load(f"{ckpt}.adpsgd/rank{r}.pt", weights_only=False)
+        saved = torch.cat([v.reshape(-1) for v in shard["state_dict"].values()])
+        # The checkpoint was the last step: its drain left each rank's own model as fit ended with it.
+        assert torch.equal(saved, rank["own"].float())
+        assert torch.equal(rank["start"]["params"], saved), f"rank {r}: resumed parameters"
+        momentum = torch.cat([s["momentum_buffer"].reshape(-1) for s in shard["optimizers"][0]["state"].values()])
+        assert torch.equal(rank["start"]["momentum"], momentum), f"rank {r}: resumed optimizer state"
+        assert rank["start"]["step"] == shard["averaging"]["step"] == 4
+        exchanges = shard["averaging"]["exchanges"]  # the schedule's position: one a landed exchange
+        assert rank["start"]["exchanges"] == exchanges and (1 <= exchanges <= 4 if r % 2 == 0 else exchanges == 0)
+        assert rank["global_step"] == 8 and rank["state"]["step"] == 8
+        assert rank["state"]["exchanges"] > exchanges or r % 2  # the schedule went on from there
+
+
+# ---- settings -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"max_staleness": 0}, r"max_staleness to be an int >= 1.*got 0"),
+     ({"max_staleness": 1.5}, "max_staleness"),
+     ({"peering": "star"}, r"peering in \('ring', 'random'\).*got 'star'"),
+     ({"seed": -1}, r"seed to be an int >= 0"),
+     ({"warmup_steps": -1}, "warmup_steps"),
+     ({"process_group": object()}, r"process_group=.*Remove process_group"),
+     ({"ddp_comm_hook": print}, "own DDP communication hook")],
+)  # fmt: skip
+def test_bad_settings_name_the_value_and_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ADPSGDStrategy(**kwargs)
+
+
+def test_worlds_the_pairing_cannot_serve_are_refused_as_the_trainer_is_built():
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        L.Trainer(strategy=ADPSGDStrategy(), accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(ValueError, match=r"even number of ranks; got 3"):
+        L.Trainer(strategy=ADPSGDStrategy(), accelerator="cpu", devices=3, logger=False)
+    trainer = L.Trainer(strategy=ADPSGDStrategy(peering="random"), accelerator="cpu", devices=3, logger=False)
+    assert trainer.strategy.peering == "random"
+
+
+@pytest.mark.parametrize("name", ["adpsgd", "adpsgd_spawn", "adpsgd_fork", "adpsgd_fork_find_unused_parameters_true"])
+def test_registered_names(name):
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    assert isinstance(trainer.strategy, ADPSGDStrategy)
+
+
+def test_fabric_says_it_is_a_trainer_strategy():
+    with pytest.raises(ValueError, match=r"adpsgd is a Lightning Trainer strategy only"):
+        L.Fabric(accelerator="cpu", devices=2, strategy="adpsgd")
+
