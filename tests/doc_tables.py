@@ -3,9 +3,9 @@
 Each table sits between two markers, ``<!-- NAME: begin (...) -->`` and ``<!-- NAME: end -->``, in any
 of the files ``FILES`` lists; ``TABLES`` maps NAME to the function that renders it. Three kinds:
 
-- ``model-suite``: the README's summary of the model suite at 4 ranks, from
-  ``docs/benchmarks/model_suite/results.json`` (``python -m gtc_lightning.tools.model_suite --out
-  docs/benchmarks/model_suite`` writes it);
+- ``model-suite``: the README's summary of the model suite at 4 ranks, and ``model-suite-report``: the
+  suite's whole report, both from ``docs/benchmarks/model_suite/results.json`` (``python -m
+  gtc_lightning.tools.model_suite --out docs/benchmarks/model_suite`` writes it);
 - ``compat-matrix`` and ``compat-matrix-short``: the compatibility matrix, from ``tests/compat_matrix.py``;
 - ``recipe-results``: the current section of ``recipes/asr/RESULTS.md``, from ``recipes/asr/RESULTS.json``
   (``recipes/asr/local/results.py``).
@@ -78,6 +78,14 @@ def model_suite_table(path: Path = MODEL_SUITE_JSON, world_size: int = SUITE_WOR
     return "\n".join(lines)
 
 
+def model_suite_report(path: Path = MODEL_SUITE_JSON) -> str:
+    """The model suite's whole report (models, one table per world size, DDP's last evaluations), as
+    ``python -m gtc_lightning.tools.model_suite`` writes it to ``results.md``."""
+    from gtc_lightning.tools.model_suite import report_markdown
+
+    return report_markdown(json.loads(path.read_text())).strip("\n")
+
+
 def _load(name: str, path: Path):
     """The module at ``path`` (imported once; dataclasses need it in ``sys.modules``)."""
     if name not in sys.modules:
@@ -99,6 +107,7 @@ def _recipe_results() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "model-suite": model_suite_table,
+    "model-suite-report": model_suite_report,
     "compat-matrix": _compat(False),
     "compat-matrix-short": _compat(True),
     "recipe-results": _recipe_results,

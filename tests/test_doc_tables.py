@@ -70,3 +70,12 @@ def test_links_resolve():
             if not re.match(r"[a-z]+:", target) and not (doc.parent / target).exists():
                 broken.append(f"{doc.relative_to(ROOT)}: {target}")
     assert not broken, "links to nothing:\n" + "\n".join(broken)
+
+
+def test_model_suite_report_is_its_json():
+    """``docs/benchmarks/model_suite/results.md`` is what the tool renders from ``results.json`` beside it."""
+    md = doc_tables.MODEL_SUITE_JSON.with_suffix(".md")
+    assert md.read_text().strip("\n") == doc_tables.model_suite_report(), (
+        f"{md.relative_to(ROOT)} differs from its results.json; rerun the suite, or render the report again "
+        "with gtc_lightning.tools.model_suite.report_markdown"
+    )

@@ -94,7 +94,7 @@ def check_of(command: str) -> tuple[str, list[str]] | None:
         if not args or args[0] == "-c":
             return None
         if args[0] == "-m":
-            return ("module", [args[1]]) if len(args) > 1 else None
+            return ("module", args[1:]) if len(args) > 1 else None
         return "script", [args[0]]
     return None
 
@@ -113,6 +113,11 @@ def collected() -> dict[tuple[str, str], list[str]]:
                     continue
                 target = shlex.join(argv) if kind == "pip" else argv[0]
                 found.setdefault((kind, target), []).append(f"{doc.relative_to(ROOT)}: {command}")
+                if kind == "module" and argv[0] == "pytest":  # the test files and folders it names
+                    for arg in argv[1:]:
+                        if not arg.startswith("-") and ("/" in arg or arg.endswith(".py") or arg == "tests"):
+                            path = arg.split("::", 1)[0]
+                            found.setdefault(("path", path), []).append(f"{doc.relative_to(ROOT)}: {command}")
     return found
 
 
@@ -160,6 +165,8 @@ def problem(kind: str, target: str) -> str | None:
             return f"{target}: no such file"
         proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
         return f"bash -n {target}: {proc.stderr.strip()}" if proc.returncode else None
+    if kind == "path":
+        return None if (ROOT / target).exists() else f"{target}: no such file or folder"
     if kind == "script":
         path = ROOT / target
         if not path.is_file():
@@ -224,8 +231,9 @@ def test_every_command_shown_still_runs():
 @pytest.mark.parametrize("block, expected", [
     ("stage=9 bash recipes/asr/run.sh\n", [("bash", ["recipes/asr/run.sh"])]),
     (".venv/bin/python -m gtc_lightning.tools.cluster --nodes 4 -- \\\n  .venv/bin/python recipes/asr/train.py\n",
-     [("module", ["gtc_lightning.tools.cluster"])]),
-    ("bash setup.sh && .venv/bin/python -m pytest -q tests\n", [("bash", ["setup.sh"]), ("module", ["pytest"])]),
+     [("module", ["gtc_lightning.tools.cluster", "--nodes", "4", "--", ".venv/bin/python", "recipes/asr/train.py"])]),
+    ("bash setup.sh && .venv/bin/python -m pytest -q tests\n",
+     [("bash", ["setup.sh"]), ("module", ["pytest", "-q", "tests"])]),
     ("torchrun --nnodes 2 recipes/asr/train.py --strategy gtc\n", [("script", ["recipes/asr/train.py"])]),
     ("# a comment\npython examples/quickstart.py   # 2 ranks\n", [("script", ["examples/quickstart.py"])]),
 ])
