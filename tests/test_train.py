@@ -82,6 +82,7 @@ def parse(args: list[str]) -> ParseOnly:
     (["--strategy", "ma"], False, ["--trainer.strategy=ma", "--trainer.devices=2"]),
     (["--strategy", "gtc_stale"], False, ["--trainer.strategy=gtc_stale", "--trainer.devices=2"]),
     (["--strategy", "dpsgd"], True, ["--trainer.strategy=dpsgd", "--trainer.devices=auto"]),
+    (["--strategy", "adpsgd"], False, ["--trainer.strategy=adpsgd", "--trainer.devices=2"]),
     (["--strategy", "bmuf_gtc"], False, ["--trainer.strategy=bmuf_gtc", "--trainer.devices=4"]),
     (["--strategy", "bmuf_gtc"], True, ["--trainer.strategy=bmuf_gtc", "--trainer.devices=auto"]),
     (["--config", "c.yaml", "--strategy", "gtc", "--trainer.devices", "4"], False,
@@ -139,6 +140,9 @@ def test_every_config_builds_the_trainer(config, aligned, tmp_path):
         assert strategy.target_density is None and strategy.compress == "gradient" and strategy.coding == "none"
         assert cli.trainer.num_devices == (4 if config.name == "bmuf_gtc.yaml" else 2)
         assert strategy.stale == (config.name == "gtc_stale.yaml")
+    if config.name == "adpsgd.yaml":
+        assert isinstance(strategy, gtc_lightning.ADPSGDStrategy) and strategy.max_staleness == 2
+        assert strategy.peering == "ring" and cli.config.run_name == "adpsgd" and cli.trainer.num_devices == 2
     if config.name == "gtc_auto.yaml":  # automatic tau from 0.01, Rice coding, lr 2 over conf/default.yaml's 1.0
         assert isinstance(strategy, gtc_lightning.GTCStrategy) and strategy.tau == 0.01
         assert strategy.target_density == 2.5e-3 and strategy.coding == "rice" and strategy.compress == "gradient"
