@@ -38,12 +38,15 @@ class Strategy:
         init_args: its arguments in every cell (besides ``start_method="fork"`` and a timeout).
         fork_name: its registered name with ``start_method="fork"``.
         identical_replicas: whether it promises bit-identical parameters on every rank.
+        reproducible: whether two runs with the same settings take the same steps bit for bit (not
+            so where the ranks run asynchronously).
     """
 
     class_path: str
     init_args: dict = field(default_factory=dict)
     fork_name: str = ""
     identical_replicas: bool = True
+    reproducible: bool = True
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,11 @@ STRATEGIES: dict[str, Strategy] = {
     "gtc_update": Strategy("gtc_lightning.GTCStrategy", {"target_density": 0.05}, "gtc_fork"),
     "gtc_stale": Strategy("gtc_lightning.GTCStrategy", {"tau": 0.01, "stale": True}, "gtc_stale_fork"),
     "dpsgd": Strategy("gtc_lightning.DPSGDStrategy", {}, "dpsgd_fork", identical_replicas=False),
+    # Its ranks step at their own pace and an exchange lands when it lands: runs are not reproducible
+    # step for step (the resume is checked against the checkpoint's shards instead).
+    "adpsgd": Strategy(
+        "gtc_lightning.ADPSGDStrategy", {}, "adpsgd_fork", identical_replicas=False, reproducible=False
+    ),
     # Replicas are identical right after a sync only (tests/test_averaging.py, test_bmuf.py check that);
     # bmuf_gtc runs here with every rank its own group (the default group_size=2 needs 4 ranks). The
     # tiny MLP's local SGD (lr 0.5, momentum 0.9, 8-sample batches) diverges alone: a sync every 2 steps
@@ -114,6 +122,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(),
             "bmuf": works(),
             "bmuf_gtc": works(),
@@ -127,6 +136,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(),
             "bmuf": works(),
             "bmuf_gtc": works(),
@@ -140,6 +150,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works("exchanges only on the steps that step the optimizer"),
             "gtc_stale": works("exchanges on optimizer steps, each in flight through the next micro-batches"),
             "dpsgd": works("averages once per optimizer step"),
+            "adpsgd": works("a local step and an exchange per optimizer step"),
             "ma": works("a period counts optimizer steps"),
             "bmuf": works("a block counts optimizer steps"),
             "bmuf_gtc": works("GTC exchanges on optimizer steps; a block counts them"),
@@ -153,6 +164,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(),
             "bmuf": works(),
             "bmuf_gtc": works(),
@@ -169,6 +181,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works("each rank's scaler unscales its own gradient; an overflow on any rank skips the step on every rank"),
             "gtc_stale": works("thresholds the unscaled gradient; scaled by the applying step's loss scale"),
             "dpsgd": works(),
+            "adpsgd": works("each rank's own `GradScaler`, saved in its shard"),
             "ma": works("each rank's own `GradScaler`, saved in its shard"),
             "bmuf": works("each rank's own `GradScaler`, saved in its shard"),
             "bmuf_gtc": works("GTC thresholds the unscaled gradient"),
@@ -185,6 +198,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
                 r"stale=True.*2 optimizers",
             ),
             "dpsgd": works("each optimizer step averages the parameters it updates"),
+            "adpsgd": works("each optimizer step is a local step with its own exchange"),
             "ma": works("every optimizer step counts towards the period"),
             "bmuf": works("every optimizer step counts towards the period"),
             "bmuf_gtc": works("every optimizer step counts towards the period"),
@@ -201,6 +215,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
                 "lands still gets it"
             ),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(),
             "bmuf": works(),
             "bmuf_gtc": works(),
@@ -214,6 +229,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(
                 "runs, learns nothing here: the name's period=10 syncs none of the 8 steps, and the tiny "
                 "MLP's local SGD alone diverges (loss not checked)",
@@ -242,6 +258,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "dpsgd": refused(
                 _UNUSED.format("dpsgd"), "strategy='dpsgd_find_unused_parameters_true'", at="batch 2"
             ),
+            "adpsgd": works("DDP reduces no gradient after the warmup, so no rank waits for the unused branch"),
             "ma": refused(_UNUSED.format("ma"), "strategy='ma_find_unused_parameters_true'", at="batch 2"),
             "bmuf": refused(
                 _UNUSED.format("bmuf"), "strategy='bmuf_find_unused_parameters_true'", at="batch 2"
@@ -259,6 +276,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(),
             "bmuf": works(),
             "bmuf_gtc": works(),
@@ -272,6 +290,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(),
             "bmuf": works(),
             "bmuf_gtc": works(),
@@ -285,6 +304,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works("the buffers are rank 0's: DDP broadcasts them every forward"),
+            "adpsgd": works("each rank keeps its own buffers: DDP broadcasts none after the warmup"),
             "ma": works("the buffers are rank 0's: DDP broadcasts them every forward"),
             "bmuf": works("the buffers are rank 0's: DDP broadcasts them every forward"),
             "bmuf_gtc": works("the buffers are rank 0's: DDP broadcasts them every forward"),
@@ -298,6 +318,11 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "adpsgd": refused(
+                "after the warmup DDP reduces no gradient, which its static graph does not support (the error says "
+                "to remove it: it only speeds up that reduction)",
+                r"static_graph=True cannot be kept.*Remove static_graph",
+            ),
             "ma": works(),
             "bmuf": works(),
             "bmuf_gtc": works(),
@@ -322,6 +347,11 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
                 "bit-identical to the uninterrupted run; every rank's own parameters and optimizer state in "
                 "`<ckpt>.dpsgd/rank<r>.pt`, their average in the checkpoint"
             ),
+            "adpsgd": works(
+                "every rank's own parameters, optimizer state and schedule position in `<ckpt>.adpsgd/rank<r>.pt`, "
+                "taken after the exchanges finished and restored bit for bit; the steps after depend on when "
+                "each exchange lands, as in the uninterrupted run"
+            ),
             "ma": works(
                 "bit-identical to the uninterrupted run; every rank's own model and optimizer state in "
                 "`<ckpt>.ma/rank<r>.pt`"
@@ -344,6 +374,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works("evaluates the average of the ranks' parameters"),
+            "adpsgd": works("evaluates the average of the ranks' parameters"),
             "ma": works(
                 "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
             ),
@@ -363,6 +394,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works("validation sees the parameters without the update in flight"),
             "dpsgd": works("evaluates the average; each rank's own parameters come back after"),
+            "adpsgd": works("finishes every exchange, then evaluates the average; each rank's own parameters come back after"),
             "ma": works(
                 "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
             ),
@@ -382,6 +414,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(),
             "bmuf": works(),
             "bmuf_gtc": works(),
@@ -395,6 +428,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works("clips each rank's local gradient before its optimizer steps on it"),
             "gtc_stale": works("clips each rank's local gradient before it enters the residual"),
             "dpsgd": works("clips each rank's local gradient"),
+            "adpsgd": works("clips each rank's local gradient"),
             "ma": works("clips each rank's local gradient"),
             "bmuf": works("clips each rank's local gradient"),
             "bmuf_gtc": works("clips each rank's local gradient"),
@@ -408,6 +442,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works("clips each rank's local gradient before its optimizer steps on it"),
             "gtc_stale": works("clips each rank's local gradient before it enters the residual"),
             "dpsgd": works("clips each rank's local gradient"),
+            "adpsgd": works("clips each rank's local gradient"),
             "ma": works("clips each rank's local gradient"),
             "bmuf": works("clips each rank's local gradient"),
             "bmuf_gtc": works("clips each rank's local gradient"),
@@ -433,6 +468,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
                 r"\['embedding\.weight'\] get sparse gradients.*sparse=False",
             ),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(),
             "bmuf": works(),
             "bmuf_gtc": refused(
@@ -450,6 +486,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(),
             "bmuf": works(),
             "bmuf_gtc": works(),
@@ -463,6 +500,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(),
             "bmuf": works(),
             "bmuf_gtc": works(),
@@ -476,6 +514,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "gtc_update": works(),
             "gtc_stale": works(),
             "dpsgd": works(),
+            "adpsgd": works(),
             "ma": works(
                 "runs, learns nothing here: the name's period=10 syncs none of the 8 steps, and the tiny "
                 "MLP's local SGD alone diverges (loss not checked)",
@@ -502,6 +541,9 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
                 "Fabric has no optimizer-step hooks for it: a Trainer strategy only", r"Lightning Trainer strategy only"
             ),
             "dpsgd": refused(
+                "Fabric has no optimizer-step hooks for it: a Trainer strategy only", r"Lightning Trainer strategy only"
+            ),
+            "adpsgd": refused(
                 "Fabric has no optimizer-step hooks for it: a Trainer strategy only", r"Lightning Trainer strategy only"
             ),
             "ma": refused(

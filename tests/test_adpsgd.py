@@ -314,6 +314,7 @@ def test_consensus_at_the_end_and_a_bit_exact_resume(tmp_path, world):
      ({"seed": -1}, r"seed to be an int >= 0"),
      ({"warmup_steps": -1}, "warmup_steps"),
      ({"process_group": object()}, r"process_group=.*Remove process_group"),
+     ({"static_graph": True}, r"static_graph=True cannot be kept.*Remove static_graph"),
      ({"ddp_comm_hook": print}, "own DDP communication hook")],
 )  # fmt: skip
 def test_bad_settings_name_the_value_and_the_fix(kwargs, message):

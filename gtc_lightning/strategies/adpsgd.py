@@ -89,7 +89,8 @@ class ADPSGDStrategy(DPSGDStrategy):
             schedule position from ``<checkpoint>.adpsgd/rank<r>.pt``; ``False`` starts every rank
             from the checkpoint's average.
         **kwargs: as for ``DDPStrategy`` (``timeout`` also bounds each exchange). DDP's own
-            communication-hook arguments and ``process_group`` may only be ``None``.
+            communication-hook arguments and ``process_group`` may only be ``None``, ``static_graph``
+            only ``False``.
 
     The exchange runs on a gloo group of its own, created on every rank as fit sets up.
     """
@@ -120,6 +121,12 @@ class ADPSGDStrategy(DPSGDStrategy):
             raise ValueError(
                 f"adpsgd pairs all ranks over a gloo group of its own; process_group={kwargs['process_group']!r} "
                 "cannot restrict it. Remove process_group (or use dpsgd, whose ring is that group's ranks)"
+            )
+        if kwargs.get("static_graph"):
+            raise ValueError(
+                "adpsgd: static_graph=True cannot be kept: after the warmup DDP reduces no gradient (as inside "
+                "no_sync), which DDP's static graph does not support, and the static graph only speeds up that "
+                "reduction. Remove static_graph (or set it False)"
             )
         super().__init__(
             warmup_steps=warmup_steps, average_eval=average_eval, average_at_end=average_at_end,
