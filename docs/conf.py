@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's package, also when it is not installed
 
-import gtc_lightning  # noqa: E402  (registers the strategy names, gives the version)
+import gtc_lightning
 
 project = "gtc-lightning"
 author = "The gtc-lightning authors"
@@ -39,6 +39,8 @@ autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "show-inheritance": True}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
+# a bare name such as `tau` in a docstring may match several attributes; the first is taken
+suppress_warnings = ["ref.python"]
 
 html_theme = "furo"
 html_title = f"gtc-lightning {release}"
