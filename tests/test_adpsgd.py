@@ -341,3 +341,22 @@ def test_fabric_says_it_is_a_trainer_strategy():
     with pytest.raises(ValueError, match=r"adpsgd is a Lightning Trainer strategy only"):
         L.Fabric(accelerator="cpu", devices=2, strategy="adpsgd")
 
+
+
+# ---- the tools ----------------------------------------------------------------------------------
+
+
+def test_bench_cluster_replays_the_ring_schedules_pairs_and_the_scaling_model_one_peer():
+    from gtc_lightning.tools import scaling
+    from gtc_lightning.tools.bench_cluster import _strategies_for, pair_peer, parse_strategy
+
+    for world in (2, 4, 8):
+        for step in range(4):
+            peers = [pair_peer(r, world, step) for r in range(world)]
+            assert all(peers[peers[r]] == r and (r + peers[r]) % 2 for r in range(world)), (world, step, peers)
+            assert peers[0] == schedule_peer(0, world, step)
+    (pair,) = scaling.collectives("adpsgd", 4, scaling.Messages(numel=1000))
+    assert (pair.kind, pair.size, pair.group) == ("neighbours", 4000, 1) and "adpsgd" in scaling.OVERLAPPED
+    asked = [parse_strategy("adpsgd:max_staleness=4"), parse_strategy("dpsgd")]
+    assert [s["label"] for s in _strategies_for(3, asked)] == ["dpsgd", "nocomm"]  # the ring needs an even world
+    assert [s["label"] for s in _strategies_for(4, asked)] == ["adpsgd:max_staleness=4", "dpsgd", "nocomm"]

@@ -64,7 +64,7 @@ from gtc_lightning.tools import scaling
 DEFAULT_STRATEGIES = ("ddp", "ddp_bf16", "powersgd_r1", "powersgd_r4", "gtc", "gtc_update")
 # one word exchange per step
 GTC_LIKE = ("gtc", "gtc_alltoall", "gtc_allgather", "gtc_stale", "gtc_rice", "gtc_update")
-OPTIONAL_STRATEGIES = ("gtc_stale", "ma", "bmuf", "bmuf_gtc", "dpsgd")  # joined when they exist
+OPTIONAL_STRATEGIES = ("gtc_stale", "ma", "bmuf", "bmuf_gtc", "dpsgd", "adpsgd")  # joined when they exist
 DEFAULT_TAU = {"recipe": 2e-2, "strom": 1e-2}  # ~30x the per-rank gradient RMS on the benchmark's data
 _COMPUTE_FLOPS = 5e10  # about what one core of this host sustains on these layers; only to choose step counts
 
@@ -119,7 +119,14 @@ def _make_callbacks(plan: dict, warmup: int, steps: int):
             tri = (torch.rand(n, generator=g) - torch.rand(n, generator=g)) * state.tau
             state.load_residual_vector(tri)
 
-    return WireMeter(), ResidualStart()
+    class SlowRank(L.Callback):
+        """A straggler's compute: this rank sleeps ``slow_sleep_s`` before every training batch."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank == plan.get("slow_rank"):
+                time.sleep(plan["slow_sleep_s"])
+
+    return WireMeter(), ResidualStart(), SlowRank()
 
 
 def build_strategy(name: str, tau: float, options: dict[str, Any]):
@@ -237,7 +244,7 @@ def node_worker(plan_path: str) -> None:
                 tau=plan["tau"],
                 exchange="auto",
             )
-            meter, start = _make_callbacks(plan, warmup, steps)
+            meter, start, slow = _make_callbacks(plan, warmup, steps)
             seg = bench_step._segment(
                 args,
                 spec,
@@ -245,7 +252,7 @@ def node_worker(plan_path: str) -> None:
                 devices=1,
                 num_nodes=world,
                 seed=r,
-                callbacks=[meter, start],
+                callbacks=[meter, start, slow],
                 strategy=strategy,
             )
             window = _window(meter, steps)
@@ -373,7 +380,7 @@ def replay(plan: dict, segments: dict, facts: dict) -> dict:
                     ranks = reps if c.kind == "allreduce" else my_group
                 else:
                     ranks = tuple(range(world))
-                _run_collective(c, base, ranks, group_of(ranks), rank)
+                _run_collective(c, base, ranks, group_of(ranks), rank, step)
             times.append(time.perf_counter() - t0)
         after = _counters(plan["interface"])
         out[name] = {
@@ -387,7 +394,19 @@ def replay(plan: dict, segments: dict, facts: dict) -> dict:
     return out
 
 
-def _run_collective(c: scaling.Collective, strategy: str, ranks: tuple[int, ...], group, rank: int) -> None:
+def pair_peer(rank: int, world: int, step: int) -> int:
+    """``adpsgd``'s peer at ``step`` on the ring schedule, as every rank sees it: an even rank's
+    right neighbour on even steps and left one on odd steps; an odd rank's the even rank that picks it."""
+    from gtc_lightning.algorithms.averaging.adpsgd import schedule_peer
+
+    if rank % 2 == 0:
+        return schedule_peer(rank, world, step)
+    return (rank - 1) % world if step % 2 == 0 else (rank + 1) % world
+
+
+def _run_collective(
+    c: scaling.Collective, strategy: str, ranks: tuple[int, ...], group, rank: int, step: int = 0
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -412,6 +431,8 @@ def _run_collective(c: scaling.Collective, strategy: str, ranks: tuple[int, ...]
     elif c.kind == "neighbours":
         buf = torch.ones(int(c.size // 4))
         peers = sorted({(rank - 1) % p, (rank + 1) % p} - {rank})
+        if strategy == "adpsgd":  # one peer a step, the pairs of the ring schedule
+            peers = [pair_peer(rank, p, step)]
         ops = neighbour_ops(buf, [torch.empty_like(buf) for _ in peers], peers)  # as dpsgd sends
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -521,6 +542,8 @@ def run_config(
         "replay_budget_s": args.segment_budget / 2,
         "rate_bits": rate_bits,
         "residual_start": args.residual_start,
+        "slow_rank": args.slow_rank,
+        "slow_sleep_s": args.slow_sleep,
         "out": str(out),
     }
     (out / "plan.json").write_text(json.dumps(plan, indent=1))
@@ -544,6 +567,8 @@ def run_config(
         "plan": str(out / "plan.json"),
         "steps": {e["label"]: e["steps"] for e in entries},
         "load_before": os.getloadavg(),
+        "slow_rank": args.slow_rank,
+        "slow_sleep_s": args.slow_sleep if args.slow_rank is not None else 0.0,
     }
     started = time.monotonic()
     if cluster is None:
@@ -631,6 +656,11 @@ def summarize_config(record: dict, ranks: list[dict], plan: dict) -> list[dict]:
         )
         wire = statistics.fmean(per_rank_tx) if world > 1 else 0.0
         rate_bits = record["rate_bits"]
+        by_rank = {
+            r["rank"]: statistics.median(ws) for r in ranks
+            if (ws := [w["step_s"] for w in r["segments"].get(label, []) if "step_s" in w])
+        }  # fmt: skip
+        fast = [s for k, s in by_rank.items() if k != record.get("slow_rank")]
         rows.append({
             "model": record["model"], "weights": n, "world": world, "rate": record["rate"], "rate_bits": rate_bits,
             "strategy": label, "base": base, "steps": steps_total, "rounds": len(rank0["segments"][label]),
@@ -647,6 +677,8 @@ def summarize_config(record: dict, ranks: list[dict], plan: dict) -> list[dict]:
             "gradient_rms": rank0.get("gradient_rms"),
             "replay": replays[0] if replays else None,
             "load_before": record["load_before"], "load_after": record["load_after"],
+            "step_s_by_rank": [by_rank[k] for k in sorted(by_rank)], "slow_rank": record.get("slow_rank"),
+            "slow_sleep_s": record.get("slow_sleep_s", 0.0), "fast_step_s": max(fast) if fast else None,
         })  # fmt: skip
     return rows
 
@@ -1130,12 +1162,13 @@ def finish(results: dict, out: Path, png: Path | None = None) -> None:
 
 def _strategies_for(world: int, strategies: list[dict]) -> list[dict]:
     """A world's strategies plus ``nocomm`` (its compute) once, also when it was asked for;
-    ``bmuf_gtc`` needs at least two groups."""
+    ``bmuf_gtc`` needs at least two groups, ``adpsgd`` an even number of workers."""
     out = [
         s
         for s in strategies
         if s["name"] != "nocomm"
         and not (s["name"] == "bmuf_gtc" and world < 2 * int(s["options"].get("group_size", 2)))
+        and not (s["name"] == "adpsgd" and world % 2)  # its ring pairs even ranks with odd ones
     ]
     return out + [parse_strategy("nocomm")]
 
@@ -1161,7 +1194,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help="strategy names, with constructor options after ':' (bmuf:period=5,block_lr=1.0); default: "
-        f"{' '.join(DEFAULT_STRATEGIES)} and whichever of gtc_stale ma bmuf bmuf_gtc dpsgd exist (periods 5); "
+        f"{' '.join(DEFAULT_STRATEGIES)} and whichever of {' '.join(OPTIONAL_STRATEGIES)} exist (periods 5); "
         "nocomm is always added (the compute), and 'single' runs at 1 worker",
     )
     add(
@@ -1198,6 +1231,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.05,
         help="seconds of pause before each replayed step (default 0.05)",
     )
+    add(
+        "--slow-rank",
+        type=int,
+        default=None,
+        help="a straggler's compute: this rank sleeps --slow-sleep seconds before every training batch, in every "
+        "strategy's segment (nocomm's included); rows get each rank's step and fast_step_s, the slowest of the "
+        "other ranks' (default: none)",
+    )
+    add("--slow-sleep", type=float, default=0.0, help="the --slow-rank's sleep per batch in seconds (default 0)")
     add("--burst-ms", type=float, default=1.0, help="tbf bucket in milliseconds of the rate (default 1)")
     add("--timeout", type=float, default=3600.0, help="seconds per configuration before it is stopped")
     add(
@@ -1239,6 +1281,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"need 1 <= --min-steps <= --steps, --warmup >= 1, --rounds >= 1; got {args.min_steps}, "
             f"{args.steps}, {args.warmup}, {args.rounds}"
+        )
+    if args.slow_sleep < 0 or (args.slow_rank is not None and not 0 <= args.slow_rank < min(args.workers)):
+        parser.error(
+            f"--slow-rank must be a rank of every --workers count (0 to {min(args.workers) - 1}) and --slow-sleep "
+            f">= 0; got --slow-rank {args.slow_rank} --slow-sleep {args.slow_sleep}"
         )
     from gtc_lightning.tools import bench_step
     from gtc_lightning.tools.cluster import Cluster, Interrupted, missing_privileges, missing_tools

@@ -19,7 +19,10 @@ residuals, the local-step schemes' models and optimizers).
 **straggler.** :func:`gtc_lightning.tools.bench_cluster.run_config` (the benchmark's program: the
 acoustic DNN on random frames, every strategy in turn in the same processes, ``nocomm`` as the
 compute) with all links at the base rate, then with one node's link at a tenth of it; repeated,
-the order alternating, so that each strategy's slowdown comes with its spread.
+the order alternating, so that each strategy's slowdown comes with its spread. With ``--slow-sleep S``
+the straggler is that node's compute instead (it sleeps S seconds before every step, links equal),
+and what is compared is the other nodes' step: what ``adpsgd`` keeps and the synchronous
+strategies lose.
 
 Example (the README's run)::
 
@@ -306,7 +309,8 @@ def straggler_stage(args: argparse.Namespace) -> dict[str, Any]:
     from gtc_lightning.tools.cluster import Cluster, parse_rate
 
     slow_bits = parse_rate(args.rate) / args.slow_factor
-    slow = f"{slow_bits / 1e6:g}mbit"
+    compute = args.slow_sleep > 0  # the straggler's compute (a sleep per step) instead of its link
+    slow = f"{args.slow_sleep:g} s of sleep per step" if compute else f"{slow_bits / 1e6:g}mbit"
     nodes = args.straggler_nodes
     node = args.straggler_node % nodes
     bargs = bc.build_parser().parse_args(["--steps", str(args.steps), "--min-steps", str(args.steps),
@@ -314,7 +318,7 @@ def straggler_stage(args: argparse.Namespace) -> dict[str, Any]:
     bargs.tau = {}
     names = args.straggler_strategies or bc.available_strategies()
     strategies = bc._strategies_for(nodes, [bc.parse_strategy(s) for s in names])
-    say(f"straggler: {args.model} model, {nodes} nodes at {args.rate}, then node {node} at {slow}; "
+    say(f"straggler: {args.model} model, {nodes} nodes at {args.rate}, then node {node} with {slow}; "
         f"{', '.join(s['label'] for s in strategies)}; {args.repeats} repeats")
     runs = []
     burst = bc.burst_for(args.rate, bargs.burst_ms)
@@ -322,17 +326,21 @@ def straggler_stage(args: argparse.Namespace) -> dict[str, Any]:
         for rep in range(args.repeats):
             for links in (("equal", "straggler") if rep % 2 == 0 else ("straggler", "equal")):
                 cluster.set_rate(args.rate, burst=burst, quiet=True)
-                if links == "straggler":
+                if links == "straggler" and not compute:
                     cluster.set_rate(slow, burst=bc.burst_for(slow, bargs.burst_ms), nodes=[node], quiet=True)
+                bargs.slow_rank = node if compute else None  # (one rank a node: the node's rank)
+                bargs.slow_sleep = args.slow_sleep if links == "straggler" else 0.0
                 bargs.out = args.out / "straggler" / f"rep{rep}" / links
                 rec = bc.run_config(cluster, args.model, nodes, args.rate, strategies, bargs)
-                steps = {r["strategy"]: r["step_s"] for r in rec["rows"]}
+                # A slow compute: the other ranks' step (the slowest of them); a slow link: rank 0's.
+                steps = {r["strategy"]: r["fast_step_s"] if compute else r["step_s"] for r in rec["rows"]}
                 runs.append({"repeat": rep, "links": links, "link_rates": list(cluster.link_rates),
                              "status": rec["status"], "wall_s": rec["wall_s"], "load_before": rec["load_before"],
                              "load_after": rec["load_after"], "rows": rec["rows"], "step_s": steps})
                 say(f"straggler rep {rep} {links} ({', '.join(cluster.link_rates)}): {rec['status']} in "
                     f"{rec['wall_s']:.0f} s; " + "; ".join(f"{k} {v:.3f} s" for k, v in steps.items()))
     return {"model": args.model, "nodes": nodes, "rate": args.rate, "slow_rate": slow, "slow_node": node,
+            "kind": "compute" if compute else "link",
             "strategies": [s["label"] for s in strategies], "runs": runs,
             "summary": summarize_straggler(runs)}
 
@@ -427,7 +435,26 @@ def render(results: dict) -> str:
                           f"{example['cut_node']} cut):"), ""]
                 lines += [f"- rank {x['rank']}: `{x['message']}`" for x in example["ranks"]]
     st = results.get("straggler")
-    if st:
+    if st and st.get("kind") == "compute":
+        lines += [
+            "",
+            "## A straggler: one node's compute slowed",
+            "",
+            (f"`gtc_lightning.tools.bench_cluster`'s program ({st['model']} model, 256 frames per worker and step, "
+            f"{results['args']['steps']} timed steps per segment, {results['args']['rounds']} rounds, median segment) "
+            f"on {st['nodes']} nodes, all links at {st['rate']}: first as they are, then node {st['slow_node']} with "
+            f"{st['slow_rate']}; {results['args']['repeats']} repeats, the order alternating. Step seconds of the "
+            "other nodes (the slowest of them): median (range) over the repeats; slowdown: straggler / equal within "
+            "each repeat."),
+            "",
+            f"| strategy | other nodes' step, none slowed (s) | other nodes' step, node {st['slow_node']} slowed (s) "
+            "| slowdown |",
+            "|---|---|---|---|",
+        ]
+        for row in st["summary"]:
+            lines.append(f"| {row['strategy']} | {_spread(row['equal'])} | {_spread(row['straggler'])} "
+                         f"| {_spread(row['slowdown'], 2)} |")
+    elif st:
         lines += [
             "",
             "## A straggler: one link at a tenth of the rate",
@@ -444,9 +471,9 @@ def render(results: dict) -> str:
         for row in st["summary"]:
             lines.append(f"| {row['strategy']} | {_spread(row['equal'])} | {_spread(row['straggler'])} "
                          f"| {_spread(row['slowdown'], 2)} |")
-        bad = [r for r in st["runs"] if r["status"] != "ok"]
-        if bad:
-            lines += ["", "Runs that failed: " + ", ".join(f"rep {r['repeat']} {r['links']} ({r['status']})" for r in bad)]
+    bad = [r for r in st["runs"] if r["status"] != "ok"] if st else []
+    if bad:
+        lines += ["", "Runs that failed: " + ", ".join(f"rep {r['repeat']} {r['links']} ({r['status']})" for r in bad)]
     return "\n".join(lines) + "\n"
 
 
@@ -490,6 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="recipe", help="bench_cluster model: recipe, strom or LxH:K (default recipe)")
     g.add_argument("--slow-factor", type=float, default=10.0, help="the straggler's link rate = rate / this")
     g.add_argument("--straggler-node", type=int, default=-1, help="the slow node (default -1: the last)")
+    g.add_argument("--slow-sleep", type=float, default=0.0,
+                   help="seconds the straggler sleeps before every step: its compute is slowed instead of its link "
+                        "(the table then gives the other nodes' step; default 0: the link)")
     g.add_argument("--repeats", type=int, default=2, help="equal/straggler pairs (default 2)")
     g.add_argument("--steps", type=int, default=5, help="timed steps per segment, the same in every run (default 5)")
     g.add_argument("--rounds", type=int, default=2, help="rounds over the strategies per run (default 2)")
@@ -508,7 +538,11 @@ def prepare_data(data_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.slow_sleep < 0:
+        parser.error(f"--slow-sleep is the straggler's sleep per step in seconds (0: slow its link instead); "
+                     f"got {args.slow_sleep}")
     md, js = args.md or args.out / "faults.md", args.json or args.out / "faults.json"
     if args.report_only:
         md.write_text(render(json.loads(js.read_text())))

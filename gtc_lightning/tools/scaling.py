@@ -53,6 +53,8 @@ G ranks per group):
 - ``bmuf_gtc`` (two tiers): GTC within groups of G ranks every step; every K steps the groups'
   representatives all-reduce 4n bytes and broadcast the result within their group.
 - ``dpsgd``: every step 4n bytes to each of 2 ring neighbours.
+- ``adpsgd``: every step 4n bytes to one peer (an even rank's exchange with an odd one, in the
+  background).
 - ``nocomm``, ``single``: nothing.
 
 Everything here is plain arithmetic on floats, so that ``tests/test_scaling.py`` can check it by hand.
@@ -222,10 +224,11 @@ PATTERNS = (
     "bmuf",
     "bmuf_gtc",
     "dpsgd",
+    "adpsgd",
     "nocomm",
     "single",
 )
-OVERLAPPED = ("gtc_stale", "dpsgd")  # the exchange runs while a step computes
+OVERLAPPED = ("gtc_stale", "dpsgd", "adpsgd")  # the exchange runs while a step computes
 SYNCING = ("ma", "bmuf", "bmuf_gtc")  # work on the whole model once per period (``Node.sync_s``)
 
 
@@ -288,6 +291,8 @@ def collectives(strategy: str, world: int, msg: Messages) -> list[Collective] | 
         ]
     if strategy == "dpsgd":
         return [Collective("neighbours", 4 * n, min(2, w - 1))]
+    if strategy == "adpsgd":
+        return [Collective("neighbours", 4 * n, 1)]
     return None
 
 
