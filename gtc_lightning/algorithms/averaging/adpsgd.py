@@ -285,7 +285,7 @@ class ADPSGDState(AveragingState):
         timeout, a daemon thread that does not keep the process alive)."""
         if self._thread is not None and self.active:
             self._jobs.put(None)
-        self._thread = None
+            self._thread = None  # (a passive rank's stays: `running`, so that its group is not destroyed under it)
         self._in_flight = None
 
     def _flat(self, params: list[torch.Tensor]) -> torch.Tensor:
