@@ -303,6 +303,15 @@ def test_consensus_at_the_end_and_a_bit_exact_resume(tmp_path, world):
         assert rank["state"]["exchanges"] > exchanges or r % 2  # the schedule went on from there
 
 
+def test_warmup_steps_are_dense_and_identical_then_the_ranks_step_alone(tmp_path):
+    _, ranks = fit(tmp_path, strategy=ADPSGDStrategy, warmup_steps=2, max_epochs=1, model_kwargs=SGD)
+    for t in range(2):  # DDP's all-reduce: the same averaged gradient on both ranks
+        assert torch.equal(ranks[0]["records"][t]["params"], ranks[1]["records"][t]["params"])
+        assert not torch.equal(ranks[0]["records"][t]["local_grad"], ranks[1]["records"][t]["local_grad"])
+    # Then each rank's own gradient: its parameters leave the other's (the means land later).
+    assert not torch.equal(ranks[0]["records"][2]["params"], ranks[1]["records"][2]["params"])
+
+
 # ---- settings -----------------------------------------------------------------------------------
 
 
