@@ -23,7 +23,8 @@ so they know the names too. Use it in a Lightning project like this::
     trainer.fit(model, data)  # logs gtc/bytes_sent, gtc/ratio_fp32, ...; "gtc_vs_bf16" in the bar
     print(trainer.strategy.gtc_stats["total"]["ratio_bf16"])  # bf16 all-reduce bytes per byte sent
 
-``tau`` works best near 15x the per-rank gradient RMS; see DESIGN.md for measurements.
+A fixed ``tau`` works best near 15x the per-rank gradient RMS (measured on the recipe's DNN);
+``tau="auto"``, the default, presumes no gradient scale.
 
 The package is laid out in layers (docs/architecture.md): :mod:`gtc_lightning.ops` (kernels and
 their torch twins), :mod:`gtc_lightning.algorithms` (GTC and the averaging family, torch only),

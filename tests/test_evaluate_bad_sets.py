@@ -1,5 +1,5 @@
 """``evaluate.py --checkpoint CKPT --test-set DIR`` on Kaldi data dirs with the faults a new user's
-test set has (issue 13, item 6): a missing or unreadable audio file, an empty transcript, files that
+test set has: a missing or unreadable audio file, an empty transcript, files that
 disagree on the utterances, an 8 kHz recording, OOV words. Each set is 20 utterances of the tiny
 corpus written as a Kaldi data dir; the checkpoint is a one-epoch tiny model trained once here."""
 

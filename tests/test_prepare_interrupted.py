@@ -1,4 +1,4 @@
-"""Interrupted data stages (issue 13, item 3): ``prepare.py`` killed (SIGKILL) in the middle of the
+"""Interrupted data stages: ``prepare.py`` killed (SIGKILL) in the middle of the
 corpus, features and align stages, then run again with the same command, gives the outputs of an
 uninterrupted run (the ``tiny_corpus`` / ``tiny_aligned`` fixtures): same manifests, same audio,
 feature and alignment arrays, no file left over from the killed run, and no worker of the killed

@@ -183,7 +183,7 @@ def test_bmuf_gtc_groups_of_a_node_run_gtc_on_intra_and_their_representatives_ac
 
 
 def test_seeds_004_setting_gives_its_order_of_the_three_schemes():
-    # the assumed setting of seeds/004: BMUF ahead of the hybrid at 32 and 64 GPUs, behind at 128, and
+    # the assumed setting of Amazon's 2019 write-up: BMUF ahead of the hybrid at 32 and 64 GPUs, behind at 128, and
     # GTC the slowest at every size, as 004 reports
     sc = scaling.seeds_004_scenario()
     for gpus, reported in scaling.SEEDS_004_SPEEDUP.items():

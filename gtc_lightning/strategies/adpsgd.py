@@ -1,7 +1,7 @@
 """Asynchronous decentralised parallel SGD (``"adpsgd"``) as a Lightning strategy (the pairing, the
 background exchange and its state: :mod:`gtc_lightning.algorithms.averaging.adpsgd`). Lian et al.,
 "Asynchronous Decentralized Parallel Stochastic Gradient Descent", ICML 2018, as IBM trains its
-Switchboard LSTM with it (``seeds/003_…``): the asynchronous form of :mod:`.dpsgd`, which tolerates a
+Switchboard LSTM with it (Zhang et al., ICASSP 2019): the asynchronous form of :mod:`.dpsgd`, which tolerates a
 slow rank.
 
 Per rank, between two global synchronisation points:

@@ -1,6 +1,6 @@
 """Periodic model averaging (``"ma"``) as a Lightning strategy, and the wiring every strategy of the
 averaging family shares (Su, Chen & Xu, "Experiments on Parallel Training of Deep Neural Network
-using Model Averaging", 2015; ``seeds/001_…``). The state and the hook are in
+using Model Averaging", 2015). The state and the hook are in
 :mod:`gtc_lightning.algorithms.averaging.model_averaging`; per optimizer step and per rank:
 
 1. Dense warmup: for the first ``warmup_steps`` steps the hook (``local_hook``) averages the gradients

@@ -30,7 +30,7 @@ momentum is η** (DiLoCo: 0.7 and 0.9 over H = 500 inner AdamW steps, i.e.
 buffer is -Δ/ζ and its parameters W_g, step for step (tests/test_bmuf.py checks it on numbers
 computed by hand).
 
-BMUF-GTC (Ladkat, Strom et al., Interspeech 2019; ``seeds/004_…``): the ranks form groups of
+BMUF-GTC (Ladkat, Strom et al., Interspeech 2019): the ranks form groups of
 ``group_size`` consecutive ranks; GTC runs within each group every step (the GTC hook on the group's
 process group), BMUF across the groups every K steps through one representative per group (its first
 rank), which then broadcasts the new start point within its group. GTC's residuals carry over a block
@@ -70,7 +70,7 @@ class BMUFStrategy(ModelAveragingStrategy):
     """DDP whose ranks take K local optimizer steps (any torch optimizer), then a BMUF block update.
 
     Args:
-        period: K, local optimizer steps in a block. The BMUF-GTC write-up's example (seeds/004) is 50.
+        period: K, local optimizer steps in a block. The BMUF-GTC write-up's example (Amazon, 2019) is 50.
         block_momentum: η in [0, 1); ``None``: Chen & Huo's 1 - 1/N for N ranks (0.5 at 2, 0.75 at 4).
         block_lr: ζ > 0; Chen & Huo use 1. (DiLoCo's outer learning rate.)
         nesterov: Nesterov block momentum (the default, as in CNTK's BMUF and in DiLoCo).

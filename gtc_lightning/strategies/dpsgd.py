@@ -1,7 +1,7 @@
 """Decentralised parallel SGD (``"dpsgd"``) as a Lightning strategy (the ring, the exchange and its
 state: :mod:`gtc_lightning.algorithms.averaging.dpsgd`): every step, each rank averages its parameters with its
 ring neighbours instead of all-reducing gradients (Lian et al., "Can Decentralized Algorithms
-Outperform Centralized Algorithms?", NeurIPS 2017; the synchronous form of IBM's ADPSGD, ``seeds/003_…``).
+Outperform Centralized Algorithms?", NeurIPS 2017; the synchronous form of IBM's ADPSGD, Zhang et al., ICASSP 2019).
 
 Per optimizer step k and per rank i, as in the paper's Algorithm 1 (the update is applied to the
 neighbour average, with the gradient computed at the rank's own model, *instead of* a local step

@@ -495,7 +495,7 @@ class Scenario:
         return prediction
 
 
-# Strom 2015 (seeds/000): AWS EC2 G2 instances, one GRID K520 each, single-threaded SGD at about 10,000
+# Strom 2015: AWS EC2 G2 instances, one GRID K520 each, single-threaded SGD at about 10,000
 # frames/s; "standard AWS networking", taken here as 1 Gbit/s with 50 us per message (an assumption:
 # the paper gives no rate). Synchronous model; Strom's nodes sent asynchronously.
 STROM_2015 = Scenario(
@@ -526,7 +526,7 @@ H100 = {
 }
 SCENARIO_STRATEGIES = ("ddp", "ddp_bf16", "gtc", "bmuf", "bmuf_gtc")
 
-# seeds/004 (Amazon's two-tier GTC/BMUF, a deep LSTM on 2000 hours) gives speed-ups over one GPU at 32,
+# Amazon's 2019 write-up (its two-tier GTC/BMUF, a deep LSTM on 2000 hours) gives speed-ups over one GPU at 32,
 # 64 and 128 GPUs and no hardware. A setting that gives its order of the three schemes, every number
 # an assumption: GPUs 8 to a machine (groups of 8 = one machine), each at 1/8 of the H100 scenario's
 # rate (V100-class: 1/8 of the H100's dense peak) on Strom's DNN and words, 25 Gbit/s between machines,
@@ -545,10 +545,10 @@ SEEDS_004_SPEEDUP = {  # GPUs: (GTC, BMUF, BMUF-GTC), speed-up over one GPU as 0
 
 
 def seeds_004_scenario(latency_s: float = 200e-6, intra_latency_s: float | None = None) -> Scenario:
-    """The assumed setting of seeds/004 (see :data:`SEEDS_004_SPEEDUP`), with its message latencies."""
+    """The assumed setting of Amazon's 2019 BMUF-GTC write-up (see :data:`SEEDS_004_SPEEDUP`), with its message latencies."""
     intra_latency_s = latency_s if intra_latency_s is None else intra_latency_s
     return Scenario(
-        f"seeds/004 (assumed): 8 GPUs a machine, 25 Gbit/s, {latency_s * 1e6:.0f} us a message",
+        f"Amazon 2019 (assumed): 8 GPUs a machine, 25 Gbit/s, {latency_s * 1e6:.0f} us a message",
         frames_per_s=H100_COMPUTE_FRAMES_PER_S / 8,
         frames=1024,
         net=Network(25e9, latency_s=latency_s),
@@ -564,10 +564,10 @@ def seeds_004_scenario(latency_s: float = 200e-6, intra_latency_s: float | None 
 
 def render_seeds_004(latencies=(50e-6, 200e-6, 500e-6)) -> str:
     """Markdown: the model's GTC, BMUF and BMUF-GTC speed-ups at 32, 64 and 128 GPUs in the assumed
-    setting of seeds/004, beside 004's, for a few message latencies; which of BMUF and the hybrid is
+    setting of Amazon's 2019 write-up, beside its, for a few message latencies; which of BMUF and the hybrid is
     faster at each size."""
     head = (
-        "| GPUs | seeds/004 GTC / BMUF / hybrid | "
+        "| GPUs | Amazon 2019 GTC / BMUF / hybrid | "
         + " | ".join(f"model at {a * 1e6:.0f} us: GTC / BMUF / hybrid" for a in latencies)
         + " |"
     )
@@ -656,7 +656,7 @@ def plot_scenarios(path, scenarios=None, extra: dict | None = None) -> None:
             keys = [k for k in rows[0] if k != "nodes"]
             for j, s in enumerate(("gtc", "bmuf", "bmuf_gtc")):
                 points = [(w, v[j]) for w, v in SEEDS_004_SPEEDUP.items()]
-                ax.plot(*zip(*points), "x", color=f"C{keys.index(s)}", ms=8, label=f"{s}, seeds/004")
+                ax.plot(*zip(*points), "x", color=f"C{keys.index(s)}", ms=8, label=f"{s}, Amazon 2019")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
         ax.set_xlabel("GPUs" if gpus else "nodes")
@@ -785,7 +785,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m gtc_lightning.tools.scaling",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Without --weights: the built-in scenarios (Strom's Table 2, H100 nodes, seeds/004) and their plot. "
+        epilog="Without --weights: the built-in scenarios (Strom's Table 2, H100 nodes, Amazon 2019) and their plot. "
         "With --weights, --frames-per-s and --rate: your cluster, e.g. "
         "python -m gtc_lightning.tools.scaling --weights 14.6e6 --frames-per-s 2e6 --frames 1024 --rate 100gbit "
         "--gpus-per-node 8 --intra-rate 900gbit --density 1e-3",

@@ -1,6 +1,6 @@
 """Many data-parallel workers in one process: GTC, model averaging, BMUF and BMUF-GTC, step for step.
 
-The WER of a scheme at 32, 64 or 128 workers (the trade-off of ``seeds/004_…``) needs that many
+The WER of a scheme at 32, 64 or 128 workers (the trade-off Amazon's 2019 BMUF-GTC write-up reports) needs that many
 workers' training, not that many machines: what a worker contributes is a function of its own batch,
 its own model (or the shared one) and its own residual. :class:`VirtualWorkers` keeps those for
 ``workers`` workers and runs each step as the strategies do, one worker after the other:

@@ -2,7 +2,7 @@
 exchange that runs in a background thread, and its state.
 
 Lian, Zhang, Zhang & Liu, "Asynchronous Decentralized Parallel Stochastic Gradient Descent", ICML
-2018; the form IBM trains its Switchboard LSTM with (Zhang et al., ``seeds/003_…``). Each rank
+2018; the form IBM trains its Switchboard LSTM with (Zhang et al., ICASSP 2019). Each rank
 takes local optimizer steps on its own gradient; after each of them it averages its parameters
 with one peer, without a global barrier:
 

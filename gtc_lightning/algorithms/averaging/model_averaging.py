@@ -1,6 +1,6 @@
 """Periodic model averaging, torch only: local optimizer steps, and every K of them the ranks'
 parameters averaged (Su, Chen & Xu, "Experiments on Parallel Training of Deep Neural Network using
-Model Averaging", 2015; ``seeds/001_…``). The steps are numbered in
+Model Averaging", 2015). The steps are numbered in
 :mod:`gtc_lightning.strategies.averaging`, which wires this state and hook into Lightning.
 
 The flat copies and collectives here (:func:`flatten`, :func:`all_mean`, :func:`broadcast_`), the

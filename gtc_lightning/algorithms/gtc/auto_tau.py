@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-SLOPE = 1.6  # -d log(density) / d log(tau), measured (DESIGN.md section 5; Strom's Table 3)
+SLOPE = 1.6  # -d log(density) / d log(tau), measured (on the recipe; Strom's Table 3)
 
 
 @dataclass

@@ -36,7 +36,7 @@ class AcousticModel(LightningModule):
         hold_epochs: epochs trained at ``lr`` before halving starts (Strom's Table 1: 1).
         newbob_threshold: improvement of dev frame accuracy below which newbob starts halving.
         init_gain: Xavier gain on hidden layers; sigmoid stacks need ~4, or training sits at the
-            class prior for an epoch (DESIGN.md section 5).
+            class prior for an epoch.
         sam_rho: sharpness-aware minimisation (Foret et al., 2021) when > 0: each step's gradient is
             taken at the weights moved by ``sam_rho`` (Euclidean length, all parameters together)
             along the rank's own batch gradient, then applied to the unmoved weights. One more
