@@ -163,7 +163,7 @@ class ADPSGDStrategy(DPSGDStrategy):
     def setup(self, trainer: Trainer) -> None:
         super(DPSGDStrategy, self).setup(trainer)  # LocalStepsMixin's, without dpsgd's per-step spread
         if trainer.state.fn == TrainerFn.FITTING:
-            add_callback(trainer, StalenessLogger(lambda: self._state, self.name, self._sync_point))
+            add_callback(trainer, StalenessLogger(lambda: self._state, self.name, self._sync_point, self._resume))
             self._continue_own_model()
             no_sigterm_broadcast(trainer)
 
@@ -202,9 +202,7 @@ class ADPSGDStrategy(DPSGDStrategy):
         model: LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        state = self._state
-        if state is not None and state.averaging:
-            state.start(self._params)  # after a synchronisation point: the communication thread again
+        self._resume()  # (the batch's start did, unless the optimizer steps without a Trainer's batch)
         output = super(DPSGDStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
         self._sync_gradients()
         return output
@@ -214,6 +212,13 @@ class ADPSGDStrategy(DPSGDStrategy):
         return "it is not among the parameters exchanged (those trainable when fit set up)"
 
     # ---- the global synchronisation points ----------------------------------------------------------
+
+    def _resume(self) -> None:
+        """The communication thread again after a synchronisation point (no-op while it runs): at the
+        start of each training batch, so that a slow rank answers before its first step is done."""
+        state = self._state
+        if isinstance(state, ADPSGDState) and state.averaging:
+            state.start(self._params)
 
     def _sync_point(self) -> None:
         """Finish every exchange on this rank (every rank calls it at the same points), then measure

@@ -113,11 +113,19 @@ class StalenessLogger(SyncStatsLogger):
     staleness bound) and their totals, and at each training epoch's end, a global synchronisation
     point (``sync_point``: the strategy's, which drains the exchanges and measures the spread), the
     replicas' spread (``adpsgd/spread`` over all ranks, ``adpsgd/distance_max`` the largest rank's
-distance from the mean)."""
+distance from the mean). At the start of each training batch it calls ``resume`` (the strategy's:
+its communication thread runs again after a synchronisation point)."""
 
-    def __init__(self, state_of: Callable[[], Any], prefix: str, sync_point: Callable[[], None]) -> None:
+    def __init__(
+        self, state_of: Callable[[], Any], prefix: str, sync_point: Callable[[], None], resume: Callable[[], None]
+    ) -> None:
         super().__init__(state_of, prefix)
         self._sync_point = sync_point
+        self._resume = resume
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._resume()
 
     @override
     def on_train_batch_end(

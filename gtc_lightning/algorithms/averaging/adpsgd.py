@@ -17,10 +17,10 @@ with one peer, without a global barrier:
   step and goes on computing. The thread sends ``s_a`` to the peer and receives the peer's model
   ``s_p``; both compute the same mean ``m = (s_a + s_p) * 0.5`` (addition is commutative in floating
   point: the two means are equal bit for bit).
-* A passive rank's communication thread waits for requests from any active rank. For each it takes
-  the newest model its training loop published (or the mean of its last exchange, if that is newer),
-  replies with it, and keeps the mean; a slow passive rank answers at the speed of its network, not
-  of its compute.
+* A passive rank's communication thread waits for requests from any active rank. For each it sends
+  the newest model its training loop published (moved by the means of the exchanges since) while the
+  active rank's arrives, and keeps the mean; a slow passive rank answers at the speed of its
+  network, not of its compute.
 * A mean is applied by the training loop at its next step boundary (:meth:`ADPSGDState.after_step`) as
   ``x <- m + (x - s)``: the local steps taken since ``s`` was sent are kept on top of the average.
   When none were taken the rank holds exactly ``m``. The sum of the ranks' models is kept (up to
@@ -397,22 +397,25 @@ class ADPSGDState(AveragingState):
             self._error = error
 
     def _serve(self, src: int, peer_step: int) -> None:
+        """One request: the newest model goes back while the peer's arrives (both directions at once),
+        then the mean is kept. Should the training loop publish a newer model meanwhile, the model
+        the next request gets is that one moved by the mean: ``m + (newer - sent)``."""
         started = time.perf_counter()
-        assert self._view is not None
-        incoming = torch.empty_like(self._view)
-        dist.recv(incoming, src, group=self.comm_group, tag=MODEL_TAG)
-        with self._lock:  # atomic with the training loop's step boundary
+        with self._lock:
             sent, sent_step = self._view, self._view_step
-            mean = (incoming + sent).mul_(0.5)
-            self._view = mean
+        assert sent is not None
+        incoming = torch.empty_like(sent)
         reply_header = torch.tensor([REQUEST, sent_step, self.rank], dtype=torch.int64)
         works = [
+            dist.irecv(incoming, src, group=self.comm_group, tag=MODEL_TAG),
             dist.isend(reply_header, src, group=self.comm_group, tag=REPLY_HEADER_TAG),
             dist.isend(sent, src, group=self.comm_group, tag=REPLY_TAG),
         ]
         for work in works:
             work.wait()
-        with self._lock:
+        mean = (incoming + sent).mul_(0.5)
+        with self._lock:  # atomic with the training loop's step boundary
+            self._view = mean if self._view is sent else mean + (self._view - sent)
             self._landed.append(Landed(mean, sent, sent_step, src, peer_step, time.perf_counter() - started))
 
     # ---- the collectives of the synchronisation points -------------------------------------------------
