@@ -581,7 +581,7 @@ def test_cell(feature, strategy, tmp_path, reference):
     if expected.works:
         run = RUNNERS[feature](strategy, tmp_path, reference)
         assert all(len(rank["records"]) >= STEPS for rank in run.ranks)
-        if expected.learns:
+        if expected.learns and STRATEGIES[strategy].learns_every_run:
             check_loss_falls(run.ranks)
         if STRATEGIES[strategy].identical_replicas:
             check_identical_replicas(run.ranks)
