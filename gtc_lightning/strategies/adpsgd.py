@@ -215,7 +215,7 @@ class ADPSGDStrategy(DPSGDStrategy):
 
     def _resume(self) -> None:
         """The communication thread again after a synchronisation point (no-op while it runs): at the
-        start of each training batch, so that a slow rank answers before its first step is done."""
+        start of each training epoch and batch, so that a slow rank answers before its first step is done."""
         state = self._state
         if isinstance(state, ADPSGDState) and state.averaging:
             state.start(self._params)

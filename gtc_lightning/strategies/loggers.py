@@ -113,8 +113,9 @@ class StalenessLogger(SyncStatsLogger):
     staleness bound) and their totals, and at each training epoch's end, a global synchronisation
     point (``sync_point``: the strategy's, which drains the exchanges and measures the spread), the
     replicas' spread (``adpsgd/spread`` over all ranks, ``adpsgd/distance_max`` the largest rank's
-distance from the mean). At the start of each training batch it calls ``resume`` (the strategy's:
-its communication thread runs again after a synchronisation point)."""
+distance from the mean). At the start of each training epoch and batch it calls ``resume`` (the
+strategy's: its communication thread runs again after a synchronisation point, before the batch's
+compute, so that a slow rank answers from the start)."""
 
     def __init__(
         self, state_of: Callable[[], Any], prefix: str, sync_point: Callable[[], None], resume: Callable[[], None]
@@ -122,6 +123,10 @@ its communication thread runs again after a synchronisation point)."""
         super().__init__(state_of, prefix)
         self._sync_point = sync_point
         self._resume = resume
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._resume()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
