@@ -79,7 +79,7 @@ class ADPSGDStrategy(DPSGDStrategy):
         max_staleness: local steps an even rank's exchange may stay in flight before the rank waits
             for it (>= 1; odd ranks apply each mean one step after the model they sent).
         peering: ``"ring"``: each even rank alternates between its right and left ring neighbours
-            (needs an even number of ranks; the seed's pairing); ``"random"``: each even rank draws
+            (needs an even number of ranks; Zhang et al.'s pairing); ``"random"``: each even rank draws
             an odd peer per exchange from a hash of ``seed``, its rank and the exchange's number.
         seed: the seed of ``peering="random"``.
         warmup_steps: optimizer steps of dense gradient averaging (DDP's all-reduce) first.

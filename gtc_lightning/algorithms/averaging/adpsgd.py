@@ -10,7 +10,7 @@ with one peer, without a global barrier:
   starts an exchange, and only with a passive one, so that no two ranks wait for each other in a
   cycle (the communication graph is bipartite: deadlock-free). The peer of an active rank's n-th
   exchange comes from a fixed schedule (:func:`schedule_peer`): ``"ring"`` alternates between its
-  right and left ring neighbours as in the seed, ``"random"`` draws a passive rank from a seeded
+  right and left ring neighbours as Zhang et al. do, ``"random"`` draws a passive rank from a seeded
   hash of (seed, rank, n). The schedule keeps no state but the exchange counter, which a
   checkpoint keeps.
 * An active rank hands a flat copy ``s_a`` of its parameters to its communication thread after its
@@ -37,7 +37,7 @@ passive rank that it stops; a passive rank serves until every active rank stoppe
 is applied, nothing is in flight, and collectives on the default group may run.
 
 The exchange runs on a gloo process group of its own (CPU tensors; on GPUs the flat copies go
-through host memory, as the seed's averaging does), used by one thread of each process at a time.
+through host memory, as Zhang et al. average on the CPU), used by one thread of each process at a time.
 """
 
 from __future__ import annotations
