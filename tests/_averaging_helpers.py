@@ -16,10 +16,28 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from _strategy_helpers import fit
+from _strategy_helpers import TinyMLP, fit
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 LR = 0.5  # TinyMLP's learning rate
+
+
+class Validated(TinyMLP):
+    """Validates on the training data after each epoch and saves the parameters it validated."""
+
+    def __init__(self, out_dir: Path, **kwargs):
+        super().__init__(**kwargs)
+        self.out_dir, self.seen = Path(out_dir), []
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def on_validation_end(self):  # runs before the strategy puts each rank's own parameters back
+        self.seen.append(torch.cat([p.detach().reshape(-1) for p in self.parameters()]).clone())
+        torch.save(self.seen, self.out_dir / f"seen{self.global_rank}.pt")
 
 
 class SyncRecorder(L.Callback):

@@ -19,7 +19,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from _averaging_helpers import mean, run_ranks
+from _averaging_helpers import Validated, mean, run_ranks
 from _strategy_helpers import (
     BATCH,
     TIMEOUT,
@@ -144,24 +144,6 @@ def test_the_active_rank_blocks_when_its_exchange_reaches_max_staleness(tmp_path
 
 
 # ---- through the Trainer ------------------------------------------------------------------------
-
-
-class Validated(TinyMLP):
-    """Validates on the training data after each epoch and saves the parameters it validated."""
-
-    def __init__(self, out_dir: Path, **kwargs):
-        super().__init__(**kwargs)
-        self.out_dir, self.seen = Path(out_dir), []
-
-    def val_dataloader(self):
-        return self.train_dataloader()
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.loss(batch), sync_dist=True)
-
-    def on_validation_end(self):  # runs before the strategy puts each rank's own parameters back
-        self.seen.append(torch.cat([p.detach().reshape(-1) for p in self.parameters()]).clone())
-        torch.save(self.seen, self.out_dir / f"seen{self.global_rank}.pt")
 
 
 def test_stats_are_logged_and_validation_sees_the_average_of_the_drained_ranks(tmp_path):
@@ -358,8 +340,7 @@ def test_fabric_says_it_is_a_trainer_strategy():
 
 
 def test_bench_cluster_replays_the_ring_schedules_pairs_and_the_scaling_model_one_peer():
-    from gtc_lightning.tools import scaling
-    from gtc_lightning.tools import bench_cluster
+    from gtc_lightning.tools import bench_cluster, scaling
     from gtc_lightning.tools.bench_cluster import pair_peer, parse_strategy
 
     for world in (2, 4, 8):

@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from _averaging_helpers import mean
+from _averaging_helpers import Validated, mean
 from _strategy_helpers import (
     TinyMLP,
     fit,
@@ -55,24 +55,6 @@ def check_neighbour_steps(ranks: list[dict], steps: range | None = None, start: 
 def spread(params: list[torch.Tensor]) -> float:
     center = sum(p.double() for p in params) / len(params)
     return math.sqrt(sum(float((p.double() - center).pow(2).mean()) for p in params) / len(params))
-
-
-class Validated(TinyMLP):
-    """Validates on the training data after each epoch and saves the parameters it validated."""
-
-    def __init__(self, out_dir: Path, **kwargs):
-        super().__init__(**kwargs)
-        self.out_dir, self.seen = Path(out_dir), []
-
-    def val_dataloader(self):
-        return self.train_dataloader()
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.loss(batch), sync_dist=True)
-
-    def on_validation_end(self):  # runs before the strategy puts each rank's own parameters back
-        self.seen.append(torch.cat([p.detach().reshape(-1) for p in self.parameters()]).clone())
-        torch.save(self.seen, self.out_dir / f"seen{self.global_rank}.pt")
 
 
 @pytest.fixture(scope="module")

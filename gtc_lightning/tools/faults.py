@@ -447,8 +447,8 @@ def render(results: dict) -> str:
             "other nodes (the slowest of them): median (range) over the repeats; slowdown: straggler / equal within "
             "each repeat."),
             "",
-            f"| strategy | other nodes' step, none slowed (s) | other nodes' step, node {st['slow_node']} slowed (s) "
-            "| slowdown |",
+            (f"| strategy | other nodes' step, none slowed (s) | other nodes' step, node {st['slow_node']} slowed (s) "
+             "| slowdown |"),
             "|---|---|---|---|",
         ]
         for row in st["summary"]:
