@@ -54,6 +54,9 @@ def main() -> None:
         print(f"quickstart: gtc-lightning {gtc_lightning.__version__} from {gtc_lightning.__file__}")
         print(f"quickstart: {int(total['steps'])} steps on 2 CPU ranks, replicas identical, "
               f"{total['ratio_fp32']:.0f}x fewer bytes than a fp32 all-reduce")
+    # Leave together: a rank that exits while the other still tears gloo down can abort it at exit.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
