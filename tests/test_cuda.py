@@ -170,8 +170,14 @@ def test_rice_on_cuda_matches_torch_bytes_and_round_trips(name):
 # ---- the strategy training on the GPU ----------------------------------------------------------
 
 
-def _train_main(rank: int, world: int, port: int, backend: str, exchange: str, coding: str, out: str) -> None:
-    """One rank: 12 steps of a small DNN with GTCStrategy on cuda:0; writes its parameters and stats."""
+def _train_main(rank: int, world: int, port: int, backend: str, exchange: str, coding: str, out: str,
+                mode: str = "gradient") -> None:
+    """One rank: 12 steps of a small DNN on cuda:0; writes its parameters and stats.
+
+    ``mode``: ``gradient`` (Strom's GTC at tau 2e-3, plain SGD), ``update`` (``GTCStrategy``'s defaults
+    with AdamW: the rank's optimizer steps, its step is compressed at the per-rank tau) or ``adpsgd``
+    (the asynchronous pairwise averaging, its exchange through host copies on its own gloo group).
+    """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), LOCAL_RANK="0",
                       WORLD_SIZE=str(world), GLOBAL_RANK=str(rank))  # fmt: skip
     import lightning as L
@@ -183,29 +189,54 @@ def _train_main(rank: int, world: int, port: int, backend: str, exchange: str, c
     torch.use_deterministic_algorithms(True)
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own frames
     x, y = torch.randn(12 * 64, 17 * 40, generator=g), torch.randint(0, 50, (12 * 64,), generator=g)
-    strategy = GTCStrategy(tau=2e-3, backend=backend, exchange=exchange, coding=coding, check_replicas_every=4,
-                           process_group_backend="gloo" if world > 1 else "nccl")  # fmt: skip
+    pg_backend = "gloo" if world > 1 else "nccl"
+    model = make_dnn((3, 256, 50), lr=0.5)
+    if mode == "adpsgd":
+        from gtc_lightning import ADPSGDStrategy
+
+        strategy = ADPSGDStrategy(process_group_backend=pg_backend)
+    else:
+        if mode == "update":
+            strategy = GTCStrategy(compress="update", backend=backend, exchange=exchange, coding=coding,
+                                   check_replicas_every=4, process_group_backend=pg_backend)  # fmt: skip
+            model.configure_optimizers = lambda: torch.optim.AdamW(model.parameters(), lr=1e-3)
+        else:
+            strategy = GTCStrategy(tau=2e-3, compress="gradient", backend=backend, exchange=exchange,
+                                   coding=coding, check_replicas_every=4, process_group_backend=pg_backend)  # fmt: skip
     trainer = L.Trainer(accelerator="gpu", devices=1, num_nodes=world, strategy=strategy, max_steps=12,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False)  # fmt: skip
-    model = make_dnn((3, 256, 50), lr=0.5)
+    seen = set()  # where the parameters were during training (Lightning moves them to the CPU at teardown)
+
+    class Where(L.Callback):
+        def on_train_batch_end(self, *args, **kwargs):
+            seen.add(str(next(model.parameters()).device))
+
+    trainer.callbacks.append(Where())
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=64))
-    total = trainer.strategy.gtc_stats["total"]
     params = torch.cat([p.detach().float().cpu().reshape(-1) for p in model.parameters()])
-    torch.save({"params": params, "device": str(trainer.strategy.root_device),
-                "ops": trainer.strategy.gtc_state._ops.__name__, "words": total.get("words", 0),
-                "sparse_steps": total.get("sparse_steps", 0)}, Path(out) / f"rank{rank}.pt")  # fmt: skip
+    record = {"params": params, "device": str(trainer.strategy.root_device), "param_device": ",".join(sorted(seen))}
+    if mode == "adpsgd":
+        stats = trainer.strategy.adpsgd_state
+        record.update(exchanges=int(getattr(stats, "exchanges", 0) or 0), ops="adpsgd")
+    else:
+        total = trainer.strategy.gtc_stats["total"]
+        ops = getattr(trainer.strategy.gtc_state, "_ops", None)  # (the gradient mode's kernels)
+        record.update(ops=ops.__name__ if ops else "update", words=total.get("words", 0),
+                      sparse_steps=total.get("sparse_steps", 0))  # fmt: skip
+    torch.save(record, Path(out) / f"rank{rank}.pt")
 
 
-def _launch(tmp_path: Path, world: int, backend: str, exchange: str = "auto", coding: str = "none") -> list[dict]:
+def _launch(tmp_path: Path, world: int, backend: str, exchange: str = "auto", coding: str = "none",
+            mode: str = "gradient") -> list[dict]:
     from gtc_lightning.tools.bench_step import free_port
 
-    out = tmp_path / f"{world}_{backend}_{exchange}_{coding}"
+    out = tmp_path / f"{mode}_{world}_{backend}_{exchange}_{coding}"
     out.mkdir()
     port = free_port()
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
     code = "import sys, test_cuda; a = sys.argv[1:]; test_cuda._train_main(int(a[0]), int(a[1]), int(a[2]), *a[3:])"
-    argv = [str(world), str(port), backend, exchange, coding, str(out)]
+    argv = [str(world), str(port), backend, exchange, coding, str(out), mode]
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(r), *argv],
@@ -234,3 +265,36 @@ def test_strategy_trains_on_cuda_with_triton_like_torch(tmp_path, world, exchang
     for rec in triton_runs[1:] + torch_runs:
         assert torch.equal(bits(rec["params"]), bits(triton_runs[0]["params"]))
     print(json.dumps({"world": world, "words_per_step": triton_runs[0]["words"] / 12}))
+
+
+@pytest.mark.parametrize(("world", "coding"), [(1, "rice"), (2, "rice"), (2, "none")])
+def test_update_mode_trains_on_cuda_with_identical_replicas(tmp_path, world, coding):
+    """GTCStrategy's defaults for AdamW (the update mode, a per-rank tau from a sampled quantile) on
+    CUDA: every step sparse, the replicas bit-identical, and the same parameters with either
+    backend (the update mode's passes are torch calls on the device either way)."""
+    auto_runs = _launch(tmp_path, world, "auto", "auto", coding, mode="update")
+    torch_runs = _launch(tmp_path, world, "torch", "auto", coding, mode="update")
+    for rec in auto_runs:
+        assert rec["device"] == "cuda:0" and rec["param_device"] == "cuda:0", rec
+        assert rec["sparse_steps"] == 12 and rec["words"] > 0, rec
+    for rec in auto_runs[1:] + torch_runs:
+        assert torch.equal(bits(rec["params"]), bits(auto_runs[0]["params"]))
+    print(json.dumps({"world": world, "coding": coding, "words_per_step": auto_runs[0]["words"] / 12}))
+
+
+def test_adpsgd_trains_on_cuda_through_host_copies(tmp_path):
+    """adpsgd with its models on cuda:0 (two ranks sharing the GPU over gloo): the exchange's host
+    copies go out and come back, and the consensus at the end of fit is the same on both ranks."""
+    runs = _launch(tmp_path, 2, "auto", mode="adpsgd")
+    initial = torch.cat([p.detach().reshape(-1) for p in _initial_dnn().parameters()])
+    for rec in runs:
+        assert rec["device"] == "cuda:0" and rec["param_device"] == "cuda:0", rec
+        assert torch.isfinite(rec["params"]).all()
+    assert torch.equal(bits(runs[0]["params"]), bits(runs[1]["params"]))  # the consensus at the end
+    assert not torch.equal(bits(runs[0]["params"]), bits(initial))  # it trained
+
+
+def _initial_dnn():
+    from gtc_lightning.tools.bench_step import make_dnn
+
+    return make_dnn((3, 256, 50), lr=0.5)
