@@ -220,6 +220,22 @@ def test_librispeech_layout(tiny_corpus, tmp_path):
     assert {c.id for c in cuts["dev"]} == set(ids[1::3]) and {c.id for c in cuts["test"]} == set(ids[2::3])
 
 
+def test_librispeech_takes_the_training_parts_asked_for(tiny_corpus, tmp_path):
+    utts = tiny_utterances(tiny_corpus, 8)
+    parts = {"train-clean-100": ["1"], "train-clean-360": ["4"], "dev-clean": ["2"], "test-clean": ["3"]}
+    ids = write_librispeech(tmp_path / "LS", parts, utts)
+    default = prepare_real("librispeech", tmp_path / "LS", tmp_path / "data")
+    assert {c.id for c in default["train"]} == set(ids[0::4])  # train-clean-100 only, 360 present or not
+    both = prepare_real("librispeech", tmp_path / "LS", tmp_path / "data2", ["train-clean-100", "train-clean-360"])
+    assert {c.id for c in both["train"]} == set(ids[0::4]) | set(ids[1::4])
+    with pytest.raises(ValueError, match=r"--train-parts \['train-clean-5'\]: librispeech's training parts"):
+        prepare_real("librispeech", tmp_path / "LS", tmp_path / "data3", ["train-clean-5"])
+    with pytest.raises(FileNotFoundError, match=r"has no \['train-other-500'\].*--train-parts"):
+        prepare_real("librispeech", tmp_path / "LS", tmp_path / "data4", ["train-other-500"])
+    with pytest.raises(ValueError, match="only for librispeech and mini_librispeech, not timit"):
+        prepare_real("timit", tmp_path / "LS", tmp_path / "data5", ["train-clean-100"])
+
+
 def test_timit_layout(tiny_corpus, tmp_path):
     from lhotse.recipes.timit import get_speakers
 
@@ -229,8 +245,16 @@ def test_timit_layout(tiny_corpus, tmp_path):
         tmp_path / "timit", {"TRAIN": ["FCJF0", "MDAB0"], "TEST": [dev_spk[0], test_spk[0]]}, utts
     )
     (tmp_path / "timit" / "data" / "TRAIN" / "DR1" / "FCJF0" / "SX000.TXT").unlink()  # missing transcript
+    # an SA sentence (every TIMIT speaker reads the same two) in train and in test: both left out
+    for part, spk in (("TRAIN", "MDAB0"), ("TEST", test_spk[0])):
+        d = tmp_path / "timit" / "data" / part / "DR1" / spk.upper()
+        for ext in (".WAV", ".TXT", ".WRD", ".PHN"):
+            src = next(d.glob(f"SX*{ext}"))
+            (d / f"SA1{ext}").write_bytes(src.read_bytes())
     cuts = prepare_real("timit", tmp_path / "timit", tmp_path / "data")
-    assert [d["reason"] for d in load_drops(tmp_path / "data")] == ["missing_transcript"]
+    reasons = sorted((d["reason"], d["id"]) for d in load_drops(tmp_path / "data"))
+    sa = sorted(("timit_sa", f"{spk.upper()}-SA1") for spk in ("MDAB0", test_spk[0]))
+    assert reasons == [("missing_transcript", ids[0]), *sa]
     # utterances dealt round-robin: FCJF0 0, 4; MDAB0 1, 5; dev speaker 2; core-test speaker 3
     assert {c.id for c in cuts["train"]} == {ids[1], ids[4], ids[5]} and {c.id for c in cuts["dev"]} == {
         ids[2]
@@ -253,13 +277,17 @@ def test_yesno_layout(tmp_path):
         audio = np.concatenate([yes if b == "1" else no for b in name.split("_")])
         sf.write(str(waves / f"{name}.wav"), audio, 16000)
     cuts = prepare_real("yesno", tmp_path / "yesno", tmp_path / "data")
-    assert len(cuts["train"]) == 30 and len(cuts["test"]) == 30
+    # lhotse's split (sorted, even train, odd test); dev: the last 6 training files, not the test set
+    train_files = sorted(names)[0::2]
+    assert [c.id for c in cuts["dev"]] == train_files[-6:] and [c.id for c in cuts["train"]] == train_files[:-6]
+    assert [c.id for c in cuts["test"]] == sorted(names)[1::2]
     c = cuts["train"][0]
     assert c.supervisions[0].text == " ".join("YES" if b == "1" else "NO" for b in c.id.split("_"))
     # with a corrupt file lhotse's parser (exactly 60 files) is bypassed, the same split rule kept
     _corrupt(waves / f"{sorted(names)[1]}.wav")
-    cuts = prepare_real("yesno", tmp_path / "yesno", tmp_path / "data2")
-    assert len(cuts["train"]) == 30 and len(cuts["test"]) == 29
+    again = prepare_real("yesno", tmp_path / "yesno", tmp_path / "data2")
+    assert [c.id for c in again["dev"]] == train_files[-6:] and len(again["train"]) == 24
+    assert len(again["test"]) == 29
     assert [d["reason"] for d in load_drops(tmp_path / "data2")] == ["unreadable_audio"]
 
 
@@ -293,6 +321,13 @@ def test_kaldi_data_dir_single_and_split(tiny_corpus, tmp_path):
     assert [c.id for c in cuts["test"]] == [f"{rid}-a", f"{rid}-b"]
     assert cuts["test"][1].start == pytest.approx(half, abs=1e-3)
     assert cuts["test"][1].load_audio().shape[1] > 0
+
+
+def test_kaldi_data_dir_of_two_speakers_is_not_split_by_utterance(tiny_corpus, tmp_path):
+    single = tmp_path / "kaldi_two"
+    write_kaldi_dir(single, tiny_utterances(tiny_corpus, 6), "a", n_speakers=2)
+    with pytest.raises(ValueError, match=r"2 speaker\(s\) \['aspk0', 'aspk1'\].*give train/, dev/ and test/"):
+        prepare_real("kaldi", single, tmp_path / "data")
 
 
 def test_missing_corpus_dir_is_a_clear_error(tmp_path):

@@ -5,10 +5,15 @@ Splits taken from each corpus:
 | corpus | train | dev | test |
 |---|---|---|---|
 | mini_librispeech | train-clean-5 | dev-clean-2, first half of its speakers (sorted) | dev-clean-2, other half |
-| librispeech | train-clean-100, train-clean-360, train-other-500 (those present) | dev-clean | test-clean |
-| timit | lhotse TRAIN | lhotse DEV (its 50 dev speakers) | lhotse TEST (24 core-test speakers) |
-| yesno | lhotse train (30 files) | = test (a toy corpus has no third part) | lhotse test (30 files) |
-| kaldi | ``train/`` | ``dev/`` | ``test/`` data dirs; or one data dir split by sorted speaker (utt2spk with ≥ 3 speakers, else by utterance): last 10 % (≥ 1) → test, the 10 % before → dev |
+| librispeech | train-clean-100 (``train_parts``: any of train-clean-100, train-clean-360, train-other-500) | dev-clean | test-clean |
+| timit | lhotse TRAIN without the SA sentences | lhotse DEV (its 50 dev speakers) | lhotse TEST (24 core-test speakers) |
+| yesno | lhotse train (30 files) but its last 6 (sorted) | those 6 training files | lhotse test (30 files) |
+| kaldi | ``train/`` | ``dev/`` | ``test/`` data dirs; or one data dir split by sorted speaker (utt2spk with ≥ 3 speakers; fewer is an error): last 10 % (≥ 1) → test, the 10 % before → dev |
+
+TIMIT's two SA sentences are read by every speaker, train and test alike: Kaldi's TIMIT recipe
+leaves them out, and so does this one (each recorded as a drop, reason ``timit_sa``), so that
+their texts reach neither the LM nor the test set twice. A single Kaldi data dir with fewer than 3
+speakers cannot be split without a speaker in two splits: give ``train/ dev/ test/`` instead.
 
 Bad input is found before Lhotse sees it (Lhotse's parsers stop at a corrupt file or an
 empty transcript line): the corpus is mirrored into a temporary tree of symlinks that
@@ -24,7 +29,6 @@ TIMIT's own phone/word timings are kept as ``alignment["timit_phone"|"timit_word
 from __future__ import annotations
 
 import logging
-import re
 import tempfile
 from pathlib import Path
 
@@ -33,17 +37,13 @@ from lhotse import CutSet, MonoCut, RecordingSet, SupervisionSet
 from lhotse.utils import fastcopy
 
 from local.atomic import atomic_path
+from local.data.normalize import normalize_text
 from local.drops import clear_drops, record_drop
 
 log = logging.getLogger(__name__)
 
 CORPORA = ("mini_librispeech", "librispeech", "timit", "yesno", "kaldi")
 SPLITS = ("train", "dev", "test")
-
-
-def normalize_text(text: str) -> str:
-    """UPPERCASE words: letters, digits and apostrophes; everything else becomes a space."""
-    return " ".join(re.sub(r"[^A-Z0-9' ]", " ", text.upper()).split())
 
 
 def check_audio(path: Path) -> tuple[str | None, str]:
@@ -65,12 +65,10 @@ def _link(src: Path, dst: Path) -> None:
 # ------------------------------------------------------------------------------ LibriSpeech
 LIBRISPEECH_PARTS = {
     "mini_librispeech": {"train": ["train-clean-5"], "dev": ["dev-clean-2"]},
-    "librispeech": {
-        "train": ["train-clean-100", "train-clean-360", "train-other-500"],
-        "dev": ["dev-clean"],
-        "test": ["test-clean"],
-    },
+    "librispeech": {"train": ["train-clean-100"], "dev": ["dev-clean"], "test": ["test-clean"]},
 }
+LIBRISPEECH_TRAIN_PARTS = ("train-clean-100", "train-clean-360", "train-other-500")
+YESNO_DEV_FILES = 6  # the last 6 (sorted) of lhotse's 30 training files
 
 
 def _mirror_librispeech(corpus_dir: Path, parts: dict[str, list[str]], shadow: Path, data_dir: Path) -> None:
@@ -115,16 +113,26 @@ def _mirror_librispeech(corpus_dir: Path, parts: dict[str, list[str]], shadow: P
                 )
 
 
-def _librispeech(corpus: str, corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
+def _librispeech(
+    corpus: str, corpus_dir: Path, shadow: Path, data_dir: Path, train_parts: list[str] | None = None
+) -> dict[str, list]:
     from lhotse.recipes import prepare_librispeech
 
-    parts = LIBRISPEECH_PARTS[corpus]
-    present = {s: [n for n in names if (corpus_dir / n).is_dir()] for s, names in parts.items()}
-    if not present["train"] or not present["dev"]:
+    parts = dict(LIBRISPEECH_PARTS[corpus])
+    if train_parts:
+        allowed = LIBRISPEECH_TRAIN_PARTS if corpus == "librispeech" else tuple(parts["train"])
+        unknown = [p for p in train_parts if p not in allowed]
+        if unknown:
+            raise ValueError(f"--train-parts {unknown}: {corpus}'s training parts are {list(allowed)}")
+        parts["train"] = list(train_parts)
+    missing = [n for s in ("train", "dev") for n in parts[s] if not (corpus_dir / n).is_dir()]
+    if missing:
         raise FileNotFoundError(
-            f"{corpus_dir} has none of the {corpus} parts {parts['train']} or {parts['dev']}; "
-            f"point --corpus-dir at the directory that contains them (e.g. LibriSpeech/)"
+            f"{corpus_dir} has no {missing} (the {corpus} parts asked for: train {parts['train']}, dev "
+            f"{parts['dev']}); point --corpus-dir at the directory that contains them (e.g. LibriSpeech/), "
+            "or choose the training parts present with --train-parts"
         )
+    present = {s: [n for n in names if (corpus_dir / n).is_dir()] for s, names in parts.items()}
     _mirror_librispeech(corpus_dir, present, shadow, data_dir)
     names = [n for ns in present.values() for n in ns if (shadow / n).is_dir()]
     manifests = prepare_librispeech(shadow, dataset_parts=names, num_jobs=1)
@@ -172,6 +180,16 @@ def _timit(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
         split = "train" if part == "TRAIN" else "test"
         for wav in sorted(p for p in src.glob("*/*/*") if p.suffix.upper() == ".WAV"):
             uid = f"{wav.parent.name.upper()}-{wav.stem.upper()}"
+            if wav.stem.upper().startswith("SA"):
+                record_drop(
+                    data_dir,
+                    "corpus",
+                    split,
+                    uid,
+                    "timit_sa",
+                    f"{wav}: an SA sentence, read by every speaker",
+                )
+                continue
             side = {
                 ext: next(
                     (q for q in (wav.with_suffix(ext), wav.with_suffix(ext.lower())) if q.exists()), None
@@ -214,8 +232,11 @@ def _yesno(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
         raise FileNotFoundError(
             f"{src} has no *.wav files; point --corpus-dir at waves_yesno/ (or its parent)"
         )
-    # lhotse's rule: sorted files, even positions train, odd test
+    # lhotse's rule: sorted files, even positions train, odd test; the last training files are dev
     split_of = {w: ("train" if i % 2 == 0 else "test") for i, w in enumerate(waves)}
+    train_files = [w for w in waves if split_of[w] == "train"]
+    for w in train_files[len(train_files) - min(YESNO_DEV_FILES, len(train_files) // 5) :]:
+        split_of[w] = "dev"
     good = []
     for w in waves:
         reason, detail = check_audio(w)
@@ -227,12 +248,21 @@ def _yesno(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
         for w in good:
             _link(w, shadow / w.name)
         m = prepare_yesno(shadow)
-        return {"train": [m["train"]], "dev": [m["test"]], "test": [m["test"]]}
+        dev_ids = {w.stem for w in good if split_of[w] == "dev"}
+        train = {
+            "recordings": m["train"]["recordings"],
+            "supervisions": m["train"]["supervisions"].filter(lambda s: s.recording_id not in dev_ids),
+        }
+        dev = {
+            "recordings": m["train"]["recordings"],
+            "supervisions": m["train"]["supervisions"].filter(lambda s: s.recording_id in dev_ids),
+        }
+        return {"train": [train], "dev": [dev], "test": [m["test"]]}
     # lhotse's parser insists on exactly 60 files: same rule, applied here to what is readable
     from lhotse import Recording, SupervisionSegment
 
     out = {}
-    for split in ("train", "test"):
+    for split in SPLITS:
         recs, sups = [], []
         for w in good:
             if split_of[w] != split:
@@ -267,7 +297,6 @@ def _yesno(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
                 "supervisions": SupervisionSet.from_segments(sups),
             }
         ]
-    out["dev"] = out["test"]
     return out
 
 
@@ -294,15 +323,19 @@ def _kaldi_split_units(data: Path) -> dict[str, str]:
     """Utterance id → split, for a single data dir (rule in the module docstring)."""
     utt2spk = _read_map(data / "utt2spk")
     utts = sorted(_read_map(data / "segments") or _read_map(data / "wav.scp"))
-    by_speaker = len(set(utt2spk.values())) >= 3
-    unit_of = {u: (utt2spk.get(u, u) if by_speaker else u) for u in utts}
-    units = sorted(set(unit_of.values()))
-    n = max(1, round(0.1 * len(units))) if len(units) >= 3 else 0
-    test, dev = (
-        set(units[len(units) - n :]) if n else set(),
-        set(units[len(units) - 2 * n : len(units) - n]) if n else set(),
-    )
-    return {u: ("test" if unit_of[u] in test else "dev" if unit_of[u] in dev else "train") for u in utts}
+    speakers = sorted({utt2spk.get(u, u) for u in utts})
+    if len(speakers) < 3:
+        raise ValueError(
+            f"{data}: one Kaldi data dir with {len(speakers)} speaker(s) {speakers} (utt2spk) cannot be split into "
+            "train, dev and test without a speaker in two of them; give train/, dev/ and test/ data dirs "
+            "(subdirectories of --corpus-dir), or an utt2spk that names the speakers"
+        )
+    n = max(1, round(0.1 * len(speakers)))
+    test, dev = set(speakers[len(speakers) - n :]), set(speakers[len(speakers) - 2 * n : len(speakers) - n])
+    return {
+        u: ("test" if utt2spk.get(u, u) in test else "dev" if utt2spk.get(u, u) in dev else "train")
+        for u in utts
+    }
 
 
 def _mirror_kaldi(data: Path, out: Path, data_dir: Path, split_of) -> int:
@@ -446,19 +479,26 @@ def _to_cuts(split: str, parts: list[dict], data_dir: Path) -> CutSet:
     return CutSet.from_cuts(sorted(cuts, key=lambda c: c.id))
 
 
-def prepare_real(corpus: str, corpus_dir: Path, data_dir: Path) -> dict[str, CutSet]:
+def prepare_real(
+    corpus: str, corpus_dir: Path, data_dir: Path, train_parts: list[str] | None = None
+) -> dict[str, CutSet]:
     """Prepare a local corpus; writes ``<data_dir>/manifests/{train,dev,test}_cuts.jsonl.gz``.
 
     Args:
         corpus: one of ``mini_librispeech``, ``librispeech``, ``timit``, ``yesno``, ``kaldi``.
         corpus_dir: the unpacked corpus (layouts in the module docstring).
         data_dir: output root.
+        train_parts: LibriSpeech only: its training parts to use (default ``train-clean-100``).
 
     Returns:
         ``{"train": CutSet, "dev": CutSet, "test": CutSet}`` of MonoCuts with one supervision each.
     """
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; use one of {CORPORA} (or 'synthetic')")
+    if train_parts and corpus not in LIBRISPEECH_PARTS:
+        raise ValueError(
+            f"--train-parts {train_parts}: only for librispeech and mini_librispeech, not {corpus}"
+        )
     corpus_dir, data_dir = Path(corpus_dir), Path(data_dir)
     if not corpus_dir.is_dir():
         raise FileNotFoundError(
@@ -470,7 +510,7 @@ def prepare_real(corpus: str, corpus_dir: Path, data_dir: Path) -> dict[str, Cut
     with tempfile.TemporaryDirectory(dir=data_dir, prefix=".corpus-mirror-") as tmp:
         shadow = Path(tmp)
         if corpus in LIBRISPEECH_PARTS:
-            parts = _librispeech(corpus, corpus_dir, shadow, data_dir)
+            parts = _librispeech(corpus, corpus_dir, shadow, data_dir, train_parts)
         elif corpus == "timit":
             parts = _timit(corpus_dir, shadow, data_dir)
         elif corpus == "yesno":

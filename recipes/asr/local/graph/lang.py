@@ -31,6 +31,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from local.data.normalize import normalize_words
 from local.drops import clear_drops, record_drop
 from local.kaldi import kaldifst
 
@@ -42,13 +43,9 @@ SPLITS = ("train", "dev", "test")
 
 
 def normalize_text(text: str) -> list[str]:
-    """Transcript -> upper-case words as they appear in ``words.txt``.
-
-    Punctuation other than in-word apostrophes and hyphens is removed.
-    """
-    text = re.sub(r"[^A-Za-z0-9'\- ]+", " ", text.upper())
-    words = [w.strip("'-") for w in text.split()]
-    return [w for w in words if w]
+    """Transcript -> upper-case words as they appear in ``words.txt`` (the recipe's one rule:
+    :func:`local.data.normalize.normalize_words`)."""
+    return normalize_words(text)
 
 
 def cmu_lexicon() -> dict[str, list[tuple[str, ...]]]:
