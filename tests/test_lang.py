@@ -39,7 +39,68 @@ def lang(tmp_path_factory):
 
 
 def test_normalize_text():
-    assert normalize_text("Don't stop, the-end!  ") == ["DON'T", "STOP", "THE-END"]
+    # one rule for corpus transcripts, the lexicon, the LM text and the references
+    assert normalize_text("Don't stop, the-end!  'Quoted'") == ["DON'T", "STOP", "THE", "END", "QUOTED"]
+
+
+def _data_dir(tmp_path, train, dev=DEV, test=None):
+    data = tmp_path / "data"
+    (data / "manifests").mkdir(parents=True)
+    make_cuts(train, "train").to_file(data / "manifests" / "train_cuts.jsonl.gz")
+    make_cuts(dev, "dev").to_file(data / "manifests" / "dev_cuts.jsonl.gz")
+    if test:
+        make_cuts(test, "test").to_file(data / "manifests" / "test_cuts.jsonl.gz")
+    return data
+
+
+def test_oov_words_are_counted_and_listed(lang):
+    data, summary, _ = lang
+    assert summary["train_oov_words"] == 1 and summary["train_oov_tokens"] == 1
+    assert (data / "lang" / "oov.txt").read_text() == "ZZQXV 1\n"
+
+
+def test_user_lexicon_replaces_and_extends_cmudict(tmp_path):
+    data = _data_dir(tmp_path, TRAIN)
+    lexicon = tmp_path / "lexicon.txt"
+    # lexiconp layout for one line, stress digits, a special entry; ZZQXV is new, CAT replaced
+    lexicon.write_text("<UNK> SPN\n!SIL SIL\nzzqxv 1.0 Z IH1 K S\nCAT K AE2 T\nCAT K EH T\n")
+    summary = prepare_lang(data, lm_order=2, lexicon=lexicon)
+    lg = load_lang(data / "lang")
+    assert lg.lexicon["ZZQXV"] == [("Z", "IH", "K", "S")] and "ZZQXV" in lg.words
+    assert lg.lexicon["CAT"] == [("K", "AE", "T"), ("K", "EH", "T")]
+    assert summary["user_lexicon_words"] == 2 and summary["user_lexicon_new_words"] == 1
+    assert summary["train_dropped_oov"] == 1  # only the empty transcript now
+    bad = tmp_path / "bad.txt"
+    bad.write_text("CAT K AE T\nDOG D OX G\n")
+    with pytest.raises(ValueError, match=r"1 bad entries, e.g. line 2 \('DOG D OX G'\): phones \['OX'\]"):
+        prepare_lang(data, lm_order=2, lexicon=bad)
+
+
+def test_oov_g2p_keeps_the_utterance_with_flite_pronunciations(tmp_path):
+    data = _data_dir(tmp_path, TRAIN)
+    summary = prepare_lang(data, lm_order=2, oov="g2p")
+    lg = load_lang(data / "lang")
+    assert summary["g2p_words"] == 1 and summary["train_oov_words"] == 0
+    pron = lg.lexicon["ZZQXV"][0]
+    assert pron and set(pron) <= set(lg.phones)
+    assert (data / "lang" / "g2p_lexicon.txt").read_text().startswith("ZZQXV ")
+    assert "LIKES" in lg.words  # its utterance is kept
+    with pytest.raises(ValueError, match="--oov 'guess': use drop"):
+        prepare_lang(data, lm_order=2, oov="guess")
+
+
+def test_lm_text_adds_sentences_and_counts_test_overlap(tmp_path, caplog):
+    data = _data_dir(tmp_path, TRAIN, test=["a friend saw my dog"])
+    text = tmp_path / "lm.txt"
+    text.write_text("My friend saw the horse.\nthe qqzzy ran\n\nA friend saw my dog\n")
+    summary = prepare_lang(data, lm_order=2, lm_text=text)
+    lg = load_lang(data / "lang")
+    assert "HORSE" in lg.words and "QQZZY" not in lg.words  # its sentence has a word no lexicon knows
+    assert summary["lm_text_sentences"] == 2 and summary["lm_text_dropped_oov"] == 1
+    assert summary["lm_text_test_sentences"] == 1 and "the LM has seen the test set" in caplog.text
+    assert summary["lm_sentences"] == 5  # 3 distinct training sentences + 2 of the LM text
+    with pytest.raises(FileNotFoundError, match="--lm-text .*nowhere.txt: no such file"):
+        prepare_lang(data, lm_order=2, lm_text=tmp_path / "nowhere.txt")
 
 
 def test_oov_policy(lang):

@@ -26,6 +26,9 @@ Usage:
   python recipes/asr/prepare.py                                  # embedded corpus, default size
   python recipes/asr/prepare.py --corpus synthetic --size tiny --data-dir data/tiny
   python recipes/asr/prepare.py --corpus mini_librispeech --corpus-dir /path/to/LibriSpeech
+  python recipes/asr/prepare.py --corpus librispeech --corpus-dir /path/to/LibriSpeech \
+      --train-parts train-clean-100 train-clean-360 --lm-text librispeech-lm-norm.txt --oov g2p
+  python recipes/asr/prepare.py --corpus kaldi --corpus-dir /path/to/data --lexicon lexicon.txt
   python recipes/asr/prepare.py --stage 3 --stop-stage 5         # re-run the GMM stages only
 """
 
@@ -106,7 +109,7 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
 
             if args.corpus_dir is None:
                 raise SystemExit(f"--corpus {args.corpus} needs --corpus-dir pointing at the corpus on disk")
-            cuts = prepare_real(args.corpus, Path(args.corpus_dir), data_dir)
+            cuts = prepare_real(args.corpus, Path(args.corpus_dir), data_dir, args.train_parts)
         parts = [f"{s}: {len(c)} utts {sum(x.duration for x in c) / 3600:.2f} h" for s, c in cuts.items()]
         return "; ".join(parts)
     if name == "features":
@@ -116,7 +119,7 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
     if name == "lang":
         from local.graph.lang import prepare_lang
 
-        return _summary(prepare_lang(data_dir))
+        return _summary(prepare_lang(data_dir, lexicon=args.lexicon, lm_text=args.lm_text, oov=args.oov))
     if name == "mono":
         from local.gmm.mono import train_mono
 
@@ -184,19 +187,33 @@ def prepare(
     seed: int = 0,
     num_jobs: int = 2,
     force: bool = False,
+    train_parts: list[str] | None = None,
+    lexicon: str | Path | None = None,
+    lm_text: str | Path | None = None,
+    oov: str = "drop",
 ) -> Path:
-    """Run stages ``stage..stop_stage``; return the data directory. Importable by train.py."""
+    """Run stages ``stage..stop_stage``; return the data directory. Importable by train.py.
+
+    ``train_parts`` (LibriSpeech's training parts) reaches stage 0; ``lexicon``, ``lm_text`` and
+    ``oov`` reach stage 2 (``local/graph/lexicon.py``)."""
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; choose one of {CORPORA}")
+    if oov not in ("drop", "g2p"):
+        raise ValueError(f"unknown --oov {oov!r}; choose drop or g2p")
+    if corpus == "synthetic" and (train_parts or corpus_dir):
+        raise ValueError("--train-parts and --corpus-dir are for a real corpus (--corpus librispeech, kaldi, ...)")
     if size not in ("tiny", "default"):
         raise ValueError(f"unknown --size {size!r}; choose tiny or default")
     if not 0 <= stage <= stop_stage < len(STAGES):
         raise ValueError(f"need 0 <= stage ({stage}) <= stop_stage ({stop_stage}) <= {len(STAGES) - 1}")
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir(corpus, size)
     data_dir.mkdir(parents=True, exist_ok=True)
-    args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs)
+    args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs,
+                              train_parts=train_parts, lexicon=lexicon, lm_text=lm_text, oov=oov)  # fmt: skip
     settings = data_dir / "settings.json"
     wanted = {"corpus": corpus, "corpus_dir": str(corpus_dir) if corpus_dir else None, "size": size, "seed": seed}
+    if train_parts:  # (only when given: data dirs prepared before these options stay valid)
+        wanted["train_parts"] = list(train_parts)
     if corpus == "synthetic":
         from local.data.corpus_synthetic import VERSION
 
@@ -250,9 +267,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic corpus and the GMM training")
     p.add_argument("--num-jobs", type=int, default=2, help="parallel processes for synthesis and features")
     p.add_argument("--force", action="store_true", help="re-run the selected stages even if done")
+    p.add_argument("--train-parts", nargs="+", default=None,
+                   help="librispeech: its training parts (default train-clean-100; also train-clean-360, train-other-500)")
+    p.add_argument("--lexicon", default=None,
+                   help="a Kaldi lexicon.txt (WORD PH1 PH2 ..., CMUdict's 39 phones) replacing or extending CMUdict")
+    p.add_argument("--lm-text", default=None, help="more LM training text, one sentence per line (never the test set)")
+    p.add_argument("--oov", default="drop", choices=["drop", "g2p"],
+                   help="training words no lexicon knows: drop their utterances (counted) or g2p (flite's rules)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    prepare(a.corpus, a.corpus_dir, a.data_dir, a.size, a.stage, a.stop_stage, a.seed, a.num_jobs, a.force)
+    prepare(a.corpus, a.corpus_dir, a.data_dir, a.size, a.stage, a.stop_stage, a.seed, a.num_jobs, a.force,
+            a.train_parts, a.lexicon, a.lm_text, a.oov)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@
 #   stage=9 bash recipes/asr/run.sh                # from the baseline training on
 #   seeds="1 2" stage=9 bash recipes/asr/run.sh    # two more seeds, then the comparison over all
 #   stage=9 stop_stage=10 bash recipes/asr/run.sh  # train only (baseline and GTC), no decoding
-#   data=data/mini_librispeech bash recipes/asr/run.sh   # after prepare.py --corpus ... (see README)
+#   corpus=mini_librispeech corpus_dir=/path/to/LibriSpeech bash recipes/asr/run.sh   # a real corpus -> data/mini_librispeech
+#   corpus=kaldi corpus_dir=/path/to/kaldi_data prepare_args="--lexicon lexicon.txt --oov g2p" bash recipes/asr/run.sh
+#                                                  # corpus: synthetic (default), mini_librispeech, librispeech, timit,
+#                                                  # yesno, kaldi; prepare_args: more prepare.py options (--train-parts,
+#                                                  # --lexicon, --lm-text, --oov, --num-jobs)
 #   test_sweep=1 stage=11 bash recipes/asr/run.sh  # also test at every acoustic scale (fixed-scale tables)
 #   precision=32-true bash recipes/asr/run.sh      # train in float32 (default: bf16-mixed where the
 #                                                  # device computes bfloat16 natively, local/dnn/precision.py)
@@ -28,7 +32,19 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 python=${python:-.venv/bin/python}
-data=${data:-data/synthetic-default}
+corpus=${corpus:-synthetic}
+corpus_dir=${corpus_dir:-}
+prepare_args=${prepare_args:-}
+case "$corpus" in
+  synthetic) data=${data:-data/synthetic-default}; corpus_args=() ;;
+  mini_librispeech|librispeech|timit|yesno|kaldi)
+    data=${data:-data/$corpus}
+    if [ "${stage:-0}" -le 0 ] && [ -z "$corpus_dir" ]; then
+      echo "run.sh: corpus=$corpus needs corpus_dir=/path/to/it (this recipe downloads nothing)" >&2; exit 2
+    fi
+    corpus_args=(--corpus "$corpus"); [ -n "$corpus_dir" ] && corpus_args+=(--corpus-dir "$corpus_dir") ;;
+  *) echo "run.sh: corpus=$corpus: use synthetic, mini_librispeech, librispeech, timit, yesno or kaldi" >&2; exit 2 ;;
+esac
 exp=${exp:-exp/dnn}
 stage=${stage:-0}
 stop_stage=${stop_stage:-11}
@@ -47,7 +63,8 @@ run() { [ "$stage" -le "$1" ] && [ "$1" -le "$stop_stage" ]; }  # is stage $1 se
 if [ "$stage" -le 8 ] && [ "$stop_stage" -ge 0 ]; then
   last=$(( stop_stage < 8 ? stop_stage : 8 ))
   echo "== stages $stage-$last: data pipeline (corpus, features, lang, GMM-HMM, alignments, adaptation) -> $data"
-  time $python recipes/asr/prepare.py --data-dir "$data" --stage "$stage" --stop-stage "$last"
+  # shellcheck disable=SC2086  # prepare_args: several options, split on spaces
+  time $python recipes/asr/prepare.py --data-dir "$data" --stage "$stage" --stop-stage "$last" "${corpus_args[@]}" $prepare_args
 fi
 for seed in $seeds; do
   dir=$(run_dir "$seed")

@@ -7,13 +7,17 @@ Choices (Kaldi's ``prepare_lang.sh`` conventions, without word-position phones):
   variants (READ: R EH D / R IY D); with all of them in L the Viterbi aligner picks the one
   that fits, as Kaldi's LibriSpeech lexicon does. CMUdict has ~1.07 variants per word, so
   the decoding graph barely grows.
-- Vocabulary = the words of the training transcripts that CMUdict knows. Dev/test words
+- Vocabulary = the words of the training transcripts (and of ``--lm-text``) that the lexicon knows
+  (CMUdict, the user's ``--lexicon``, flite's letter-to-sound rules with ``--oov g2p``:
+  ``local/graph/lexicon.py``). Dev/test words
   missing from it are OOV: the decoder can never output them and they count as errors at
   scoring. Adding dev/test words would leak test knowledge into the system (and the LM,
   trained on the training transcripts only, would give them no more than backoff mass).
-- The LM (``local/graph/lm.py``) is estimated on the distinct kept training sentences.
-- OOV policy: a training utterance with any word not in CMUdict is dropped (reason ``oov``);
-  dev/test utterances are kept.
+- The LM (``local/graph/lm.py``) is estimated on the distinct kept training sentences, plus the
+  sentences of ``--lm-text`` (one per line) whose words all have a pronunciation.
+- OOV policy (``--oov drop``, the default): a training utterance with a word no lexicon knows is
+  dropped (reason ``oov``; the words counted in ``lang/oov.txt`` and the summary); ``--oov g2p``
+  keeps it with flite's pronunciation. Dev/test utterances are kept.
 - Phones: ``<eps>``=0, ``SIL``=1, the 39 CMU phones, then ``#0``..``#K`` (``#0`` is G's
   backoff symbol, ``#1``.. disambiguate homophones and prefix pronunciations).
 - Words: ``<eps>``=0, the vocabulary, then ``#0``, ``<s>``, ``</s>`` (as Kaldi's words.txt).
@@ -285,11 +289,23 @@ def write_lang(lang_dir: Path, vocab: list[str], cmu: dict[str, list[tuple[str, 
     return {"words": len(vocab), "prons": len(lexicon), "phones": len(real), "disambig": max_k + 1}
 
 
-def prepare_lang(data_dir: Path | str, lm_order: int = 3) -> dict:
+def prepare_lang(
+    data_dir: Path | str,
+    lm_order: int = 3,
+    lexicon: Path | str | None = None,
+    lm_text: Path | str | None = None,
+    oov: str = "drop",
+) -> dict:
     """Stage 2: write ``<data_dir>/lang/`` (lexicon, tables, topo, L, LM, G) from the manifests.
 
     Training utterances with OOV words (or no words) are recorded as dropped (stage ``lang``);
-    the LM is estimated on the distinct kept training transcripts only.
+    the LM is estimated on the distinct kept training transcripts and ``lm_text``'s sentences.
+
+    Args:
+        lexicon: a Kaldi lexicon file whose entries replace or extend CMUdict's.
+        lm_text: more LM training text, one sentence per line (never the test transcripts: the
+            summary counts test sentences found in it and a warning names them).
+        oov: ``drop`` or ``g2p`` (module docstring).
 
     Returns:
         a summary: vocabulary size, pronunciations, phones, OOV drops, LM sizes, dev perplexity
@@ -309,19 +325,66 @@ def prepare_lang(data_dir: Path | str, lm_order: int = 3) -> dict:
         elif split == "train":
             raise RuntimeError(f"{path} is missing; run prepare.py --stage 0 first")
 
+    from local.graph.lexicon import flite_g2p, read_user_lexicon
+
+    if oov not in ("drop", "g2p"):
+        raise ValueError(f"--oov {oov!r}: use drop (leave such training utterances out) or g2p (flite's rules)")
     clear_drops(data_dir, "lang")
+    lang_dir.mkdir(parents=True, exist_ok=True)
     cmu = cmu_lexicon()
+    summary: dict = {}
+    if lexicon is not None:
+        user = read_user_lexicon(lexicon, set(cmu_phones()))
+        summary.update(user_lexicon_words=len(user), user_lexicon_new_words=len(set(user) - set(cmu)))
+        cmu.update(user)
+    extra = []  # --lm-text sentences
+    if lm_text is not None:
+        path = Path(lm_text)
+        if not path.is_file():
+            raise FileNotFoundError(f"--lm-text {path}: no such file (one sentence per line)")
+        extra = [w for w in (normalize_words(line) for line in path.read_text().splitlines()) if w]
+        if not extra:
+            raise ValueError(f"--lm-text {path}: no words in it (one sentence per line)")
+    train_words = Counter(w for c in cuts["train"] for w in cut_words(c))
+    unknown = Counter({w: n for w, n in train_words.items() if w not in cmu})
+    unknown.update(w for s in extra for w in s if w not in cmu)
+    if oov == "g2p" and unknown:
+        g2p = flite_g2p(sorted(unknown))
+        cmu.update({w: [p] for w, p in g2p.items()})
+        (lang_dir / "g2p_lexicon.txt").write_text("".join(f"{w} {' '.join(p)}\n" for w, p in sorted(g2p.items())))
+        summary["g2p_words"] = len(g2p)
     kept, dropped = split_oov(cuts["train"], cmu)
-    for cut_id, oov in dropped.items():
-        reason, detail = ("oov", " ".join(oov)) if oov else ("empty_transcript", "")
+    for cut_id, missing in dropped.items():
+        reason, detail = ("oov", " ".join(missing)) if missing else ("empty_transcript", "")
         record_drop(data_dir, "lang", "train", cut_id, reason, detail)
     if not kept:
         raise RuntimeError(
-            f"all {len(dropped)} training utterances have OOV words or no words; check the transcripts"
+            f"all {len(dropped)} training utterances have OOV words or no words; check the transcripts, "
+            "or bring a --lexicon or use --oov g2p"
         )
+    oov_words = {w: n for w, n in train_words.items() if w not in cmu}
+    (lang_dir / "oov.txt").write_text("".join(f"{w} {n}\n" for w, n in sorted(oov_words.items())))
+    if oov_words:
+        log.warning(
+            "lang: %d training utterances dropped for %d words no lexicon knows (%d occurrences), e.g. %s; "
+            "see %s (bring a --lexicon or use --oov g2p to keep them)",
+            sum(1 for m in dropped.values() if m), len(oov_words), sum(oov_words.values()),
+            ", ".join(sorted(oov_words, key=oov_words.get, reverse=True)[:5]), lang_dir / "oov.txt",
+        )  # fmt: skip
     sentences = [cut_words(c) for c in kept]
-    vocab = sorted({w for s in sentences for w in s})
-    summary = {"train_kept": len(kept), "train_dropped_oov": len(dropped)}
+    extra_kept = [s for s in extra if all(w in cmu for w in s)]
+    vocab = sorted({w for s in sentences + extra_kept for w in s})
+    summary.update(
+        train_kept=len(kept), train_dropped_oov=len(dropped), train_oov_words=len(oov_words),
+        train_oov_tokens=sum(oov_words.values()),
+    )  # fmt: skip
+    if lm_text is not None:
+        test_sentences = {tuple(cut_words(c)) for c in cuts.get("test", [])}
+        overlap = sum(1 for s in dict.fromkeys(map(tuple, extra)) if s in test_sentences)
+        summary.update(lm_text_sentences=len(extra_kept), lm_text_dropped_oov=len(extra) - len(extra_kept),
+                       lm_text_test_sentences=overlap)  # fmt: skip
+        if overlap:
+            log.warning("lang: %d test sentences appear in --lm-text %s: the LM has seen the test set", overlap, lm_text)
     summary.update(write_lang(lang_dir, vocab, cmu))
     (lang_dir / "train_ids.txt").write_text("".join(c.id + "\n" for c in kept))
 
@@ -329,7 +392,7 @@ def prepare_lang(data_dir: Path | str, lm_order: int = 3) -> dict:
     # Distinct sentences only: a corpus that speaks each sentence with several voices or adds an
     # augmented copy repeats it by design, not by language, and the repeats starve Kneser-Ney of
     # the singletons its discounts are estimated from (synthetic default: dev perplexity 71 -> 58).
-    distinct = list(dict.fromkeys(tuple(s) for s in sentences))
+    distinct = list(dict.fromkeys(tuple(s) for s in sentences + extra_kept))
     summary["lm_sentences"] = len(distinct)
     summary.update(
         train_lm(
