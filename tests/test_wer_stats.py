@@ -435,3 +435,23 @@ def test_test_wer_per_voice_family(tmp_path):
         compare_runs(runs, tmp_path / "cmp1")
         assert json.loads((tmp_path / "cmp1" / "comparison.json").read_text())["by_voice_family"] == {}
         assert "per voice family" not in (tmp_path / "cmp1" / "comparison.md").read_text()
+
+
+def test_speaker_bootstrap_is_wider_when_a_voice_carries_the_errors():
+    """Two voices of 50 utterances each: one with all the errors. Resampling utterances treats the
+    100 as independent; resampling voices draws 0, 1 or 2 copies of the bad voice, and its interval
+    holds WERs near 0 and near twice the mean."""
+    words = np.full(100, 10.0)
+    errors = np.r_[np.full(50, 2.0), np.zeros(50)]
+    speakers = np.array(["a"] * 50 + ["b"] * 50)
+    by_utt = wer_interval(errors, words)
+    by_spk = wer_interval(errors, words, groups=speakers)
+    assert by_utt["wer"] == by_spk["wer"] == 10.0
+    assert by_spk["lo"] == 0.0 and by_spk["hi"] == 20.0
+    assert by_spk["hi"] - by_spk["lo"] > 3 * (by_utt["hi"] - by_utt["lo"])
+    # a paired difference draws the same voices for both systems: a system better by 1 error on every
+    # utterance of voice a is better in every replicate that draws voice a, and equal otherwise
+    d = paired_difference(errors, np.r_[np.full(50, 1.0), np.zeros(50)], words, groups=speakers)
+    assert d["diff_lo"] >= 0.0 and d["diff_hi"] <= 10.0
+    with pytest.raises(ValueError, match="groups name 3 utterances but words 100"):
+        wer_interval(errors, words, groups=np.array(["a", "b", "c"]))

@@ -7,6 +7,12 @@ bootstrap replicate draws U utterances with replacement (the same draw for every
 is what makes a difference paired) and recomputes each WER as total errors / total words over
 the draw. The interval is the 2.5 and 97.5 percentiles of the replicates.
 
+With ``groups`` (a cluster id per utterance, e.g. its speaker) a replicate draws the clusters with
+replacement instead, each drawn cluster bringing all its utterances (the cluster bootstrap): the
+utterances of one voice share its errors, so they are not independent draws, and an interval over
+utterances is too narrow for an absolute WER on a test set of few speakers. A paired difference draws
+the same clusters for both systems.
+
 With ``over_seeds=True`` a replicate also draws the S seeds with replacement (the same seed draw
 for both systems of a paired difference, whose seeds are matched), so that the interval holds the
 spread between trainings as well as between utterances: two trainings of the same model that
@@ -24,20 +30,29 @@ NUM_REPLICATES = 2000
 SEED = 0
 
 
-def _replicates(errors: np.ndarray, words: np.ndarray, num: int, seed: int) -> np.ndarray:
-    """``[num, S]``: each system's WER (%) on ``num`` bootstrap draws of the utterances."""
+def _replicates(errors: np.ndarray, words: np.ndarray, num: int, seed: int,
+                groups: np.ndarray | None = None) -> np.ndarray:
+    """``[num, S]``: each system's WER (%) on ``num`` bootstrap draws of the utterances (of the
+    clusters ``groups`` ``[U]``, when given)."""
     errors, words = np.atleast_2d(np.asarray(errors, np.float64)), np.asarray(words, np.float64)
     if errors.shape[1] != len(words):
         raise ValueError(f"errors cover {errors.shape[1]} utterances but words {len(words)}; "
                          "score every system on the same utterances")
     if words.sum() <= 0:
         raise ValueError("no reference words: nothing to score")
+    if groups is not None:
+        _, groups = np.unique(np.asarray(groups), return_inverse=True)
+        if len(groups) != len(words):
+            raise ValueError(f"groups name {len(groups)} utterances but words {len(words)}: one cluster id each")
+    units = len(words) if groups is None else int(groups.max()) + 1
     rng = np.random.default_rng(seed)
     out = np.empty((num, errors.shape[0]))
-    for start in range(0, num, 200):  # counts of each utterance in 200 draws at a time
+    for start in range(0, num, 200):  # counts of each utterance (or cluster) in 200 draws at a time
         n = min(200, num - start)
-        counts = rng.multinomial(len(words), np.full(len(words), 1.0 / len(words)), size=n).astype(np.float64)
-        out[start : start + n] = 100.0 * (counts @ errors.T) / (counts @ words)[:, None]
+        counts = rng.multinomial(units, np.full(units, 1.0 / units), size=n).astype(np.float64)
+        if groups is not None:
+            counts = counts[:, groups]  # an utterance is drawn as often as its cluster
+        out[start : start + n] = 100.0 * (counts @ errors.T) / np.maximum(counts @ words, 1e-9)[:, None]
     return out
 
 
@@ -57,18 +72,18 @@ def _interval(values: np.ndarray) -> tuple[float, float]:
 
 
 def wer_interval(errors: np.ndarray, words: np.ndarray, num: int = NUM_REPLICATES, seed: int = SEED,
-                 over_seeds: bool = False) -> dict:
+                 over_seeds: bool = False, groups: np.ndarray | None = None) -> dict:
     """WER of one system (``errors`` ``[U]``) or of the mean over seeds (``[S, U]``: the mean of
     the S WERs), with its 95 % interval: ``{"wer", "lo", "hi"}`` in %. ``over_seeds``: resample
-    the seeds too (module docstring)."""
+    the seeds too; ``groups``: resample clusters of utterances (module docstring)."""
     errors = np.atleast_2d(np.asarray(errors, np.float64))
     wer = float((100.0 * errors.sum(1) / np.sum(words)).mean())
-    lo, hi = _interval(_seed_mean(_replicates(errors, words, num, seed), over_seeds, seed))
+    lo, hi = _interval(_seed_mean(_replicates(errors, words, num, seed, groups), over_seeds, seed))
     return {"wer": round(wer, 2), "lo": lo, "hi": hi}
 
 
 def paired_difference(errors_a: np.ndarray, errors_b: np.ndarray, words: np.ndarray, num: int = NUM_REPLICATES,
-                      seed: int = SEED, over_seeds: bool = False) -> dict:
+                      seed: int = SEED, over_seeds: bool = False, groups: np.ndarray | None = None) -> dict:
     """WER(a) − WER(b) and (WER(b) − WER(a)) / WER(a) (b's relative change against a), each with
     a paired 95 % interval. ``errors_a``/``errors_b``: ``[U]``, or ``[S, U]`` for means over S
     seeds (seed-averaged WERs compared). ``over_seeds``: resample the seeds too, row ``s`` of
@@ -78,7 +93,7 @@ def paired_difference(errors_a: np.ndarray, errors_b: np.ndarray, words: np.ndar
     if over_seeds and len(a) != len(b):
         raise ValueError(f"over_seeds pairs seed s of a with seed s of b, but a has {len(a)} seeds and b {len(b)}; "
                          "pass the seeds both systems have, in the same order")
-    reps = _replicates(np.vstack([a, b]), words, num, seed)
+    reps = _replicates(np.vstack([a, b]), words, num, seed, groups)
     wer_a, wer_b = _seed_mean(reps[:, : len(a)], over_seeds, seed), _seed_mean(reps[:, len(a) :], over_seeds, seed)
     point_a = float((100.0 * a.sum(1) / np.sum(words)).mean())
     point_b = float((100.0 * b.sum(1) / np.sum(words)).mean())

@@ -357,11 +357,12 @@ def crossfold_counts(run_dir: Path, scales: list[str], speaker_of: dict[str, str
 
 
 def seeds_report(run_dirs: list[Path], baseline: str = "baseline", reference: dict | None = None,
-                 counts_of=_test_counts) -> dict:
-    """Test WER per run name over its seeds, with 95 % bootstrap intervals over utterances
-    (``wer_stats``): per seed, the mean over seeds, each run name against ``baseline`` (paired,
-    seeds matched) and against the ``reference`` GMM counts (``{utt: [errors, words]}``). Each run's
-    counts are ``counts_of(run_dir)``: by default at the acoustic scale dev picked for it."""
+                 counts_of=_test_counts, speaker_of: dict[str, str] | None = None) -> dict:
+    """Test WER per run name over its seeds, with 95 % bootstrap intervals (``wer_stats``): per seed,
+    the mean over seeds, each run name against ``baseline`` (paired, seeds matched) and against the
+    ``reference`` GMM counts (``{utt: [errors, words]}``). Each run's counts are ``counts_of(run_dir)``:
+    by default at the acoustic scale dev picked for it. With ``speaker_of`` (utterance -> speaker,
+    every scored utterance in it) the replicates draw speakers, else utterances."""
     from local.wer_stats import paired_difference, per_utterance_counts, wer_interval
 
     groups: dict[str, dict[int, dict]] = {}
@@ -378,22 +379,34 @@ def seeds_report(run_dirs: list[Path], baseline: str = "baseline", reference: di
     words = per_utterance_counts(next(iter(next(iter(groups.values())).values())), ids)[1]
     errors = {n: {s: per_utterance_counts(c, ids)[0] for s, c in sorted(g.items())} for n, g in groups.items()}
     ref = per_utterance_counts(reference, ids)[0] if reference else None
-    report: dict = {"utterances": len(ids), "words": int(words.sum()), "runs": {}}
+    groups = None
+    if speaker_of is not None:
+        missing = [u for u in ids if u not in speaker_of]
+        if missing:
+            raise ValueError(f"{len(missing)} scored utterances have no speaker (e.g. {missing[:3]}); "
+                             "give speaker_of for every test utterance, or None to resample utterances")
+        groups = np.array([speaker_of[u] for u in ids])
+    report: dict = {"utterances": len(ids), "words": int(words.sum()), "runs": {},
+                    "resampled": "speakers" if groups is not None else "utterances"}
+    if groups is not None:
+        report["speakers"] = len(set(groups.tolist()))
+    iv = {"groups": groups}
     for name, by_seed in errors.items():
         stack = np.vstack(list(by_seed.values()))
-        entry = {"seeds": list(by_seed), "per_seed": {s: wer_interval(e, words) for s, e in by_seed.items()},
-                 "mean": wer_interval(stack, words)}
+        entry = {"seeds": list(by_seed), "per_seed": {s: wer_interval(e, words, **iv) for s, e in by_seed.items()},
+                 "mean": wer_interval(stack, words, **iv)}
         if ref is not None:
-            entry["vs_reference"] = paired_difference(ref, stack, words)
+            entry["vs_reference"] = paired_difference(ref, stack, words, **iv)
         if name != baseline and baseline in errors:
             common = [s for s in by_seed if s in errors[baseline]]
             if common:
                 base = np.vstack([errors[baseline][s] for s in common])
                 run = np.vstack([by_seed[s] for s in common])
-                entry["vs_baseline"] = {"seeds": common, "mean": paired_difference(base, run, words), "per_seed": {
-                    s: paired_difference(errors[baseline][s], by_seed[s], words) for s in common}}
+                entry["vs_baseline"] = {"seeds": common, "mean": paired_difference(base, run, words, **iv), "per_seed": {
+                    s: paired_difference(errors[baseline][s], by_seed[s], words, **iv) for s in common}}
                 if len(common) > 1:  # the interval with the spread between trainings in it
-                    entry["vs_baseline"]["mean_over_seeds"] = paired_difference(base, run, words, over_seeds=True)
+                    entry["vs_baseline"]["mean_over_seeds"] = paired_difference(base, run, words, over_seeds=True,
+                                                                                **iv)
         report["runs"][name] = entry
     return report
 
@@ -411,8 +424,10 @@ def seeds_markdown(report: dict, reference_name: str = "SAT GMM") -> str:
 
     head = (f"| run | seeds | test WER per seed | mean test WER | vs {reference_name} (rel.) | baseline − run (abs.) "
             "| vs baseline (rel.) | vs baseline (rel.), seeds resampled too |")
+    over = (f"over its {report['speakers']} speakers (each drawn speaker brings all its utterances)"
+            if report.get("resampled") == "speakers" else "over utterances")
     lines = [(f"Test set: {report['utterances']} utterances, {report['words']} words; 95 % intervals by bootstrap "
-              "over utterances (paired for differences); in the last column each replicate also draws the seeds "
+              f"{over} (paired for differences); in the last column each replicate also draws the seeds "
               "with replacement, so that its interval holds the spread between trainings (needs 2 or more "
               "seeds)."), "", head, "|---|---|---|---|---|---|---|---|"]
     for name, r in report["runs"].items():
@@ -530,7 +545,8 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
         data_dir = None
     reference = gmm_reference(data_dir) if data_dir else None
     dirs, base_name = [Path(d) for d in run_dirs], base["run"] if base else "baseline"
-    seeds = seeds_report(dirs, base_name, reference)
+    speaker_of = test_speakers(data_dir) if data_dir else None
+    seeds = seeds_report(dirs, base_name, reference, speaker_of=speaker_of)
     table = markdown_table(rows) + "\n\n" + seeds_markdown(seeds)
 
     def per_name(values) -> dict[str, list]:  # one value per run (in run order), grouped by run name
@@ -543,7 +559,6 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
     sweep = {s: seeds_report(dirs, base_name, counts_of=lambda d, s=s: _test_counts(d, s)) for s in scales}
     if sweep:
         table += "\n\n" + sweep_markdown(sweep, per_name(r.get("acoustic_scale") for r in rows))
-    speaker_of = test_speakers(data_dir) if data_dir else None
     families = family_reports(dirs, base_name, speaker_of) if speaker_of and base else {}
     if families:
         table += "\n\n" + family_markdown(families)
