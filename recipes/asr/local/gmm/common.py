@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from local.constants import SELF_LOOP_SCALE, TRANSITION_SCALE
 from local.gmm.tree_stats import TidTables, _phone_ends
 from local.graph.hclg import training_graph_compiler
 from local.kaldi import kaldifst, khg
@@ -29,8 +30,6 @@ from local.kaldi import kaldifst, khg
 log = logging.getLogger(__name__)
 
 ACOUSTIC_SCALE = 0.1  # Kaldi's --acoustic-scale for alignment
-SELF_LOOP_SCALE = 0.1
-TRANSITION_SCALE = 1.0
 # GMM front-end CMVN: "speaker" (mean and variance over each speaker's utterances of a split, as
 # Kaldi's per-speaker cmvn.scp) or "utterance" (each utterance on its own).
 CMVN = "speaker"

@@ -81,7 +81,7 @@ def train_mono(
         total_gauss: Gaussians in total at the end of mixture growth.
         beam: Viterbi alignment beam (retry beam 40).
         seed: random seed of the flat start.
-        scales: acoustic scales tried on dev (default ``gmm_decode.ACOUSTIC_SCALES``).
+        scales: acoustic scales tried on dev (default ``GMM_ACOUSTIC_SCALES``, extended past an edge).
         augmented: train on the sox-augmented copies too (those that fail alignment are dropped
             and counted). Held-out-voice validation with mean-only CMVN (11 training voice settings left
             out of GMM training, their 347 clean utterances decoded): WER 21.4 % clean-only, 19.6 % with them.

@@ -27,10 +27,12 @@ import json
 import logging
 import pickle
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
+from local.constants import SAT_ACOUSTIC_SCALES
 from local.data.features import gmm_cmvn_key
 from local.gmm.common import (
     GmmSystem,
@@ -51,7 +53,7 @@ from local.gmm.transforms import (
     compose_affine,
     estimate_fmllr,
 )
-from local.graph.decode import decode_utterances_gmm, score, words_to_text
+from local.graph.decode import decode_utterances_gmm, pick_scale, score, words_to_text
 from local.graph.hclg import make_hclg
 from local.kaldi import kaldifst
 
@@ -62,7 +64,7 @@ FMLLR_ITERS = {20}
 FMLLR_MIN_FRAMES = 500.0  # fewer (silence-weighted) frames: the speaker keeps its current transform
 SILENCE_WEIGHT_TRAIN = 0.0  # train_sat.sh
 SILENCE_WEIGHT_DECODE = 0.01  # decode_fmllr.sh
-ACOUSTIC_SCALES = (0.05, 0.0588, 0.0667, 0.0833, 0.1)  # see gmm.decode.ACOUSTIC_SCALES
+PREFERRED_SCALE = 0.0833  # ties on dev go to the scale nearest it; test's scale without dev
 
 
 def silence_tids(system: GmmSystem, sil_id: int) -> np.ndarray:
@@ -117,7 +119,7 @@ def train_sat(
     fmllr_iters: set[int] | tuple[int, ...] = tuple(FMLLR_ITERS),
     beam: float = 10.0,
     decode: bool = True,
-    scales: tuple[float, ...] = ACOUSTIC_SCALES,
+    scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES,
 ) -> dict:
     """Train the SAT triphone system from ``exp/tri`` and decode dev/test with fMLLR.
 
@@ -204,6 +206,19 @@ def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, s
     return hyps, trans
 
 
+def _score_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, lang, first_trans: dict,
+                   hclg_path: Path, refs: dict, out_dir: Path, split: str, kept: tuple[dict, dict, dict],
+                   scale: float) -> float:
+    """``_decode_adapted`` at ``scale``, scored; its result, transforms and best paths kept by scale in
+    ``kept``. Returns the WER."""
+    by_scale, trans_by_scale, paths_by_scale = kept
+    hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first_trans, scale,
+                                                  hclg_path, paths_by_scale.setdefault(scale, {}))
+    texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
+    by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
+    return by_scale[scale]["wer"]
+
+
 def _si_decode(si_hclg, si_graph: Path, si: GmmSystem, utts: Utterances, scale: float) -> tuple[dict, dict]:
     """The speaker-independent first pass of fMLLR decoding (``DECODE_JOBS`` processes reading
     ``si_graph``). Returns (hyps, best paths' transition-ids of ``si``)."""
@@ -267,8 +282,9 @@ def _first_pass(decode_dir: Path, utt_ids: set[str]) -> tuple[dict | None, float
 
 
 def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
-               scales: tuple[float, ...] = ACOUSTIC_SCALES) -> dict:
-    """fMLLR decoding of dev (every scale) and test (the best dev scale) with the SAT system; the
+               scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES) -> dict:
+    """fMLLR decoding of dev (every scale of the grid, extended by ``pick_scale``) and test (the best
+    dev scale, ``PREFERRED_SCALE`` without dev) with the SAT system; the
     first pass is the speaker-independent system's decoding at its own dev-chosen scale (the
     tri stage's ``best_path.pkl``, decoded again if missing).
 
@@ -303,19 +319,20 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
             si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
                            f"{split}-si-acwt{si_scale:g}")["wer"]
         first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
-        tried = scales if best_scale is None else (best_scale,)
         by_scale, trans_by_scale, paths_by_scale = {}, {}, {}
-        for scale in tried:
-            hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first, scale,
-                                                          hclg_path, paths_by_scale.setdefault(scale, {}))
-            texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
-            by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
-        scale = min(by_scale, key=lambda s: (by_scale[s]["wer"], abs(s - 0.0833)))
-        best_scale = best_scale or scale
+        wer = partial(_score_adapted, hclg, system, utts, speakers, lang, first, hclg_path, refs, out_dir, split,
+                      (by_scale, trans_by_scale, paths_by_scale))
+        if split == "dev":
+            scale, grid = pick_scale(wer, scales, PREFERRED_SCALE)
+            best_scale = scale
+        else:
+            scale = best_scale or PREFERRED_SCALE
+            wer(scale)
         res = {**by_scale[scale], "acoustic_scale": scale, "si_first_pass_wer": si_wer,
                "speakers": len(set(speakers.values()))}
-        if len(tried) > 1:
-            res["by_scale"] = {str(s): r["wer"] for s, r in by_scale.items()}
+        if split == "dev":
+            res["by_scale"] = {str(s): by_scale[s]["wer"] for s in grid["grid"]}
+            res["grid"] = grid
         (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
         with open(out_dir / "trans.pkl", "wb") as f:
             pickle.dump(trans_by_scale[scale], f)

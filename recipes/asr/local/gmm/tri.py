@@ -98,7 +98,7 @@ def train_tri(
             at 1500; 300 leaves / 1000 gave 22.0 %; separate roots per HMM state 22.3 %.
         num_iters: training passes (Kaldi's train_deltas uses 35, re-aligning at 10, 20, 30).
         beam: Viterbi alignment beam (retry beam 40).
-        scales: acoustic scales tried on dev (default ``gmm_decode.ACOUSTIC_SCALES``).
+        scales: acoustic scales tried on dev (default ``GMM_ACOUSTIC_SCALES``, extended past an edge).
         augmented: train on the sox-augmented copies too (speed/noise/reverb variety acts like
             more voices); needs a monophone trained the same way (its alignments seed the tree).
         shared_roots: one tree root per phone shared by its HMM states (Kaldi's ``roots.txt``
