@@ -46,6 +46,7 @@ from local.gmm.common import (
     train_iterations,
 )
 from local.gmm.decode import DECODE_JOBS
+from local.gmm.sizes import resolve_sizes
 from local.gmm.transforms import (
     FmllrStats,
     accumulate_fmllr_stats,
@@ -112,32 +113,35 @@ def transformed(raw: dict[str, np.ndarray], speakers: dict[str, str], transforms
 
 def train_sat(
     data_dir: Path | str,
-    num_leaves: int = 300,
-    total_gauss: int = 2500,
+    num_leaves: int | str = "auto",
+    total_gauss: int | str = "auto",
     num_iters: int = 35,
     realign_iters: set[int] | tuple[int, ...] = tuple(REALIGN_ITERS),
     fmllr_iters: set[int] | tuple[int, ...] = tuple(FMLLR_ITERS),
     beam: float = 10.0,
     decode: bool = True,
     scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES,
+    seed: int = 0,
 ) -> dict:
     """Train the SAT triphone system from ``exp/tri`` and decode dev/test with fMLLR.
 
     Args:
         data_dir: the recipe's data directory (tri stage done).
-        num_leaves: most tree leaves. On the default corpus (test voices unseen), from the same
-            speaker-independent system, test WER was 8.30 % with 150 leaves / 1500 Gaussians and
-            8.13 % with 300 / 2500 (its monophone: 14.08 %, its triphone: 14.40 %).
-        total_gauss: Gaussians at the end of mixture growth.
+        num_leaves: most tree leaves, or ``"auto"``: fixed before training from the hours of
+            training speech (``local.gmm.sizes``: Kaldi's recipes' sizes, and 300 leaves / 2,500
+            Gaussians on the default corpus, the recipe's earlier sizes kept).
+        total_gauss: Gaussians at the end of mixture growth, or ``"auto"``.
         num_iters: training passes.
         realign_iters: passes that start with a re-alignment.
         fmllr_iters: passes that start with a re-estimation of the speaker transforms.
         beam: Viterbi alignment beam (retry beam 40).
         decode: decode dev and test (``decode_sat``).
-        scales: acoustic scales tried on dev.
+        scales: acoustic scales tried on dev (extended past an edge, ``pick_scale``).
+        seed: seed of the mixing up's perturbations (``common.split_by_count``).
 
     Returns:
-        a summary: speakers, leaves, pdfs, Gaussians, log-likelihood, seconds, WERs.
+        a summary: speakers, leaves, pdfs, Gaussians, the sizes asked (``sizes``), log-likelihood,
+        seconds, WERs.
     """
     from local.gmm.tri import build_triphone_system
 
@@ -150,7 +154,10 @@ def train_sat(
 
     trans = speaker_transforms(si, raw, si_alis, speakers, lang.sil_id, SILENCE_WEIGHT_TRAIN)
     utts.feats.update(transformed(raw, speakers, trans))
-    system, tree_summary = build_triphone_system(si, si_alis, utts.feats, lang, num_leaves, shared_roots=True)
+    sizes = resolve_sizes("sat", num_leaves, total_gauss, sum(len(raw[u]) for u in si_alis))
+    log.info("sat: %d leaves, %d Gaussians at most (%.2f h of training speech)", sizes["leaves"],
+             sizes["gaussians"], sizes["train_hours"])
+    system, tree_summary = build_triphone_system(si, si_alis, utts.feats, lang, sizes["leaves"], shared_roots=True)
     (exp / "tree").write_bytes(b"\0B" + tree_summary.pop("blob"))
     alis = convert_alignments(si_alis, si, system)
     graphs = compile_graphs(system, lang, {u: lang.word_ids(utts.words[u]) for u in alis})
@@ -166,8 +173,8 @@ def train_sat(
         return True
 
     alis, history = train_iterations(
-        system, graphs, utts, alis, num_iters, set(realign_iters), total_gauss, max_iter_inc=min(15, num_iters - 5),
-        data_dir=data_dir, stage="sat", beam=beam, adapt=adapt,
+        system, graphs, utts, alis, num_iters, set(realign_iters), sizes["gaussians"],
+        max_iter_inc=min(15, num_iters - 5), data_dir=data_dir, stage="sat", beam=beam, adapt=adapt, seed=seed,
     )
     alis = realign_all(system, graphs, utts, list(alis), data_dir, "sat", beam=beam)
     system.save_run(exp, alis, history)
@@ -178,6 +185,7 @@ def train_sat(
         "speakers": len(trans),
         "leaves": tree_summary.get("leaves"),
         **system.info(),
+        "sizes": sizes,
         "log_like_per_frame": round(history[-1]["log_like_per_frame"], 3),
         "train_seconds": round(time.perf_counter() - start, 1),
     }
