@@ -1,9 +1,9 @@
 """Stage 5: speaker-adaptive training of the triphone system (Kaldi's ``steps/train_sat.sh``)
 and fMLLR decoding of dev/test (``steps/decode_fmllr.sh``).
 
-The test voices of the embedded corpus are never heard in training, and a speaker-independent
-triphone system spends its tree on voice differences (bigger trees got worse on test). SAT
-takes the voices out: every speaker gets an affine feature transform (fMLLR,
+The dev and test voices of the embedded corpus are never heard in training, and a
+speaker-independent triphone system spends its tree on voice differences. SAT takes the
+voices out: every speaker gets an affine feature transform (fMLLR,
 ``local.gmm.transforms``), and the tree and Gaussians are trained on the transformed features.
 
 1. Per-speaker fMLLR of the training data from the speaker-independent triphone system
