@@ -237,6 +237,33 @@ def test_gmm_decoding_writes_wer(trained):
             assert res["wer"] == summary[f"{split}_wer"] and res["words"] > 0 and res["acoustic_scale"] == 0.1
             assert (data_dir / "exp" / system / f"decode_{split}" / f"errs-{split}-acwt0.1.txt").exists()
         assert (data_dir / "exp" / system / "graph" / "HCLG.fst").exists()
+        dev = json.loads((data_dir / "exp" / system / "decode_dev" / "wer.json").read_text())
+        assert dev["grid"] == {"grid": [0.1], "extended": [], "at_edge": False}  # one scale: taken as given
+    assert tri["sizes"] == {"leaves": 150, "gaussians": 300, "train_hours": tri["sizes"]["train_hours"], "auto": []}
+
+
+def test_gmm_decoding_extends_the_grid_past_the_edge_dev_picks(trained, monkeypatch):
+    """Dev's best at the low edge of the grid: dev decoded once more a step below, test once, at dev's pick."""
+    from local.gmm import decode
+    from local.gmm.common import GmmSystem
+    from local.graph.lang import load_lang
+
+    data_dir = trained[0]
+    decoded = []
+
+    def fake_decode(hclg, system, utts, id2word, out_dir, split, scale, alignments=None, hclg_path=None):
+        decoded.append((split, scale))
+        out_dir.mkdir(parents=True, exist_ok=True)  # as scoring does
+        return {"wer": 10.0 + 100 * abs(scale - 0.06), "words": 1}
+
+    monkeypatch.setattr(decode, "decode_split", fake_decode)
+    system = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
+    summary = decode.decode_system(data_dir, "mono_grid", system, load_lang(data_dir / "lang"), scales=(0.08, 0.1))
+    dev = json.loads((data_dir / "exp" / "mono_grid" / "decode_dev" / "wer.json").read_text())
+    assert dev["grid"] == {"grid": [0.0512, 0.064, 0.08, 0.1], "extended": [0.064, 0.0512], "at_edge": False}
+    assert summary["acoustic_scale"] == dev["acoustic_scale"] == 0.064
+    assert [s for split, s in decoded if split == "test"] == [summary["acoustic_scale"]]
+    assert set(dev["by_scale"]) == {str(s) for s in dev["grid"]["grid"]}
 
 
 def test_converted_alignment_keeps_phones_and_transitions(trained):
@@ -452,6 +479,34 @@ def test_gmm_training_gives_the_same_model_twice(trained, tmp_path):
     train_mono(again, num_iters=8, total_gauss=200, scales=(0.1,))
     first = (trained[0] / "exp" / "mono" / "final.pkl").read_bytes()
     assert (again / "exp" / "mono" / "final.pkl").read_bytes() == first
+
+
+def test_the_seed_reaches_the_triphone_stage(trained, tmp_path):
+    """The triphone stage (mixing up's perturbations) run again: the same model from seed 0, another from seed 1."""
+    import shutil
+
+    from local.gmm.tri import train_tri
+
+    again = tmp_path / "again"
+    shutil.copytree(trained[0], again, ignore=shutil.ignore_patterns("ali"))
+    first = (trained[0] / "exp" / "tri" / "final.pkl").read_bytes()
+    models = []
+    for seed in (0, 1):
+        train_tri(again, num_leaves=150, total_gauss=300, num_iters=8, decode=False, seed=seed)
+        models.append((again / "exp" / "tri" / "final.pkl").read_bytes())
+    assert models[0] == first and models[1] != first
+
+
+def test_another_seed_gives_another_monophone_model(trained, tmp_path):
+    """The seed reaches the monophone stage's random steps (the flat start's paths, mixing up)."""
+    import shutil
+
+    from local.gmm.mono import train_mono
+
+    again = tmp_path / "again"
+    shutil.copytree(trained[0], again, ignore=shutil.ignore_patterns("exp", "ali"))
+    train_mono(again, num_iters=8, total_gauss=200, decode=False, seed=1)
+    assert (again / "exp" / "mono" / "final.pkl").read_bytes() != (trained[0] / "exp" / "mono" / "final.pkl").read_bytes()
 
 
 @pytest.mark.parametrize("system_name", ["mono", "tri"])

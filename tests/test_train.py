@@ -256,11 +256,12 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
                   "--skip-decoded", "--test-sweep"]
     evaluate.main(sweep_args)
     results = json.loads((tmp_path / "gtc" / "decode" / "results.json").read_text())
-    assert set(results["test_sweep"]) == {"0.1", "0.2"}
+    # (a grid of two scales always has dev's best at an edge: it grows, and test is swept over what dev tried)
+    assert set(results["test_sweep"]) == {f"{s:g}" for s in results["dev_grid"]["grid"]} >= {"0.1", "0.2"}
     assert results["test"]["wer"] == results["test_sweep"][f"{results['acoustic_scale']:g}"]
     assert (tmp_path / "gtc" / "decode" / "per_utt-test-acwt0.2.json").exists()
     swept = json.loads((tmp_path / "cmp_sweep" / "comparison.json").read_text())["fixed_scales"]
-    assert set(swept) == {"0.1", "0.2"} and "vs_baseline" in swept["0.2"]["runs"]["gtc"]
+    assert set(swept) >= {"0.1", "0.2"} and "vs_baseline" in swept["0.2"]["runs"]["gtc"]
     mtime = (tmp_path / "gtc" / "decode" / "results.json").stat().st_mtime
     evaluate.main(sweep_args)
     assert (tmp_path / "gtc" / "decode" / "results.json").stat().st_mtime == mtime

@@ -3,8 +3,9 @@
 
 For each run: pseudo log-likelihoods ``log p(pdf | x) - log p(pdf)`` of ``checkpoints/last.ckpt``
 -> ``FasterDecoder`` on the HCLG of the aligning GMM system (``exp/sat/graph``); the acoustic scale is picked on dev
-from ``--acoustic-scales``, then test is decoded once with it (with ``--test-sweep`` also at every
-scale, for the comparison's fixed-scale tables). Writes ``<run>/decode/`` (``recogs-*``, ``errs-*``,
+from ``--acoustic-scales`` (the grid extended past an edge that holds dev's best, ``pick_scale``), then test is
+decoded once with it (with ``--test-sweep`` also at every scale dev tried, for the comparison's fixed-scale
+tables). Writes ``<run>/decode/`` (``recogs-*``, ``errs-*``,
 ``per_utt-*``, ``results.json``), then the comparison over runs (markdown, JSON and the dev frame
 accuracy plot) under ``--out``.
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import torch
+from local.constants import DNN_ACOUSTIC_SCALES
 from local.data.features import SAMPLING_RATE
 from local.dnn.compare import compare_runs
 from local.dnn.datamodule import splice
@@ -40,12 +42,6 @@ from local.dnn.model import AcousticModel
 from local.graph.decode import BEAM, MAX_ACTIVE
 
 log = logging.getLogger("evaluate")
-
-# 1 / LM weight for LM weights 10 .. 4, the middle of Kaldi's scoring range (7 .. 17 for acoustic weight 0.1
-# lattices). Smaller scales decode slower (flatter scores fill the beam); at beam 10 with 3000 active states
-# the decoder's work per frame is bounded. Until corpus version 3 the grid was LM weights 8 .. 3, and dev and
-# test both preferred its lowest scale, 0.125: an optimum at the edge of the grid.
-DEFAULT_SCALES = (0.1, 0.111, 0.125, 0.143, 0.167, 0.2, 0.25)
 
 
 def load_checkpoint(path: Path | str) -> tuple[AcousticModel, int, str]:
@@ -138,13 +134,14 @@ def locate_run(run_dir: Path, summary: dict, data_dir: Path | None = None) -> tu
 
 def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...], beam: float = BEAM,
                  max_active: int = MAX_ACTIVE, test_sweep: bool = False) -> dict:
-    """Decode dev for each acoustic scale, test with the best; write ``<run_dir>/decode/``.
+    """Decode dev for each acoustic scale (the grid extended by ``pick_scale``), test with the best;
+    write ``<run_dir>/decode/``.
 
     ``test_sweep``: also decode test at every scale (``per_utt-test-acwt<scale>.json`` and
     ``results.json["test_sweep"]``), to see how much of a WER difference between runs is the scale
     each picked on dev. The reported test WER stays the one at the scale dev picked."""
     from lhotse import CutSet
-    from local.graph.decode import score
+    from local.graph.decode import pick_scale, score
 
     start = time.perf_counter()
     summary = json.loads((run_dir / "train_summary.json").read_text())
@@ -157,9 +154,13 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     dev_cuts = CutSet.from_file(data_dir / "features" / "dev_cuts.jsonl.gz")
     dev = list(utterance_logliks(model, context, log_prior, dev_cuts, front_end, "dev"))
     sweep = {}
-    for scale in scales:
+
+    def dev_wer(scale: float) -> float:
         sweep[scale] = score(references(dev_cuts), decoder.decode(dev, scale), out, f"dev-acwt{scale:g}")
-    best = min(scales, key=lambda s: (sweep[s]["wer"], abs(s - 0.1)))
+        return sweep[scale]["wer"]
+
+    best, grid = pick_scale(dev_wer, scales, prefer=0.1)
+    scales = grid["grid"]
     test_cuts = CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz")
     test, test_refs = utterance_logliks(model, context, log_prior, test_cuts, front_end, "test"), references(test_cuts)
     test_sweep_wer, test_hyps = {}, None
@@ -176,6 +177,7 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
         "acoustic_scale": best,
         "dev": sweep[best],
         "dev_sweep": {f"{s:g}": sweep[s]["wer"] for s in scales},
+        "dev_grid": grid,
         "test": score(test_refs, test_hyps if test_hyps is not None else decoder.decode(test, best), out, "test"),
         "decode_seconds": round(time.perf_counter() - start, 1),
     }
@@ -303,8 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", nargs="*", default=[], help="run directories of train.py (exp/dnn/<run>)")
     p.add_argument("--data-dir", default=None, help="recipe data dir (default: the one each run trained on)")
-    p.add_argument("--acoustic-scales", type=float, nargs="+", default=list(DEFAULT_SCALES),
-                   help="acoustic scales tried on dev; the best decodes test")
+    p.add_argument("--acoustic-scales", type=float, nargs="+", default=list(DNN_ACOUSTIC_SCALES),
+                   help="acoustic scales tried on dev, extended past an edge that holds the best; the best "
+                        "decodes test")
     p.add_argument("--test-sweep", action="store_true",
                    help="also decode test at every acoustic scale; the comparison then shows each run name's "
                         "test WER and its paired change against the baseline at each fixed scale")

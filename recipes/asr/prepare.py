@@ -71,6 +71,8 @@ STAGE_OUTPUTS = {
 # files a completed stage must have written today; a stage marked done without them (an older
 # version of the recipe) runs again, and the stages after it with it
 STAGE_REQUIRES = {"adapt": ["adapt/fbank_sat_trans.pkl"]}
+# the GMM sizes that prepare.py sets (--tri-leaves ...): tree leaves and total Gaussians of tri and sat
+GMM_SIZES = ("tri_leaves", "tri_gauss", "sat_leaves", "sat_gauss")
 
 
 def default_data_dir(corpus: str, size: str) -> Path:
@@ -123,19 +125,21 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
     if name == "mono":
         from local.gmm.mono import train_mono
 
-        return _summary(train_mono(data_dir))
+        return _summary(train_mono(data_dir, seed=args.seed))
     if name == "tri":
         from local.gmm.tri import train_tri
 
-        return _summary(train_tri(data_dir))
+        sizes = args.gmm_sizes
+        return _summary(train_tri(data_dir, sizes["tri_leaves"], sizes["tri_gauss"], seed=args.seed))
     if name == "sat":
         from local.gmm.sat import train_sat
 
-        return _summary(train_sat(data_dir))
+        sizes = args.gmm_sizes
+        return _summary(train_sat(data_dir, sizes["sat_leaves"], sizes["sat_gauss"], seed=args.seed))
     if name == "align":
         from local.gmm.align import align
 
-        return _summary(align(data_dir))
+        return _summary(align(data_dir, seed=args.seed))
     if name == "adapt":
         from local.dnn.adapt import adapt, adapt_sat
 
@@ -149,6 +153,15 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
 
         return _summary(make_report(data_dir, corpus=args.corpus))
     raise AssertionError(name)
+
+
+def _gmm_size(text: str) -> int | str:
+    """A GMM size option's value: ``auto`` or a positive whole number."""
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r}: give a positive whole number or auto")
 
 
 def _cpu_seconds() -> float:
@@ -191,11 +204,14 @@ def prepare(
     lexicon: str | Path | None = None,
     lm_text: str | Path | None = None,
     oov: str = "drop",
+    gmm_sizes: dict[str, int | str] | None = None,
 ) -> Path:
     """Run stages ``stage..stop_stage``; return the data directory. Importable by train.py.
 
     ``train_parts`` (LibriSpeech's training parts) reaches stage 0; ``lexicon``, ``lm_text`` and
-    ``oov`` reach stage 2 (``local/graph/lexicon.py``)."""
+    ``oov`` reach stage 2 (``local/graph/lexicon.py``). ``gmm_sizes``: any of ``GMM_SIZES`` (the
+    triphone and SAT systems' leaves and Gaussians), each a number or ``"auto"`` (the default: from the
+    hours of training speech, ``local.gmm.sizes``)."""
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; choose one of {CORPORA}")
     if oov not in ("drop", "g2p"):
@@ -206,10 +222,13 @@ def prepare(
         raise ValueError(f"unknown --size {size!r}; choose tiny or default")
     if not 0 <= stage <= stop_stage < len(STAGES):
         raise ValueError(f"need 0 <= stage ({stage}) <= stop_stage ({stop_stage}) <= {len(STAGES) - 1}")
+    if set(gmm_sizes or {}) - set(GMM_SIZES):
+        raise ValueError(f"unknown GMM sizes {sorted(set(gmm_sizes) - set(GMM_SIZES))}; use {list(GMM_SIZES)}")
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir(corpus, size)
     data_dir.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs,
                               train_parts=train_parts, lexicon=lexicon, lm_text=lm_text, oov=oov)  # fmt: skip
+    args.gmm_sizes = {**dict.fromkeys(GMM_SIZES, "auto"), **(gmm_sizes or {})}
     settings = data_dir / "settings.json"
     wanted = {"corpus": corpus, "corpus_dir": str(corpus_dir) if corpus_dir else None, "size": size, "seed": seed}
     if train_parts:  # (only when given: data dirs prepared before these options stay valid)
@@ -264,7 +283,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", default="default", choices=["tiny", "default"], help="synthetic corpus size")
     p.add_argument("--stage", type=int, default=0, help=f"first stage to run (0-{len(STAGES) - 1})")
     p.add_argument("--stop-stage", type=int, default=len(STAGES) - 1, help=f"last stage to run (0-{len(STAGES) - 1})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic corpus and the GMM training")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic corpus and of the GMM stages (mono, tri, sat, align)")
+    for name in GMM_SIZES:
+        system, what = name.split("_")
+        p.add_argument(f"--{system}-{what}", type=_gmm_size, default="auto",
+                       help=f"{'leaves' if what == 'leaves' else 'Gaussians in total'} of the {system} system, or "
+                            "auto: from the hours of training speech (default)")
     p.add_argument("--num-jobs", type=int, default=2, help="parallel processes for synthesis and features")
     p.add_argument("--force", action="store_true", help="re-run the selected stages even if done")
     p.add_argument("--train-parts", nargs="+", default=None,
@@ -277,7 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     prepare(a.corpus, a.corpus_dir, a.data_dir, a.size, a.stage, a.stop_stage, a.seed, a.num_jobs, a.force,
-            a.train_parts, a.lexicon, a.lm_text, a.oov)  # fmt: skip
+            a.train_parts, a.lexicon, a.lm_text, a.oov,
+            gmm_sizes={name: getattr(a, name) for name in GMM_SIZES})  # fmt: skip
 
 
 if __name__ == "__main__":

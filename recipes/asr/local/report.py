@@ -13,11 +13,11 @@ from pathlib import Path
 
 from lhotse import CutSet
 
+from local.constants import SPLITS
 from local.drops import load_drops
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "dev", "test")
 GMM_SYSTEMS = ("mono", "tri", "sat")
 
 

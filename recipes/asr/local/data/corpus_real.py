@@ -37,13 +37,13 @@ from lhotse import CutSet, MonoCut, RecordingSet, SupervisionSet
 from lhotse.utils import fastcopy
 
 from local.atomic import atomic_path
+from local.constants import SPLITS
 from local.data.normalize import normalize_text
 from local.drops import clear_drops, record_drop
 
 log = logging.getLogger(__name__)
 
 CORPORA = ("mini_librispeech", "librispeech", "timit", "yesno", "kaldi")
-SPLITS = ("train", "dev", "test")
 
 
 def check_audio(path: Path) -> tuple[str | None, str]:

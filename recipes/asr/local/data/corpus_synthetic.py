@@ -39,6 +39,7 @@ from lhotse.supervision import AlignmentItem, SupervisionSegment
 from tqdm.auto import tqdm
 
 from local.atomic import atomic_path, die_with_parent
+from local.constants import SPLITS
 from local.data.augment import Augmentation
 from local.data.synth_jobs import Utterance, synth_chunk
 from local.data.text import make_sentences
@@ -47,7 +48,6 @@ from local.drops import clear_drops, record_drop
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "dev", "test")
 # 3: dev of 900 sentences and 36 held-out voices, train and test as in 2; 2: dev of 300 sentences and 12
 # held-out voices, 1650 test sentences, 60 espeak training voices; 1: dev of training voices
 VERSION = 3

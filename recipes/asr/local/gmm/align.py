@@ -133,11 +133,12 @@ def phone_agreement(cuts, alis: dict[str, np.ndarray], tables: TidTables, id2pho
 # ---------------------------------------------------------------- the stage
 def align_cuts(
     system: GmmSystem, lang, cuts, data_dir: Path | None, split: str, beam: float = 10.0, retry_beam: float = 40.0,
-    feats: dict[str, np.ndarray] | None = None,
+    feats: dict[str, np.ndarray] | None = None, seed: int = 0,
 ) -> dict[str, np.ndarray]:
     """Viterbi transition-id alignments ``{cut id: [T]}`` of ``cuts``; failures are recorded
     (reasons ``oov``, ``too_short_for_hmm``, ``alignment_failed``; not when ``data_dir`` is None)
-    and left out. ``feats``: the GMM features per cut (None: ``gmm_front_end(cuts)``)."""
+    and left out. ``feats``: the GMM features per cut (None: ``gmm_front_end(cuts)``). ``seed``: of
+    the equal alignment that tells an utterance too short for its HMM sequence (random paths)."""
     def drop(cut_id: str, reason: str, detail: str) -> None:
         log.warning("align: %s %s dropped: %s (%s)", split, cut_id, reason, detail)
         if data_dir is not None:
@@ -156,7 +157,7 @@ def align_cuts(
     front_end = gmm_front_end(cuts) if feats is None else feats
     for cut in tqdm([c for c in cuts if c.id in graphs], desc=f"align {split}", unit="utt", leave=False):
         feats = front_end[cut.id]
-        if equal_alignment(graphs[cut.id], len(feats)) is None:
+        if equal_alignment(graphs[cut.id], len(feats), seed=seed) is None:
             drop(cut.id, "too_short_for_hmm", f"{len(feats)} frames")
             continue
         ali, _ = viterbi_align(system, graphs[cut.id], feats, cut.id, beam=beam, retry_beam=retry_beam)
@@ -197,7 +198,7 @@ def write_pdf_alignments(cuts, pdf_alis: dict[str, np.ndarray], out_dir: Path, s
 
 
 def align_fmllr(sat: GmmSystem, si: GmmSystem, lang, cuts, data_dir: Path | None, split: str, beam: float = 10.0,
-                retry_beam: float = 40.0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+                retry_beam: float = 40.0, seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Kaldi's ``align_fmllr.sh`` on one split: speaker-independent alignment with ``si``, one
     fMLLR transform per speaker (``features.gmm_cmvn_key``) estimated with ``sat`` from it
     (silence weight 0), then the SAT alignment of the adapted features.
@@ -210,10 +211,10 @@ def align_fmllr(sat: GmmSystem, si: GmmSystem, lang, cuts, data_dir: Path | None
 
     raw = gmm_front_end(cuts)
     speakers = {c.id: gmm_cmvn_key(c) for c in cuts}
-    si_alis = align_cuts(si, lang, cuts, None, f"{split} (speaker-independent pass)", beam, retry_beam, raw)
+    si_alis = align_cuts(si, lang, cuts, None, f"{split} (speaker-independent pass)", beam, retry_beam, raw, seed)
     trans = speaker_transforms(sat, raw, convert_alignments(si_alis, si, sat), speakers, lang.sil_id,
                                SILENCE_WEIGHT_TRAIN)
-    alis = align_cuts(sat, lang, cuts, data_dir, split, beam, retry_beam, transformed(raw, speakers, trans))
+    alis = align_cuts(sat, lang, cuts, data_dir, split, beam, retry_beam, transformed(raw, speakers, trans), seed)
     return alis, trans
 
 
@@ -246,7 +247,7 @@ def sat_training_alignments(data_dir: Path, cuts) -> tuple[dict[str, np.ndarray]
 
 
 def align(data_dir: Path | str, system: str = "sat", beam: float = 10.0, retry_beam: float = 40.0,
-          prior_floor: float = PRIOR_FLOOR, reuse_train: bool = True) -> dict:
+          prior_floor: float = PRIOR_FLOOR, reuse_train: bool = True, seed: int = 0) -> dict:
     """Stage 6: align train (clean + augmented) and dev; write the pdf-id cuts, priors,
     transforms and ``info.json``; measure agreement with the TTS gold timings.
 
@@ -256,6 +257,8 @@ def align(data_dir: Path | str, system: str = "sat", beam: float = 10.0, retry_b
         prior_floor: priors are floored at ``prior_floor / num_pdfs`` (``pdf_priors``).
         reuse_train: with ``"sat"``, take train's alignments and transforms from the SAT stage
             (``sat_training_alignments``) instead of running ``align_fmllr`` on train again.
+        seed: of the equal alignments that find utterances too short for their HMM sequence
+            (``align_cuts``); the stage has no other random step.
 
     Returns:
         a summary (system, pdfs, frames and utterances per split, phone agreement, seconds).
@@ -296,12 +299,13 @@ def align(data_dir: Path | str, system: str = "sat", beam: float = 10.0, retry_b
         if system == "sat" and split == "train" and reuse_train:
             alis, trans = sat_training_alignments(data_dir, cuts)
         elif system == "sat":
-            alis, trans = align_fmllr(final, si, lang, cuts, data_dir, split, beam=beam, retry_beam=retry_beam)
+            alis, trans = align_fmllr(final, si, lang, cuts, data_dir, split, beam=beam, retry_beam=retry_beam,
+                                      seed=seed)
         if system == "sat":
             with atomic_path(out / f"trans_{split}.pkl") as tmp, open(tmp, "wb") as f:
                 pickle.dump(trans, f)
         else:
-            alis = align_cuts(final, lang, cuts, data_dir, split, beam=beam, retry_beam=retry_beam)
+            alis = align_cuts(final, lang, cuts, data_dir, split, beam=beam, retry_beam=retry_beam, seed=seed)
         pdf_alis = {u: tid2pdf[a].astype(np.int32) for u, a in alis.items()}
         frames = write_pdf_alignments(cuts, pdf_alis, out, split)
         if split == "train":

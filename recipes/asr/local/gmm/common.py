@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from local.constants import SELF_LOOP_SCALE, TRANSITION_SCALE
 from local.gmm.tree_stats import TidTables, _phone_ends
 from local.graph.hclg import training_graph_compiler
 from local.kaldi import kaldifst, khg
@@ -29,8 +30,6 @@ from local.kaldi import kaldifst, khg
 log = logging.getLogger(__name__)
 
 ACOUSTIC_SCALE = 0.1  # Kaldi's --acoustic-scale for alignment
-SELF_LOOP_SCALE = 0.1
-TRANSITION_SCALE = 1.0
 # GMM front-end CMVN: "speaker" (mean and variance over each speaker's utterances of a split, as
 # Kaldi's per-speaker cmvn.scp) or "utterance" (each utterance on its own).
 CMVN = "speaker"
@@ -231,9 +230,11 @@ def update(
     min_gaussian_occupancy: float = 10.0,
     power: float = 0.2,
     min_count: float = 20.0,
+    seed: int = 0,
 ) -> None:
     """M-step (``gmm-est``): transitions, GMM means/variances/weights, then mixture growth
-    towards ``target_gauss`` Gaussians in total (``--mix-up``; 0 keeps the count)."""
+    towards ``target_gauss`` Gaussians in total (``--mix-up``; 0 keeps the count), its
+    perturbations drawn from ``seed`` (``split_by_count``)."""
     cfg = khg.MleTransitionUpdateConfig()
     system.tm.mle_update(stats.transitions, cfg)
     opts = khg.MleDiagGmmOptions()
@@ -242,7 +243,7 @@ def update(
         config=opts, amdiag_gmm_acc=stats.accs, flags=khg.str_to_gmm_flags("mvw"), am_gmm=system.am
     )
     if target_gauss > system.am.num_gauss:
-        split_by_count(system.am, stats.pdf_occs, target_gauss, power=power, min_count=min_count)
+        split_by_count(system.am, stats.pdf_occs, target_gauss, power=power, min_count=min_count, seed=seed)
 
 
 def split_by_count(
@@ -465,13 +466,15 @@ def train_iterations(
     stage: str,
     beam: float = 10.0,
     adapt: Callable[[int, dict[str, np.ndarray]], bool] | None = None,
+    seed: int = 0,
 ) -> tuple[dict[str, np.ndarray], list[dict]]:
     """Kaldi's Viterbi training loop (``train_mono.sh`` / ``train_deltas.sh``): pass 0 on the
     given alignments, then passes ``1..num_iters-1``, re-aligning first on ``realign_iters``;
     the Gaussian count grows linearly to ``total_gauss`` by pass ``max_iter_inc``.
 
     ``adapt(pass, alignments)``, called after any re-alignment of a pass, may replace features in
-    ``utts.feats`` (``train_sat.sh``'s fMLLR re-estimation) and returns True when it did.
+    ``utts.feats`` (``train_sat.sh``'s fMLLR re-estimation) and returns True when it did. ``seed``:
+    of the mixing up's perturbations, the only random step of the loop.
 
     Returns:
         the final alignments and one record per pass (avg log-likelihood per frame, Gaussians).
@@ -493,7 +496,7 @@ def train_iterations(
         if not ids:
             raise RuntimeError(f"{stage}: every training utterance failed to align; check features and lang")
         stats = accumulate(system, feats_all, np.concatenate([alis[u] for u in ids]))
-        update(system, stats, target_gauss=num_gauss, min_gaussian_occupancy=3.0 if it == 0 else 10.0)
+        update(system, stats, target_gauss=num_gauss, min_gaussian_occupancy=3.0 if it == 0 else 10.0, seed=seed)
         if it <= max_iter_inc:
             num_gauss = min(num_gauss + inc, total_gauss)
         rec = {"pass": it, "log_like_per_frame": stats.log_like / stats.frames, "gaussians": system.am.num_gauss,

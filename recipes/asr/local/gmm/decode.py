@@ -1,9 +1,11 @@
 """Decoding of dev and test with a GMM system: the classic first baselines of a Kaldi recipe.
 
-The acoustic scale is picked on dev from ``ACOUSTIC_SCALES`` (Kaldi's scoring sweeps the LM
-weight the same way) and applied to test. Writes ``exp/<name>/graph/HCLG.fst`` and
-``exp/<name>/decode_{dev,test}/`` with ``recogs-*``/``errs-*`` per scale and ``wer.json``
-(the result at the chosen scale: ``wer`` in %, counts, ``acoustic_scale``).
+The acoustic scale is picked on dev from ``GMM_ACOUSTIC_SCALES`` (Kaldi's scoring sweeps the LM
+weight the same way), the grid extended past an edge that holds dev's best (``pick_scale``), and
+applied to test; without dev, test is decoded at ``PREFERRED_SCALE``. Writes
+``exp/<name>/graph/HCLG.fst`` and ``exp/<name>/decode_{dev,test}/`` with ``recogs-*``/``errs-*`` per
+scale and ``wer.json`` (the result at the chosen scale: ``wer`` in %, counts, ``acoustic_scale``, and
+on dev ``by_scale`` and ``grid``: the scales tried and those added).
 """
 
 from __future__ import annotations
@@ -12,17 +14,17 @@ import json
 import logging
 import pickle
 import time
+from functools import partial
 from pathlib import Path
 
+from local.constants import GMM_ACOUSTIC_SCALES
 from local.gmm.common import GmmSystem, load_utterances
-from local.graph.decode import decode_utterances_gmm, score, words_to_text
+from local.graph.decode import decode_utterances_gmm, pick_scale, score, words_to_text
 from local.graph.hclg import make_hclg
 
 log = logging.getLogger(__name__)
 
-# 1 / LM weight for LM weights 20, 17, 15, 12, 10, 8 (Kaldi's scoring sweeps 7 .. 17). Until corpus version 3 the
-# grid began at 0.0667, and every GMM system picked that edge on dev.
-ACOUSTIC_SCALES = (0.05, 0.0588, 0.0667, 0.0833, 0.1, 0.125)
+PREFERRED_SCALE = 0.1  # Kaldi's GMM acoustic scale: ties on dev go to the scale nearest it
 DECODE_JOBS = 2  # processes per decoding: the 2 cores of the reference machine (the stages run in one)
 
 
@@ -39,9 +41,20 @@ def decode_split(hclg, system: GmmSystem, utts, id2word: dict[int, str], out_dir
     return score(refs, texts, out_dir, f"{split}-acwt{acoustic_scale:g}")
 
 
+def _decode_kept(hclg, system: GmmSystem, utts, id2word: dict[int, str], out_dir: Path, split: str,
+                 hclg_path: Path, tried: dict, paths: dict, acoustic_scale: float) -> float:
+    """``decode_split`` at ``acoustic_scale``, its result kept in ``tried`` and its best paths in
+    ``paths`` (by scale); returns the WER."""
+    paths[acoustic_scale] = {}
+    tried[acoustic_scale] = decode_split(hclg, system, utts, id2word, out_dir, split, acoustic_scale,
+                                         paths[acoustic_scale], hclg_path)
+    return tried[acoustic_scale]["wer"]
+
+
 def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
-                  scales: tuple[float, ...] = ACOUSTIC_SCALES) -> dict:
-    """Build HCLG for ``system``, decode dev (every scale) and test (the best dev scale).
+                  scales: tuple[float, ...] = GMM_ACOUSTIC_SCALES) -> dict:
+    """Build HCLG for ``system``, decode dev (every scale of the grid, extended by ``pick_scale``) and
+    test (the best dev scale).
 
     Returns:
         ``{"dev_wer", "test_wer", "acoustic_scale", "decode_seconds"}`` (WER in %).
@@ -56,13 +69,17 @@ def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
     for split in splits:
         utts = load_utterances(data_dir, split)
         out_dir = exp / f"decode_{split}"
-        sweep = split == "dev" or "dev" not in best
-        paths = {s: {} for s in (scales if sweep else (best["dev"],))}
-        tried = {s: decode_split(hclg, system, utts, id2word, out_dir, split, s, paths[s], hclg_path) for s in paths}
-        scale = min(tried, key=lambda s: (tried[s]["wer"], abs(s - 0.1)))
+        paths, tried = {}, {}
+        wer = partial(_decode_kept, hclg, system, utts, id2word, out_dir, split, hclg_path, tried, paths)
+        if split == "dev":
+            scale, grid = pick_scale(wer, scales, PREFERRED_SCALE)
+        else:
+            scale = best.get("dev", PREFERRED_SCALE)
+            wer(scale)
         res = {**tried[scale], "acoustic_scale": scale}
-        if sweep:
-            res["by_scale"] = {str(s): r["wer"] for s, r in tried.items()}
+        if split == "dev":
+            res["by_scale"] = {str(s): tried[s]["wer"] for s in grid["grid"]}
+            res["grid"] = grid
         best[split] = scale
         (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
         with open(out_dir / "best_path.pkl", "wb") as f:  # first pass of the SAT stage's fMLLR decoding

@@ -80,8 +80,9 @@ def train_mono(
         num_iters: training passes (Kaldi's train_mono uses 40; 25 converge on TTS speech).
         total_gauss: Gaussians in total at the end of mixture growth.
         beam: Viterbi alignment beam (retry beam 40).
-        seed: random seed of the flat start.
-        scales: acoustic scales tried on dev (default ``gmm_decode.ACOUSTIC_SCALES``).
+        seed: seed of the flat start's random paths (``align-equal-compiled``) and of the mixing
+            up's perturbations (``common.split_by_count``).
+        scales: acoustic scales tried on dev (default ``GMM_ACOUSTIC_SCALES``, extended past an edge).
         augmented: train on the sox-augmented copies too (those that fail alignment are dropped
             and counted). Held-out-voice validation with mean-only CMVN (11 training voice settings left
             out of GMM training, their 347 clean utterances decoded): WER 21.4 % clean-only, 19.6 % with them.
@@ -103,7 +104,7 @@ def train_mono(
     load_seconds = time.perf_counter() - start
     alis, history = train_iterations(
         system, graphs, utts, alis, num_iters, REALIGN_ITERS, total_gauss, max_iter_inc=num_iters - 5,
-        data_dir=data_dir, stage="mono", beam=beam,
+        data_dir=data_dir, stage="mono", beam=beam, seed=seed,
     )
     # Kaldi realigns once more with the final model to give the next stage its alignments.
     from local.gmm.common import realign_all

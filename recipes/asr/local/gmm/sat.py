@@ -1,9 +1,9 @@
 """Stage 5: speaker-adaptive training of the triphone system (Kaldi's ``steps/train_sat.sh``)
 and fMLLR decoding of dev/test (``steps/decode_fmllr.sh``).
 
-The test voices of the embedded corpus are never heard in training, and a speaker-independent
-triphone system spends its tree on voice differences (bigger trees got worse on test). SAT
-takes the voices out: every speaker gets an affine feature transform (fMLLR,
+The dev and test voices of the embedded corpus are never heard in training, and a
+speaker-independent triphone system spends its tree on voice differences. SAT takes the
+voices out: every speaker gets an affine feature transform (fMLLR,
 ``local.gmm.transforms``), and the tree and Gaussians are trained on the transformed features.
 
 1. Per-speaker fMLLR of the training data from the speaker-independent triphone system
@@ -27,10 +27,12 @@ import json
 import logging
 import pickle
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
+from local.constants import SAT_ACOUSTIC_SCALES
 from local.data.features import gmm_cmvn_key
 from local.gmm.common import (
     GmmSystem,
@@ -44,6 +46,7 @@ from local.gmm.common import (
     train_iterations,
 )
 from local.gmm.decode import DECODE_JOBS
+from local.gmm.sizes import resolve_sizes
 from local.gmm.transforms import (
     FmllrStats,
     accumulate_fmllr_stats,
@@ -51,7 +54,7 @@ from local.gmm.transforms import (
     compose_affine,
     estimate_fmllr,
 )
-from local.graph.decode import decode_utterances_gmm, score, words_to_text
+from local.graph.decode import decode_utterances_gmm, pick_scale, score, words_to_text
 from local.graph.hclg import make_hclg
 from local.kaldi import kaldifst
 
@@ -62,7 +65,7 @@ FMLLR_ITERS = {20}
 FMLLR_MIN_FRAMES = 500.0  # fewer (silence-weighted) frames: the speaker keeps its current transform
 SILENCE_WEIGHT_TRAIN = 0.0  # train_sat.sh
 SILENCE_WEIGHT_DECODE = 0.01  # decode_fmllr.sh
-ACOUSTIC_SCALES = (0.05, 0.0588, 0.0667, 0.0833, 0.1)  # see gmm.decode.ACOUSTIC_SCALES
+PREFERRED_SCALE = 0.0833  # ties on dev go to the scale nearest it; test's scale without dev
 
 
 def silence_tids(system: GmmSystem, sil_id: int) -> np.ndarray:
@@ -110,32 +113,35 @@ def transformed(raw: dict[str, np.ndarray], speakers: dict[str, str], transforms
 
 def train_sat(
     data_dir: Path | str,
-    num_leaves: int = 300,
-    total_gauss: int = 2500,
+    num_leaves: int | str = "auto",
+    total_gauss: int | str = "auto",
     num_iters: int = 35,
     realign_iters: set[int] | tuple[int, ...] = tuple(REALIGN_ITERS),
     fmllr_iters: set[int] | tuple[int, ...] = tuple(FMLLR_ITERS),
     beam: float = 10.0,
     decode: bool = True,
-    scales: tuple[float, ...] = ACOUSTIC_SCALES,
+    scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES,
+    seed: int = 0,
 ) -> dict:
     """Train the SAT triphone system from ``exp/tri`` and decode dev/test with fMLLR.
 
     Args:
         data_dir: the recipe's data directory (tri stage done).
-        num_leaves: most tree leaves. On the default corpus (test voices unseen), from the same
-            speaker-independent system, test WER was 8.30 % with 150 leaves / 1500 Gaussians and
-            8.13 % with 300 / 2500 (its monophone: 14.08 %, its triphone: 14.40 %).
-        total_gauss: Gaussians at the end of mixture growth.
+        num_leaves: most tree leaves, or ``"auto"``: fixed before training from the hours of
+            training speech (``local.gmm.sizes``: Kaldi's recipes' sizes, and 300 leaves / 2,500
+            Gaussians on the default corpus, the recipe's earlier sizes kept).
+        total_gauss: Gaussians at the end of mixture growth, or ``"auto"``.
         num_iters: training passes.
         realign_iters: passes that start with a re-alignment.
         fmllr_iters: passes that start with a re-estimation of the speaker transforms.
         beam: Viterbi alignment beam (retry beam 40).
         decode: decode dev and test (``decode_sat``).
-        scales: acoustic scales tried on dev.
+        scales: acoustic scales tried on dev (extended past an edge, ``pick_scale``).
+        seed: seed of the mixing up's perturbations (``common.split_by_count``).
 
     Returns:
-        a summary: speakers, leaves, pdfs, Gaussians, log-likelihood, seconds, WERs.
+        a summary: speakers, leaves, pdfs, Gaussians, the sizes asked (``sizes``), log-likelihood,
+        seconds, WERs.
     """
     from local.gmm.tri import build_triphone_system
 
@@ -148,7 +154,10 @@ def train_sat(
 
     trans = speaker_transforms(si, raw, si_alis, speakers, lang.sil_id, SILENCE_WEIGHT_TRAIN)
     utts.feats.update(transformed(raw, speakers, trans))
-    system, tree_summary = build_triphone_system(si, si_alis, utts.feats, lang, num_leaves, shared_roots=True)
+    sizes = resolve_sizes("sat", num_leaves, total_gauss, sum(len(raw[u]) for u in si_alis))
+    log.info("sat: %d leaves, %d Gaussians at most (%.2f h of training speech)", sizes["leaves"],
+             sizes["gaussians"], sizes["train_hours"])
+    system, tree_summary = build_triphone_system(si, si_alis, utts.feats, lang, sizes["leaves"], shared_roots=True)
     (exp / "tree").write_bytes(b"\0B" + tree_summary.pop("blob"))
     alis = convert_alignments(si_alis, si, system)
     graphs = compile_graphs(system, lang, {u: lang.word_ids(utts.words[u]) for u in alis})
@@ -164,8 +173,8 @@ def train_sat(
         return True
 
     alis, history = train_iterations(
-        system, graphs, utts, alis, num_iters, set(realign_iters), total_gauss, max_iter_inc=min(15, num_iters - 5),
-        data_dir=data_dir, stage="sat", beam=beam, adapt=adapt,
+        system, graphs, utts, alis, num_iters, set(realign_iters), sizes["gaussians"],
+        max_iter_inc=min(15, num_iters - 5), data_dir=data_dir, stage="sat", beam=beam, adapt=adapt, seed=seed,
     )
     alis = realign_all(system, graphs, utts, list(alis), data_dir, "sat", beam=beam)
     system.save_run(exp, alis, history)
@@ -176,6 +185,7 @@ def train_sat(
         "speakers": len(trans),
         "leaves": tree_summary.get("leaves"),
         **system.info(),
+        "sizes": sizes,
         "log_like_per_frame": round(history[-1]["log_like_per_frame"], 3),
         "train_seconds": round(time.perf_counter() - start, 1),
     }
@@ -202,6 +212,19 @@ def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, s
                                  acoustic_scale=scale, alignments=best_paths, hclg_path=hclg_path,
                                  num_jobs=DECODE_JOBS)
     return hyps, trans
+
+
+def _score_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, lang, first_trans: dict,
+                   hclg_path: Path, refs: dict, out_dir: Path, split: str, kept: tuple[dict, dict, dict],
+                   scale: float) -> float:
+    """``_decode_adapted`` at ``scale``, scored; its result, transforms and best paths kept by scale in
+    ``kept``. Returns the WER."""
+    by_scale, trans_by_scale, paths_by_scale = kept
+    hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first_trans, scale,
+                                                  hclg_path, paths_by_scale.setdefault(scale, {}))
+    texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
+    by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
+    return by_scale[scale]["wer"]
 
 
 def _si_decode(si_hclg, si_graph: Path, si: GmmSystem, utts: Utterances, scale: float) -> tuple[dict, dict]:
@@ -267,8 +290,9 @@ def _first_pass(decode_dir: Path, utt_ids: set[str]) -> tuple[dict | None, float
 
 
 def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
-               scales: tuple[float, ...] = ACOUSTIC_SCALES) -> dict:
-    """fMLLR decoding of dev (every scale) and test (the best dev scale) with the SAT system; the
+               scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES) -> dict:
+    """fMLLR decoding of dev (every scale of the grid, extended by ``pick_scale``) and test (the best
+    dev scale, ``PREFERRED_SCALE`` without dev) with the SAT system; the
     first pass is the speaker-independent system's decoding at its own dev-chosen scale (the
     tri stage's ``best_path.pkl``, decoded again if missing).
 
@@ -303,19 +327,20 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
             si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
                            f"{split}-si-acwt{si_scale:g}")["wer"]
         first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
-        tried = scales if best_scale is None else (best_scale,)
         by_scale, trans_by_scale, paths_by_scale = {}, {}, {}
-        for scale in tried:
-            hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first, scale,
-                                                          hclg_path, paths_by_scale.setdefault(scale, {}))
-            texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
-            by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
-        scale = min(by_scale, key=lambda s: (by_scale[s]["wer"], abs(s - 0.0833)))
-        best_scale = best_scale or scale
+        wer = partial(_score_adapted, hclg, system, utts, speakers, lang, first, hclg_path, refs, out_dir, split,
+                      (by_scale, trans_by_scale, paths_by_scale))
+        if split == "dev":
+            scale, grid = pick_scale(wer, scales, PREFERRED_SCALE)
+            best_scale = scale
+        else:
+            scale = best_scale or PREFERRED_SCALE
+            wer(scale)
         res = {**by_scale[scale], "acoustic_scale": scale, "si_first_pass_wer": si_wer,
                "speakers": len(set(speakers.values()))}
-        if len(tried) > 1:
-            res["by_scale"] = {str(s): r["wer"] for s, r in by_scale.items()}
+        if split == "dev":
+            res["by_scale"] = {str(s): by_scale[s]["wer"] for s in grid["grid"]}
+            res["grid"] = grid
         (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
         with open(out_dir / "trans.pkl", "wb") as f:
             pickle.dump(trans_by_scale[scale], f)

@@ -31,6 +31,7 @@ from local.gmm.common import (
     single_gaussian_am,
     train_iterations,
 )
+from local.gmm.sizes import resolve_sizes
 from local.gmm.tree import build_tree
 from local.gmm.tree_stats import TidTables, accumulate_tree_stats
 from local.kaldi import khg
@@ -71,8 +72,8 @@ def build_triphone_system(mono: GmmSystem, alis: dict[str, np.ndarray], feats: d
 
 def train_tri(
     data_dir: Path | str,
-    num_leaves: int = 150,
-    total_gauss: int = 1500,
+    num_leaves: int | str = "auto",
+    total_gauss: int | str = "auto",
     num_iters: int = 35,
     beam: float = 10.0,
     augmented: bool = True,
@@ -80,42 +81,45 @@ def train_tri(
     min_count: float = 100.0,
     decode: bool = True,
     scales: tuple[float, ...] | None = None,
+    seed: int = 0,
 ) -> dict:
     """Train the triphone system from ``exp/mono`` and decode dev/test.
 
     Args:
         data_dir: the recipe's data directory (mono stage done).
-        num_leaves: most tree leaves (Kaldi's ``numleaves``). On the default corpus test WER on
-            unseen voices rose with the tree size while dev (seen voices) barely moved: with
-            per-speaker mean + variance CMVN and one monophone system, 150 leaves / 1500
-            Gaussians 12.5 %, 300 / 2500 13.5 %, 800 / 5000 14.9 %; with the earlier mean-only
-            CMVN (1.15 h clean) 150/1000: 15.0 %, 200/1500: 16.9 %, 300/2000: 19.2 %, 600/6000: 24.6 %.
-            The speaker-adaptive stage (``gmm_sat``) is what removes the voice differences.
-        total_gauss: Gaussians at the end of mixture growth (Kaldi's ``totgauss``). The defaults
-            were chosen (with mean-only CMVN) on a held-out-voice validation (11 training voice settings left out of
-            GMM training and decoded; monophone 19.6 %): with shared roots and augmented data,
-            150 leaves gave 23.3 % at 600 Gaussians, 19.9 / 18.8 % (two runs) at 1000, 18.7 %
-            at 1500; 300 leaves / 1000 gave 22.0 %; separate roots per HMM state 22.3 %.
+        num_leaves: most tree leaves (Kaldi's ``numleaves``), or ``"auto"``: fixed before training
+            from the hours of training speech (``local.gmm.sizes``: Kaldi's recipes' sizes, and
+            150 leaves / 1,500 Gaussians on the default corpus).
+        total_gauss: Gaussians at the end of mixture growth (Kaldi's ``totgauss``), or ``"auto"``.
+            The default corpus's sizes were chosen (with mean-only CMVN) on a held-out-voice
+            validation (11 training voice settings left out of GMM training and decoded; monophone
+            19.6 %): with shared roots and augmented data, 150 leaves gave 23.3 % at 600 Gaussians,
+            19.9 / 18.8 % (two runs) at 1000, 18.7 % at 1500; 300 leaves / 1000 gave 22.0 %;
+            separate roots per HMM state 22.3 %.
         num_iters: training passes (Kaldi's train_deltas uses 35, re-aligning at 10, 20, 30).
         beam: Viterbi alignment beam (retry beam 40).
-        scales: acoustic scales tried on dev (default ``gmm_decode.ACOUSTIC_SCALES``).
+        scales: acoustic scales tried on dev (default ``GMM_ACOUSTIC_SCALES``, extended past an edge).
         augmented: train on the sox-augmented copies too (speed/noise/reverb variety acts like
             more voices); needs a monophone trained the same way (its alignments seed the tree).
         shared_roots: one tree root per phone shared by its HMM states (Kaldi's ``roots.txt``
             "shared split"), so the leaves go where the data says instead of 3 per phone up front.
         min_count: fewest frames on each side of a tree split.
         decode: decode dev and test (``exp/tri/decode_*``).
+        seed: seed of the mixing up's perturbations (``common.split_by_count``).
 
     Returns:
-        a summary: leaves, pdfs, Gaussians, final log-likelihood, seconds, WERs.
+        a summary: leaves, pdfs, Gaussians, the sizes asked (``sizes``), final log-likelihood,
+        seconds, WERs.
     """
     start = time.perf_counter()
     data_dir, exp, lang = begin_stage(data_dir, "tri")
     utts = load_utterances(data_dir, "train", clean_only=not augmented)
     mono, mono_alis = GmmSystem.load_run(data_dir / "exp" / "mono", utts.feats)
-
+    sizes = resolve_sizes("tri", num_leaves, total_gauss, sum(len(utts.feats[u]) for u in mono_alis))
+    log.info("tri: %d leaves, %d Gaussians at most (%.2f h of training speech)", sizes["leaves"],
+             sizes["gaussians"], sizes["train_hours"])
     system, tree_summary = build_triphone_system(
-        mono, mono_alis, utts.feats, lang, num_leaves, min_count=min_count, shared_roots=shared_roots
+        mono, mono_alis, utts.feats, lang, sizes["leaves"], min_count=min_count, shared_roots=shared_roots
     )
     # Kaldi's binary file form ("\0B" header, then the blob), which Kaldi tools and khg read back.
     (exp / "tree").write_bytes(b"\0B" + tree_summary.pop("blob"))
@@ -125,8 +129,8 @@ def train_tri(
     log.info("tri: tree with %d pdfs in %.1f s; %d alignments converted", system.tm.num_pdfs, tree_seconds, len(alis))
 
     alis, history = train_iterations(
-        system, graphs, utts, alis, num_iters, REALIGN_ITERS, total_gauss, max_iter_inc=min(25, num_iters - 5),
-        data_dir=data_dir, stage="tri", beam=beam,
+        system, graphs, utts, alis, num_iters, REALIGN_ITERS, sizes["gaussians"], max_iter_inc=min(25, num_iters - 5),
+        data_dir=data_dir, stage="tri", beam=beam, seed=seed,
     )
     alis = realign_all(system, graphs, utts, list(alis), data_dir, "tri", beam=beam)
     system.save_run(exp, alis, history)
@@ -134,6 +138,7 @@ def train_tri(
         "utterances": len(alis),
         "leaves": tree_summary.get("leaves"),
         **system.info(),
+        "sizes": sizes,
         "log_like_per_frame": round(history[-1]["log_like_per_frame"], 3),
         "tree_seconds": round(tree_seconds, 1),
         "train_seconds": round(time.perf_counter() - start, 1),

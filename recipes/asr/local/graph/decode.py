@@ -22,12 +22,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from local.constants import MAX_GRID_EXTENSIONS
 from local.graph.lang import normalize_text
 from local.kaldi import kaldifst, khg
 
@@ -210,6 +211,43 @@ def _log_speed(n: int, failed: list[str], partial: list[str], frames: int, t0: f
         len(partial),
         f" (no final state reached, e.g. {partial[:3]})" if partial else "",
     )
+
+
+def pick_scale(wer: Callable[[float], float], grid: Sequence[float], prefer: float,
+               max_extensions: int = MAX_GRID_EXTENSIONS) -> tuple[float, dict]:
+    """The scale of ``grid`` with the lowest ``wer(scale)`` on dev (ties: the one nearest ``prefer``).
+
+    While the best lies at an edge of the grid, the grid grows one geometric step past that edge
+    (the ratio of its two outermost scales, 3 significant digits), at most ``max_extensions`` times;
+    a grid of one scale is taken as given.
+
+    Returns:
+        the scale and ``{"grid": the scales tried, ascending, "extended": the scales added,
+        "at_edge": the best is still at an edge (the bound was reached)}``.
+    """
+    grid = sorted(set(grid))
+    if not grid:
+        raise ValueError("an empty acoustic-scale grid; give at least one scale")
+    wers = {s: wer(s) for s in grid}
+    best = lambda: min(grid, key=lambda s: (wers[s], abs(s - prefer)))
+    added = []
+    while len(grid) > 1 and best() in (grid[0], grid[-1]) and len(added) < max_extensions:
+        low = best() == grid[0]
+        end, inner = (grid[0], grid[1]) if low else (grid[-1], grid[-2])
+        new = float(f"{end * end / inner:.3g}")
+        if new in wers:  # the grid's end steps are too fine for 3 digits
+            break
+        wers[new] = wer(new)
+        grid = [new, *grid] if low else [*grid, new]
+        added.append(new)
+    scale = best()
+    at_edge = len(grid) > 1 and scale in (grid[0], grid[-1])
+    if at_edge:
+        log.warning("acoustic scale %g, picked on dev, is still at the edge of %s after %d extensions; "
+                    "pass a wider grid", scale, [f"{s:g}" for s in grid], len(added))
+    elif added:
+        log.info("acoustic scale %g picked on dev after extending the grid by %s", scale, added)
+    return scale, {"grid": grid, "extended": added, "at_edge": at_edge}
 
 
 def words_to_text(word_ids: list[int], id2word: dict[int, str]) -> str:

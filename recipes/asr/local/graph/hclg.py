@@ -18,13 +18,12 @@ import logging
 import time
 from pathlib import Path
 
+from local.constants import SELF_LOOP_SCALE, TRANSITION_SCALE
 from local.graph.lang import load_lang
 from local.kaldi import kaldifst, khg
 
 log = logging.getLogger(__name__)
 
-SELF_LOOP_SCALE = 0.1
-TRANSITION_SCALE = 1.0
 
 
 def num_arcs(fst) -> int:

@@ -35,6 +35,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from local.constants import SPLITS
 from local.data.normalize import normalize_words
 from local.drops import clear_drops, record_drop
 from local.kaldi import kaldifst
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 
 SIL = "SIL"
 SIL_PROB = 0.5
-SPLITS = ("train", "dev", "test")
 
 
 def normalize_text(text: str) -> list[str]:

@@ -1,0 +1,25 @@
+"""Settings shared by several stages of the recipe, defined once here.
+
+The acoustic-scale grids are where the dev sweeps start (``local.graph.decode.pick_scale`` extends a
+grid whose best dev scale lies at an edge). An acoustic scale is 1 / LM weight; Kaldi's scoring sweeps
+LM weights 7 .. 17 on lattices made at acoustic scale 0.1.
+"""
+
+SPLITS = ("train", "dev", "test")
+
+# Kaldi's --transition-scale and --self-loop-scale, of the training graphs and of HCLG alike
+TRANSITION_SCALE = 1.0
+SELF_LOOP_SCALE = 0.1
+
+# LM weights 20, 17, 15, 12, 10, 8. Until corpus version 3 the grid began at 0.0667, and every GMM system
+# picked that edge on dev.
+GMM_ACOUSTIC_SCALES = (0.05, 0.0588, 0.0667, 0.0833, 0.1, 0.125)
+# The SAT system's fMLLR decoding (two adapted passes per scale) starts without 0.125: on dev its WER
+# rises from 0.05 on (10.98 % at 0.1 on the default corpus).
+SAT_ACOUSTIC_SCALES = GMM_ACOUSTIC_SCALES[:-1]
+# LM weights 10 .. 4, the middle of Kaldi's range. Smaller scales decode slower (flatter scores fill the
+# beam); at beam 10 with 3000 active states the decoder's work per frame is bounded. Until corpus version 3
+# the grid was LM weights 8 .. 3, and dev preferred its lowest scale, 0.125: an optimum at the edge.
+DNN_ACOUSTIC_SCALES = (0.1, 0.111, 0.125, 0.143, 0.167, 0.2, 0.25)
+# Most steps a grid is extended by when dev's best scale stays at its edge (``pick_scale``).
+MAX_GRID_EXTENSIONS = 3

@@ -1,0 +1,66 @@
+"""The GMM stages' sizes and seed as prepare.py sets them: tree leaves and total Gaussians of the
+triphone and SAT systems fixed before training from the hours of training speech (or given), and
+``--seed`` handed to every GMM stage."""
+
+import argparse
+
+import prepare
+import pytest
+from local.gmm.sizes import auto_sizes, resolve_sizes
+
+
+def test_auto_sizes_keep_the_default_corpus_and_reach_kaldis_sizes():
+    default_hours = 843_400 / 360_000  # the default corpus's training frames
+    assert auto_sizes("tri", default_hours) == (150, 1500) and auto_sizes("sat", default_hours) == (300, 2500)
+    assert auto_sizes("tri", 0.05) == (150, 1500)  # smaller corpora keep the default corpus's sizes
+    for system in ("tri", "sat"):
+        assert auto_sizes(system, 15) == auto_sizes(system, 100) == (2500, 15000)
+        assert auto_sizes(system, 460) == (4200, 40000) and auto_sizes(system, 5000) == (7000, 150000)
+        sizes = [auto_sizes(system, h) for h in (2.34, 5, 10, 15, 100, 200, 460, 960)]
+        assert sizes == sorted(sizes) and len(set(sizes)) == 7  # growing with the data
+    assert auto_sizes("tri", 10) == (1350, 9000) and auto_sizes("sat", 10) == (1550, 10000)
+
+
+def test_given_sizes_are_checked_and_auto_ones_recorded():
+    sizes = resolve_sizes("tri", "auto", 4000, frames=36_000_000)
+    assert sizes == {"leaves": 2500, "gaussians": 4000, "train_hours": 100.0, "auto": ["leaves"]}
+    with pytest.raises(ValueError, match=r"tri leaves=-3; .*--tri-leaves"):
+        resolve_sizes("tri", -3, "auto", frames=1000)
+    with pytest.raises(ValueError, match=r"100 Gaussians for 300 leaves.*--sat-gauss"):
+        resolve_sizes("sat", "auto", 100, frames=1000)
+    with pytest.raises(ValueError, match="use 'tri' or 'sat'"):
+        auto_sizes("mono", 1.0)
+
+
+def test_prepare_hands_its_seed_and_sizes_to_every_gmm_stage(monkeypatch, tmp_path):
+    from local.gmm import align, mono, sat, tri
+
+    calls = {}
+
+    def record(name):
+        return lambda data_dir, *args, **kwargs: calls.setdefault(name, (args, kwargs)) and {}
+
+    for module, fn in ((mono, "train_mono"), (tri, "train_tri"), (sat, "train_sat"), (align, "align")):
+        monkeypatch.setattr(module, fn, record(fn))
+    args = argparse.Namespace(seed=7, gmm_sizes={"tri_leaves": 400, "tri_gauss": "auto", "sat_leaves": "auto",
+                                                 "sat_gauss": 6000})
+    for stage in ("mono", "tri", "sat", "align"):
+        prepare._run_stage(stage, tmp_path, args)
+    assert all(kwargs["seed"] == 7 for _, kwargs in calls.values()) and len(calls) == 4
+    assert calls["train_tri"][0] == (400, "auto") and calls["train_sat"][0] == ("auto", 6000)
+
+
+def test_the_size_options_parse_auto_or_a_positive_number(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(prepare, "prepare", lambda *args, **kwargs: seen.update(kwargs))
+    prepare.main(["--tri-leaves", "800", "--sat-gauss", "auto"])
+    assert seen["gmm_sizes"] == {"tri_leaves": 800, "tri_gauss": "auto", "sat_leaves": "auto", "sat_gauss": "auto"}
+    for bad in ("0", "-5", "many"):
+        with pytest.raises(SystemExit):
+            prepare.main(["--sat-leaves", bad])
+
+
+def test_an_unknown_gmm_size_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="unknown GMM sizes"):
+        prepare.prepare(data_dir=tmp_path / "data", stage=3, gmm_sizes={"mono_gauss": 10})
+    assert not (tmp_path / "data").exists()
