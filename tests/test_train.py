@@ -248,12 +248,17 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
     assert base["world_size"] == 1 and gtc["world_size"] == 2
     assert (tmp_path / "cmp" / "dev_frame_acc.png").stat().st_size > 0
     assert list((tmp_path / "baseline" / "decode").glob("errs-test*"))
+    # the default search: lattices once, the scale and the insertion penalty chosen on dev by rescoring
+    lattice = json.loads((tmp_path / "baseline" / "decode" / "results.json").read_text())
+    assert lattice["search"] == "lattice" and lattice["word_insertion_penalty"] in (0.0, 0.5, 1.0)
+    assert len(lattice["dev_grid"]["wer"]) == 3 * len(lattice["dev_grid"]["grid"])
+    assert lattice["dev"]["wer"] == min(lattice["dev_grid"]["wer"].values())
     assert report["intervals"]["runs"]["gtc"]["vs_baseline"]["seeds"] == [0]
     # --test-sweep decodes again what was decoded without it (also with --skip-decoded); test at the scale
     # dev picked is the sweep's entry for that scale; a second call skips the runs
     sweep_args = ["--runs", str(tmp_path / "baseline"), str(tmp_path / "gtc"), "--out", str(tmp_path / "cmp_sweep"),
                   "--acoustic-scales", "0.1", "0.2", "--beam", "8", "--max-active", "1000", "--jobs", "1",
-                  "--skip-decoded", "--test-sweep"]
+                  "--skip-decoded", "--test-sweep", "--search", "best-path"]
     evaluate.main(sweep_args)
     results = json.loads((tmp_path / "gtc" / "decode" / "results.json").read_text())
     # (a grid of two scales always has dev's best at an edge: it grows, and test is swept over what dev tried)

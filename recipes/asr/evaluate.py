@@ -2,10 +2,13 @@
 """Decode with trained DNN acoustic models (hybrid DNN-HMM) and compare runs.
 
 For each run: pseudo log-likelihoods ``log p(pdf | x) - log p(pdf)`` of ``checkpoints/last.ckpt``
--> ``FasterDecoder`` on the HCLG of the aligning GMM system (``exp/sat/graph``); the acoustic scale is picked on dev
-from ``--acoustic-scales`` (the grid extended past an edge that holds dev's best, ``pick_scale``), then test is
-decoded once with it (with ``--test-sweep`` also at every scale dev tried, for the comparison's fixed-scale
-tables). Writes ``<run>/decode/`` (``recogs-*``, ``errs-*``,
+-> the HCLG of the aligning GMM system (``exp/sat/graph``). By default (``--search lattice``, Kaldi's
+``score.sh``) dev and test are each decoded once into word lattices (``local/graph/lattice.py``); the
+acoustic scale (1 / LM weight) from ``--acoustic-scales`` (the grid extended past an edge that holds
+dev's best, ``pick_scale``) and the word insertion penalty from ``--penalties`` are chosen on dev by
+rescoring its lattices, and test's best path at that point is scored (with ``--test-sweep`` also at
+every scale dev tried, for the comparison's fixed-scale tables). ``--search best-path`` decodes dev
+again at each scale with ``FasterDecoder`` instead (no penalty), as the recipe did before 2026-11-28. Writes ``<run>/decode/`` (``recogs-*``, ``errs-*``,
 ``per_utt-*``, ``results.json``), then the comparison over runs (markdown, JSON and the dev frame
 accuracy plot) under ``--out``.
 
@@ -33,13 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import torch
-from local.constants import DNN_ACOUSTIC_SCALES
+from local.constants import DNN_ACOUSTIC_SCALES, WORD_INSERTION_PENALTIES
 from local.data.features import SAMPLING_RATE
 from local.dnn.compare import compare_runs
 from local.dnn.datamodule import splice
 from local.dnn.front_end import FrontEnd
 from local.dnn.model import AcousticModel
-from local.graph.decode import BEAM, MAX_ACTIVE
+from local.graph.decode import BEAM, MAX_ACTIVE, words_to_text
 
 log = logging.getLogger("evaluate")
 
@@ -133,9 +136,14 @@ def locate_run(run_dir: Path, summary: dict, data_dir: Path | None = None) -> tu
 
 
 def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...], beam: float = BEAM,
-                 max_active: int = MAX_ACTIVE, test_sweep: bool = False) -> dict:
-    """Decode dev for each acoustic scale (the grid extended by ``pick_scale``), test with the best;
-    write ``<run_dir>/decode/``.
+                 max_active: int = MAX_ACTIVE, test_sweep: bool = False, search: str = "lattice",
+                 penalties: tuple[float, ...] = WORD_INSERTION_PENALTIES) -> dict:
+    """Pick the acoustic scale (1 / LM weight; the grid extended by ``pick_scale``) and, with lattices,
+    the word insertion penalty on dev; decode test with them; write ``<run_dir>/decode/``.
+
+    ``search="lattice"`` (Kaldi's way): dev and test are each decoded once into word lattices
+    (``local.graph.lattice``) and every (scale, penalty) point is a best path through them.
+    ``search="best-path"``: dev is decoded again at each scale with ``FasterDecoder`` (no penalty).
 
     ``test_sweep``: also decode test at every scale (``per_utt-test-acwt<scale>.json`` and
     ``results.json["test_sweep"]``), to see how much of a WER difference between runs is the scale
@@ -153,6 +161,11 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     # all dev utterances (also those the GMM could not align, e.g. with OOV words), like test
     dev_cuts = CutSet.from_file(data_dir / "features" / "dev_cuts.jsonl.gz")
     dev = list(utterance_logliks(model, context, log_prior, dev_cuts, front_end, "dev"))
+    if search == "lattice":
+        return _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, model, context, log_prior,
+                                  front_end, scales, penalties, test_sweep, start)
+    if search != "best-path":
+        raise ValueError(f"search={search!r}: use lattice or best-path")
     sweep = {}
 
     def dev_wer(scale: float) -> float:
@@ -186,6 +199,69 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     (out / "results.json").write_text(json.dumps(result, indent=1))
     log.info("%s: acoustic scale %g (dev WER %.2f %%), test WER %.2f %%", run_dir, best, result["dev"]["wer"],
              result["test"]["wer"])
+    return result
+
+
+def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, model, context, log_prior, front_end,
+                       scales, penalties, test_sweep, start) -> dict:
+    """``evaluate_run`` with lattices: one decoding of dev and one of test, the grid by rescoring."""
+    from lhotse import CutSet
+    from local.graph.decode import pick_scale, score
+    from local.graph.lattice import LATTICE_ACOUSTIC_SCALE, LATTICE_BEAM, decode_lattices, grid_hypotheses
+
+    out = run_dir / "decode"
+    penalties = sorted(set(penalties))
+    if not penalties:
+        raise ValueError("no word insertion penalty to try; give at least one (0 is Kaldi's neutral value)")
+    t0 = time.perf_counter()
+    dev_lats = decode_lattices(decoder.hclg, decoder.trans_model, dev, LATTICE_ACOUSTIC_SCALE, decoder.beam)
+    lattice_seconds = time.perf_counter() - t0
+    refs, id2word, wers, results = references(dev_cuts), decoder.id2word, {}, {}
+
+    def rescore(new_scales: list[float]) -> None:
+        grid = grid_hypotheses(dev_lats, new_scales, penalties)
+        for (s, p), hyps in grid.items():
+            text = {u: words_to_text(w, id2word) for u, w in hyps.items()}
+            results[(s, p)] = score(refs, text, out, f"dev-acwt{s:g}-wip{p:g}")
+            wers[(s, p)] = results[(s, p)]["wer"]
+
+    def dev_wer(scale: float) -> float:  # the best penalty's WER at this scale
+        if (scale, penalties[0]) not in wers:
+            rescore([scale])
+        return min(wers[(scale, p)] for p in penalties)
+
+    rescore(sorted(set(scales)))
+    best_scale, grid = pick_scale(dev_wer, scales, prefer=0.1)
+    best_penalty = min(penalties, key=lambda p: (wers[(best_scale, p)], abs(p)))
+    test_cuts = CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz")
+    test = utterance_logliks(model, context, log_prior, test_cuts, front_end, "test")
+    t0 = time.perf_counter()
+    test_lats = decode_lattices(decoder.hclg, decoder.trans_model, test, LATTICE_ACOUSTIC_SCALE, decoder.beam)
+    lattice_seconds += time.perf_counter() - t0
+    test_refs = references(test_cuts)
+    points = grid["grid"] if test_sweep else [best_scale]
+    test_grid = grid_hypotheses(test_lats, points, [best_penalty])
+    test_text = {s: {u: words_to_text(w, id2word) for u, w in test_grid[(s, best_penalty)].items()} for s in points}
+    result = {
+        "features": features,
+        "graph": str(decoder.graph),
+        "search": "lattice",
+        "lattice": {"acoustic_scale": LATTICE_ACOUSTIC_SCALE, "beam": decoder.beam,
+                    "lattice_beam": LATTICE_BEAM, "decode_seconds": round(lattice_seconds, 1)},
+        "acoustic_scale": best_scale,
+        "word_insertion_penalty": best_penalty,
+        "dev": results[(best_scale, best_penalty)],
+        "dev_sweep": {f"{s:g}": results[(s, best_penalty)]["wer"] for s in grid["grid"]},
+        "dev_grid": {**grid, "penalties": penalties,
+                     "wer": {f"{s:g}/{p:g}": w for (s, p), w in sorted(wers.items())}},
+        "test": score(test_refs, test_text[best_scale], out, "test"),
+    }
+    if test_sweep:
+        result["test_sweep"] = {f"{s:g}": score(test_refs, test_text[s], out, f"test-acwt{s:g}")["wer"] for s in points}
+    result["decode_seconds"] = round(time.perf_counter() - start, 1)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    log.info("%s: acoustic scale %g, word insertion penalty %g (dev WER %.2f %%), test WER %.2f %%", run_dir,
+             best_scale, best_penalty, result["dev"]["wer"], result["test"]["wer"])
     return result
 
 
@@ -311,6 +387,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--test-sweep", action="store_true",
                    help="also decode test at every acoustic scale; the comparison then shows each run name's "
                         "test WER and its paired change against the baseline at each fixed scale")
+    p.add_argument("--search", choices=["lattice", "best-path"], default="lattice",
+                   help="lattice: decode dev and test once into word lattices and choose the acoustic scale and "
+                        "the word insertion penalty on dev by rescoring (Kaldi's score.sh); best-path: decode dev "
+                        "again at each scale (no penalty)")
+    p.add_argument("--penalties", type=float, nargs="+", default=list(WORD_INSERTION_PENALTIES),
+                   help="word insertion penalties tried on dev with --search lattice (Kaldi's: 0 0.5 1)")
     p.add_argument("--beam", type=float, default=BEAM, help="decoding beam (Kaldi's default is 13; see BEAM)")
     p.add_argument("--max-active", type=int, default=MAX_ACTIVE, help="most active decoder states per frame")
     p.add_argument("--jobs", type=int, default=2, help="runs decoded in parallel (one process, one thread each)")
@@ -346,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("%s: not decoded again (%s)", run,
                  "--compare-only" if a.compare_only else "decode/results.json newer than the checkpoint")
     args = [(r, Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales), a.beam, a.max_active,
-             a.test_sweep) for r in todo]
+             a.test_sweep, a.search, tuple(a.penalties)) for r in todo]
     if a.jobs > 1 and len(todo) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor

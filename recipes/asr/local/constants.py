@@ -21,5 +21,7 @@ SAT_ACOUSTIC_SCALES = GMM_ACOUSTIC_SCALES[:-1]
 # beam); at beam 10 with 3000 active states the decoder's work per frame is bounded. Until corpus version 3
 # the grid was LM weights 8 .. 3, and dev preferred its lowest scale, 0.125: an optimum at the edge.
 DNN_ACOUSTIC_SCALES = (0.1, 0.111, 0.125, 0.143, 0.167, 0.2, 0.25)
+# Word insertion penalties tried on dev with lattices (Kaldi's score.sh: 0.0 0.5 1.0).
+WORD_INSERTION_PENALTIES = (0.0, 0.5, 1.0)
 # Most steps a grid is extended by when dev's best scale stays at its edge (``pick_scale``).
 MAX_GRID_EXTENSIONS = 3

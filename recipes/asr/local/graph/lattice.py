@@ -28,6 +28,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LATTICE_BEAM = 6.0  # Kaldi's decode.sh default
+# The scale the lattices are made at: inside the DNN's grid (local.constants), near where dev picks.
+LATTICE_ACOUSTIC_SCALE = 0.125
 
 
 @dataclass
