@@ -234,10 +234,11 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
     best_scale, grid = pick_scale(dev_wer, scales, prefer=0.1)
     best_penalty = min(penalties, key=lambda p: (wers[(best_scale, p)], abs(p)))
     test_cuts = CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz")
-    test = utterance_logliks(model, context, log_prior, test_cuts, front_end, "test")
+    test = list(utterance_logliks(model, context, log_prior, test_cuts, front_end, "test"))
     t0 = time.perf_counter()
     test_lats = decode_lattices(decoder.hclg, decoder.trans_model, test, LATTICE_ACOUSTIC_SCALE, decoder.beam)
     lattice_seconds += time.perf_counter() - t0
+    audio_seconds = sum(len(ll) for _, ll in dev + test) / 100.0  # 10 ms frames
     test_refs = references(test_cuts)
     points = grid["grid"] if test_sweep else [best_scale]
     test_grid = grid_hypotheses(test_lats, points, [best_penalty])
@@ -247,7 +248,8 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
         "graph": str(decoder.graph),
         "search": "lattice",
         "lattice": {"acoustic_scale": LATTICE_ACOUSTIC_SCALE, "beam": decoder.beam,
-                    "lattice_beam": LATTICE_BEAM, "decode_seconds": round(lattice_seconds, 1)},
+                    "lattice_beam": LATTICE_BEAM, "decode_seconds": round(lattice_seconds, 1),
+                    "audio_seconds": round(audio_seconds, 1), "rtf": round(lattice_seconds / audio_seconds, 4)},
         "acoustic_scale": best_scale,
         "word_insertion_penalty": best_penalty,
         "dev": results[(best_scale, best_penalty)],
