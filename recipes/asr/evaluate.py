@@ -43,6 +43,7 @@ from local.dnn.datamodule import splice
 from local.dnn.front_end import FrontEnd
 from local.dnn.model import AcousticModel
 from local.graph.decode import BEAM, MAX_ACTIVE, words_to_text
+from local.graph.lattice import LATTICE_SEARCH_BEAM
 
 log = logging.getLogger("evaluate")
 
@@ -135,7 +136,7 @@ def locate_run(run_dir: Path, summary: dict, data_dir: Path | None = None) -> tu
     return checkpoint, data_dir
 
 
-def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...], beam: float = BEAM,
+def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...], beam: float | None = None,
                  max_active: int = MAX_ACTIVE, test_sweep: bool = False, search: str = "lattice",
                  penalties: tuple[float, ...] = WORD_INSERTION_PENALTIES) -> dict:
     """Pick the acoustic scale (1 / LM weight; the grid extended by ``pick_scale``) and, with lattices,
@@ -157,6 +158,8 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     model, context, features = load_checkpoint(checkpoint)
     log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)
     front_end = FrontEnd(data_dir, features)
+    if beam is None:  # Kaldi's decode.sh beam for lattices; the best-path search's own (bounded by max_active)
+        beam = LATTICE_SEARCH_BEAM if search == "lattice" else BEAM
     decoder, out = Decoder(data_dir, beam, max_active), run_dir / "decode"
     # all dev utterances (also those the GMM could not align, e.g. with OOV words), like test
     dev_cuts = CutSet.from_file(data_dir / "features" / "dev_cuts.jsonl.gz")
@@ -395,7 +398,9 @@ def main(argv: list[str] | None = None) -> None:
                         "again at each scale (no penalty)")
     p.add_argument("--penalties", type=float, nargs="+", default=list(WORD_INSERTION_PENALTIES),
                    help="word insertion penalties tried on dev with --search lattice (Kaldi's: 0 0.5 1)")
-    p.add_argument("--beam", type=float, default=BEAM, help="decoding beam (Kaldi's default is 13; see BEAM)")
+    p.add_argument("--beam", type=float, default=None,
+                   help=f"decoding beam (default: {LATTICE_SEARCH_BEAM:g} with --search lattice, Kaldi's decode.sh; "
+                        f"{BEAM:g} with --search best-path, see local/graph/decode.py's BEAM)")
     p.add_argument("--max-active", type=int, default=MAX_ACTIVE, help="most active decoder states per frame")
     p.add_argument("--jobs", type=int, default=2, help="runs decoded in parallel (one process, one thread each)")
     p.add_argument("--out", default="exp/dnn/compare", help="where the comparison report goes")
@@ -414,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
         if not (a.checkpoint and a.test_set and a.data_dir):
             p.error("--test-set needs --checkpoint and --data-dir (for the graph, priors and lexicon)")
         decode_test_set(Path(a.checkpoint), Path(a.test_set), Path(a.data_dir), a.acoustic_scale,
-                        Path(a.out) / "decode_other", a.beam, a.max_active)
+                        Path(a.out) / "decode_other", a.beam if a.beam is not None else BEAM, a.max_active)
     if not a.runs:
         if not a.checkpoint:
             p.error("give --runs (and/or --checkpoint with --test-set)")

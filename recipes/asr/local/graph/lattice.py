@@ -28,6 +28,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LATTICE_BEAM = 6.0  # Kaldi's decode.sh default
+# The search beam of the lattice decoding, Kaldi's decode.sh default. On 150 dev utterances of the default
+# corpus (baseline DNN, seed 0) beam 13 took 2.6 times beam 10's time for a dev WER of 9.46 % against 9.81 %;
+# a lattice beam of 8 gave the same WER as 6 in 1.3 times the time.
+LATTICE_SEARCH_BEAM = 13.0
 # The scale the lattices are made at: inside the DNN's grid (local.constants), near where dev picks.
 LATTICE_ACOUSTIC_SCALE = 0.125
 
