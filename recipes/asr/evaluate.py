@@ -158,7 +158,7 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     model, context, features = load_checkpoint(checkpoint)
     log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)
     front_end = FrontEnd(data_dir, features)
-    if beam is None:  # Kaldi's decode.sh beam for lattices; the best-path search's own (bounded by max_active)
+    if beam is None:  # (local/graph/lattice.py says why the lattice search's default is not Kaldi's 13)
         beam = LATTICE_SEARCH_BEAM if search == "lattice" else BEAM
     decoder, out = Decoder(data_dir, beam, max_active), run_dir / "decode"
     # all dev utterances (also those the GMM could not align, e.g. with OOV words), like test
@@ -399,8 +399,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--penalties", type=float, nargs="+", default=list(WORD_INSERTION_PENALTIES),
                    help="word insertion penalties tried on dev with --search lattice (Kaldi's: 0 0.5 1)")
     p.add_argument("--beam", type=float, default=None,
-                   help=f"decoding beam (default: {LATTICE_SEARCH_BEAM:g} with --search lattice, Kaldi's decode.sh; "
-                        f"{BEAM:g} with --search best-path, see local/graph/decode.py's BEAM)")
+                   help=f"decoding beam (default: {LATTICE_SEARCH_BEAM:g} with --search lattice, {BEAM:g} with "
+                        "--search best-path; Kaldi's decode.sh uses 13, measured in local/graph/lattice.py)")
     p.add_argument("--max-active", type=int, default=MAX_ACTIVE, help="most active decoder states per frame")
     p.add_argument("--jobs", type=int, default=2, help="runs decoded in parallel (one process, one thread each)")
     p.add_argument("--out", default="exp/dnn/compare", help="where the comparison report goes")
