@@ -159,10 +159,15 @@ def render(snap: dict) -> str:
         d = snap["decodes"][f"{run['run']}/{run['seed']}"]
         per_seed = intervals[run["run"]]["per_seed"][str(run["seed"])]
         where = _relative(run_dir(Path(c["exp"]), run["seed"], run["run"]) / "decode")
-        out.append(f"# {run['run']}: {_label(run)}, {run['precision']}, seed {run['seed']}; acoustic scale "
-                   f"{d['acoustic_scale']:g} (dev {d['dev']['wer']:.2f} %); test 95 % interval "
+        lattice = d.get("search") == "lattice"
+        penalty = f", word insertion penalty {d['word_insertion_penalty']:g}" if lattice else ""
+        how = (f"lattices (beam {d['lattice']['beam']:g}, RTF {d['lattice']['rtf']:.3f})" if lattice
+               else "best path per scale")
+        out.append(f"# {run['run']}: {_label(run)}, {run['precision']}, seed {run['seed']}; {how}, acoustic scale "
+                   f"{d['acoustic_scale']:g}{penalty} (dev {d['dev']['wer']:.2f} %); test 95 % interval "
                    f"[{per_seed['lo']:.2f}, {per_seed['hi']:.2f}]")
-        out.append(wer_line(d["dev"], f"{where}/errs-dev-acwt{d['acoustic_scale']:g}.txt"))
+        dev_name = f"acwt{d['acoustic_scale']:g}" + (f"-wip{d['word_insertion_penalty']:g}" if lattice else "")
+        out.append(wer_line(d["dev"], f"{where}/errs-dev-{dev_name}.txt"))
         out.append(wer_line(d["test"], f"{where}/errs-test.txt"))
     out += ["```", ""]
     header = ("| run | workers | bytes sent / step / worker | vs fp32 all-reduce | dev frame acc. | "
