@@ -237,11 +237,18 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
     best_scale, grid = pick_scale(dev_wer, scales, prefer=0.1)
     best_penalty = min(penalties, key=lambda p: (wers[(best_scale, p)], abs(p)))
     test_cuts = CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz")
-    test = list(utterance_logliks(model, context, log_prior, test_cuts, front_end, "test"))
+    frames = [sum(len(ll) for _, ll in dev)]
+
+    def counted(utterances):  # test's log-likelihoods, one at a time, their frames counted for the RTF
+        for utt_id, loglik in utterances:
+            frames[0] += len(loglik)
+            yield utt_id, loglik
+
+    test = counted(utterance_logliks(model, context, log_prior, test_cuts, front_end, "test"))
     t0 = time.perf_counter()
     test_lats = decode_lattices(decoder.hclg, decoder.trans_model, test, LATTICE_ACOUSTIC_SCALE, decoder.beam)
     lattice_seconds += time.perf_counter() - t0
-    audio_seconds = sum(len(ll) for _, ll in dev + test) / 100.0  # 10 ms frames
+    audio_seconds = frames[0] / 100.0  # 10 ms frames
     test_refs = references(test_cuts)
     points = grid["grid"] if test_sweep else [best_scale]
     test_grid = grid_hypotheses(test_lats, points, [best_penalty])

@@ -105,16 +105,22 @@ def decode_utterances(
 
     def decodables():
         for utt_id, loglik in utterances:
-            loglik = np.asarray(loglik, dtype=np.float32)
-            if loglik.ndim != 2 or loglik.shape[1] != trans_model.num_pdfs:
-                raise ValueError(
-                    f"{utt_id}: log-likelihoods of shape {loglik.shape}, expected [T, {trans_model.num_pdfs}] "
-                    "(one column per pdf of the transition model)"
-                )
-            per_tid = np.ascontiguousarray(acoustic_scale * loglik[:, tid2pdf])
-            yield utt_id, loglik.shape[0], khg.DecodableCtc(per_tid)
+            per_tid = scaled_per_tid(utt_id, loglik, tid2pdf, trans_model.num_pdfs, acoustic_scale)
+            yield utt_id, per_tid.shape[0], khg.DecodableCtc(per_tid)
 
     return _decode_all(hclg, decodables(), beam, max_active)
+
+
+def scaled_per_tid(utt_id: str, loglik, tid2pdf: np.ndarray, num_pdfs: int, acoustic_scale: float) -> np.ndarray:
+    """``[T, num_pdfs]`` per-pdf log-likelihoods -> ``[T, num_transition_ids]`` scaled by ``acoustic_scale``
+    (what a ``DecodableCtc`` reads; ``tid2pdf`` from :func:`tid_to_pdf`). Raises on a wrong shape."""
+    loglik = np.asarray(loglik, dtype=np.float32)
+    if loglik.ndim != 2 or loglik.shape[1] != num_pdfs:
+        raise ValueError(
+            f"{utt_id}: log-likelihoods of shape {loglik.shape}, expected [T, {num_pdfs}] "
+            "(one column per pdf of the transition model)"
+        )
+    return np.ascontiguousarray(acoustic_scale * loglik[:, tid2pdf])
 
 
 def decode_utterances_gmm(

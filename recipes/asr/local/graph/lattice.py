@@ -124,7 +124,6 @@ def best_paths(lattice: WordLattice, scales: np.ndarray, penalties: np.ndarray) 
     back = np.full((lattice.num_states, k), -1, dtype=np.int64)
     cost[0] = 0.0
     bounds = np.searchsorted(lattice.src, np.arange(lattice.num_states + 1))
-    columns = np.arange(k)
     for s in range(lattice.num_states):
         lo, hi = bounds[s], bounds[s + 1]
         if lo == hi or not np.isfinite(cost[s]).any():
@@ -139,7 +138,7 @@ def best_paths(lattice: WordLattice, scales: np.ndarray, penalties: np.ndarray) 
     total = cost + lattice.final_graph[:, None] + lattice.final_acoustic[:, None] * ratio[None, :]
     ends = np.argmin(total, axis=0)
     out = []
-    for j in columns:
+    for j in range(k):
         if not np.isfinite(total[ends[j], j]):
             out.append([])
             continue
@@ -165,22 +164,18 @@ def decode_lattices(
     survived the beam: it scores as an empty hypothesis)."""
     import kaldi_decoder
 
-    from local.graph.decode import tid_to_pdf
+    from local.graph.decode import scaled_per_tid, tid_to_pdf
 
     tid2pdf = tid_to_pdf(trans_model)
     config = kaldi_decoder.LatticeSimpleDecoderConfig(beam=beam, lattice_beam=lattice_beam)
     out, frames, t0 = {}, 0, time.time()
     for utt_id, loglik in utterances:
-        loglik = np.asarray(loglik, dtype=np.float32)
-        if loglik.ndim != 2 or loglik.shape[1] != trans_model.num_pdfs:
-            raise ValueError(
-                f"{utt_id}: log-likelihoods of shape {loglik.shape}, expected [T, {trans_model.num_pdfs}]"
-            )
+        per_tid = scaled_per_tid(utt_id, loglik, tid2pdf, trans_model.num_pdfs, acoustic_scale)
         decoder = kaldi_decoder.LatticeSimpleDecoder(hclg, config)
-        decoder.decode(kaldi_decoder.DecodableCtc(np.ascontiguousarray(acoustic_scale * loglik[:, tid2pdf])))
+        decoder.decode(kaldi_decoder.DecodableCtc(per_tid))
         ok, raw = decoder.get_raw_lattice()
         out[utt_id] = from_kaldifst(raw, acoustic_scale) if ok else None
-        frames += loglik.shape[0]
+        frames += per_tid.shape[0]
     seconds = time.time() - t0
     log.info(
         "lattices of %d utterances (%d frames) in %.1f s (%.1f ms per second of audio); %d without a path",
