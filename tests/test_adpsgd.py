@@ -105,6 +105,66 @@ def test_a_pair_exchange_leaves_both_on_the_mean_of_what_they_sent(tmp_path, wor
     torch.testing.assert_close(total_after, total_before)  # the pairs moved by opposite amounts
 
 
+class _Snapshot(ADPSGDState):
+    """Keeps every edge's reference as the synchronisation point drops them."""
+
+    def _forget_references(self) -> None:
+        self.kept = {peer: ref.clone() for peer, ref in self._refs.items()}
+        super()._forget_references()
+
+
+def _coded_rounds(rank: int, out_dir: Path, steps: int, density: float, lr: float) -> dict:
+    """``steps`` step boundaries of coded exchanges (max_staleness 1: each lands before the next
+    starts), each after a local step of ``lr`` times a fixed random direction of this rank."""
+    group = _init(rank)
+    torch.manual_seed(rank)
+    params = [torch.randn(40, 5), torch.randn(60)]
+    direction = torch.randn(260)
+    start = torch.cat([p.reshape(-1) for p in params]).clone()
+    state = _Snapshot(group, max_staleness=1, compress="gtc", density=density)
+    state.start(params)
+    spread = []
+    for _ in range(steps):
+        time.sleep(0.002)  # (a step's compute: the passive rank applies its moves as they land)
+        with torch.no_grad():
+            params[0].add_(lr * direction[:200].view(40, 5))
+            params[1].add_(lr * direction[200:])
+        state.after_step(params, [])
+        spread.append(torch.cat([p.reshape(-1) for p in params]).clone())
+    state.drain(params)
+    return {"start": start, "after": torch.cat([p.reshape(-1) for p in params]), "direction": direction,
+            "seen": spread, "kept": state.kept, "totals": state.stats()["total"], "refs_left": len(state._refs)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_coded_exchanges_keep_the_sum_share_each_pairs_reference_and_reach_consensus(tmp_path, world):
+    steps, density, lr = 60, 0.05, 1e-3
+    out = run_ranks(tmp_path, _coded_rounds, devices=world, timeout=90, steps=steps, density=density, lr=lr)
+    # what the pairs exchanged moved them by opposite amounts: the sum is the start's plus the local steps
+    total = sum(r["after"].double() for r in out)
+    expected = sum((r["start"] + steps * lr * r["direction"]).double() for r in out)
+    torch.testing.assert_close(total, expected, atol=1e-4, rtol=0)
+    # both ranks of every edge hold the same reference, bit for bit
+    edges = 0
+    for active in range(0, world, 2):
+        for peer, ref in out[active]["kept"].items():
+            assert torch.equal(ref, out[peer]["kept"][active]), f"edge {active}-{peer}"
+            edges += 1
+    assert edges == (1 if world == 2 else 4) and all(r["refs_left"] == 0 for r in out)
+    # the bytes: each edge's first exchange dense (260 fp32), every later one k + 1 int32 words
+    k = math.ceil(density * 260)
+    for r in out:
+        applied = r["totals"]["applied"]
+        dense = 1 if world == 2 else 2
+        assert r["totals"]["bytes_sent"] == dense * 260 * 4 + (applied - dense) * (k + 1) * 4
+    # the ranks agree far better than without exchanges: their spread is small next to their start's
+    def spread(models):
+        stack = torch.stack(models)
+        return float((stack - stack.mean(0)).pow(2).mean().sqrt())
+
+    assert spread([r["after"] for r in out]) < 0.05 * spread([r["start"] for r in out])
+
+
 def _slow_link(rank: int, out_dir: Path, max_staleness: int, steps: int) -> dict:
     """The passive rank answers each exchange 0.15 s late (a slow link); the active rank's steps take
     0.01 s, the passive rank's 0.06 s. Records every step boundary's staleness."""
@@ -112,9 +172,9 @@ def _slow_link(rank: int, out_dir: Path, max_staleness: int, steps: int) -> dict
     if rank % 2:
         serve = ADPSGDState._serve
 
-        def late(self, src, peer_step):
+        def late(self, *args):
             time.sleep(0.15)
-            serve(self, src, peer_step)
+            serve(self, *args)
 
         ADPSGDState._serve = late
     params = [torch.full((4,), float(rank))]
@@ -225,7 +285,7 @@ def test_a_slow_rank_does_not_slow_the_others_between_synchronisation_points(tmp
             assert got["took"] < 0.5 * slow, f"rank {rank} took {got['took']:.2f} s, the slow rank {slow:.2f} s"
 
 
-def _fit_checkpoint_resume(rank: int, out_dir: Path, world: int) -> dict:
+def _fit_checkpoint_resume(rank: int, out_dir: Path, world: int, compress: str = "none") -> dict:
     """One rank of: 1 epoch with a checkpoint at its 4th (last) step, then a new Trainer that resumes
     from it for a second epoch. Returns what the test compares with the checkpoint's shards."""
 
@@ -243,7 +303,8 @@ def _fit_checkpoint_resume(rank: int, out_dir: Path, world: int) -> dict:
 
     def trainer(max_epochs: int, callbacks: list) -> L.Trainer:
         return L.Trainer(
-            accelerator="cpu", devices=world, strategy=ADPSGDStrategy(timeout=TIMEOUT), max_epochs=max_epochs,
+            accelerator="cpu", devices=world, strategy=ADPSGDStrategy(compress=compress, density=0.1, timeout=TIMEOUT),
+            max_epochs=max_epochs,
             logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
             enable_model_summary=False, default_root_dir=out_dir,
         )  # fmt: skip
@@ -261,9 +322,9 @@ def _fit_checkpoint_resume(rank: int, out_dir: Path, world: int) -> dict:
             "global_step": second.global_step, "state": second.strategy.adpsgd_state.state_dict()}  # fmt: skip
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_consensus_at_the_end_and_a_bit_exact_resume(tmp_path, world):
-    out = run_ranks(tmp_path, _fit_checkpoint_resume, devices=world, timeout=90, world=world)
+@pytest.mark.parametrize(("world", "compress"), [(2, "none"), (4, "none"), (2, "gtc")])
+def test_consensus_at_the_end_and_a_bit_exact_resume(tmp_path, world, compress):
+    out = run_ranks(tmp_path, _fit_checkpoint_resume, devices=world, timeout=90, world=world, compress=compress)
     ckpt = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
     own = [rank["own"] for rank in out]
     for rank in out:  # the end of fit: every rank on the mean of the ranks' own models
@@ -308,7 +369,9 @@ def test_warmup_steps_are_dense_and_identical_then_the_ranks_step_alone(tmp_path
      ({"warmup_steps": -1}, "warmup_steps"),
      ({"process_group": object()}, r"process_group=.*Remove process_group"),
      ({"static_graph": True}, r"static_graph=True cannot be kept.*Remove static_graph"),
-     ({"ddp_comm_hook": print}, "own DDP communication hook")],
+     ({"ddp_comm_hook": print}, "own DDP communication hook"),
+     ({"compress": "zip"}, r"compress in \('none', 'gtc'\).*got 'zip'"),
+     ({"compress": "gtc", "density": 0}, r"density=0 must be a number in \(0, 1\]")],
 )  # fmt: skip
 def test_bad_settings_name_the_value_and_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from gtc_lightning.algorithms.averaging.adpsgd import PEERINGS, ADPSGDState, check_world
+from gtc_lightning.algorithms.averaging.adpsgd import PEERINGS, ADPSGDState, check_compression, check_world
 from gtc_lightning.algorithms.averaging.model_averaging import local_hook
 from gtc_lightning.algorithms.common import check_int
 from gtc_lightning.strategies.averaging import LocalStepsMixin
@@ -83,6 +83,11 @@ class ADPSGDStrategy(DPSGDStrategy):
             an odd peer per exchange from a hash of ``seed``, its rank and the exchange's number.
         seed: the seed of ``peering="random"``.
         warmup_steps: optimizer steps of dense gradient averaging (DDP's all-reduce) first.
+        compress: ``"none"``: each exchange sends the whole model; ``"gtc"``: after each pair's first
+            exchange following a synchronisation point, Strom's threshold words of the difference
+            from a reference the pair shares (``density`` of the parameters, one reference per peer in
+            host memory; :mod:`gtc_lightning.algorithms.averaging.adpsgd`), for slow links.
+        density: the share of the parameters a coded exchange sends (``compress="gtc"``).
         average_eval: evaluation loops see the mean of all ranks' parameters (as for ``dpsgd``).
         average_at_end: at the end of fit every rank's parameters become the mean over the ranks.
         restore_shards: on resume, restore every rank's own parameters, optimizer state and
@@ -104,6 +109,8 @@ class ADPSGDStrategy(DPSGDStrategy):
         peering: Literal["ring", "random"] = "ring",
         seed: int = 0,
         warmup_steps: int = 0,
+        compress: Literal["none", "gtc"] = "none",
+        density: float = 0.01,
         average_eval: bool = True,
         average_at_end: bool = True,
         restore_shards: bool = True,
@@ -117,6 +124,7 @@ class ADPSGDStrategy(DPSGDStrategy):
         if peering not in PEERINGS:
             raise ValueError(f"Expect peering in {PEERINGS} (the schedule of each even rank's peers), got {peering!r}")
         check_int("seed", seed, 0, "the seed of peering='random'")
+        check_compression(compress, density)
         if kwargs.get("process_group") is not None:
             raise ValueError(
                 f"adpsgd pairs all ranks over a gloo group of its own; process_group={kwargs['process_group']!r} "
@@ -135,6 +143,8 @@ class ADPSGDStrategy(DPSGDStrategy):
         self._max_staleness = max_staleness
         self._peering = peering
         self._seed = seed
+        self._compress = compress
+        self._density = float(density)
         self._comm_group: dist.ProcessGroup | None = None
 
     @property
@@ -148,6 +158,14 @@ class ADPSGDStrategy(DPSGDStrategy):
     @property
     def seed(self) -> int:
         return self._seed
+
+    @property
+    def compress(self) -> str:
+        return self._compress
+
+    @property
+    def density(self) -> float:
+        return self._density
 
     @property
     def adpsgd_state(self) -> ADPSGDState | None:
@@ -175,15 +193,16 @@ class ADPSGDStrategy(DPSGDStrategy):
             self._comm_group = dist.new_group(backend="gloo", timeout=timeout)
         group = self._comm_group
         self._state = state = self._setup_state(
-            lambda: ADPSGDState(group, self._max_staleness, self._peering, self._seed, self._warmup_steps)
+            lambda: ADPSGDState(group, self._max_staleness, self._peering, self._seed, self._warmup_steps,
+                                self._compress, self._density)
         )
         state.comm_group = group  # (a continued fit's state: the group of this fit)
         if self.global_rank == 0 and not self._continuing:
             log.info(
-                "%s config: max_staleness=%d, peering=%s, seed=%d, warmup_steps=%d, average_eval=%s, "
-                "average_at_end=%s, world_size=%d",
-                self.name, self._max_staleness, self._peering, self._seed, self._warmup_steps, self._average_eval,
-                self._average_at_end, state.world_size,
+                "%s config: max_staleness=%d, peering=%s, seed=%d, warmup_steps=%d, compress=%s, density=%g, "
+                "average_eval=%s, average_at_end=%s, world_size=%d",
+                self.name, self._max_staleness, self._peering, self._seed, self._warmup_steps, self._compress,
+                self._density, self._average_eval, self._average_at_end, state.world_size,
             )  # fmt: skip
         self.model.register_comm_hook(state, local_hook)  # the dense warmup's all-reduce
         self.model.require_forward_param_sync = False  # no buffer broadcast in the forward pass

@@ -38,6 +38,21 @@ is applied, nothing is in flight, and collectives on the default group may run.
 
 The exchange runs on a gloo process group of its own (CPU tensors; on GPUs the flat copies go
 through host memory, as Zhang et al. average on the CPU), used by one thread of each process at a time.
+
+**Coded exchanges** (``compress="gtc"``, beyond the seeds): a pair sends Strom's threshold words
+instead of whole models. Both ranks of a pair (an *edge*: an active rank and one passive peer) keep
+the same reference model ``r``: the mean of their first exchange after a synchronisation point,
+which is dense. Each later exchange on the edge sends, from each side, the ``k = ceil(density * n)``
+largest entries of its residual ``x - r`` as words (sign bit + 31-bit index, Strom's format) and
+``tau``, the smallest of their magnitudes: the message decodes to ``q``, ``+-tau`` at its words.
+Both sides then move by half the difference of what was sent, ``x_a += (q_p - q_a) / 2`` and
+``x_p += (q_a - q_p) / 2`` (opposite amounts: the sum is kept), and both add the mean of what was
+sent to the reference, ``r += (q_a + q_p) / 2``, computed identically on the two sides. What a rank
+did not send stays in its residual ``x - r`` for the next exchange on that edge (error feedback).
+Were every entry sent exactly, this is the dense mean. Each rank keeps one reference per edge (a
+model's worth of host memory per peer: 1 at 2 ranks, 2 with the ring schedule). The references are
+dropped at every synchronisation point, so the first exchange of each edge after one is dense and
+nothing of them goes into a checkpoint.
 """
 
 from __future__ import annotations
@@ -62,13 +77,16 @@ from gtc_lightning.algorithms.averaging.model_averaging import (
     unflatten_,
 )
 from gtc_lightning.algorithms.common import allreduce_bytes, check_int
+from gtc_lightning.ops.torch_ops import INDEX_MASK, SIGN_BIT
 
 log = logging.getLogger(__name__)
 
 PEERINGS = ("ring", "random")
+COMPRESSIONS = ("none", "gtc")
 REQUEST, STOP = 1, 0  # the header's first word
+DENSE, CODED = 0, 1  # the header's last word: what the payload is
 HEADER_TAG, MODEL_TAG, REPLY_HEADER_TAG, REPLY_TAG = 11, 12, 13, 14
-HEADER_WORDS = 3  # [kind, the sender's step, the sender's rank]
+HEADER_WORDS = 4  # [kind, the sender's step, the sender's rank, DENSE or CODED]
 ADPSGD_TOTALS = ("applied", "staleness_sum", "staleness_max", "lag_sum", "blocked_s")
 
 
@@ -100,6 +118,20 @@ def check_world(world: int, peering: str) -> None:
         )
 
 
+def check_compression(compress: str, density: float) -> None:
+    """``compress`` one of :data:`COMPRESSIONS`; ``0 < density <= 1``."""
+    if compress not in COMPRESSIONS:
+        raise ValueError(
+            f"Expect compress in {COMPRESSIONS} (what a pair exchange sends: whole models, or Strom's threshold "
+            f"words of the difference from the pair's reference), got {compress!r}"
+        )
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise ValueError(
+            f"adpsgd: density={density!r} must be a number in (0, 1]: the share of the parameters a coded "
+            "exchange sends (e.g. 0.01)"
+        )
+
+
 def _mix(*words: int) -> int:
     """splitmix64 over the words: a stateless, seeded hash (the schedule needs no saved generator)."""
     x = 0x9E3779B97F4A7C15
@@ -126,17 +158,45 @@ def schedule_peer(rank: int, world: int, exchange: int, peering: str = "ring", s
     return choices[_mix(seed, rank, exchange) % len(choices)]
 
 
+def coded_words(numel: int, density: float) -> int:
+    """Words of a coded message over ``numel`` parameters: ``ceil(density * numel)``, at least 1."""
+    return max(1, min(numel, math.ceil(density * numel)))
+
+
+def encode_largest(residual: torch.Tensor, k: int) -> torch.Tensor:
+    """A coded message: ``[k + 1]`` int32, word 0 the float32 bits of ``tau`` (the smallest of the
+    ``k`` largest magnitudes of ``residual``), then one word per such entry: its index, with bit 31
+    set where the entry is negative (Strom's format)."""
+    top = torch.topk(residual.abs(), k, sorted=False)
+    tau = top.values.min().reshape(1).to(torch.float32)
+    index = top.indices.to(torch.int32)
+    words = torch.where(residual[top.indices] < 0, index | SIGN_BIT, index)
+    return torch.cat([tau.view(torch.int32), words])
+
+
+def decode_largest(message: torch.Tensor, numel: int) -> torch.Tensor:
+    """The dense float32 ``[numel]`` a coded message stands for: ``+-tau`` at its words, 0 elsewhere."""
+    tau = message[:1].view(torch.float32)
+    words = message[1:]
+    out = torch.zeros(numel, dtype=torch.float32)
+    out[(words & INDEX_MASK).long()] = torch.where(words < 0, -tau, tau)
+    return out
+
+
 @dataclass
 class Landed:
-    """One exchange's outcome on this rank: the mean, the model this rank sent and the step it was
-    published at, the peer, the peer's step, and the seconds the exchange took (the thread's)."""
+    """One exchange's outcome on this rank: the mean (dense) or the move to add (``delta``, coded), the
+    model this rank sent and the step it was published at, the peer, the peer's step, the seconds the
+    exchange took (the thread's) and the payload's bytes this rank sent."""
 
-    mean: torch.Tensor
+    mean: torch.Tensor | None
     sent: torch.Tensor
     sent_step: int
     peer: int
     peer_step: int
     seconds: float
+    bytes: int
+    delta: torch.Tensor | None = None
 
 
 class ADPSGDState(AveragingState):
@@ -151,6 +211,8 @@ class ADPSGDState(AveragingState):
         peering: ``"ring"`` or ``"random"`` (:func:`schedule_peer`).
         seed: the ``"random"`` schedule's seed.
         warmup_steps: optimizer steps of dense gradient all-reduce before the exchanges start.
+        compress: ``"none"`` (whole models) or ``"gtc"`` (coded exchanges, see the module's text).
+        density: the share of the parameters a coded message carries (0 < density <= 1).
     """
 
     def __init__(
@@ -160,9 +222,12 @@ class ADPSGDState(AveragingState):
         peering: str = "ring",
         seed: int = 0,
         warmup_steps: int = 0,
+        compress: str = "none",
+        density: float = 0.01,
     ) -> None:
         check_int("max_staleness", max_staleness, 1, "local steps an exchange may stay in flight")
         check_int("seed", seed, 0, "the seed of peering='random'")
+        check_compression(compress, density)
         world = dist.get_world_size()
         check_world(world, peering)
         super().__init__(period=1, warmup_steps=warmup_steps, process_group=None)
@@ -171,6 +236,8 @@ class ADPSGDState(AveragingState):
         self.max_staleness = max_staleness
         self.peering = peering
         self.seed = seed
+        self.compress = compress
+        self.density = float(density)
         self.rank = dist.get_rank()
         self.active = self.rank % 2 == 0
         self.actives, self.passives = actives(world), passives(world)
@@ -186,6 +253,7 @@ class ADPSGDState(AveragingState):
         self._view_step = 0
         self._error: BaseException | None = None
         self._blocked_s = 0.0  # this step's wait for the staleness bound
+        self._refs: dict[int, torch.Tensor] = {}  # compress="gtc": each edge's reference, by peer (thread only)
         # The statistics.
         for key in ADPSGD_TOTALS:
             self.totals[key] = 0
@@ -261,7 +329,7 @@ class ADPSGDState(AveragingState):
             self._jobs.put(None)
             self._thread.join()
             self._raise_error()
-            header = torch.tensor([STOP, self.step, self.rank], dtype=torch.int64)
+            header = torch.tensor([STOP, self.step, self.rank, DENSE], dtype=torch.int64)
             works = [dist.isend(header, peer, group=self.comm_group, tag=HEADER_TAG) for peer in self.passives]
             for work in works:
                 work.wait()
@@ -273,11 +341,17 @@ class ADPSGDState(AveragingState):
                 self._apply(params, landed)
                 self._view = None
         self._thread = None
+        self._forget_references()
         for item in landed:  # (the step counter stays: staleness counts the steps since each was sent)
             self._note(item)
             for key in ("bytes_sent", "bytes_received"):
-                self.totals[key] += item.sent.numel() * item.sent.element_size()
+                self.totals[key] += item.bytes
         return True
+
+    def _forget_references(self) -> None:
+        """Drop every edge's reference (at a synchronisation point, the thread stopped): the next
+        exchange of each edge is dense again."""
+        self._refs.clear()
 
     def abandon(self) -> None:
         """After an exception in the training loop: let the thread go without waiting for it (an
@@ -292,12 +366,13 @@ class ADPSGDState(AveragingState):
         return flatten(params).cpu()
 
     def _apply(self, params: list[torch.Tensor], landed: list[Landed]) -> None:
-        """``x <- m + (x - s)`` for each landed mean in turn: exactly ``m`` when ``x`` is still ``s``."""
+        """``x <- m + (x - s)`` for each landed mean in turn (exactly ``m`` when ``x`` is still ``s``);
+        ``x <- x + delta`` for a coded exchange's move."""
         if not landed:
             return
         x = self._flat(params)
         for item in landed:
-            x = item.mean + (x - item.sent)
+            x = x + item.delta if item.delta is not None else item.mean + (x - item.sent)
         unflatten_(x, params)
 
     def _collect(self, params: list[torch.Tensor], block: bool) -> list[Landed]:
@@ -338,7 +413,7 @@ class ADPSGDState(AveragingState):
 
     def _count(self, params: list[torch.Tensor], landed: list[Landed], seconds: float) -> SyncStats:
         numel = sum(p.numel() for p in params)
-        size = sum(item.sent.numel() * item.sent.element_size() for item in landed)
+        size = sum(item.bytes for item in landed)
         noted = [self._note(item) for item in landed]
         self.totals["blocked_s"] += self._blocked_s
         self.last_staleness = {
@@ -369,18 +444,28 @@ class ADPSGDState(AveragingState):
     def _exchange(self, sent: torch.Tensor, step: int, peer: int) -> Landed:
         started = time.perf_counter()
         group = self.comm_group
-        header = torch.tensor([REQUEST, step, self.rank], dtype=torch.int64)
-        reply_header, reply = torch.empty(HEADER_WORDS, dtype=torch.int64), torch.empty_like(sent)
+        ref = self._refs.get(peer)
+        payload = sent if ref is None else encode_largest(sent - ref, coded_words(sent.numel(), self.density))
+        header = torch.tensor([REQUEST, step, self.rank, DENSE if ref is None else CODED], dtype=torch.int64)
+        reply_header, reply = torch.empty(HEADER_WORDS, dtype=torch.int64), torch.empty_like(payload)
         works = [  # the receives posted before the sends, as for dpsgd's neighbour exchange
             dist.irecv(reply_header, peer, group=group, tag=REPLY_HEADER_TAG),
             dist.irecv(reply, peer, group=group, tag=REPLY_TAG),
             dist.isend(header, peer, group=group, tag=HEADER_TAG),
-            dist.isend(sent, peer, group=group, tag=MODEL_TAG),
+            dist.isend(payload, peer, group=group, tag=MODEL_TAG),
         ]
         for work in works:
             work.wait()
+        size, peer_step = payload.numel() * payload.element_size(), int(reply_header[1])
+        if ref is not None:
+            mine, theirs = decode_largest(payload, sent.numel()), decode_largest(reply, sent.numel())
+            self._refs[peer] = ref + (mine + theirs) * 0.5
+            delta = (theirs - mine) * 0.5
+            return Landed(None, sent, step, peer, peer_step, time.perf_counter() - started, size, delta)
         mean = (sent + reply).mul_(0.5)
-        return Landed(mean, sent, step, peer, int(reply_header[1]), time.perf_counter() - started)
+        if self.compress == "gtc":
+            self._refs[peer] = mean  # (never written in place)
+        return Landed(mean, sent, step, peer, peer_step, time.perf_counter() - started, size)
 
     def _passive_loop(self) -> None:
         try:
@@ -388,35 +473,56 @@ class ADPSGDState(AveragingState):
             header = torch.empty(HEADER_WORDS, dtype=torch.int64)
             while stopped < len(self.actives):
                 src = dist.recv(header, None, group=self.comm_group, tag=HEADER_TAG)
-                kind, peer_step, _ = header.tolist()
+                kind, peer_step, _, payload = header.tolist()
                 if kind == STOP:
                     stopped += 1
                     continue
-                self._serve(src, peer_step)
+                self._serve(src, peer_step, payload == CODED)
         except BaseException as error:  # noqa: BLE001  (the training loop raises it)
             self._error = error
 
-    def _serve(self, src: int, peer_step: int) -> None:
-        """One request: the newest model goes back while the peer's arrives (both directions at once),
-        then the mean is kept. Should the training loop publish a newer model meanwhile, the model
-        the next request gets is that one moved by the mean: ``m + (newer - sent)``."""
+    def _serve(self, src: int, peer_step: int, coded: bool = False) -> None:
+        """One request: the newest model (or its coded residual) goes back while the peer's arrives
+        (both directions at once), then the mean (or the move) is kept. Should the training loop
+        publish a newer model meanwhile, the model the next request gets is that one moved by the mean:
+        ``m + (newer - sent)``."""
         started = time.perf_counter()
         with self._lock:
             sent, sent_step = self._view, self._view_step
         assert sent is not None
-        incoming = torch.empty_like(sent)
-        reply_header = torch.tensor([REQUEST, sent_step, self.rank], dtype=torch.int64)
+        ref = self._refs.get(src)
+        if coded and ref is None:
+            raise RuntimeError(
+                f"adpsgd: rank {src} sent a coded exchange, but rank {self.rank} holds no reference for their pair "
+                "(every rank must be given the same compress setting)"
+            )
+        payload = encode_largest(sent - ref, coded_words(sent.numel(), self.density)) if coded else sent
+        incoming = torch.empty_like(payload)
+        reply_header = torch.tensor([REQUEST, sent_step, self.rank, CODED if coded else DENSE], dtype=torch.int64)
         works = [
             dist.irecv(incoming, src, group=self.comm_group, tag=MODEL_TAG),
             dist.isend(reply_header, src, group=self.comm_group, tag=REPLY_HEADER_TAG),
-            dist.isend(sent, src, group=self.comm_group, tag=REPLY_TAG),
+            dist.isend(payload, src, group=self.comm_group, tag=REPLY_TAG),
         ]
         for work in works:
             work.wait()
+        size = payload.numel() * payload.element_size()
+        if coded:
+            theirs, mine = decode_largest(incoming, sent.numel()), decode_largest(payload, sent.numel())
+            self._refs[src] = ref + (theirs + mine) * 0.5
+            delta = (theirs - mine) * 0.5
+            with self._lock:
+                self._view = self._view + delta
+                self._landed.append(
+                    Landed(None, sent, sent_step, src, peer_step, time.perf_counter() - started, size, delta)
+                )
+            return
         mean = (incoming + sent).mul_(0.5)
+        if self.compress == "gtc":
+            self._refs[src] = mean  # (never written in place)
         with self._lock:  # atomic with the training loop's step boundary
             self._view = mean if self._view is sent else mean + (self._view - sent)
-            self._landed.append(Landed(mean, sent, sent_step, src, peer_step, time.perf_counter() - started))
+            self._landed.append(Landed(mean, sent, sent_step, src, peer_step, time.perf_counter() - started, size))
 
     # ---- the collectives of the synchronisation points -------------------------------------------------
 
@@ -458,7 +564,8 @@ class ADPSGDState(AveragingState):
     def __getstate__(self) -> dict:
         """As :class:`AveragingState`'s, without the thread, its queues and lock, and the group."""
         state = {**self.__dict__, "process_group": None, "spread": None, "comm_group": None}
-        state.update(_lock=None, _thread=None, _jobs=None, _arrived=None, _landed=[], _view=None, _in_flight=None)
+        state.update(_lock=None, _thread=None, _jobs=None, _arrived=None, _landed=[], _view=None, _in_flight=None,
+                     _refs={})
         return state
 
     @override
