@@ -122,18 +122,22 @@ def _coded_rounds(rank: int, out_dir: Path, steps: int, density: float, lr: floa
     direction = torch.randn(260)
     start = torch.cat([p.reshape(-1) for p in params]).clone()
     state = _Snapshot(group, max_staleness=1, compress="gtc", density=density)
-    state.start(params)
-    spread = []
-    for _ in range(steps):
-        time.sleep(0.002)  # (a step's compute: the passive rank applies its moves as they land)
-        with torch.no_grad():
-            params[0].add_(lr * direction[:200].view(40, 5))
-            params[1].add_(lr * direction[200:])
-        state.after_step(params, [])
-        spread.append(torch.cat([p.reshape(-1) for p in params]).clone())
-    state.drain(params)
+    phases = []
+    for phase in range(2):  # the first from a fit's start (dense first exchanges), the second after a sync point
+        state.start(params)
+        for _ in range(steps):
+            time.sleep(0.002)  # (a step's compute: the passive rank applies its moves as they land)
+            with torch.no_grad():
+                params[0].add_(lr * direction[:200].view(40, 5))
+                params[1].add_(lr * direction[200:])
+            state.after_step(params, [])
+        state.drain(params)
+        phases.append({"totals": dict(state.stats()["total"]), "kept": state.kept, "refs_left": len(state._refs)})
+        if phase == 0:
+            state.measure_spread(params)
+            phases[0]["set"] = {peer: ref.clone() for peer, ref in state._refs.items()}
     return {"start": start, "after": torch.cat([p.reshape(-1) for p in params]), "direction": direction,
-            "seen": spread, "kept": state.kept, "totals": state.stats()["total"], "refs_left": len(state._refs)}
+            "phases": phases}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -142,21 +146,29 @@ def test_coded_exchanges_keep_the_sum_share_each_pairs_reference_and_reach_conse
     out = run_ranks(tmp_path, _coded_rounds, devices=world, timeout=90, steps=steps, density=density, lr=lr)
     # what the pairs exchanged moved them by opposite amounts: the sum is the start's plus the local steps
     total = sum(r["after"].double() for r in out)
-    expected = sum((r["start"] + steps * lr * r["direction"]).double() for r in out)
+    expected = sum((r["start"] + 2 * steps * lr * r["direction"]).double() for r in out)
     torch.testing.assert_close(total, expected, atol=1e-4, rtol=0)
-    # both ranks of every edge hold the same reference, bit for bit
-    edges = 0
-    for active in range(0, world, 2):
-        for peer, ref in out[active]["kept"].items():
-            assert torch.equal(ref, out[peer]["kept"][active]), f"edge {active}-{peer}"
-            edges += 1
-    assert edges == (1 if world == 2 else 4) and all(r["refs_left"] == 0 for r in out)
-    # the bytes: each edge's first exchange dense (260 fp32), every later one k + 1 int32 words
+    # both ranks of every edge hold the same reference, bit for bit, at the end of each phase
+    for phase in range(2):
+        edges = 0
+        for active in range(0, world, 2):
+            for peer, ref in out[active]["phases"][phase]["kept"].items():
+                assert torch.equal(ref, out[peer]["phases"][phase]["kept"][active]), f"edge {active}-{peer}"
+                edges += 1
+        assert edges == (1 if world == 2 else 4) and all(r["phases"][phase]["refs_left"] == 0 for r in out)
+    # the sync point set every edge's reference to the ranks' mean, the same on every rank
+    for r in out:
+        for ref in r["phases"][0]["set"].values():
+            assert torch.equal(ref, out[0]["phases"][0]["set"][1])
+    # the bytes: from the fit's start each edge's first exchange dense (260 fp32), every other one
+    # k + 1 int32 words; after the sync point every exchange coded
     k = math.ceil(density * 260)
     for r in out:
-        applied = r["totals"]["applied"]
+        first, both = r["phases"][0]["totals"], r["phases"][1]["totals"]
         dense = 1 if world == 2 else 2
-        assert r["totals"]["bytes_sent"] == dense * 260 * 4 + (applied - dense) * (k + 1) * 4
+        assert first["bytes_sent"] == dense * 260 * 4 + (first["applied"] - dense) * (k + 1) * 4
+        second = both["bytes_sent"] - first["bytes_sent"]
+        assert second == (both["applied"] - first["applied"]) * (k + 1) * 4
     # the ranks agree far better than without exchanges: their spread is small next to their start's
     def spread(models):
         stack = torch.stack(models)

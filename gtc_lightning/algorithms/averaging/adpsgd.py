@@ -41,18 +41,18 @@ through host memory, as Zhang et al. average on the CPU), used by one thread of 
 
 **Coded exchanges** (``compress="gtc"``, beyond the seeds): a pair sends Strom's threshold words
 instead of whole models. Both ranks of a pair (an *edge*: an active rank and one passive peer) keep
-the same reference model ``r``: the mean of their first exchange after a synchronisation point,
-which is dense. Each later exchange on the edge sends, from each side, the ``k = ceil(density * n)``
-largest entries of its residual ``x - r`` as words (sign bit + 31-bit index, Strom's format) and
-``tau``, the smallest of their magnitudes: the message decodes to ``q``, ``+-tau`` at its words.
+the same reference model ``r``: the mean of all ranks measured at the last synchronisation point
+(:meth:`ADPSGDState.measure_spread`), or where there is none (the start of a fit) the mean of the
+pair's first exchange, which is then dense. Each exchange on the edge sends, from each side, the
+``k = ceil(density * n)`` largest entries of its residual ``x - r`` as words (sign bit + 31-bit
+index, Strom's format) and ``tau``, the smallest of their magnitudes: the message decodes to ``q``, ``+-tau`` at its words.
 Both sides then move by half the difference of what was sent, ``x_a += (q_p - q_a) / 2`` and
 ``x_p += (q_a - q_p) / 2`` (opposite amounts: the sum is kept), and both add the mean of what was
 sent to the reference, ``r += (q_a + q_p) / 2``, computed identically on the two sides. What a rank
 did not send stays in its residual ``x - r`` for the next exchange on that edge (error feedback).
 Were every entry sent exactly, this is the dense mean. Each rank keeps one reference per edge (a
 model's worth of host memory per peer: 1 at 2 ranks, 2 with the ring schedule). The references are
-dropped at every synchronisation point, so the first exchange of each edge after one is dense and
-nothing of them goes into a checkpoint.
+set anew at every synchronisation point: nothing of them goes into a checkpoint.
 """
 
 from __future__ import annotations
@@ -528,9 +528,14 @@ class ADPSGDState(AveragingState):
 
     def measure_spread(self, params: list[torch.Tensor]) -> dict:
         """The RMS distance of each rank's ``params`` from their mean over the ranks (a collective on
-        the default group: call it on every rank, at a synchronisation point)."""
+        the default group: call it on every rank, at a synchronisation point). With ``compress="gtc"``
+        the mean (the same on every rank) becomes every edge's reference, so that the exchanges after
+        the synchronisation point are coded from the first."""
         with torch.no_grad():
             mean, size = all_mean(params, None)
+            if self.compress == "gtc" and self._thread is None:  # every edge's reference: the mean, the same everywhere
+                shared = mean.detach().to(torch.float32).cpu()
+                self._refs = {peer: shared for peer in (self.passives if self.active else self.actives)}
             squared = (flatten(params).to(mean.dtype) - mean).double().pow(2).mean().reshape(1)
             distance = math.sqrt(float(squared))
             dist.all_reduce(squared)
