@@ -331,7 +331,9 @@ def _fit_checkpoint_resume(rank: int, out_dir: Path, world: int, compress: str =
     second = trainer(2, [started])
     second.fit(TinyMLP(samples=samples), ckpt_path=str(out_dir / "ckpt" / "epoch=0-step=4.ckpt"))
     return {"own": own, "average": average, "final": final, "start": started.start,
-            "global_step": second.global_step, "state": second.strategy.adpsgd_state.state_dict()}  # fmt: skip
+            "global_step": second.global_step, "state": second.strategy.adpsgd_state.state_dict(),
+            "totals": [first.strategy.adpsgd_state.stats()["total"], second.strategy.adpsgd_state.stats()["total"]],
+            "numel": final.numel()}  # fmt: skip
 
 
 @pytest.mark.parametrize(("world", "compress"), [(2, "none"), (4, "none"), (2, "gtc")])
@@ -358,6 +360,10 @@ def test_consensus_at_the_end_and_a_bit_exact_resume(tmp_path, world, compress):
         assert rank["start"]["exchanges"] == exchanges and (1 <= exchanges <= 4 if r % 2 == 0 else exchanges == 0)
         assert rank["global_step"] == 8 and rank["state"]["step"] == 8
         assert rank["state"]["exchanges"] > exchanges or r % 2  # the schedule went on from there
+        if compress == "gtc":  # each fit set the references as it started: every exchange coded
+            words = math.ceil(0.1 * rank["numel"]) + 1
+            for totals in rank["totals"]:
+                assert totals["applied"] >= 1 and totals["bytes_sent"] == totals["applied"] * words * 4
 
 
 def test_warmup_steps_are_dense_and_identical_then_the_ranks_step_alone(tmp_path):

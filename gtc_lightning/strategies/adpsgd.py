@@ -184,6 +184,9 @@ class ADPSGDStrategy(DPSGDStrategy):
             add_callback(trainer, StalenessLogger(lambda: self._state, self.name, self._sync_point, self._resume))
             self._continue_own_model()
             no_sigterm_broadcast(trainer)
+            state = self._state
+            if isinstance(state, ADPSGDState) and state.compress == "gtc" and not state.running:
+                state.measure_spread(self._params)  # (a collective: every edge's reference, the ranks' mean)
 
     @override
     def _register_ddp_hooks(self) -> None:

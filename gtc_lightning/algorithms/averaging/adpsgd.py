@@ -42,8 +42,8 @@ through host memory, as Zhang et al. average on the CPU), used by one thread of 
 **Coded exchanges** (``compress="gtc"``, beyond the seeds): a pair sends Strom's threshold words
 instead of whole models. Both ranks of a pair (an *edge*: an active rank and one passive peer) keep
 the same reference model ``r``: the mean of all ranks measured at the last synchronisation point
-(:meth:`ADPSGDState.measure_spread`), or where there is none (the start of a fit) the mean of the
-pair's first exchange, which is then dense. Each exchange on the edge sends, from each side, the
+(:meth:`ADPSGDState.measure_spread`; the strategy measures it as fit starts too), or where there is
+none the mean of the pair's first exchange, which is then dense. Each exchange on the edge sends, from each side, the
 ``k = ceil(density * n)`` largest entries of its residual ``x - r`` as words (sign bit + 31-bit
 index, Strom's format) and ``tau``, the smallest of their magnitudes: the message decodes to ``q``, ``+-tau`` at its words.
 Both sides then move by half the difference of what was sent, ``x_a += (q_p - q_a) / 2`` and
