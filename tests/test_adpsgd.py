@@ -434,3 +434,7 @@ def test_bench_cluster_replays_the_ring_schedules_pairs_and_the_scaling_model_on
     asked = [parse_strategy("adpsgd:max_staleness=4"), parse_strategy("dpsgd")]
     assert [s["label"] for s in bench_cluster._strategies_for(3, asked)] == ["dpsgd", "nocomm"]  # the ring needs an even world
     assert [s["label"] for s in bench_cluster._strategies_for(4, asked)] == ["adpsgd:max_staleness=4", "dpsgd", "nocomm"]
+    coded = parse_strategy("adpsgd:compress=gtc,density=0.02")
+    assert bench_cluster.adpsgd_words(coded, 1000) == 20 and bench_cluster.adpsgd_words(asked[0], 1000) == 0
+    (pair,) = scaling.collectives("adpsgd", 4, scaling.Messages(numel=1000, words=20))
+    assert pair.size == 4 * 21  # the words and tau

@@ -341,6 +341,7 @@ def replay(plan: dict, segments: dict, facts: dict) -> dict:
         words = torch.tensor([_hook_words(mine), _word_bytes(mine, world)], dtype=torch.float64)
         dist.all_reduce(words)
         mean_words, word_bytes = (float(x) / world for x in words)
+        mean_words = adpsgd_words(entry, numel) or mean_words
         f = facts.get(name, {})
         # PowerSGD's all-reduces as rank 0 issued them: every rank replays the same ones in the same order
         allreduces = [f.get("allreduces", [])]
@@ -438,6 +439,17 @@ def _run_collective(
             work.wait()
     else:
         raise ValueError(f"cannot replay collective kind {c.kind!r}")
+
+
+def adpsgd_words(entry: dict, numel: int) -> int:
+    """Words of one coded ``adpsgd`` exchange (``adpsgd:compress=gtc``, ``density`` 0.01 unless given);
+    0 for every other strategy (whole models, or words measured by the hook)."""
+    options = entry.get("options", {})
+    if entry["name"] != "adpsgd" or options.get("compress") != "gtc":
+        return 0
+    from gtc_lightning.algorithms.averaging.adpsgd import coded_words
+
+    return coded_words(numel, float(options.get("density", 0.01)))
 
 
 def parameter_count(spec: tuple[int, int, int]) -> int:
@@ -669,7 +681,8 @@ def summarize_config(record: dict, ranks: list[dict], plan: dict) -> list[dict]:
             "network_s": network, "frames_per_s": plan["batch"] * world / step,
             "wire_tx_bytes": wire, "wire_rx_bytes": statistics.fmean(per_rank_rx) if world > 1 else 0.0,
             "hook_bytes": hook, "wire_over_hook": wire / hook if hook else None,
-            "replay_tx_bytes": replay_tx, "words": statistics.fmean(words) if any(words) else None,
+            "replay_tx_bytes": replay_tx,
+            "words": adpsgd_words(entry, n) or (statistics.fmean(words) if any(words) else None),
             "word_bytes": statistics.fmean(word_bytes) if base in GTC_LIKE and any(words) else None,
             "wire_bound_s": wire * 8 / rate_bits if rate_bits else None,
             "fp32_ring_bytes": float(allreduce_bytes(n, world, 4)),

@@ -291,8 +291,8 @@ def collectives(strategy: str, world: int, msg: Messages) -> list[Collective] | 
         ]
     if strategy == "dpsgd":
         return [Collective("neighbours", 4 * n, min(2, w - 1))]
-    if strategy == "adpsgd":
-        return [Collective("neighbours", 4 * n, 1)]
+    if strategy == "adpsgd":  # whole models; with compress="gtc" msg.words coded words and tau
+        return [Collective("neighbours", msg.word_bytes * (msg.words + 1) if msg.words else 4 * n, 1)]
     return None
 
 
