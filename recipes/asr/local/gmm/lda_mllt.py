@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from local.gmm.transforms import _outer_sum, apply_affine, gaussian_posteriors
+from local.gmm.transforms import apply_affine, gaussian_posteriors
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,11 @@ def accumulate_lda_stats(feats: np.ndarray, classes: np.ndarray, weights: np.nda
         raise ValueError(f"class ids span {classes.min()}..{classes.max()}; the statistics have "
                          f"{len(stats.count)} classes")
     stats.count += np.bincount(classes, weights=w, minlength=len(stats.count))
-    np.add.at(stats.first, classes, x * w[:, None])
-    stats.second += (x * w[:, None]).T @ x
+    order = np.argsort(classes, kind="stable")
+    starts = np.flatnonzero(np.diff(classes[order], prepend=-1))  # each class's first frame in ``order``
+    xw = x * w[:, None]
+    stats.first[classes[order[starts]]] += np.add.reduceat(xw[order], starts, axis=0) if len(x) else 0.0
+    stats.second += xw.T @ x
     return stats
 
 
@@ -172,7 +175,8 @@ def accumulate_mllt_stats(am, feats: np.ndarray, pdfs: np.ndarray, weights: np.n
         means, inv_vars = np.asarray(gmm.means, np.float64), np.asarray(gmm.inv_vars, np.float64)  # [G, D]
         xs = x[idx]
         occ, first = post.sum(0), post.T @ xs  # [G], [G, D]
-        scatter = (_outer_sum(post, xs) - np.einsum("ga,gb->gab", means, first)
+        second = np.stack([(xs * post[:, g, None]).T @ xs for g in range(post.shape[1])])  # [G, D, D]
+        scatter = (second - np.einsum("ga,gb->gab", means, first)
                    - np.einsum("ga,gb->gab", first, means) + occ[:, None, None] * np.einsum("ga,gb->gab", means, means))
         stats.G += np.einsum("gi,gab->iab", inv_vars, scatter)
         stats.beta += float(occ.sum())
