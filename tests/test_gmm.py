@@ -602,8 +602,8 @@ def test_lda_mllt_system_decodes_and_keeps_its_transform(lda_mllt):
 
 
 def test_sat_on_lda_mllt_features_decodes_and_aligns(lda_mllt):
-    from local.dnn.front_end import FrontEnd
     from lhotse import CutSet
+    from local.dnn.front_end import FrontEnd
 
     data_dir, lda, sat, ali = lda_mllt
     assert sat["speaker_independent"] == "lda_mllt"
