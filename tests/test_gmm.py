@@ -553,3 +553,71 @@ def test_sat_alignments_are_the_dnn_targets(trained, sat):
     with open(data_dir / "exp" / "sat" / "ali.pkl", "rb") as f:
         sat_alis = pickle.load(f)
     assert info["splits"]["train"]["utterances"] == len(sat_alis)
+
+
+# ---------------------------------------------------------------- LDA+MLLT (prepare.py --lda-mllt)
+@pytest.fixture(scope="module")
+def lda_mllt(trained, tmp_path_factory):
+    """A copy of the tiny corpus's mono and tri systems, then what ``prepare.py --lda-mllt`` builds on
+    them, with fewer passes: the LDA+MLLT system (8 passes, MLLT at 2 and 4), SAT on its features
+    (8 passes) and the align stage's fMLLR targets."""
+    import shutil
+
+    from local.gmm.align import align
+    from local.gmm.lda_mllt import train_lda_mllt
+    from local.gmm.sat import train_sat
+
+    src, data_dir = trained[0], tmp_path_factory.mktemp("lda_mllt") / "tiny"
+    shutil.copytree(src, data_dir, ignore=lambda d, names: [n for n in names if Path(d) == src / "exp" and n != "tri"
+                                                            and n != "mono"])
+    lda = train_lda_mllt(data_dir, num_leaves=150, total_gauss=300, num_iters=8, realign_iters=(5,),
+                         mllt_iters=(2, 4), scales=(0.1,))
+    sat = train_sat(data_dir, num_leaves=150, total_gauss=300, num_iters=8, realign_iters=(3,), fmllr_iters=(4,),
+                    scales=(0.1,), speaker_independent="lda_mllt")
+    return data_dir, lda, sat, align(data_dir)
+
+
+def test_lda_mllt_system_decodes_and_keeps_its_transform(lda_mllt):
+    from local.gmm.common import GmmSystem, front_end_id, load_cuts
+
+    data_dir, lda, _, _ = lda_mllt
+    exp = data_dir / "exp" / "lda_mllt"
+    system = GmmSystem.load(exp / "final.pkl")
+    assert system.transform.shape == (40, 91) and lda["dim"] == 40
+    np.testing.assert_array_equal(np.load(exp / "final_mat.npy"), system.transform)
+    assert np.load(exp / "lda.npy").shape == (40, 91) and not np.allclose(np.load(exp / "lda.npy"), system.transform)
+    with open(exp / "final.pkl", "rb") as f:
+        assert pickle.load(f)["front_end"] == front_end_id(lda_mllt=True)
+    assert len(lda["mllt_gain_per_frame"]) == 2 and min(lda["mllt_gain_per_frame"]) >= 0
+    history = json.loads((exp / "history.json").read_text())
+    assert len(history) == 8 and history[5]["realigned"]
+    for split in ("dev", "test"):
+        res = json.loads((exp / f"decode_{split}" / "wer.json").read_text())
+        assert res["wer"] == lda[f"{split}_wer"] and res["words"] > 0 and res["acoustic_scale"] == 0.1
+        assert (exp / f"decode_{split}" / "best_path.pkl").exists()  # the SAT decoding's first pass
+    with open(exp / "ali.pkl", "rb") as f:
+        alis = pickle.load(f)
+    feats = system.features(load_cuts(data_dir, "train", clean_only=False))
+    assert all(len(feats[u]) == len(a) and feats[u].shape[1] == 40 for u, a in alis.items())
+
+
+def test_sat_on_lda_mllt_features_decodes_and_aligns(lda_mllt):
+    from lhotse import CutSet
+    from local.dnn.front_end import FrontEnd
+
+    data_dir, lda, sat, ali = lda_mllt
+    assert sat["speaker_independent"] == "lda_mllt"
+    with open(data_dir / "exp" / "sat" / "trans.pkl", "rb") as f:
+        assert all(W.shape == (40, 41) for W in pickle.load(f).values())
+    for split in ("dev", "test"):
+        res = json.loads((data_dir / "exp" / "sat" / f"decode_{split}" / "wer.json").read_text())
+        assert res["wer"] == sat[f"{split}_wer"] and res["si_first_pass_wer"] == lda[f"{split}_wer"]
+    info = json.loads((data_dir / "ali" / "info.json").read_text())
+    assert ali["system"] == "sat" and "lda_mllt" in info["phone_agreement"]
+    for split in ("train", "dev"):
+        with open(data_dir / "ali" / f"trans_{split}.pkl", "rb") as f:
+            assert all(W.shape == (40, 41) for W in pickle.load(f).values())
+    front = FrontEnd(data_dir, "mfcc_fmllr")  # nnet1's input follows the SAT system's features
+    dev = list(CutSet.from_file(data_dir / "features" / "dev_cuts.jsonl.gz"))
+    _, x = next(iter(front(dev, "dev")))
+    assert front.dim == x.shape[1] == 40

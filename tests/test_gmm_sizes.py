@@ -1,5 +1,5 @@
 """The GMM stages' sizes and seed as prepare.py sets them: tree leaves and total Gaussians of the
-triphone and SAT systems fixed before training from the hours of training speech (or given), and
+triphone, LDA+MLLT and SAT systems fixed before training from the hours of training speech (or given), and
 ``--seed`` handed to every GMM stage."""
 
 import argparse
@@ -19,6 +19,8 @@ def test_auto_sizes_keep_the_default_corpus_and_reach_kaldis_sizes():
         sizes = [auto_sizes(system, h) for h in (2.34, 5, 10, 15, 100, 200, 460, 960)]
         assert sizes == sorted(sizes) and len(set(sizes)) == 7  # growing with the data
     assert auto_sizes("tri", 10) == (1350, 9000) and auto_sizes("sat", 10) == (1550, 10000)
+    # LDA+MLLT: the triphone system's sizes (Kaldi's recipes: the same or somewhat more than tri1)
+    assert all(auto_sizes("lda_mllt", h) == auto_sizes("tri", h) for h in (0.05, 2.34, 10, 100, 960))
 
 
 def test_given_sizes_are_checked_and_auto_ones_recorded():
@@ -28,8 +30,10 @@ def test_given_sizes_are_checked_and_auto_ones_recorded():
         resolve_sizes("tri", -3, "auto", frames=1000)
     with pytest.raises(ValueError, match=r"100 Gaussians for 300 leaves.*--sat-gauss"):
         resolve_sizes("sat", "auto", 100, frames=1000)
-    with pytest.raises(ValueError, match="use 'tri' or 'sat'"):
+    with pytest.raises(ValueError, match="use 'tri', 'lda_mllt' or 'sat'"):
         auto_sizes("mono", 1.0)
+    with pytest.raises(ValueError, match=r"--lda-mllt-gauss of at least --lda-mllt-leaves"):
+        resolve_sizes("lda_mllt", 500, 100, frames=1000)
 
 
 def test_prepare_hands_its_seed_and_sizes_to_every_gmm_stage(monkeypatch, tmp_path):
@@ -43,7 +47,7 @@ def test_prepare_hands_its_seed_and_sizes_to_every_gmm_stage(monkeypatch, tmp_pa
     for module, fn in ((mono, "train_mono"), (tri, "train_tri"), (sat, "train_sat"), (align, "align")):
         monkeypatch.setattr(module, fn, record(fn))
     args = argparse.Namespace(seed=7, gmm_sizes={"tri_leaves": 400, "tri_gauss": "auto", "sat_leaves": "auto",
-                                                 "sat_gauss": 6000})
+                                                 "sat_gauss": 6000}, lda_mllt=False)
     for stage in ("mono", "tri", "sat", "align"):
         prepare._run_stage(stage, tmp_path, args)
     assert all(kwargs["seed"] == 7 for _, kwargs in calls.values()) and len(calls) == 4
@@ -54,7 +58,9 @@ def test_the_size_options_parse_auto_or_a_positive_number(monkeypatch):
     seen = {}
     monkeypatch.setattr(prepare, "prepare", lambda *args, **kwargs: seen.update(kwargs))
     prepare.main(["--tri-leaves", "800", "--sat-gauss", "auto"])
-    assert seen["gmm_sizes"] == {"tri_leaves": 800, "tri_gauss": "auto", "sat_leaves": "auto", "sat_gauss": "auto"}
+    assert seen["gmm_sizes"] == {"tri_leaves": 800, "tri_gauss": "auto", "lda_mllt_leaves": "auto",
+                                 "lda_mllt_gauss": "auto", "sat_leaves": "auto", "sat_gauss": "auto"}
+    assert seen["lda_mllt"] is False
     for bad in ("0", "-5", "many"):
         with pytest.raises(SystemExit):
             prepare.main(["--sat-leaves", bad])

@@ -7,7 +7,9 @@ Stages (each skipped when it has already completed; ``--stage`` / ``--stop-stage
   1  features  40-bin fbank (DNN) + 13 MFCC (GMM), CMVN statistics
   2  lang      CMUdict lexicon, phones/words, HMM topology, L.fst, n-gram LM -> G.fst
   3  mono      monophone GMM-HMM: flat start, Viterbi training; decode dev/test
-  4  tri       triphone GMM-HMM on a phonetic decision tree; decode dev/test
+  4  tri       triphone GMM-HMM on a phonetic decision tree; decode dev/test. With --lda-mllt, then the
+               LDA+MLLT triphone system from its alignments (exp/lda_mllt), decoded too: the same
+               stage, so the numbering stays; SAT, align and adapt then work on its 40-dim features
   5  sat       speaker-adaptive triphone GMM-HMM (per-speaker fMLLR); decode dev/test with fMLLR
   6  align     DNN targets: fMLLR alignments with the SAT system (align_fmllr.sh), pdf priors,
                agreement with TTS gold timings
@@ -17,6 +19,9 @@ Stages (each skipped when it has already completed; ``--stage`` / ``--stop-stage
   8  report    report.json and a readable summary
 
 These are the recipe's stages 0-8 in run.sh too (its 9-11 train the baseline and GTC, decode and compare).
+
+--lda-mllt (off by default) is recorded in ``settings.json``: a data dir whose GMM stages were built
+one way is refused the other way until they are rebuilt (``--stage 4 --force``).
 
 A stage is marked done (``<data-dir>/.done/<stage>``) only when it completed, and before it runs
 what it writes (``STAGE_OUTPUTS``) is cleared: killing a run in the middle of any stage and running
@@ -60,7 +65,7 @@ STAGE_OUTPUTS = {
     "features": ["features"],
     "lang": ["lang"],
     "mono": ["exp/mono"],
-    "tri": ["exp/tri"],
+    "tri": ["exp/tri", "exp/lda_mllt"],  # lda_mllt: trained in the tri stage with --lda-mllt
     "sat": ["exp/sat"],
     "align": ["ali"],
     "adapt": ["adapt"],
@@ -71,8 +76,11 @@ STAGE_OUTPUTS = {
 # files a completed stage must have written today; a stage marked done without them (an older
 # version of the recipe) runs again, and the stages after it with it
 STAGE_REQUIRES = {"adapt": ["adapt/fbank_sat_trans.pkl"]}
-# the GMM sizes that prepare.py sets (--tri-leaves ...): tree leaves and total Gaussians of tri and sat
-GMM_SIZES = ("tri_leaves", "tri_gauss", "sat_leaves", "sat_gauss")
+# the GMM sizes that prepare.py sets (--tri-leaves ...): tree leaves and total Gaussians of tri, lda_mllt
+# (with --lda-mllt) and sat
+GMM_SIZES = ("tri_leaves", "tri_gauss", "lda_mllt_leaves", "lda_mllt_gauss", "sat_leaves", "sat_gauss")
+# the stages a data dir built with or without --lda-mllt holds that the flag changes
+LDA_MLLT_STAGES = ("tri", "sat", "align", "adapt", "report")
 
 
 def default_data_dir(corpus: str, size: str) -> Path:
@@ -130,12 +138,19 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
         from local.gmm.tri import train_tri
 
         sizes = args.gmm_sizes
-        return _summary(train_tri(data_dir, sizes["tri_leaves"], sizes["tri_gauss"], seed=args.seed))
+        line = _summary(train_tri(data_dir, sizes["tri_leaves"], sizes["tri_gauss"], seed=args.seed))
+        if args.lda_mllt:
+            from local.gmm.lda_mllt import train_lda_mllt
+
+            lda = train_lda_mllt(data_dir, sizes["lda_mllt_leaves"], sizes["lda_mllt_gauss"], seed=args.seed)
+            line += "; lda_mllt: " + _summary(lda)
+        return line
     if name == "sat":
         from local.gmm.sat import train_sat
 
         sizes = args.gmm_sizes
-        return _summary(train_sat(data_dir, sizes["sat_leaves"], sizes["sat_gauss"], seed=args.seed))
+        return _summary(train_sat(data_dir, sizes["sat_leaves"], sizes["sat_gauss"], seed=args.seed,
+                                  **({"speaker_independent": "lda_mllt"} if args.lda_mllt else {})))
     if name == "align":
         from local.gmm.align import align
 
@@ -153,6 +168,29 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
 
         return _summary(make_report(data_dir, corpus=args.corpus))
     raise AssertionError(name)
+
+
+def _without_flag(settings: dict) -> dict:
+    """``settings`` without the ``lda_mllt`` entry, which ``check_lda_mllt`` compares on its own."""
+    return {k: v for k, v in settings.items() if k != "lda_mllt"}
+
+
+def check_lda_mllt(data_dir: Path, recorded: dict | None, lda_mllt: bool, stage: int, force: bool) -> None:
+    """Refuse to continue a data dir whose GMM stages (tri on) were built with the other ``--lda-mllt``
+    setting (``settings.json``, absent: off), unless this run rebuilds them from the tri stage
+    (``--stage`` at most 4 with ``--force``)."""
+    was = bool((recorded or {}).get("lda_mllt", False))
+    if was == lda_mllt:
+        return
+    built = [name for name in LDA_MLLT_STAGES if _marker(data_dir, name).exists()]
+    if not built or (force and stage <= STAGES.index("tri")):
+        return
+    flag = "with" if was else "without"
+    raise SystemExit(
+        f"{data_dir}'s stages {', '.join(built)} were built {flag} --lda-mllt (settings.json); to change that, "
+        f"rebuild them from the tri stage: add --stage {STAGES.index('tri')} --force (or use another --data-dir, "
+        f"or run {flag} --lda-mllt)"
+    )
 
 
 def _gmm_size(text: str) -> int | str:
@@ -205,13 +243,16 @@ def prepare(
     lm_text: str | Path | None = None,
     oov: str = "drop",
     gmm_sizes: dict[str, int | str] | None = None,
+    lda_mllt: bool = False,
 ) -> Path:
     """Run stages ``stage..stop_stage``; return the data directory. Importable by train.py.
 
     ``train_parts`` (LibriSpeech's training parts) reaches stage 0; ``lexicon``, ``lm_text`` and
     ``oov`` reach stage 2 (``local/graph/lexicon.py``). ``gmm_sizes``: any of ``GMM_SIZES`` (the
-    triphone and SAT systems' leaves and Gaussians), each a number or ``"auto"`` (the default: from the
-    hours of training speech, ``local.gmm.sizes``)."""
+    triphone, LDA+MLLT and SAT systems' leaves and Gaussians), each a number or ``"auto"`` (the default:
+    from the hours of training speech, ``local.gmm.sizes``). ``lda_mllt``: train the LDA+MLLT system in
+    the tri stage and build SAT, align and adapt on its features (recorded in ``settings.json``;
+    ``check_lda_mllt``)."""
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; choose one of {CORPORA}")
     if oov not in ("drop", "g2p"):
@@ -227,7 +268,8 @@ def prepare(
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir(corpus, size)
     data_dir.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs,
-                              train_parts=train_parts, lexicon=lexicon, lm_text=lm_text, oov=oov)  # fmt: skip
+                              train_parts=train_parts, lexicon=lexicon, lm_text=lm_text, oov=oov,
+                              lda_mllt=lda_mllt)  # fmt: skip
     args.gmm_sizes = {**dict.fromkeys(GMM_SIZES, "auto"), **(gmm_sizes or {})}
     settings = data_dir / "settings.json"
     wanted = {"corpus": corpus, "corpus_dir": str(corpus_dir) if corpus_dir else None, "size": size, "seed": seed}
@@ -237,11 +279,15 @@ def prepare(
         from local.data.corpus_synthetic import VERSION
 
         wanted["version"] = VERSION  # an embedded corpus built by an older recipe is not silently reused
-    if settings.exists() and json.loads(settings.read_text()) != wanted and stage == 0 and not force:
+    recorded = json.loads(settings.read_text()) if settings.exists() else None
+    if recorded is not None and _without_flag(recorded) != wanted and stage == 0 and not force:
         raise SystemExit(
             f"{data_dir} was prepared with {settings.read_text().strip()}, not {wanted}; "
             "use another --data-dir or --force to rebuild it"
         )
+    check_lda_mllt(data_dir, recorded, lda_mllt, stage, force)
+    if lda_mllt:  # (only when given: the settings of a data dir built without it stay as they were)
+        wanted["lda_mllt"] = True
     write_text(settings, json.dumps(wanted))
     for i in range(stage, stop_stage + 1):
         name = STAGES[i]
@@ -285,9 +331,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stop-stage", type=int, default=len(STAGES) - 1, help=f"last stage to run (0-{len(STAGES) - 1})")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic corpus and of the GMM stages (mono, tri, sat, align)")
+    p.add_argument("--lda-mllt", action="store_true",
+                   help="train an LDA+MLLT triphone system in the tri stage (exp/lda_mllt) and build SAT, align and "
+                        "adapt on its features (default: off, SAT on the Δ + ΔΔ triphone system)")
     for name in GMM_SIZES:
-        system, what = name.split("_")
-        p.add_argument(f"--{system}-{what}", type=_gmm_size, default="auto",
+        system, what = name.rsplit("_", 1)
+        p.add_argument(f"--{system.replace('_', '-')}-{what}", type=_gmm_size, default="auto",
                        help=f"{'leaves' if what == 'leaves' else 'Gaussians in total'} of the {system} system, or "
                             "auto: from the hours of training speech (default)")
     p.add_argument("--num-jobs", type=int, default=2, help="parallel processes for synthesis and features")
@@ -303,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     prepare(a.corpus, a.corpus_dir, a.data_dir, a.size, a.stage, a.stop_stage, a.seed, a.num_jobs, a.force,
             a.train_parts, a.lexicon, a.lm_text, a.oov,
-            gmm_sizes={name: getattr(a, name) for name in GMM_SIZES})  # fmt: skip
+            gmm_sizes={name: getattr(a, name) for name in GMM_SIZES}, lda_mllt=a.lda_mllt)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from local.drops import load_drops
 
 log = logging.getLogger(__name__)
 
-GMM_SYSTEMS = ("mono", "tri", "sat")
+GMM_SYSTEMS = ("mono", "tri", "lda_mllt", "sat")  # lda_mllt: only built with prepare.py --lda-mllt
 
 
 def _read_json(path: Path):
@@ -44,6 +44,8 @@ def _split_stats(data_dir: Path) -> dict:
 def _gmm_wers(data_dir: Path) -> dict:
     wers = {}
     for system in GMM_SYSTEMS:
+        if system == "lda_mllt" and not (data_dir / "exp" / system).exists():
+            continue
         for split in ("dev", "test"):
             res = _read_json(data_dir / "exp" / system / f"decode_{split}" / "wer.json")
             wers[f"{system}_{split}"] = res
@@ -100,7 +102,7 @@ def format_summary(report: dict) -> str:
     lines.append(f"  phones {report['num_phones']}, pdfs {report['num_pdfs']} (DNN targets: "
                  f"{ali.get('system', 'tri')} alignments{', fMLLR' if ali.get('system') == 'sat' else ''})")
     w = report["gmm_wer"]
-    for system in GMM_SYSTEMS:
+    for system in (s for s in GMM_SYSTEMS if f"{s}_dev" in w):
         adapted = " (fMLLR)" if system == "sat" else ""
         lines.append(
             f"  {system:4s} GMM WER{adapted}: dev {_wer_text(w[f'{system}_dev'])}, test {_wer_text(w[f'{system}_test'])}"

@@ -309,7 +309,7 @@ def gmm_speaker_stats(cuts) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 def gmm_features(cut, speaker_stats: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
-                 norm_vars: bool = True) -> np.ndarray:
+                 norm_vars: bool = True, deltas: bool = True) -> np.ndarray:
     """The GMM front end for one cut: 13 MFCC, CMVN (Kaldi's ``apply-cmvn``), Δ and ΔΔ ->
     ``[T, 39]`` float32.
 
@@ -320,6 +320,8 @@ def gmm_features(cut, speaker_stats: dict[str, tuple[np.ndarray, np.ndarray]] | 
         norm_vars: divide by the standard deviation too (``apply-cmvn --norm-vars=true``). On the
             default corpus, whose test voices are unseen in training, speaker mean + variance
             normalisation cut the monophone test WER from about 18 % (mean only) to about 14 %.
+        deltas: add Δ and ΔΔ; False stops after the CMVN (``[T, 13]``, what the LDA+MLLT front end
+            splices, ``local.gmm.lda_mllt``).
     """
     ceps = np.asarray(cut.load_custom("mfcc"), dtype=np.float64)
     if speaker_stats is None:
@@ -331,5 +333,5 @@ def gmm_features(cut, speaker_stats: dict[str, tuple[np.ndarray, np.ndarray]] | 
                 f"no CMVN statistics for speaker {key!r} of cut {cut.id}; compute gmm_speaker_stats over its split"
             )
         mean, std = speaker_stats[key]
-    normed = (ceps - mean) / std if norm_vars else ceps - mean
-    return add_deltas(normed.astype(np.float32))
+    normed = ((ceps - mean) / std if norm_vars else ceps - mean).astype(np.float32)
+    return add_deltas(normed) if deltas else normed

@@ -14,7 +14,7 @@ Three front ends (``FEATURES``), all speaker-normalised; the DNN splices 17 of t
   SAT GMM on the way, ``add_speakers``). Stays in the fbank domain; on the default corpus it
   brought the DNN from 14.5 % to 8.6 % test WER (README).
 - ``mfcc_fmllr``: Kaldi nnet1's classic input, the SAT GMM's own features: 13 MFCC with speaker
-  CMVN, Δ, ΔΔ (39 dims), through the speaker's fMLLR transform of the SAT system (training and
+  CMVN, Δ, ΔΔ (39 dims; with ``prepare.py --lda-mllt`` spliced and LDA+MLLT-projected, 40 dims), through the speaker's fMLLR transform of the SAT system (training and
   dev speakers: from ``align_fmllr``, ``ali/trans_{split}.pkl``; test speakers: from the SAT
   system's fMLLR decoding, ``exp/sat/decode_test/trans.pkl``). For comparison only: it needs
   a GMM decoding pass before the DNN can run.
@@ -86,7 +86,18 @@ class FrontEnd:
 
     @property
     def dim(self) -> int:
-        return 39 if self.kind == "mfcc_fmllr" else len(self.cmvn["global"]["mean"])
+        if self.kind == "mfcc_fmllr":
+            transform = self.gmm_transform()
+            return 39 if transform is None else len(transform)
+        return len(self.cmvn["global"]["mean"])
+
+    def gmm_transform(self) -> np.ndarray | None:
+        """The SAT system's LDA+MLLT transform (``mfcc_fmllr``), None when it models Δ + ΔΔ features."""
+        if not hasattr(self, "_gmm_transform"):
+            from local.gmm.common import GmmSystem
+
+            self._gmm_transform = GmmSystem.load(self.data_dir / "exp" / "sat" / "final.pkl").transform
+        return self._gmm_transform
 
     def mfcc_transforms(self, split: str) -> dict[str, np.ndarray]:
         """The SAT system's fMLLR transforms of a split's speakers (``mfcc_fmllr``)."""
@@ -132,7 +143,7 @@ class FrontEnd:
 
             cuts = list(cuts)
             trans = self.mfcc_transforms(split)
-            feats = gmm_front_end(cuts)
+            feats = gmm_front_end(cuts, transform=self.gmm_transform())
             for cut in cuts:
                 key = gmm_cmvn_key(cut)
                 x = feats[cut.id]

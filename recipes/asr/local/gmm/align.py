@@ -2,7 +2,8 @@
 system, as Kaldi's ``steps/align_fmllr.sh`` makes them for nnet1, plus pdf priors and the
 agreement of the alignments with the TTS engines' own phone timings.
 
-``align_fmllr.sh`` on dev: (1) align with the speaker-independent model (here ``exp/tri``),
+``align_fmllr.sh`` on dev: (1) align with the speaker-independent model (here ``exp/tri``, or
+``exp/lda_mllt`` when the SAT system was trained on its LDA+MLLT features),
 (2) estimate each speaker's fMLLR transform from that alignment with the SAT model (silence
 frames weigh 0), (3) align the adapted features with the SAT model. Train takes the SAT
 stage's own final alignments and transforms (the final model on the final transforms: what
@@ -21,7 +22,8 @@ Writes under ``<data_dir>/ali/``:
   floored at ``PRIOR_FLOOR`` / num_pdfs (rare pdfs would otherwise get huge pseudo-likelihoods
   from ``log p(pdf|x) - log p(pdf)``), renormalised.
 - ``trans_{train,dev}.pkl``: the speakers' fMLLR transforms of the GMM features (SAT only;
-  ``{speaker: W [39, 40]}``), which the classic nnet1 input (``features="mfcc_fmllr"``) uses.
+  ``{speaker: W [39, 40]}``, ``[40, 41]`` on LDA+MLLT features), which the classic nnet1 input
+  (``features="mfcc_fmllr"``) uses.
 - ``info.json``: the system (``system``, ``model``, ``graph``), pdfs, frames and utterances per
   split, drops, phone agreement.
 
@@ -47,7 +49,6 @@ from local.gmm.common import (
     GmmSystem,
     compile_graphs,
     equal_alignment,
-    gmm_front_end,
     is_augmented,
     viterbi_align,
 )
@@ -137,7 +138,7 @@ def align_cuts(
 ) -> dict[str, np.ndarray]:
     """Viterbi transition-id alignments ``{cut id: [T]}`` of ``cuts``; failures are recorded
     (reasons ``oov``, ``too_short_for_hmm``, ``alignment_failed``; not when ``data_dir`` is None)
-    and left out. ``feats``: the GMM features per cut (None: ``gmm_front_end(cuts)``). ``seed``: of
+    and left out. ``feats``: the GMM features per cut (None: ``system.features(cuts)``). ``seed``: of
     the equal alignment that tells an utterance too short for its HMM sequence (random paths)."""
     def drop(cut_id: str, reason: str, detail: str) -> None:
         log.warning("align: %s %s dropped: %s (%s)", split, cut_id, reason, detail)
@@ -154,7 +155,7 @@ def align_cuts(
             word_ids[cut.id] = lang.word_ids(words)
     graphs = compile_graphs(system, lang, word_ids)
     alis = {}
-    front_end = gmm_front_end(cuts) if feats is None else feats
+    front_end = system.features(cuts) if feats is None else feats
     for cut in tqdm([c for c in cuts if c.id in graphs], desc=f"align {split}", unit="utt", leave=False):
         feats = front_end[cut.id]
         if equal_alignment(graphs[cut.id], len(feats), seed=seed) is None:
@@ -199,7 +200,8 @@ def write_pdf_alignments(cuts, pdf_alis: dict[str, np.ndarray], out_dir: Path, s
 
 def align_fmllr(sat: GmmSystem, si: GmmSystem, lang, cuts, data_dir: Path | None, split: str, beam: float = 10.0,
                 retry_beam: float = 40.0, seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Kaldi's ``align_fmllr.sh`` on one split: speaker-independent alignment with ``si``, one
+    """Kaldi's ``align_fmllr.sh`` on one split: speaker-independent alignment with ``si`` (of the same
+    features as ``sat``), one
     fMLLR transform per speaker (``features.gmm_cmvn_key``) estimated with ``sat`` from it
     (silence weight 0), then the SAT alignment of the adapted features.
 
@@ -207,9 +209,11 @@ def align_fmllr(sat: GmmSystem, si: GmmSystem, lang, cuts, data_dir: Path | None
         ``({cut id: SAT transition-ids [T]}, {speaker: W [D, D+1]})``.
     """
     from local.gmm.common import convert_alignments
-    from local.gmm.sat import SILENCE_WEIGHT_TRAIN, speaker_transforms, transformed
+    from local.gmm.sat import SILENCE_WEIGHT_TRAIN, check_same_features, speaker_transforms, transformed
 
-    raw = gmm_front_end(cuts)
+    check_same_features(si, sat, data_dir)
+
+    raw = sat.features(cuts)
     speakers = {c.id: gmm_cmvn_key(c) for c in cuts}
     si_alis = align_cuts(si, lang, cuts, None, f"{split} (speaker-independent pass)", beam, retry_beam, raw, seed)
     trans = speaker_transforms(sat, raw, convert_alignments(si_alis, si, sat), speakers, lang.sil_id,
@@ -276,8 +280,11 @@ def align(data_dir: Path | str, system: str = "sat", beam: float = 10.0, retry_b
     out.mkdir(parents=True, exist_ok=True)
     clear_drops(data_dir, "align")
     lang = load_lang(data_dir / "lang")
-    si = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl")
     final = GmmSystem.load(data_dir / "exp" / system / "final.pkl")
+    if system == "sat":
+        from local.gmm.sat import speaker_independent_of
+
+        si = GmmSystem.load(data_dir / "exp" / speaker_independent_of(final) / "final.pkl")
     tid2pdf = final.tid2pdf()
     tables = TidTables.from_transition_model(final.tm)
     id2phone = {i: p for p, i in lang.phones.items()}
@@ -314,7 +321,7 @@ def align(data_dir: Path | str, system: str = "sat", beam: float = 10.0, retry_b
             clean = [c for c in cuts if not is_augmented(c)]
             agreement = phone_agreement(clean, alis, tables, id2phone)
             augmented = phone_agreement([c for c in cuts if is_augmented(c)], alis, tables, id2phone)
-            for other in ("mono", "tri"):
+            for other in ("mono", "tri", "lda_mllt"):
                 other_ali = data_dir / "exp" / other / "ali.pkl"
                 if other != system and other_ali.exists():
                     model = GmmSystem.load(data_dir / "exp" / other / "final.pkl")
@@ -344,6 +351,7 @@ def align(data_dir: Path | str, system: str = "sat", beam: float = 10.0, retry_b
         "phone_agreement": agreement.get("overall"),
         "phone_agreement_tri": agreement.get("tri"),
         "phone_agreement_mono": agreement.get("mono"),
+        **({"phone_agreement_lda_mllt": agreement["lda_mllt"]} if "lda_mllt" in agreement else {}),
         "seconds": info["seconds"],
     }
     log.info("align: %s", summary)

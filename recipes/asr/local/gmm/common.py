@@ -35,25 +35,40 @@ ACOUSTIC_SCALE = 0.1  # Kaldi's --acoustic-scale for alignment
 CMVN = "speaker"
 
 
-def front_end_id() -> str:
-    """What the GMMs are trained on (``features.gmm_features`` with the ``CMVN`` setting); stored
-    with every system so that a system and the features it is used with always agree."""
+def front_end_id(lda_mllt: bool = False) -> str:
+    """What the GMMs are trained on (``features.gmm_features`` with the ``CMVN`` setting, then
+    Δ + ΔΔ, or with ``lda_mllt`` spliced and projected by an LDA+MLLT transform,
+    ``local.gmm.lda_mllt``); stored with every system so that a system and the features it is used
+    with always agree."""
+    if lda_mllt:
+        return f"13 MFCC, {CMVN} mean+variance CMVN, spliced, LDA+MLLT"
     return f"13 MFCC, {CMVN} mean+variance CMVN, deltas+double deltas"
 
 
 @dataclass
 class GmmSystem:
-    """A GMM-HMM: transition model, per-pdf diagonal GMMs, context-dependency tree."""
+    """A GMM-HMM: transition model, per-pdf diagonal GMMs, context-dependency tree, and the
+    LDA+MLLT transform of its features (``[d, 13 * frames spliced]``), None for Δ + ΔΔ features."""
 
     tm: khg.TransitionModel
     am: khg.AmDiagGmm
     tree: khg.ContextDependency
+    transform: np.ndarray | None = None
 
     def save(self, path: Path | str) -> None:
-        """Pickle to ``path`` (the khg objects pickle through Kaldi's binary format)."""
+        """Pickle to ``path`` (the khg objects pickle through Kaldi's binary format; the transform,
+        when there is one, travels with the model)."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        d = {"tm": self.tm, "am": self.am, "tree": self.tree, "front_end": front_end_id(self.transform is not None)}
+        if self.transform is not None:
+            d["transform"] = np.asarray(self.transform, np.float64)
         with open(path, "wb") as f:
-            pickle.dump({"tm": self.tm, "am": self.am, "tree": self.tree, "front_end": front_end_id()}, f)
+            pickle.dump(d, f)
+
+    def features(self, cuts, cmvn: str | None = None) -> dict[str, np.ndarray]:
+        """The features this system models, of ``cuts`` (one split): ``gmm_front_end`` with its
+        transform."""
+        return gmm_front_end(cuts, cmvn, self.transform)
 
     def save_run(self, exp: Path, alis: dict, history: list) -> None:
         """A trained stage's outputs in ``exp``: ``final.pkl``, ``ali.pkl`` (transition-ids per
@@ -82,14 +97,15 @@ class GmmSystem:
             raise RuntimeError(f"{path} is missing; run the stage that trains it first")
         with open(path, "rb") as f:
             d = pickle.load(f)
-        if check_front_end and d.get("front_end") != front_end_id():
+        transform = d.get("transform")
+        if check_front_end and d.get("front_end") != front_end_id(transform is not None):
             data_dir = Path(path).parents[2]
             raise RuntimeError(
                 f"{path} was trained on GMM features {d.get('front_end')!r}, not the current "
-                f"{front_end_id()!r}; retrain the GMM stages: python recipes/asr/prepare.py --data-dir {data_dir} "
-                "--stage 3 --force"
+                f"{front_end_id(transform is not None)!r}; retrain the GMM stages: python recipes/asr/prepare.py "
+                f"--data-dir {data_dir} --stage 3 --force"
             )
-        return cls(d["tm"], d["am"], d["tree"])
+        return cls(d["tm"], d["am"], d["tree"], transform)
 
     def tid2pdf(self) -> np.ndarray:
         """``[num_transition_ids + 1]`` int64: pdf of each transition-id (entry 0 unused)."""
@@ -366,7 +382,7 @@ class Utterances:
     """The utterances of one split with what GMM training and decoding need."""
 
     cuts: list
-    feats: dict[str, np.ndarray]  # id -> [T, 39]
+    feats: dict[str, np.ndarray]  # id -> [T, D] (39: Δ + ΔΔ; the LDA+MLLT dimension)
     words: dict[str, list[str]]  # id -> transcript words
 
     @property
@@ -374,13 +390,23 @@ class Utterances:
         return [c.id for c in self.cuts]
 
 
-def load_utterances(data_dir: Path, split: str, clean_only: bool = True, cmvn: str | None = None) -> Utterances:
-    """Feature cuts of ``split``; for train only those the lang stage kept (no OOV) and, with
-    ``clean_only``, no augmented copies. ``cmvn``: "speaker" or "utterance" mean and variance
-    normalisation of the GMM features (``gmm_front_end``), None for the module default ``CMVN``."""
-    from lhotse import CutSet
-
+def load_utterances(data_dir: Path, split: str, clean_only: bool = True, cmvn: str | None = None,
+                    transform: np.ndarray | None = None) -> Utterances:
+    """Feature cuts of ``split`` (``load_cuts``) with their GMM features and words. ``cmvn``: "speaker"
+    or "utterance" mean and variance normalisation of the GMM features (``gmm_front_end``), None for
+    the module default ``CMVN``; ``transform``: the LDA+MLLT transform of a system trained on such
+    features (``GmmSystem.transform``), None for Δ + ΔΔ."""
     from local.graph.lang import cut_words
+
+    cuts = load_cuts(data_dir, split, clean_only)
+    feats = gmm_front_end(cuts, cmvn, transform)
+    return Utterances(cuts, feats, {c.id: cut_words(c) for c in cuts})
+
+
+def load_cuts(data_dir: Path, split: str, clean_only: bool = True) -> list:
+    """Feature cuts of ``split``; for train only those the lang stage kept (no OOV) and, with
+    ``clean_only``, no augmented copies."""
+    from lhotse import CutSet
 
     path = Path(data_dir) / "features" / f"{split}_cuts.jsonl.gz"
     if not path.exists():
@@ -393,20 +419,41 @@ def load_utterances(data_dir: Path, split: str, clean_only: bool = True, cmvn: s
             cuts = [c for c in cuts if c.id in kept]
         if clean_only:
             cuts = [c for c in cuts if not is_augmented(c)]
-    feats = gmm_front_end(cuts, cmvn)
-    return Utterances(cuts, feats, {c.id: cut_words(c) for c in cuts})
+    return cuts
 
 
-def gmm_front_end(cuts, cmvn: str | None = None) -> dict[str, np.ndarray]:
-    """GMM features ``{cut id: [T, 39]}`` of ``cuts`` (one split), normalised per speaker over
-    these cuts or per utterance (``cmvn``, None for the module default ``CMVN``)."""
-    from local.data.features import gmm_features, gmm_speaker_stats
+def gmm_front_end(cuts, cmvn: str | None = None, transform: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """GMM features ``{cut id: [T, D]}`` of ``cuts`` (one split), normalised per speaker over
+    these cuts or per utterance (``cmvn``, None for the module default ``CMVN``): with ``transform``
+    None, the CMVN'd MFCC with Δ and ΔΔ (39 dims); else the CMVN'd MFCC spliced and projected by
+    ``transform`` (``lda_mllt.lda_mllt_features``)."""
+    from local.data.features import gmm_features
+
+    stats = _cmvn_stats(cuts, cmvn)
+    if transform is None:
+        return {c.id: gmm_features(c, stats) for c in cuts}
+    from local.gmm.lda_mllt import lda_mllt_features
+
+    return {c.id: lda_mllt_features(gmm_features(c, stats, deltas=False), transform) for c in cuts}
+
+
+def gmm_mfcc(cuts, cmvn: str | None = None) -> dict[str, np.ndarray]:
+    """The CMVN'd 13 MFCC ``{cut id: [T, 13]}`` of ``cuts`` (one split), as ``gmm_front_end``
+    normalises them, before Δ + ΔΔ or splicing."""
+    from local.data.features import gmm_features
+
+    stats = _cmvn_stats(cuts, cmvn)
+    return {c.id: gmm_features(c, stats, deltas=False) for c in cuts}
+
+
+def _cmvn_stats(cuts, cmvn: str | None):
+    """Per-speaker CMVN statistics of ``cuts`` for ``cmvn`` "speaker", None for "utterance"."""
+    from local.data.features import gmm_speaker_stats
 
     cmvn = CMVN if cmvn is None else cmvn
     if cmvn not in ("speaker", "utterance"):
         raise ValueError(f"cmvn={cmvn!r}; use 'speaker' or 'utterance'")
-    stats = gmm_speaker_stats(cuts) if cmvn == "speaker" else None
-    return {c.id: gmm_features(c, stats) for c in cuts}
+    return gmm_speaker_stats(cuts) if cmvn == "speaker" else None
 
 
 def begin_stage(data_dir: Path | str, name: str) -> tuple[Path, Path, object]:

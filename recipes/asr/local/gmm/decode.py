@@ -67,7 +67,7 @@ def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
     results, best = {}, {}
     splits = [s for s in ("dev", "test") if (Path(data_dir) / "features" / f"{s}_cuts.jsonl.gz").exists()]
     for split in splits:
-        utts = load_utterances(data_dir, split)
+        utts = load_utterances(data_dir, split, transform=system.transform)
         out_dir = exp / f"decode_{split}"
         paths, tried = {}, {}
         wer = partial(_decode_kept, hclg, system, utts, id2word, out_dir, split, hclg_path, tried, paths)

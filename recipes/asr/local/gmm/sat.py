@@ -7,17 +7,19 @@ voices out: every speaker gets an affine feature transform (fMLLR,
 ``local.gmm.transforms``), and the tree and Gaussians are trained on the transformed features.
 
 1. Per-speaker fMLLR of the training data from the speaker-independent triphone system
-   (``exp/tri``) and its alignments; silence frames get weight 0 (``train_sat.sh``).
+   (``exp/tri``, or with ``prepare.py --lda-mllt`` the LDA+MLLT system ``exp/lda_mllt``, whose
+   40-dim features then carry the whole stage, as ``train_sat.sh`` on top of ``train_lda_mllt.sh``)
+   and its alignments; silence frames get weight 0 (``train_sat.sh``).
 2. A new tree and one Gaussian per leaf on the transformed features; alignments converted.
 3. ``num_iters`` Viterbi passes, re-aligning on ``REALIGN_ITERS`` and re-estimating the
    transforms with the SAT model (composed onto the current ones) on ``FMLLR_ITERS``.
-4. Decoding (``decode_sat``): a speaker-independent first pass with ``exp/tri``, fMLLR from its
+4. Decoding (``decode_sat``): a speaker-independent first pass with that system, fMLLR from its
    best paths (silence weight 0.01), a pass with the SAT model, a second fMLLR estimate from that
    pass, and the final pass. Speakers are those of the GMM CMVN (``features.gmm_cmvn_key``),
    estimated without transcripts, as in Kaldi's offline decoding.
 
 Writes ``exp/sat/final.pkl``, ``tree``, ``ali.pkl``, ``history.json``, ``trans.pkl``
-(``{speaker: W [D, D+1]}`` of the training speakers), ``summary.json`` and
+(``{speaker: W [D, D+1]}`` of the training speakers; ``D`` 39, or 40 on LDA+MLLT features), ``summary.json`` and
 ``decode_{dev,test}/`` (``recogs-*``, ``errs-*``, ``wer.json``, ``trans.pkl``, ``best_path.pkl``).
 """
 
@@ -66,6 +68,26 @@ FMLLR_MIN_FRAMES = 500.0  # fewer (silence-weighted) frames: the speaker keeps i
 SILENCE_WEIGHT_TRAIN = 0.0  # train_sat.sh
 SILENCE_WEIGHT_DECODE = 0.01  # decode_fmllr.sh
 PREFERRED_SCALE = 0.0833  # ties on dev go to the scale nearest it; test's scale without dev
+
+
+SPEAKER_INDEPENDENT = ("tri", "lda_mllt")  # the systems SAT can start from
+
+
+def speaker_independent_of(system: GmmSystem) -> str:
+    """The speaker-independent system (``exp/<name>``) a SAT system was trained from and decodes its
+    first pass with: the one whose features it shares (LDA+MLLT when it has a transform)."""
+    return "tri" if system.transform is None else "lda_mllt"
+
+
+def check_same_features(si: GmmSystem, system: GmmSystem, data_dir: Path | None) -> None:
+    """Raise unless the speaker-independent ``si`` and the SAT ``system`` model the same features."""
+    same = (si.transform is None and system.transform is None) or (
+        si.transform is not None and system.transform is not None and np.array_equal(si.transform, system.transform))
+    if not same:
+        where = data_dir if data_dir is not None else "DATA_DIR"
+        raise RuntimeError(f"exp/{speaker_independent_of(system)} and exp/sat of {where} model different features "
+                           "(the LDA+MLLT stage was re-run after SAT); re-run the SAT stage: python "
+                           f"recipes/asr/prepare.py --data-dir {where} --stage 5 --force")
 
 
 def silence_tids(system: GmmSystem, sil_id: int) -> np.ndarray:
@@ -122,8 +144,9 @@ def train_sat(
     decode: bool = True,
     scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES,
     seed: int = 0,
+    speaker_independent: str = "tri",
 ) -> dict:
-    """Train the SAT triphone system from ``exp/tri`` and decode dev/test with fMLLR.
+    """Train the SAT triphone system from ``exp/tri`` (or ``exp/lda_mllt``) and decode dev/test with fMLLR.
 
     Args:
         data_dir: the recipe's data directory (tri stage done).
@@ -138,6 +161,8 @@ def train_sat(
         decode: decode dev and test (``decode_sat``).
         scales: acoustic scales tried on dev (extended past an edge, ``pick_scale``).
         seed: seed of the mixing up's perturbations (``common.split_by_count``).
+        speaker_independent: the system SAT starts from, on whose features it trains: ``"tri"`` (Δ + ΔΔ)
+            or ``"lda_mllt"`` (``prepare.py --lda-mllt``).
 
     Returns:
         a summary: speakers, leaves, pdfs, Gaussians, the sizes asked (``sizes``), log-likelihood,
@@ -145,10 +170,13 @@ def train_sat(
     """
     from local.gmm.tri import build_triphone_system
 
+    if speaker_independent not in SPEAKER_INDEPENDENT:
+        raise ValueError(f"speaker_independent={speaker_independent!r}; use one of {SPEAKER_INDEPENDENT}")
     start = time.perf_counter()
     data_dir, exp, lang = begin_stage(data_dir, "sat")
-    utts = load_utterances(data_dir, "train", clean_only=False)
-    si, si_alis = GmmSystem.load_run(data_dir / "exp" / "tri", utts.feats)
+    si_dir = data_dir / "exp" / speaker_independent
+    utts = load_utterances(data_dir, "train", clean_only=False, transform=GmmSystem.load(si_dir / "final.pkl").transform)
+    si, si_alis = GmmSystem.load_run(si_dir, utts.feats)
     raw = dict(utts.feats)
     speakers = {c.id: gmm_cmvn_key(c) for c in utts.cuts}
 
@@ -158,6 +186,7 @@ def train_sat(
     log.info("sat: %d leaves, %d Gaussians at most (%.2f h of training speech)", sizes["leaves"],
              sizes["gaussians"], sizes["train_hours"])
     system, tree_summary = build_triphone_system(si, si_alis, utts.feats, lang, sizes["leaves"], shared_roots=True)
+    system.transform = si.transform
     (exp / "tree").write_bytes(b"\0B" + tree_summary.pop("blob"))
     alis = convert_alignments(si_alis, si, system)
     graphs = compile_graphs(system, lang, {u: lang.word_ids(utts.words[u]) for u in alis})
@@ -181,6 +210,7 @@ def train_sat(
     with open(exp / "trans.pkl", "wb") as f:
         pickle.dump(trans, f)
     summary = {
+        **({"speaker_independent": speaker_independent} if speaker_independent != "tri" else {}),
         "utterances": len(alis),
         "speakers": len(trans),
         "leaves": tree_summary.get("leaves"),
@@ -245,13 +275,19 @@ def _first_transforms(system: GmmSystem, si: GmmSystem, utts: Utterances, speake
 
 def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     """fMLLR decoding of any other set's ``cuts`` (stage 1's features, ``cut.mfcc``) as
-    ``decode_sat`` decodes test: the speaker-independent first pass with ``exp/tri``, fMLLR per
+    ``decode_sat`` decodes test: the speaker-independent first pass with ``exp/tri`` (``exp/lda_mllt``
+    for a SAT system on LDA+MLLT features), fMLLR per
     speaker (``gmm_cmvn_key``) from it, two adapted passes with ``exp/sat``, at the acoustic scales
     both systems chose on dev. No transcripts are used. Returns ``(hyps {utt: word ids},
     transforms {speaker: W}, best paths {utt: transition-ids of exp/sat})``."""
     data_dir = Path(data_dir)
     fix = f"run the GMM stages first: python recipes/asr/prepare.py --data-dir {data_dir} --stop-stage 5"
-    paths = {name: data_dir / "exp" / name for name in ("tri", "sat")}
+    sat_path = data_dir / "exp" / "sat" / "final.pkl"
+    if not sat_path.exists():
+        raise RuntimeError(f"No such file: {sat_path}; {fix}")
+    system = GmmSystem.load(sat_path)
+    si_name = speaker_independent_of(system)
+    paths = {"si": data_dir / "exp" / si_name, "sat": data_dir / "exp" / "sat"}
     for exp in paths.values():
         for needed in ("final.pkl", "graph/HCLG.fst", "decode_dev/wer.json"):
             if not (exp / needed).exists():
@@ -259,13 +295,14 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     from local.graph.lang import load_lang
 
     lang = load_lang(data_dir / "lang")
-    si, system = GmmSystem.load(paths["tri"] / "final.pkl"), GmmSystem.load(paths["sat"] / "final.pkl")
+    si = GmmSystem.load(paths["si"] / "final.pkl")
+    check_same_features(si, system, data_dir)
     scales = {n: json.loads((e / "decode_dev" / "wer.json").read_text())["acoustic_scale"] for n, e in paths.items()}
     cuts = list(cuts)
-    utts = Utterances(cuts, gmm_front_end(cuts), {c.id: [] for c in cuts})
+    utts = Utterances(cuts, gmm_front_end(cuts, transform=system.transform), {c.id: [] for c in cuts})
     speakers = {c.id: gmm_cmvn_key(c) for c in cuts}
-    si_graph = paths["tri"] / "graph" / "HCLG.fst"
-    _, si_alis = _si_decode(kaldifst.StdVectorFst.read(str(si_graph)), si_graph, si, utts, scales["tri"])
+    si_graph = paths["si"] / "graph" / "HCLG.fst"
+    _, si_alis = _si_decode(kaldifst.StdVectorFst.read(str(si_graph)), si_graph, si, utts, scales["si"])
     first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
     graph = paths["sat"] / "graph" / "HCLG.fst"
     best_paths: dict = {}
@@ -293,8 +330,9 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
                scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES) -> dict:
     """fMLLR decoding of dev (every scale of the grid, extended by ``pick_scale``) and test (the best
     dev scale, ``PREFERRED_SCALE`` without dev) with the SAT system; the
-    first pass is the speaker-independent system's decoding at its own dev-chosen scale (the
-    tri stage's ``best_path.pkl``, decoded again if missing).
+    first pass is the speaker-independent system's (``si``: ``exp/tri``, or ``exp/lda_mllt`` on
+    LDA+MLLT features) decoding at its own dev-chosen scale (its stage's ``best_path.pkl``, decoded
+    again if missing).
 
     Returns:
         ``{"dev_wer", "test_wer", "dev_si_wer", "test_si_wer", "acoustic_scale", "decode_seconds"}``.
@@ -304,7 +342,8 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
     exp = data_dir / "exp" / "sat"
     hclg_path = exp / "graph" / "HCLG.fst"
     hclg = make_hclg(lang.dir, system.tree, system.tm, out_path=hclg_path)
-    si_dir = data_dir / "exp" / "tri"
+    check_same_features(si, system, data_dir)
+    si_dir = data_dir / "exp" / speaker_independent_of(system)
     si_hclg = None
     dev_wer = si_dir / "decode_dev" / "wer.json"
     si_scale = json.loads(dev_wer.read_text())["acoustic_scale"] if dev_wer.exists() else 0.0833
@@ -313,12 +352,12 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
     for split in ("dev", "test"):
         if not (data_dir / "features" / f"{split}_cuts.jsonl.gz").exists():
             continue
-        utts = load_utterances(data_dir, split)
+        utts = load_utterances(data_dir, split, transform=system.transform)
         speakers = {c.id: gmm_cmvn_key(c) for c in utts.cuts}
         refs = {c.id: " ".join(utts.words[c.id]) for c in utts.cuts}
         out_dir = exp / f"decode_{split}"
         si_alis, si_wer = _first_pass(si_dir / f"decode_{split}", set(utts.ids))
-        if si_alis is None:  # the tri stage's best paths are missing or stale: decode again
+        if si_alis is None:  # the first-pass system's best paths are missing or stale: decode again
             if si_hclg is None:
                 si_graph = si_dir / "graph" / "HCLG.fst"
                 si_hclg = (kaldifst.StdVectorFst.read(str(si_graph)) if si_graph.exists()
