@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from gtc_lightning import ADPSGDStrategy
+from gtc_lightning.algorithms.averaging import adpsgd as adpsgd_module
 from gtc_lightning.algorithms.averaging.adpsgd import ADPSGDState, check_world, schedule_peer
 
 SGD = {"momentum": 0.0}
@@ -103,6 +104,26 @@ def test_a_pair_exchange_leaves_both_on_the_mean_of_what_they_sent(tmp_path, wor
     total_before = sum(rank["sent"].double() for rank in out)
     total_after = sum(rank["after"].double() for rank in out)
     torch.testing.assert_close(total_after, total_before)  # the pairs moved by opposite amounts
+
+
+@pytest.mark.parametrize(("n", "k"), [(100_000, 1000), (20_000, 1000), (50_000, 17), (5_000, 2_000), (10, 3)])
+def test_the_largest_entries_are_topks_whatever_the_sample_sees(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    cases = [torch.randn(n, generator=g).abs(), torch.rand(n, generator=g) ** 8]
+    stride = max(1, 2 * k // adpsgd_module.SAMPLE_ABOVE)
+    hidden = torch.zeros(n)  # the sampled entries large, the k largest of all between them
+    hidden[::stride] = 1.0
+    free = torch.nonzero(hidden == 0).squeeze(1)[:k]
+    hidden[free] = 2.0
+    cases.append(hidden)
+    crowded = torch.rand(n, generator=g)  # the sampled entries the largest: fewer than k may pass (the whole searched)
+    crowded[::stride] = 3.0
+    cases.append(crowded)
+    for magnitude in cases:
+        values, indices = adpsgd_module.largest(magnitude, k)
+        expected = torch.topk(magnitude, k, sorted=False)
+        assert torch.equal(torch.sort(values).values, torch.sort(expected.values).values)
+        assert torch.equal(magnitude[indices], values) and indices.unique().numel() == k
 
 
 class _Snapshot(ADPSGDState):
