@@ -193,7 +193,7 @@ def markdown_table(rows: list[dict]) -> str:
         tau = _fmt(r["tau"], ".3g")
         if r.get("target_density") is not None:
             tau = f"auto, density {r['target_density']:g} (last {tau})"
-        strategy = r["strategy"] + (", update" if r.get("compress") == "update" else "")
+        strategy = r["strategy"] + {"update": ", update", "gtc": ", GTC-coded exchanges"}.get(r.get("compress"), "")
         strategy += f", {r['coding']}" if r.get("coding") not in (None, "none") else ""
         strategy += f", {r['precision']}" if r.get("precision", "32-true") != "32-true" else ""
         lines.append(" | ".join([
