@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from gtc_lightning import ADPSGDStrategy
-from gtc_lightning.algorithms.averaging import adpsgd as adpsgd_module
+from gtc_lightning.algorithms.averaging import coded_exchange
 from gtc_lightning.algorithms.averaging.adpsgd import ADPSGDState, check_world, schedule_peer
 
 SGD = {"momentum": 0.0}
@@ -110,7 +110,7 @@ def test_a_pair_exchange_leaves_both_on_the_mean_of_what_they_sent(tmp_path, wor
 def test_the_largest_entries_are_topks_whatever_the_sample_sees(n, k):
     g = torch.Generator().manual_seed(n + k)
     cases = [torch.randn(n, generator=g).abs(), torch.rand(n, generator=g) ** 8]
-    stride = max(1, 2 * k // adpsgd_module.SAMPLE_ABOVE)
+    stride = max(1, 2 * k // coded_exchange.SAMPLE_ABOVE)
     hidden = torch.zeros(n)  # the sampled entries large, the k largest of all between them
     hidden[::stride] = 1.0
     free = torch.nonzero(hidden == 0).squeeze(1)[:k]
@@ -120,7 +120,7 @@ def test_the_largest_entries_are_topks_whatever_the_sample_sees(n, k):
     crowded[::stride] = 3.0
     cases.append(crowded)
     for magnitude in cases:
-        values, indices = adpsgd_module.largest(magnitude, k)
+        values, indices = coded_exchange.largest(magnitude, k)
         expected = torch.topk(magnitude, k, sorted=False)
         assert torch.equal(torch.sort(values).values, torch.sort(expected.values).values)
         assert torch.equal(magnitude[indices], values) and indices.unique().numel() == k

@@ -447,7 +447,7 @@ def adpsgd_words(entry: dict, numel: int) -> int:
     options = entry.get("options", {})
     if entry["name"] != "adpsgd" or options.get("compress") != "gtc":
         return 0
-    from gtc_lightning.algorithms.averaging.adpsgd import coded_words
+    from gtc_lightning.algorithms.averaging.coded_exchange import coded_words
 
     return coded_words(numel, float(options.get("density", 0.01)))
 
