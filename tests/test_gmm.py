@@ -251,7 +251,8 @@ def test_gmm_decoding_extends_the_grid_past_the_edge_dev_picks(trained, monkeypa
     data_dir = trained[0]
     decoded = []
 
-    def fake_decode(hclg, system, utts, id2word, out_dir, split, scale, alignments=None, hclg_path=None):
+    def fake_decode(hclg, system, utts, id2word, out_dir, split, scale, alignments=None, hclg_path=None,
+                    loglikes=None):
         decoded.append((split, scale))
         out_dir.mkdir(parents=True, exist_ok=True)  # as scoring does
         return {"wer": 10.0 + 100 * abs(scale - 0.06), "words": 1}
@@ -426,6 +427,45 @@ def test_parallel_gmm_decoding_equals_one_process(trained):
     two = decode_gmm_parallel(graph, system.tm, system.am, items, 0.1, num_jobs=2, alignments=two_alis)
     assert one == two and list(two) == [u for u, _ in items]
     assert set(one_alis) == set(two_alis) and all(np.array_equal(one_alis[u], two_alis[u]) for u in one_alis)
+
+
+def test_gmm_scorer_equals_kaldis_per_pdf_log_likelihood():
+    from local.graph.decode import GmmScorer, gmm_loglikes
+
+    system = _toy_system(num_gauss=5, dim=7, seed=3)
+    feats = np.random.default_rng(4).normal(size=(11, 7)).astype(np.float32) * 2.0
+    ours = GmmScorer(system.am)(feats)
+    kaldi = np.array([[system.am.log_likelihood(p, f) for p in range(system.am.num_pdfs)] for f in feats])
+    assert ours.shape == (11, system.am.num_pdfs) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, kaldi, rtol=1e-5, atol=1e-4)
+    assert gmm_loglikes(system.am, [("u", feats)], max_bytes=11 * system.am.num_pdfs * 4 - 1) is None  # too big
+    with pytest.raises(ValueError, match="the GMMs model 7 dimensions"):
+        GmmScorer(system.am)(feats[:, :6])
+
+
+def test_decoding_from_kept_log_likelihoods_equals_evaluating_the_gmms(trained, monkeypatch):
+    """What a grid of acoustic scales reads (``gmm_loglikes``): the same words and transition-ids as
+    Kaldi's ``DecodableAmDiagGmmScaled``, in one process and in two."""
+    from local.gmm.common import GmmSystem, load_utterances
+    from local.graph.decode import decode_utterances_gmm, gmm_loglikes
+    from local.kaldi import kaldifst
+
+    data_dir = trained[0]
+    system = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl")
+    graph = data_dir / "exp" / "tri" / "graph" / "HCLG.fst"
+    hclg = kaldifst.StdVectorFst.read(str(graph))
+    utts = load_utterances(data_dir, "dev")
+    items = [(u, utts.feats[u]) for u in utts.ids]
+    kept = gmm_loglikes(system.am, items)
+    monkeypatch.setattr("local.graph.decode.MIN_PARALLEL", 1)  # two processes even for the tiny corpus
+    for jobs in (1, 2):
+        alis, kept_alis = {}, {}
+        words = decode_utterances_gmm(hclg, system.tm, system.am, items, 0.07, alignments=alis, hclg_path=graph,
+                                      num_jobs=jobs)
+        kept_words = decode_utterances_gmm(hclg, system.tm, system.am, items, 0.07, alignments=kept_alis,
+                                           hclg_path=graph, num_jobs=jobs, loglikes=kept)
+        assert words == kept_words and any(words.values())
+        assert set(alis) == set(kept_alis) and all(np.array_equal(alis[u], kept_alis[u]) for u in alis)
 
 
 def test_mixing_up_is_kaldis_split_with_a_seeded_perturbation(trained):

@@ -52,8 +52,8 @@ def test_the_extensions_stop_at_the_bound_and_say_the_best_is_still_at_the_edge(
 
 
 def test_ties_go_to_the_preferred_scale_and_a_single_scale_is_taken_as_given():
-    scale, info = pick_scale(lambda s: 5.0, GMM_ACOUSTIC_SCALES, prefer=0.1)
-    assert scale == 0.1 and info["extended"] == []
+    scale, info = pick_scale(lambda s: 5.0, GMM_ACOUSTIC_SCALES, prefer=0.0667)
+    assert scale == 0.0667 and info["extended"] == []
     scale, info = pick_scale(dev_wer(0.01, []), (0.1,), prefer=0.1)
     assert scale == 0.1 and info == {"grid": [0.1], "extended": [], "at_edge": False}
     with pytest.raises(ValueError, match="empty acoustic-scale grid"):

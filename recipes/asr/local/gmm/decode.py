@@ -5,7 +5,8 @@ weight the same way), the grid extended past an edge that holds dev's best (``pi
 applied to test; without dev, test is decoded at ``PREFERRED_SCALE``. Writes
 ``exp/<name>/graph/HCLG.fst`` and ``exp/<name>/decode_{dev,test}/`` with ``recogs-*``/``errs-*`` per
 scale and ``wer.json`` (the result at the chosen scale: ``wer`` in %, counts, ``acoustic_scale``, and
-on dev ``by_scale`` and ``grid``: the scales tried and those added).
+on dev ``by_scale`` and ``grid``: the scales tried and those added). Dev's GMM log-likelihoods are
+evaluated once for the whole grid (``gmm_loglikes``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from local.constants import GMM_ACOUSTIC_SCALES
 from local.gmm.common import GmmSystem, load_utterances
-from local.graph.decode import decode_utterances_gmm, pick_scale, score, words_to_text
+from local.graph.decode import decode_utterances_gmm, gmm_loglikes, pick_scale, score, words_to_text
 from local.graph.hclg import make_hclg
 
 log = logging.getLogger(__name__)
@@ -29,25 +30,26 @@ DECODE_JOBS = 2  # processes per decoding: the 2 cores of the reference machine 
 
 
 def decode_split(hclg, system: GmmSystem, utts, id2word: dict[int, str], out_dir: Path, split: str,
-                 acoustic_scale: float, alignments: dict | None = None, hclg_path: Path | None = None) -> dict:
+                 acoustic_scale: float, alignments: dict | None = None, hclg_path: Path | None = None,
+                 loglikes: dict | None = None) -> dict:
     """Decode one split at one acoustic scale and score it; returns ``decode.score``'s result
     (``alignments`` receives the best paths' transition-ids). With ``hclg_path``, ``DECODE_JOBS``
-    processes decode."""
+    processes decode; ``loglikes``: the split's GMM log-likelihoods (``gmm_loglikes``), if kept."""
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, ((u, utts.feats[u]) for u in utts.ids),
                                  acoustic_scale=acoustic_scale, alignments=alignments, hclg_path=hclg_path,
-                                 num_jobs=DECODE_JOBS)
+                                 num_jobs=DECODE_JOBS, loglikes=loglikes)
     refs = {c.id: " ".join(utts.words[c.id]) for c in utts.cuts}
     texts = {u: words_to_text(w, id2word) for u, w in hyps.items()}
     return score(refs, texts, out_dir, f"{split}-acwt{acoustic_scale:g}")
 
 
 def _decode_kept(hclg, system: GmmSystem, utts, id2word: dict[int, str], out_dir: Path, split: str,
-                 hclg_path: Path, tried: dict, paths: dict, acoustic_scale: float) -> float:
+                 hclg_path: Path, loglikes: dict | None, tried: dict, paths: dict, acoustic_scale: float) -> float:
     """``decode_split`` at ``acoustic_scale``, its result kept in ``tried`` and its best paths in
     ``paths`` (by scale); returns the WER."""
     paths[acoustic_scale] = {}
     tried[acoustic_scale] = decode_split(hclg, system, utts, id2word, out_dir, split, acoustic_scale,
-                                         paths[acoustic_scale], hclg_path)
+                                         paths[acoustic_scale], hclg_path, loglikes)
     return tried[acoustic_scale]["wer"]
 
 
@@ -70,7 +72,8 @@ def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
         utts = load_utterances(data_dir, split, transform=system.transform)
         out_dir = exp / f"decode_{split}"
         paths, tried = {}, {}
-        wer = partial(_decode_kept, hclg, system, utts, id2word, out_dir, split, hclg_path, tried, paths)
+        loglikes = gmm_loglikes(system.am, utts.feats.items()) if split == "dev" else None  # every scale's
+        wer = partial(_decode_kept, hclg, system, utts, id2word, out_dir, split, hclg_path, loglikes, tried, paths)
         if split == "dev":
             scale, grid = pick_scale(wer, scales, PREFERRED_SCALE)
         else:

@@ -56,7 +56,7 @@ from local.gmm.transforms import (
     compose_affine,
     estimate_fmllr,
 )
-from local.graph.decode import decode_utterances_gmm, pick_scale, score, words_to_text
+from local.graph.decode import decode_utterances_gmm, gmm_loglikes, pick_scale, score, words_to_text
 from local.graph.hclg import make_hclg
 from local.kaldi import kaldifst
 
@@ -229,14 +229,15 @@ def train_sat(
 
 def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
                     first_trans: dict, scale: float, hclg_path: Path | None = None,
-                    best_paths: dict | None = None) -> tuple[dict, dict]:
+                    best_paths: dict | None = None, first_loglikes: dict | None = None) -> tuple[dict, dict]:
     """Two adapted passes from the first-pass transforms: decode, re-estimate, decode (in
     ``DECODE_JOBS`` processes with ``hclg_path``). Returns (hyps, transforms); ``best_paths``
-    receives the last pass's transition-ids."""
+    receives the last pass's transition-ids. ``first_loglikes``: the GMM log-likelihoods of the
+    features under ``first_trans`` (the same at every scale: ``gmm_loglikes``), if kept."""
     alis: dict = {}
     adapted = transformed(utts.feats, speakers, first_trans)
     decode_utterances_gmm(hclg, system.tm, system.am, adapted.items(), acoustic_scale=scale, alignments=alis,
-                          hclg_path=hclg_path, num_jobs=DECODE_JOBS)
+                          hclg_path=hclg_path, num_jobs=DECODE_JOBS, loglikes=first_loglikes)
     trans = speaker_transforms(system, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_DECODE, first_trans)
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, transformed(utts.feats, speakers, trans).items(),
                                  acoustic_scale=scale, alignments=best_paths, hclg_path=hclg_path,
@@ -246,12 +247,12 @@ def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, s
 
 def _score_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, lang, first_trans: dict,
                    hclg_path: Path, refs: dict, out_dir: Path, split: str, kept: tuple[dict, dict, dict],
-                   scale: float) -> float:
+                   first_loglikes: dict | None, scale: float) -> float:
     """``_decode_adapted`` at ``scale``, scored; its result, transforms and best paths kept by scale in
     ``kept``. Returns the WER."""
     by_scale, trans_by_scale, paths_by_scale = kept
     hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first_trans, scale,
-                                                  hclg_path, paths_by_scale.setdefault(scale, {}))
+                                                  hclg_path, paths_by_scale.setdefault(scale, {}), first_loglikes)
     texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
     by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
     return by_scale[scale]["wer"]
@@ -367,8 +368,10 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
                            f"{split}-si-acwt{si_scale:g}")["wer"]
         first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
         by_scale, trans_by_scale, paths_by_scale = {}, {}, {}
+        first_loglikes = (gmm_loglikes(system.am, transformed(utts.feats, speakers, first).items())
+                          if split == "dev" else None)  # the first adapted pass of every scale
         wer = partial(_score_adapted, hclg, system, utts, speakers, lang, first, hclg_path, refs, out_dir, split,
-                      (by_scale, trans_by_scale, paths_by_scale))
+                      (by_scale, trans_by_scale, paths_by_scale), first_loglikes)
         if split == "dev":
             scale, grid = pick_scale(wer, scales, PREFERRED_SCALE)
             best_scale = scale

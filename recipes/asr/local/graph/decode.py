@@ -8,8 +8,9 @@ in 0.39-0.40 of the time; two DNN runs decoded again (dev at 5 acoustic scales a
 utterances each) gave the same words everywhere, in about the same time (a DNN's peaked scores keep
 few tokens alive).
 
-Used by the GMM stages (``decode_utterances_gmm``) and by the DNN evaluation
-(``decode_utterances`` on pseudo-log-likelihoods ``log p(pdf | x) - log p(pdf)``).
+Used by the GMM stages (``decode_utterances_gmm``; a grid of acoustic scales on one set of features
+evaluates the GMMs once, ``gmm_loglikes``) and by the DNN evaluation (``decode_utterances`` on
+pseudo-log-likelihoods ``log p(pdf | x) - log p(pdf)``).
 
 The decoder asks a decodable for the log-likelihood of a transition-id at a frame.
 ``khg.DecodableCtc(m)`` returns ``m[t, tid - 1]`` unscaled, so the per-pdf matrix is expanded
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 # ~2 s per utterance; 3000 bounds the cost per frame (a DNN lost one error in 300 words at beam 10).
 BEAM, MAX_ACTIVE = 10.0, 3000
 MIN_PARALLEL = 100  # utterances per process below which a GMM decoding stays in this process
+# Most bytes of GMM log-likelihoods kept for one set of features (``gmm_loglikes``): the default corpus's
+# test set takes 0.45 GB with the SAT system's 300 pdfs; a LibriSpeech dev set with 4,200 would take 30.
+LOGLIKE_CACHE_BYTES = 2 << 30
 
 
 def tid_to_pdf(trans_model) -> np.ndarray:
@@ -101,6 +105,12 @@ def decode_utterances(
     Returns:
         ``{utt_id: [word ids]}``; an utterance where no path survives gets ``[]`` (logged).
     """
+    return _decode_loglikes(hclg, trans_model, utterances, acoustic_scale, beam, max_active)
+
+
+def _decode_loglikes(hclg, trans_model, utterances: Iterable[tuple[str, np.ndarray]], acoustic_scale: float,
+                     beam: float, max_active: int, alignments: dict | None = None) -> dict[str, list[int]]:
+    """``decode_utterances`` with ``alignments`` as in ``_decode_all``."""
     tid2pdf = tid_to_pdf(trans_model)
 
     def decodables():
@@ -108,7 +118,52 @@ def decode_utterances(
             per_tid = scaled_per_tid(utt_id, loglik, tid2pdf, trans_model.num_pdfs, acoustic_scale)
             yield utt_id, per_tid.shape[0], khg.DecodableCtc(per_tid)
 
-    return _decode_all(hclg, decodables(), beam, max_active)
+    return _decode_all(hclg, decodables(), beam, max_active, alignments)
+
+
+class GmmScorer:
+    """Per-pdf log-likelihoods of a ``khg.AmDiagGmm`` for whole utterances: what Kaldi's
+    ``DecodableAmDiagGmm`` computes frame by frame and pdf by pdf (``DiagGmm::LogLikelihoods``, then the
+    log-sum-exp over each pdf's Gaussians), as one float32 matrix product per utterance."""
+
+    def __init__(self, am) -> None:
+        weights, consts, counts = [], [], []
+        for pdf in range(am.num_pdfs):
+            gmm = am.get_pdf(pdf)
+            # log N(x) + log w = gconst + means_invvars . x - 0.5 inv_vars . x^2
+            weights.append(np.hstack([np.asarray(gmm.means_invvars), -0.5 * np.asarray(gmm.inv_vars)]))
+            consts.append(np.asarray(gmm.gconsts))
+            counts.append(gmm.num_gauss)
+        self.weights = np.ascontiguousarray(np.vstack(weights).T, dtype=np.float32)  # [2D, G]
+        self.consts = np.concatenate(consts).astype(np.float32)
+        self.counts = np.asarray(counts)
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]])
+        self.dim = self.weights.shape[0] // 2
+
+    def __call__(self, feats: np.ndarray) -> np.ndarray:
+        """``[T, D]`` features -> ``[T, num_pdfs]`` float32 log-likelihoods."""
+        x = np.asarray(feats, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"features of shape {x.shape}, the GMMs model {self.dim} dimensions")
+        per_gauss = np.hstack([x, x * x]) @ self.weights + self.consts  # [T, G]
+        top = np.maximum.reduceat(per_gauss, self.starts, axis=1)
+        sums = np.add.reduceat(np.exp(per_gauss - np.repeat(top, self.counts, axis=1)), self.starts, axis=1)
+        return top + np.log(sums)
+
+
+def gmm_loglikes(am, utterances: Iterable[tuple[str, np.ndarray]],
+                 max_bytes: int = LOGLIKE_CACHE_BYTES) -> dict[str, np.ndarray] | None:
+    """``{utt_id: [T, num_pdfs] float32}`` of ``am`` on ``utterances`` (``(utt_id, feats)``), for
+    ``decode_utterances_gmm(loglikes=...)``; None when they would take more than ``max_bytes`` (a large
+    dev or test set: each decoding then evaluates the GMMs itself)."""
+    utterances = list(utterances)
+    size = sum(len(f) for _, f in utterances) * am.num_pdfs * 4
+    if size > max_bytes:
+        log.info("GMM log-likelihoods of %d utterances would take %.1f GB (over %.1f): evaluated by each "
+                 "decoding", len(utterances), size / 1e9, max_bytes / 1e9)
+        return None
+    scorer = GmmScorer(am)
+    return {u: scorer(f) for u, f in utterances}
 
 
 def scaled_per_tid(utt_id: str, loglik, tid2pdf: np.ndarray, num_pdfs: int, acoustic_scale: float) -> np.ndarray:
@@ -134,16 +189,23 @@ def decode_utterances_gmm(
     alignments: dict | None = None,
     hclg_path: Path | str | None = None,
     num_jobs: int = 1,
+    loglikes: dict[str, np.ndarray] | None = None,
 ) -> dict[str, list[int]]:
     """Decode GMM features: ``utterances`` yields ``(utt_id, feats [T, D])`` for ``am`` (``khg.AmDiagGmm``);
     ``alignments`` as in ``_decode_all`` (the first pass of fMLLR decoding uses them). With
     ``num_jobs`` > 1 and ``hclg_path`` (the graph as written on disk: FSTs do not pickle), the
-    utterances are decoded by that many processes (``decode_gmm_parallel``)."""
+    utterances are decoded by that many processes (``decode_gmm_parallel``). ``loglikes``: these
+    features' per-pdf log-likelihoods (:func:`gmm_loglikes`), read instead of evaluating the GMMs again
+    (a grid of acoustic scales on one set of features evaluates them once)."""
+    if loglikes is not None:
+        utterances = [(u, loglikes[u]) for u, _ in utterances]
     if num_jobs > 1 and hclg_path is not None:
         utterances = list(utterances)
         if len(utterances) >= MIN_PARALLEL * num_jobs:  # fewer: starting the processes costs more than it saves
             return decode_gmm_parallel(hclg_path, trans_model, am, utterances, acoustic_scale, num_jobs, beam,
-                                       max_active, alignments)
+                                       max_active, alignments, scored=loglikes is not None)
+    if loglikes is not None:
+        return _decode_loglikes(hclg, trans_model, utterances, acoustic_scale, beam, max_active, alignments)
 
     def decodables():
         for utt_id, feats in tqdm(utterances, desc="decode", leave=False, mininterval=2.0):
@@ -171,25 +233,30 @@ def _gmm_worker_init(hclg_path: str, models: bytes, beam: float, max_active: int
     _WORKER.update(hclg=kaldifst.StdVectorFst.read(hclg_path), tm=tm, am=am, beam=beam, max_active=max_active)
 
 
-def _gmm_worker_decode(args: tuple[list, float]) -> tuple[dict, dict]:
-    utterances, scale = args
+def _gmm_worker_decode(args: tuple[list, float, bool]) -> tuple[dict, dict]:
+    utterances, scale, scored = args
     w, alis = _WORKER, {}
-    hyps = decode_utterances_gmm(w["hclg"], w["tm"], w["am"], utterances, scale, w["beam"], w["max_active"], alis)
+    if scored:
+        hyps = _decode_loglikes(w["hclg"], w["tm"], utterances, scale, w["beam"], w["max_active"], alis)
+    else:
+        hyps = decode_utterances_gmm(w["hclg"], w["tm"], w["am"], utterances, scale, w["beam"], w["max_active"],
+                                     alis)
     return hyps, alis
 
 
 def decode_gmm_parallel(hclg_path: Path | str, trans_model, am, utterances: list[tuple[str, np.ndarray]],
                         acoustic_scale: float, num_jobs: int, beam: float = BEAM, max_active: int = MAX_ACTIVE,
-                        alignments: dict | None = None) -> dict[str, list[int]]:
+                        alignments: dict | None = None, scored: bool = False) -> dict[str, list[int]]:
     """``decode_utterances_gmm`` in ``num_jobs`` spawned processes (one thread each), each reading the
     graph from ``hclg_path``; utterances are dealt round-robin (a corpus sorted by voice puts the slow
-    voices together). Same results as one process, in about 1 / num_jobs of the time on idle cores."""
+    voices together). Same results as one process, in about 1 / num_jobs of the time on idle cores.
+    ``scored``: ``utterances`` holds per-pdf log-likelihoods (:func:`gmm_loglikes`), not features."""
     import multiprocessing
     import pickle
     from concurrent.futures import ProcessPoolExecutor
 
     t0 = time.time()
-    chunks = [(utterances[j::num_jobs], acoustic_scale) for j in range(num_jobs)]
+    chunks = [(utterances[j::num_jobs], acoustic_scale, scored) for j in range(num_jobs)]
     models = pickle.dumps((trans_model, am))
     # spawn: a forked child would inherit this process's OpenMP state (DESIGN section 7)
     with ProcessPoolExecutor(num_jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_gmm_worker_init,
