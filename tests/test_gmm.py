@@ -468,6 +468,35 @@ def test_decoding_from_kept_log_likelihoods_equals_evaluating_the_gmms(trained, 
         assert set(alis) == set(kept_alis) and all(np.array_equal(alis[u], kept_alis[u]) for u in alis)
 
 
+def test_alignment_in_two_processes_equals_one_and_follows_changed_features(trained, monkeypatch):
+    """``align_jobs``: the same transition-ids as one process, with the model of each call, and the new
+    features once the stage says it changed them (SAT's fMLLR)."""
+    from local.gmm import align_jobs as jobs_module
+    from local.gmm.common import GmmSystem, compile_graphs, load_utterances, realign_all
+    from local.graph.lang import load_lang
+
+    data_dir = trained[0]
+    system = GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl")
+    lang = load_lang(data_dir / "lang")
+    utts = load_utterances(data_dir, "train")
+    graphs = compile_graphs(system, lang, {u: lang.word_ids(utts.words[u]) for u in utts.ids})
+    ids = list(graphs)[::-1]  # any order: the result keeps it
+    one = realign_all(system, graphs, utts, ids, None, "test")
+    monkeypatch.setattr(jobs_module, "MIN_PER_JOB", 1)
+    with jobs_module.align_jobs(graphs, system, utts.feats, num_jobs=2):
+        assert graphs.jobs is not None and len(graphs.jobs.procs) == 2
+        two = realign_all(system, graphs, utts, ids, None, "test")
+        assert list(two) == list(one) and all(np.array_equal(one[u], two[u]) for u in one)
+        utts.feats.update({u: x[::-1].copy() for u, x in utts.feats.items()})  # time-reversed: other paths
+        graphs.jobs.features_changed()
+        reversed_two = realign_all(system, graphs, utts, ids, None, "test")
+    assert graphs.jobs is None
+    reversed_one = realign_all(system, graphs, utts, ids, None, "test")
+    assert list(reversed_two) == list(reversed_one)
+    assert all(np.array_equal(reversed_one[u], reversed_two[u]) for u in reversed_one)
+    assert any(not np.array_equal(one[u], reversed_one[u]) for u in reversed_one if u in one)
+
+
 def test_mixing_up_is_kaldis_split_with_a_seeded_perturbation(trained):
     """``split_by_count``: khg's number of Gaussians per pdf, the same GMM from the same seed (khg's own
     perturbation comes from std::random_device), a new one from another seed, and Kaldi's perturbation:
@@ -508,15 +537,19 @@ def test_mixing_up_is_kaldis_split_with_a_seeded_perturbation(trained):
     assert len(steps) > 500 and 0.009 < steps.std() < 0.011
 
 
-def test_gmm_training_gives_the_same_model_twice(trained, tmp_path):
-    """The monophone stage run again on the same data (in another directory) writes the same model."""
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_gmm_training_gives_the_same_model_twice(trained, tmp_path, monkeypatch, jobs):
+    """The monophone stage run again on the same data (in another directory) writes the same model, its
+    re-alignments in this process or in two (``align_jobs``)."""
     import shutil
 
+    from local.gmm import align_jobs
     from local.gmm.mono import train_mono
 
+    monkeypatch.setattr(align_jobs, "MIN_PER_JOB", 1 if jobs == 2 else 10**9)
     again = tmp_path / "again"
     shutil.copytree(trained[0], again, ignore=shutil.ignore_patterns("exp", "ali"))
-    train_mono(again, num_iters=8, total_gauss=200, scales=(0.1,))
+    train_mono(again, num_iters=8, total_gauss=200, decode=False)
     first = (trained[0] / "exp" / "mono" / "final.pkl").read_bytes()
     assert (again / "exp" / "mono" / "final.pkl").read_bytes() == first
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from local.constants import SELF_LOOP_SCALE, TRANSITION_SCALE
+from local.gmm.align_jobs import TrainingGraphs
 from local.gmm.tree_stats import TidTables, _phone_ends
 from local.graph.hclg import training_graph_compiler
 from local.kaldi import kaldifst, khg
@@ -135,10 +136,11 @@ def single_gaussian_am(means: np.ndarray, variances: np.ndarray) -> khg.AmDiagGm
 
 
 # ---------------------------------------------------------------- graphs and alignment
-def compile_graphs(system: GmmSystem, lang, word_ids: dict[str, list[int]]) -> dict:
+def compile_graphs(system: GmmSystem, lang, word_ids: dict[str, list[int]]) -> TrainingGraphs:
     """Training graph (HCL for the transcript, no probabilities yet) per utterance id."""
     compiler = training_graph_compiler(lang.dir, system.tree, system.tm)
-    return {utt: compiler.compile_graph_from_text(ids) for utt, ids in word_ids.items()}
+    return TrainingGraphs({utt: compiler.compile_graph_from_text(ids) for utt, ids in word_ids.items()}, lang.dir,
+                          word_ids)
 
 
 def equal_alignment(graph, num_frames: int, seed: int = 0) -> np.ndarray | None:
@@ -485,12 +487,19 @@ def realign_all(
     retry_beam: float = 40.0,
 ) -> dict[str, np.ndarray]:
     """Viterbi-align ``ids``; utterances without a path even at ``retry_beam`` are dropped
-    (reason ``alignment_failed``) and left out of the result."""
+    (reason ``alignment_failed``) and left out of the result. In the processes of ``graphs.jobs`` when
+    ``align_jobs.align_jobs`` attached them."""
     from local.drops import record_drop
 
+    jobs = getattr(graphs, "jobs", None)
+    if jobs is not None:
+        found = jobs.align(system, ids, utts.feats, beam, retry_beam)
+    else:
+        found = {u: viterbi_align(system, graphs[u], utts.feats[u], u, beam=beam, retry_beam=retry_beam)[0]
+                 for u in ids}
     alis = {}
     for utt in ids:
-        ali, _ = viterbi_align(system, graphs[utt], utts.feats[utt], utt, beam=beam, retry_beam=retry_beam)
+        ali = found[utt]
         if ali is None:
             log.warning("%s: %s has no alignment even at retry beam %g; dropped", stage, utt, retry_beam)
             if data_dir is not None:
@@ -537,6 +546,8 @@ def train_iterations(
             alis = realign_all(system, graphs, utts, list(alis), data_dir, stage, beam=beam)
         if adapt is not None and adapt(it, alis):
             ids = None
+            if getattr(graphs, "jobs", None) is not None:
+                graphs.jobs.features_changed()
         if ids != list(alis):
             ids = list(alis)
             feats_all = np.concatenate([utts.feats[u] for u in ids])

@@ -276,6 +276,7 @@ def train_lda_mllt(
         a summary: leaves, pdfs, Gaussians, the sizes asked (``sizes``), final log-likelihood (in the
         final features' space), the MLLT updates' objective gains, seconds, WERs.
     """
+    from local.gmm.align_jobs import align_jobs
     from local.gmm.common import (
         GmmSystem,
         Utterances,
@@ -338,12 +339,13 @@ def train_lda_mllt(
                  info["objective_gain_per_frame"], info["frames"])
         return True
 
-    alis, history = train_iterations(
-        system, graphs, utts, alis, num_iters, set(realign_iters), sizes["gaussians"],
-        max_iter_inc=min(25, num_iters - 5), data_dir=data_dir, stage="lda_mllt", beam=beam, adapt=update_mllt,
-        seed=seed,
-    )
-    alis = realign_all(system, graphs, utts, list(alis), data_dir, "lda_mllt", beam=beam)
+    with align_jobs(graphs, system, utts.feats):  # re-alignments in ALIGN_JOBS processes
+        alis, history = train_iterations(
+            system, graphs, utts, alis, num_iters, set(realign_iters), sizes["gaussians"],
+            max_iter_inc=min(25, num_iters - 5), data_dir=data_dir, stage="lda_mllt", beam=beam, adapt=update_mllt,
+            seed=seed,
+        )
+        alis = realign_all(system, graphs, utts, list(alis), data_dir, "lda_mllt", beam=beam)
     system.transform = transform
     system.save_run(exp, alis, history)
     np.save(exp / "final_mat.npy", transform)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from local.drops import record_drop
+from local.gmm.align_jobs import align_jobs
 from local.gmm.common import (
     GmmSystem,
     begin_stage,
@@ -102,14 +103,15 @@ def train_mono(
     if not alis:
         raise RuntimeError("mono: every training utterance is too short for its HMM sequence; check the features")
     load_seconds = time.perf_counter() - start
-    alis, history = train_iterations(
-        system, graphs, utts, alis, num_iters, REALIGN_ITERS, total_gauss, max_iter_inc=num_iters - 5,
-        data_dir=data_dir, stage="mono", beam=beam, seed=seed,
-    )
-    # Kaldi realigns once more with the final model to give the next stage its alignments.
-    from local.gmm.common import realign_all
+    with align_jobs(graphs, system, utts.feats):  # re-alignments in ALIGN_JOBS processes
+        alis, history = train_iterations(
+            system, graphs, utts, alis, num_iters, REALIGN_ITERS, total_gauss, max_iter_inc=num_iters - 5,
+            data_dir=data_dir, stage="mono", beam=beam, seed=seed,
+        )
+        # Kaldi realigns once more with the final model to give the next stage its alignments.
+        from local.gmm.common import realign_all
 
-    alis = realign_all(system, graphs, utts, list(alis), data_dir, "mono", beam=beam)
+        alis = realign_all(system, graphs, utts, list(alis), data_dir, "mono", beam=beam)
     system.save_run(exp, alis, history)
     train_seconds = time.perf_counter() - start
     summary = {

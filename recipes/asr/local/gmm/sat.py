@@ -36,6 +36,7 @@ import numpy as np
 
 from local.constants import SAT_ACOUSTIC_SCALES
 from local.data.features import gmm_cmvn_key
+from local.gmm.align_jobs import align_jobs
 from local.gmm.common import (
     GmmSystem,
     Utterances,
@@ -201,11 +202,12 @@ def train_sat(
         utts.feats.update(transformed(raw, speakers, trans))
         return True
 
-    alis, history = train_iterations(
-        system, graphs, utts, alis, num_iters, set(realign_iters), sizes["gaussians"],
-        max_iter_inc=min(15, num_iters - 5), data_dir=data_dir, stage="sat", beam=beam, adapt=adapt, seed=seed,
-    )
-    alis = realign_all(system, graphs, utts, list(alis), data_dir, "sat", beam=beam)
+    with align_jobs(graphs, system, utts.feats):  # re-alignments in ALIGN_JOBS processes
+        alis, history = train_iterations(
+            system, graphs, utts, alis, num_iters, set(realign_iters), sizes["gaussians"],
+            max_iter_inc=min(15, num_iters - 5), data_dir=data_dir, stage="sat", beam=beam, adapt=adapt, seed=seed,
+        )
+        alis = realign_all(system, graphs, utts, list(alis), data_dir, "sat", beam=beam)
     system.save_run(exp, alis, history)
     with open(exp / "trans.pkl", "wb") as f:
         pickle.dump(trans, f)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from local.gmm.align_jobs import align_jobs
 from local.gmm.common import (
     GmmSystem,
     begin_stage,
@@ -128,11 +129,12 @@ def train_tri(
     tree_seconds = time.perf_counter() - start
     log.info("tri: tree with %d pdfs in %.1f s; %d alignments converted", system.tm.num_pdfs, tree_seconds, len(alis))
 
-    alis, history = train_iterations(
-        system, graphs, utts, alis, num_iters, REALIGN_ITERS, sizes["gaussians"], max_iter_inc=min(25, num_iters - 5),
-        data_dir=data_dir, stage="tri", beam=beam, seed=seed,
-    )
-    alis = realign_all(system, graphs, utts, list(alis), data_dir, "tri", beam=beam)
+    with align_jobs(graphs, system, utts.feats):  # re-alignments in ALIGN_JOBS processes
+        alis, history = train_iterations(
+            system, graphs, utts, alis, num_iters, REALIGN_ITERS, sizes["gaussians"], max_iter_inc=min(25, num_iters - 5),
+            data_dir=data_dir, stage="tri", beam=beam, seed=seed,
+        )
+        alis = realign_all(system, graphs, utts, list(alis), data_dir, "tri", beam=beam)
     system.save_run(exp, alis, history)
     summary = {
         "utterances": len(alis),
