@@ -126,9 +126,11 @@ class AlignJobs:
 
 
 @contextmanager
-def align_jobs(graphs: TrainingGraphs, system, feats: dict[str, np.ndarray], num_jobs: int = ALIGN_JOBS):
-    """Within the block, ``realign_all`` on ``graphs`` aligns in ``num_jobs`` processes (in this one when
-    there are fewer than ``MIN_PER_JOB`` utterances per process)."""
+def align_jobs(graphs: TrainingGraphs, system, feats: dict[str, np.ndarray], num_jobs: int | None = None):
+    """Within the block, ``realign_all`` on ``graphs`` aligns in ``num_jobs`` processes (default
+    ``ALIGN_JOBS``, read at the call; in this process when there are fewer than ``MIN_PER_JOB`` utterances
+    per process)."""
+    num_jobs = ALIGN_JOBS if num_jobs is None else num_jobs
     if num_jobs < 2 or len(graphs) < MIN_PER_JOB * num_jobs:
         yield graphs
         return
