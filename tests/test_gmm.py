@@ -497,6 +497,31 @@ def test_alignment_in_two_processes_equals_one_and_follows_changed_features(trai
     assert any(not np.array_equal(one[u], reversed_one[u]) for u in reversed_one if u in one)
 
 
+def test_the_sat_schedule_option_reaches_the_sat_stage(monkeypatch, tmp_path):
+    """``prepare.py --sat-schedule kaldi``: steps/train_sat.sh's passes reach ``train_sat``; the default keeps the
+    recipe's; an unknown name is refused with the choices."""
+    import argparse
+
+    import prepare
+    from local.gmm import sat
+
+    seen = {}
+    monkeypatch.setattr(prepare, "prepare", lambda *args, **kwargs: seen.update(kwargs))
+    prepare.main(["--sat-schedule", "kaldi"])
+    assert seen["sat_schedule"] == "kaldi"
+    prepare.main([])
+    assert seen["sat_schedule"] == "recipe"
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="unknown --sat-schedule 'fast'; choose recipe or kaldi"):
+        prepare.prepare(data_dir=tmp_path / "d", sat_schedule="fast")
+    calls = []
+    monkeypatch.setattr(sat, "train_sat", lambda data_dir, *a, **kw: calls.append(kw) or {})
+    sizes = dict.fromkeys(prepare.GMM_SIZES, "auto")
+    prepare._run_stage("sat", tmp_path, argparse.Namespace(seed=0, gmm_sizes=sizes, lda_mllt=False,
+                                                           sat_schedule="kaldi"))
+    assert calls == [{"seed": 0, "realign_iters": (10, 20, 30), "fmllr_iters": (2, 4, 6, 12)}]
+
+
 def test_mixing_up_is_kaldis_split_with_a_seeded_perturbation(trained):
     """``split_by_count``: khg's number of Gaussians per pdf, the same GMM from the same seed (khg's own
     perturbation comes from std::random_device), a new one from another seed, and Kaldi's perturbation:

@@ -47,7 +47,7 @@ def test_prepare_hands_its_seed_and_sizes_to_every_gmm_stage(monkeypatch, tmp_pa
     for module, fn in ((mono, "train_mono"), (tri, "train_tri"), (sat, "train_sat"), (align, "align")):
         monkeypatch.setattr(module, fn, record(fn))
     args = argparse.Namespace(seed=7, gmm_sizes={"tri_leaves": 400, "tri_gauss": "auto", "sat_leaves": "auto",
-                                                 "sat_gauss": 6000}, lda_mllt=False)
+                                                 "sat_gauss": 6000}, lda_mllt=False, sat_schedule="recipe")
     for stage in ("mono", "tri", "sat", "align"):
         prepare._run_stage(stage, tmp_path, args)
     assert all(kwargs["seed"] == 7 for _, kwargs in calls.values()) and len(calls) == 4

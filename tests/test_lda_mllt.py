@@ -146,11 +146,12 @@ def test_the_flag_trains_lda_mllt_in_the_tri_stage_and_sat_on_it(monkeypatch, tm
                             or {})
     sizes = {**dict.fromkeys(prepare.GMM_SIZES, "auto"), "lda_mllt_leaves": 500}
     for flag in (False, True):
-        args = argparse.Namespace(seed=3, gmm_sizes=sizes, lda_mllt=flag)
+        args = argparse.Namespace(seed=3, gmm_sizes=sizes, lda_mllt=flag, sat_schedule="recipe")
         prepare._run_stage("tri", tmp_path, args)
         prepare._run_stage("sat", tmp_path, args)
     assert len(calls["train_tri"]) == 2 and calls["train_lda_mllt"] == [((500, "auto"), {"seed": 3})]
-    assert [kw for _, kw in calls["train_sat"]] == [{"seed": 3}, {"seed": 3, "speaker_independent": "lda_mllt"}]
+    recipe = {"seed": 3, "realign_iters": (10, 25), "fmllr_iters": (20,)}
+    assert [kw for _, kw in calls["train_sat"]] == [recipe, {**recipe, "speaker_independent": "lda_mllt"}]
 
 
 def test_the_flag_is_recorded_and_a_data_dir_built_the_other_way_is_refused(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@
 #   corpus=kaldi corpus_dir=/path/to/kaldi_data prepare_args="--lexicon lexicon.txt --oov g2p" bash recipes/asr/run.sh
 #                                                  # corpus: synthetic (default), mini_librispeech, librispeech, timit,
 #                                                  # yesno, kaldi; prepare_args: more prepare.py options (--train-parts,
-#                                                  # --lexicon, --lm-text, --oov, --num-jobs)
+#                                                  # --lexicon, --lm-text, --oov, --num-jobs, --lda-mllt, --sat-schedule kaldi)
 #   test_sweep=1 stage=11 bash recipes/asr/run.sh  # also test at every acoustic scale (fixed-scale tables)
 #   precision=32-true bash recipes/asr/run.sh      # train in float32 (default: bf16-mixed where the
 #                                                  # device computes bfloat16 natively, local/dnn/precision.py)
