@@ -11,8 +11,8 @@ voices out: every speaker gets an affine feature transform (fMLLR,
    40-dim features then carry the whole stage, as ``train_sat.sh`` on top of ``train_lda_mllt.sh``)
    and its alignments; silence frames get weight 0 (``train_sat.sh``).
 2. A new tree and one Gaussian per leaf on the transformed features; alignments converted.
-3. ``num_iters`` Viterbi passes, re-aligning on ``REALIGN_ITERS`` and re-estimating the
-   transforms with the SAT model (composed onto the current ones) on ``FMLLR_ITERS``.
+3. ``num_iters`` Viterbi passes, re-aligning and re-estimating the transforms with the SAT model
+   (composed onto the current ones) on the passes of a schedule (``SAT_SCHEDULES``).
 4. Decoding (``decode_sat``): a speaker-independent first pass with that system, fMLLR from its
    best paths (silence weight 0.01), a pass with the SAT model, a second fMLLR estimate from that
    pass, and the final pass. Speakers are those of the GMM CMVN (``features.gmm_cmvn_key``),
@@ -72,8 +72,6 @@ SAT_SCHEDULES = {
     "recipe": {"realign_iters": (10, 25), "fmllr_iters": (20,)},
     "kaldi": {"realign_iters": (10, 20, 30), "fmllr_iters": (2, 4, 6, 12)},
 }
-REALIGN_ITERS = set(SAT_SCHEDULES["recipe"]["realign_iters"])
-FMLLR_ITERS = set(SAT_SCHEDULES["recipe"]["fmllr_iters"])
 FMLLR_MIN_FRAMES = 500.0  # fewer (silence-weighted) frames: the speaker keeps its current transform
 SILENCE_WEIGHT_TRAIN = 0.0  # train_sat.sh
 SILENCE_WEIGHT_DECODE = 0.01  # decode_fmllr.sh
@@ -148,8 +146,8 @@ def train_sat(
     num_leaves: int | str = "auto",
     total_gauss: int | str = "auto",
     num_iters: int = 35,
-    realign_iters: set[int] | tuple[int, ...] = tuple(REALIGN_ITERS),
-    fmllr_iters: set[int] | tuple[int, ...] = tuple(FMLLR_ITERS),
+    realign_iters: set[int] | tuple[int, ...] = SAT_SCHEDULES["recipe"]["realign_iters"],
+    fmllr_iters: set[int] | tuple[int, ...] = SAT_SCHEDULES["recipe"]["fmllr_iters"],
     beam: float = 10.0,
     decode: bool = True,
     scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES,
@@ -240,14 +238,13 @@ def train_sat(
 
 
 def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
-                    first_trans: dict, scale: float, hclg_path: Path | None = None,
+                    first_trans: dict, adapted: dict, scale: float, hclg_path: Path | None = None,
                     best_paths: dict | None = None, first_loglikes: dict | None = None) -> tuple[dict, dict]:
-    """Two adapted passes from the first-pass transforms: decode, re-estimate, decode (in
-    ``DECODE_JOBS`` processes with ``hclg_path``). Returns (hyps, transforms); ``best_paths``
-    receives the last pass's transition-ids. ``first_loglikes``: the GMM log-likelihoods of the
-    features under ``first_trans`` (the same at every scale: ``gmm_loglikes``), if kept."""
+    """Two adapted passes from the first-pass transforms (``adapted``: the features under them, the same
+    at every scale): decode, re-estimate, decode (in ``DECODE_JOBS`` processes with ``hclg_path``).
+    Returns (hyps, transforms); ``best_paths`` receives the last pass's transition-ids.
+    ``first_loglikes``: the GMM log-likelihoods of ``adapted`` (``gmm_loglikes``), if kept."""
     alis: dict = {}
-    adapted = transformed(utts.feats, speakers, first_trans)
     decode_utterances_gmm(hclg, system.tm, system.am, adapted.items(), acoustic_scale=scale, alignments=alis,
                           hclg_path=hclg_path, num_jobs=DECODE_JOBS, loglikes=first_loglikes)
     trans = speaker_transforms(system, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_DECODE, first_trans)
@@ -258,13 +255,14 @@ def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, s
 
 
 def _score_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, lang, first_trans: dict,
-                   hclg_path: Path, refs: dict, out_dir: Path, split: str, kept: tuple[dict, dict, dict],
-                   first_loglikes: dict | None, scale: float) -> float:
+                   adapted: dict, hclg_path: Path, refs: dict, out_dir: Path, split: str,
+                   kept: tuple[dict, dict, dict], first_loglikes: dict | None, scale: float) -> float:
     """``_decode_adapted`` at ``scale``, scored; its result, transforms and best paths kept by scale in
     ``kept``. Returns the WER."""
     by_scale, trans_by_scale, paths_by_scale = kept
-    hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first_trans, scale,
-                                                  hclg_path, paths_by_scale.setdefault(scale, {}), first_loglikes)
+    hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first_trans, adapted,
+                                                  scale, hclg_path, paths_by_scale.setdefault(scale, {}),
+                                                  first_loglikes)
     texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
     by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
     return by_scale[scale]["wer"]
@@ -320,7 +318,7 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     graph = paths["sat"] / "graph" / "HCLG.fst"
     best_paths: dict = {}
     hyps, trans = _decode_adapted(kaldifst.StdVectorFst.read(str(graph)), system, utts, speakers, lang.sil_id, first,
-                                  scales["sat"], graph, best_paths)
+                                  transformed(utts.feats, speakers, first), scales["sat"], graph, best_paths)
     log.info("sat decoding of a new set: %d of %d utterances decoded, %d speakers", len(best_paths), len(cuts),
              len(set(speakers.values())))
     return hyps, trans, best_paths
@@ -380,10 +378,10 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
                            f"{split}-si-acwt{si_scale:g}")["wer"]
         first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
         by_scale, trans_by_scale, paths_by_scale = {}, {}, {}
-        first_loglikes = (gmm_loglikes(system.am, transformed(utts.feats, speakers, first).items())
-                          if split == "dev" else None)  # the first adapted pass of every scale
-        wer = partial(_score_adapted, hclg, system, utts, speakers, lang, first, hclg_path, refs, out_dir, split,
-                      (by_scale, trans_by_scale, paths_by_scale), first_loglikes)
+        adapted = transformed(utts.feats, speakers, first)  # the first adapted pass's features, every scale's
+        first_loglikes = gmm_loglikes(system.am, adapted.items()) if split == "dev" else None
+        wer = partial(_score_adapted, hclg, system, utts, speakers, lang, first, adapted, hclg_path, refs, out_dir,
+                      split, (by_scale, trans_by_scale, paths_by_scale), first_loglikes)
         if split == "dev":
             scale, grid = pick_scale(wer, scales, PREFERRED_SCALE)
             best_scale = scale

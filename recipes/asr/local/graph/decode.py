@@ -92,6 +92,7 @@ def decode_utterances(
     acoustic_scale: float,
     beam: float = BEAM,
     max_active: int = MAX_ACTIVE,
+    alignments: dict | None = None,
 ) -> dict[str, list[int]]:
     """Decode per-pdf log-likelihoods.
 
@@ -99,18 +100,13 @@ def decode_utterances(
         hclg: the decoding graph (``graph.make_hclg``).
         trans_model: the ``khg.TransitionModel`` of the graph.
         utterances: ``(utt_id, loglik)`` with ``loglik`` ``[T, num_pdfs]`` (for a DNN:
-            log posterior - log prior).
+            log posterior - log prior; for a GMM: ``gmm_loglikes``).
         acoustic_scale: multiplies the log-likelihoods (0.1 for GMMs, ~0.1-1 for DNNs).
+        alignments: as in ``_decode_all``.
 
     Returns:
         ``{utt_id: [word ids]}``; an utterance where no path survives gets ``[]`` (logged).
     """
-    return _decode_loglikes(hclg, trans_model, utterances, acoustic_scale, beam, max_active)
-
-
-def _decode_loglikes(hclg, trans_model, utterances: Iterable[tuple[str, np.ndarray]], acoustic_scale: float,
-                     beam: float, max_active: int, alignments: dict | None = None) -> dict[str, list[int]]:
-    """``decode_utterances`` with ``alignments`` as in ``_decode_all``."""
     tid2pdf = tid_to_pdf(trans_model)
 
     def decodables():
@@ -205,7 +201,7 @@ def decode_utterances_gmm(
             return decode_gmm_parallel(hclg_path, trans_model, am, utterances, acoustic_scale, num_jobs, beam,
                                        max_active, alignments, scored=loglikes is not None)
     if loglikes is not None:
-        return _decode_loglikes(hclg, trans_model, utterances, acoustic_scale, beam, max_active, alignments)
+        return decode_utterances(hclg, trans_model, utterances, acoustic_scale, beam, max_active, alignments)
 
     def decodables():
         for utt_id, feats in tqdm(utterances, desc="decode", leave=False, mininterval=2.0):
@@ -237,7 +233,7 @@ def _gmm_worker_decode(args: tuple[list, float, bool]) -> tuple[dict, dict]:
     utterances, scale, scored = args
     w, alis = _WORKER, {}
     if scored:
-        hyps = _decode_loglikes(w["hclg"], w["tm"], utterances, scale, w["beam"], w["max_active"], alis)
+        hyps = decode_utterances(w["hclg"], w["tm"], utterances, scale, w["beam"], w["max_active"], alis)
     else:
         hyps = decode_utterances_gmm(w["hclg"], w["tm"], w["am"], utterances, scale, w["beam"], w["max_active"],
                                      alis)
