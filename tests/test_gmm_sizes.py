@@ -3,6 +3,7 @@ triphone, LDA+MLLT and SAT systems fixed before training from the hours of train
 ``--seed`` handed to every GMM stage."""
 
 import argparse
+import json
 
 import prepare
 import pytest
@@ -70,3 +71,30 @@ def test_an_unknown_gmm_size_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match="unknown GMM sizes"):
         prepare.prepare(data_dir=tmp_path / "data", stage=3, gmm_sizes={"mono_gauss": 10})
     assert not (tmp_path / "data").exists()
+
+
+def test_later_stages_take_the_corpus_settings_recorded_at_stage_0_and_refuse_others(tmp_path, monkeypatch):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    settings = {"corpus": "kaldi", "corpus_dir": "/corpora/mine", "size": "default", "seed": 2}
+    (data_dir / "settings.json").write_text(json.dumps(settings))
+    runs = []
+    monkeypatch.setattr(prepare, "_run_stage", lambda name, d, args: runs.append((name, args)) or "ok")
+    prepare.main(["--data-dir", str(data_dir), "--stage", "3", "--stop-stage", "3"])  # no corpus options
+    (name, args), = runs
+    assert name == "mono" and (args.corpus, args.corpus_dir, args.seed) == ("kaldi", "/corpora/mine", 2)
+    assert json.loads((data_dir / "settings.json").read_text()) == settings
+    for given, match in (({"seed": 0}, r"--seed 2 \(settings.json\), and this run gives --seed 0"),
+                         ({"corpus": "synthetic"}, r"--corpus kaldi .* gives --corpus synthetic.*--stage 0 --force"),
+                         ({"corpus_dir": "/elsewhere"}, "--corpus-dir /corpora/mine")):
+        with pytest.raises(SystemExit, match=match):
+            prepare.prepare(data_dir=data_dir, stage=4, stop_stage=4, **given)
+    assert len(runs) == 1 and json.loads((data_dir / "settings.json").read_text()) == settings
+    prepare.prepare(data_dir=data_dir, stage=4, stop_stage=4, corpus="kaldi", seed=2)  # the recorded ones: fine
+    assert runs[-1][0] == "tri" and runs[-1][1].seed == 2
+    # stage 0 done and not forced: the same refusal as ever; rebuilt: the new settings are recorded
+    with pytest.raises(SystemExit, match=r"gives --corpus synthetic: stage 0 is rebuilt only with --force"):
+        prepare.prepare(data_dir=data_dir, corpus="synthetic", stop_stage=0)
+    prepare.prepare(data_dir=data_dir, corpus="synthetic", size="tiny", stop_stage=0, force=True)
+    recorded = json.loads((data_dir / "settings.json").read_text())
+    assert (recorded["corpus"], recorded["size"], recorded["seed"], recorded["corpus_dir"]) == ("synthetic", "tiny", 0, None)

@@ -20,8 +20,11 @@ Stages (each skipped when it has already completed; ``--stage`` / ``--stop-stage
 
 These are the recipe's stages 0-8 in run.sh too (its 9-11 train the baseline and GTC, decode and compare).
 
---lda-mllt (off by default) is recorded in ``settings.json``: a data dir whose GMM stages were built
-one way is refused the other way until they are rebuilt (``--stage 4 --force``).
+Stage 0 records the corpus options (--corpus, --corpus-dir, --size, --seed, --train-parts) in
+``<data-dir>/settings.json``; later runs on that data dir take them from there when left out, and refuse
+a value that differs (rebuild from stage 0 with --force, or use another --data-dir). --lda-mllt (off by
+default) is recorded there too: a data dir whose GMM stages were built one way is refused the other way
+until they are rebuilt (``--stage 4 --force``).
 
 A stage is marked done (``<data-dir>/.done/<stage>``) only when it completed, and before it runs
 what it writes (``STAGE_OUTPUTS``) is cleared: killing a run in the middle of any stage and running
@@ -173,6 +176,35 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
     raise AssertionError(name)
 
 
+SETTING_DEFAULTS = {"corpus": "synthetic", "corpus_dir": None, "size": "default", "seed": 0, "train_parts": None}
+SETTING_FLAGS = {"corpus": "--corpus", "corpus_dir": "--corpus-dir", "size": "--size", "seed": "--seed",
+                 "train_parts": "--train-parts"}
+
+
+def resolve_settings(data_dir: Path, recorded: dict | None, given: dict, stage: int, force: bool) -> dict:
+    """The corpus settings a run works with: each of ``given`` (``SETTING_DEFAULTS``' keys) that is not
+    ``None``, else the one ``recorded`` in the data dir's ``settings.json``, else the default. Unless
+    stage 0 is rebuilt (``stage=0, force=True``) or nothing is recorded yet, a given value that differs
+    from the recorded one is refused, naming both and the fix."""
+    rebuild = recorded is None or (stage == 0 and force)
+    base = SETTING_DEFAULTS if rebuild else {**SETTING_DEFAULTS, **recorded}
+    differ = {} if rebuild else {k: v for k, v in given.items() if v is not None and v != base[k]}
+    if differ:
+        were = ", ".join(f"{SETTING_FLAGS[k]} {_shown(base[k])}" for k in differ)
+        now = ", ".join(f"{SETTING_FLAGS[k]} {_shown(v)}" for k, v in differ.items())
+        why = ("stage 0 is rebuilt only with --force" if stage == 0 else
+               f"stages {stage} on would be built on other settings than the corpus under them")
+        raise SystemExit(
+            f"{data_dir} was prepared with {were} (settings.json), and this run gives {now}: {why}. Leave "
+            f"{' and '.join(map(SETTING_FLAGS.get, differ))} out (the recorded settings are taken), rebuild from "
+            "stage 0 (--stage 0 --force), or use another --data-dir")
+    return {k: given[k] if given[k] is not None else base[k] for k in SETTING_DEFAULTS}
+
+
+def _shown(value) -> str:
+    return " ".join(value) if isinstance(value, list) else str(value)
+
+
 def _without_flag(settings: dict) -> dict:
     """``settings`` without the ``lda_mllt`` entry, which ``check_lda_mllt`` compares on its own."""
     return {k: v for k, v in settings.items() if k != "lda_mllt"}
@@ -232,13 +264,13 @@ def _fmt(v) -> str:
 
 
 def prepare(
-    corpus: str = "synthetic",
+    corpus: str | None = None,
     corpus_dir: str | Path | None = None,
     data_dir: str | Path | None = None,
-    size: str = "default",
+    size: str | None = None,
     stage: int = 0,
     stop_stage: int = len(STAGES) - 1,
-    seed: int = 0,
+    seed: int | None = None,
     num_jobs: int = 2,
     force: bool = False,
     train_parts: list[str] | None = None,
@@ -257,7 +289,21 @@ def prepare(
     from the hours of training speech, ``local.gmm.sizes``). ``lda_mllt``: train the LDA+MLLT system in
     the tri stage and build SAT, align and adapt on its features (recorded in ``settings.json``;
     ``check_lda_mllt``). ``sat_schedule``: the SAT stage's passes of re-alignment and fMLLR re-estimation,
-    ``"recipe"`` or ``"kaldi"`` (``local.gmm.sat.SAT_SCHEDULES``)."""
+    ``"recipe"`` or ``"kaldi"`` (``local.gmm.sat.SAT_SCHEDULES``).
+
+    ``corpus``, ``corpus_dir``, ``size``, ``seed`` and ``train_parts`` describe what stage 0 built and are
+    recorded in ``settings.json``; left ``None``, they are taken from there (or default to the embedded
+    corpus's: synthetic, default size, seed 0). A value given that differs from the recorded one is refused
+    (``resolve_settings``) unless stage 0 is rebuilt (``stage=0, force=True``): the stages after it would
+    otherwise be built on other settings than the corpus under them, and the record would say so wrongly."""
+    data_dir = Path(data_dir) if data_dir is not None else default_data_dir(corpus or "synthetic", size or "default")
+    settings = data_dir / "settings.json"
+    recorded = json.loads(settings.read_text()) if settings.exists() else None
+    given = {"corpus": corpus, "corpus_dir": str(corpus_dir) if corpus_dir else None, "size": size, "seed": seed,
+             "train_parts": list(train_parts) if train_parts else None}
+    resolved = resolve_settings(data_dir, recorded, given, stage, force)
+    corpus, size, seed, corpus_dir = resolved["corpus"], resolved["size"], resolved["seed"], resolved["corpus_dir"]
+    train_parts = resolved["train_parts"]
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; choose one of {CORPORA}")
     if oov not in ("drop", "g2p"):
@@ -272,30 +318,30 @@ def prepare(
         raise ValueError(f"need 0 <= stage ({stage}) <= stop_stage ({stop_stage}) <= {len(STAGES) - 1}")
     if set(gmm_sizes or {}) - set(GMM_SIZES):
         raise ValueError(f"unknown GMM sizes {sorted(set(gmm_sizes) - set(GMM_SIZES))}; use {list(GMM_SIZES)}")
-    data_dir = Path(data_dir) if data_dir is not None else default_data_dir(corpus, size)
     data_dir.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs,
                               train_parts=train_parts, lexicon=lexicon, lm_text=lm_text, oov=oov,
                               lda_mllt=lda_mllt, sat_schedule=sat_schedule)  # fmt: skip
     args.gmm_sizes = {**dict.fromkeys(GMM_SIZES, "auto"), **(gmm_sizes or {})}
-    settings = data_dir / "settings.json"
-    wanted = {"corpus": corpus, "corpus_dir": str(corpus_dir) if corpus_dir else None, "size": size, "seed": seed}
+    wanted = {"corpus": corpus, "corpus_dir": corpus_dir, "size": size, "seed": seed}
     if train_parts:  # (only when given: data dirs prepared before these options stay valid)
         wanted["train_parts"] = list(train_parts)
     if corpus == "synthetic":
         from local.data.corpus_synthetic import VERSION
 
         wanted["version"] = VERSION  # an embedded corpus built by an older recipe is not silently reused
-    recorded = json.loads(settings.read_text()) if settings.exists() else None
-    if recorded is not None and _without_flag(recorded) != wanted and stage == 0 and not force:
+    rebuild = recorded is None or (stage == 0 and force)
+    if not rebuild and stage == 0 and _without_flag(recorded) != wanted:
         raise SystemExit(
             f"{data_dir} was prepared with {settings.read_text().strip()}, not {wanted}; "
             "use another --data-dir or --force to rebuild it"
         )
     check_lda_mllt(data_dir, recorded, lda_mllt, stage, force)
+    # Later stages build on what stage 0 made: its record stays as written then (an older corpus version too).
+    record = _without_flag(wanted if rebuild else recorded)
     if lda_mllt:  # (only when given: the settings of a data dir built without it stay as they were)
-        wanted["lda_mllt"] = True
-    write_text(settings, json.dumps(wanted))
+        record["lda_mllt"] = True
+    write_text(settings, json.dumps(record))
     for i in range(stage, stop_stage + 1):
         name = STAGES[i]
         marker = _marker(data_dir, name)
@@ -330,14 +376,17 @@ def prepare(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--corpus", default="synthetic", choices=CORPORA, help="which corpus to prepare")
+    p.add_argument("--corpus", default=None, choices=CORPORA,
+                   help="which corpus to prepare (default: the data dir's settings.json, else synthetic)")
     p.add_argument("--corpus-dir", default=None, help="directory holding a real corpus (not synthetic)")
     p.add_argument("--data-dir", default=None, help="where everything is written (default data/<corpus>[-size])")
-    p.add_argument("--size", default="default", choices=["tiny", "default"], help="synthetic corpus size")
+    p.add_argument("--size", default=None, choices=["tiny", "default"],
+                   help="synthetic corpus size (default: the data dir's settings.json, else default)")
     p.add_argument("--stage", type=int, default=0, help=f"first stage to run (0-{len(STAGES) - 1})")
     p.add_argument("--stop-stage", type=int, default=len(STAGES) - 1, help=f"last stage to run (0-{len(STAGES) - 1})")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the synthetic corpus and of the GMM stages (mono, tri, sat, align)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the synthetic corpus and of the GMM stages (mono, tri, sat, align); default: the "
+                        "data dir's settings.json, else 0")
     p.add_argument("--lda-mllt", action="store_true",
                    help="train an LDA+MLLT triphone system in the tri stage (exp/lda_mllt) and build SAT, align and "
                         "adapt on its features (default: off, SAT on the Δ + ΔΔ triphone system)")
