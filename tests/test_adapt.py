@@ -128,6 +128,7 @@ def _stage_transforms(data_dir, kind: str, trans_file: str, info_file: str):
         assert {gmm_cmvn_key(c) for c in cuts} <= set(trans), split
         assert info["splits"][split]["speakers"] > 0
     assert all(W.shape == (40, 41) and np.isfinite(W).all() for W in trans.values())
+    assert list(trans) == sorted(trans)  # kept by speaker: two builds write the same bytes
     test = list(CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz"))
     plain, adapted = FrontEnd(data_dir, "fbank"), FrontEnd(data_dir, kind)
     (cut, x), (_, y) = next(iter(plain(test[:1], "test"))), next(iter(adapted(test[:1], "test")))
