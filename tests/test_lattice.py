@@ -91,3 +91,102 @@ def test_lattice_best_path_equals_the_best_path_decoder(tiny_aligned):
     grid = L.grid_hypotheses(lattices, [0.5, 0.25], [0.0, 5.0])
     assert {u: grid[(0.5, 0.0)][u] for u, _ in utts} == best
     assert any(grid[(0.5, 5.0)][u] != best[u] for u, _ in utts) or all(len(w) <= 1 for w in best.values())
+
+
+def _arpa(tmp_path, name, order, sentences, vocab):
+    from local.graph.lm import estimate_kn, write_arpa
+
+    write_arpa(estimate_kn(sentences, order, vocab), tmp_path / name)
+    return tmp_path / name
+
+
+def _random_lattice(rng, states: int, words: int) -> L.WordLattice:
+    """A random acyclic lattice in topological order: every state reaches the last (final) one."""
+    arcs = []
+    for s in range(states - 1):
+        for d in {s + 1, *rng.integers(s + 1, states, size=rng.integers(0, 3))}:
+            word = int(rng.integers(1, words + 1)) if rng.random() < 0.4 else 0
+            arcs.append((s, int(d), word, rng.uniform(0, 3), rng.uniform(0, 5)))
+    arcs.sort()
+    src, dst, word, graph, acoustic = (np.array(c) for c in zip(*arcs))
+    final_graph, final_acoustic = np.full(states, np.inf), np.full(states, np.inf)
+    final_graph[-1], final_acoustic[-1] = 0.5, 0.0
+    final_graph[states // 2], final_acoustic[states // 2] = 2.0, 1.0  # a second way to end
+    return L.WordLattice(src=src.astype(np.int64), dst=dst.astype(np.int64), word=word.astype(np.int64),
+                         graph=graph, acoustic=acoustic, final_graph=final_graph, final_acoustic=final_acoustic,
+                         scale=0.1)  # fmt: skip
+
+
+def _all_paths(lat: L.WordLattice) -> list[tuple[tuple[int, ...], float, float]]:
+    """Every complete path of ``lat``: (words, graph cost, acoustic cost)."""
+    out, stack = [], [(0, (), 0.0, 0.0)]
+    while stack:
+        s, words, g, a = stack.pop()
+        if np.isfinite(lat.final_graph[s]):
+            out.append((words, g + lat.final_graph[s], a + lat.final_acoustic[s]))
+        for i in np.nonzero(lat.src == s)[0]:
+            w = int(lat.word[i])
+            stack.append((int(lat.dst[i]), words + ((w,) if w else ()), g + lat.graph[i], a + lat.acoustic[i]))
+    return out
+
+
+def test_lm_rescoring_finds_the_brute_force_best_path_under_the_new_lm(tmp_path):
+    """The rescored best path at every grid point is the path minimising graph - old LM + new LM +
+    scaled acoustic + penalty, found by listing every path; with the first-pass LM as the new one it
+    is the plain best path."""
+    from local.graph.lm import BOS, EOS, ArpaLM
+
+    vocab = ["a", "b", "c", "d"]
+    rng = np.random.default_rng(0)
+    text = [list(rng.choice(vocab, size=rng.integers(1, 6))) for _ in range(40)]
+    old = _arpa(tmp_path, "old.arpa", 2, text, vocab)
+    new = _arpa(tmp_path, "new.arpa", 4, text[:25] + [["a", "b", "c", "d"]] * 5, vocab)
+    id2word = {0: "<eps>", **{i + 1: w for i, w in enumerate(vocab)}, 5: "#0"}
+    rescorer, same = L.LmRescorer(old, new, id2word), L.LmRescorer(old, old, id2word)
+    lms = {name: ArpaLM(path) for name, path in (("old", old), ("new", new))}
+
+    def lm_cost(name, words):
+        history, total = (BOS,), 0.0
+        for w in [id2word[x] for x in words] + [EOS]:
+            total -= L.LN10 * lms[name].logprob(w, history)
+            history += (w,)
+        return total
+
+    scales, penalties = np.array([0.05, 0.1, 0.1, 0.3]), np.array([0.0, -1.0, 1.5, 0.0])
+    changed = 0
+    for seed in range(30):
+        lat = _random_lattice(np.random.default_rng(seed), states=9, words=4)
+        listed = _all_paths(lat)
+        got = L.best_paths(lat, scales, penalties, rescorer)
+        assert L.best_paths(lat, scales, penalties, same) == L.best_paths(lat, scales, penalties)
+        for j, (scale, penalty) in enumerate(zip(scales, penalties)):
+            totals = {lm: [g - lm_cost("old", w) + lm_cost(lm, w) + a * scale / lat.scale + penalty * len(w)
+                           for w, g, a in listed] for lm in ("old", "new")}  # fmt: skip
+            best = min(totals["new"])
+            assert min(t for t, (w, _, _) in zip(totals["new"], listed) if list(w) == got[j]) == pytest.approx(best, abs=1e-9)
+            changed += listed[int(np.argmin(totals["old"]))][0] != tuple(got[j])
+    assert changed > 0  # the new LM changed some choices, so the test tells the two apart
+
+
+def test_a_rescoring_lm_without_every_graph_word_is_refused(tmp_path):
+    old = _arpa(tmp_path, "old.arpa", 2, [["a", "b"], ["b", "c"]], ["a", "b", "c"])
+    new = _arpa(tmp_path, "new.arpa", 3, [["a", "b"]], ["a", "b"])
+    with pytest.raises(ValueError, match=r"lacks 1 word\(s\) the graph can output, e\.g\. c"):
+        L.LmRescorer(old, new, {0: "<eps>", 1: "a", 2: "b", 3: "c"})
+
+
+def test_the_rescoring_lm_of_order_3_is_the_first_pass_lm(tiny_aligned, tmp_path):
+    """make_rescore_lm estimates on the lang stage's own sentences: order 3 gives lm.arpa again."""
+    import shutil
+
+    from local.graph.lm import make_rescore_lm
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_aligned / "lang", data / "lang")
+    (data / "manifests").symlink_to(tiny_aligned / "manifests")
+    path = make_rescore_lm(data, 3)
+    assert path.name == "lm_3gram.arpa" and path.read_text() == (data / "lang" / "lm.arpa").read_text()
+    four = make_rescore_lm(data, 4)
+    assert "ngram 4=" in four.read_text() and make_rescore_lm(data, 4) == four  # written once
+    with pytest.raises(ValueError, match="order=0"):
+        make_rescore_lm(data, 0)

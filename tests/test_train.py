@@ -270,6 +270,19 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
     mtime = (tmp_path / "gtc" / "decode" / "results.json").stat().st_mtime
     evaluate.main(sweep_args)
     assert (tmp_path / "gtc" / "decode" / "results.json").stat().st_mtime == mtime
+    # --rescore-lm: the lattices rescored with another LM (here the first pass's own: the same choice and
+    # WERs), the first pass kept beside; a decoding without rescoring is not taken for one with it
+    rescore_args = ["--runs", str(tmp_path / "baseline"), "--out", str(tmp_path / "cmp_lm"), "--acoustic-scales",
+                    "0.1", "--beam", "8", "--max-active", "1000", "--jobs", "1", "--skip-decoded",
+                    "--rescore-lm", str(data_dir / "lang" / "lm.arpa")]
+    evaluate.main(rescore_args)
+    rescored = json.loads((tmp_path / "baseline" / "decode" / "results.json").read_text())
+    first = rescored["lm_rescore"]["first_pass"]
+    assert rescored["lm_rescore"]["order"] == rescored["lm_rescore"]["first_pass_order"] == 3
+    assert (first["dev_wer"], first["test_wer"]) == (rescored["dev"]["wer"], rescored["test"]["wer"])
+    assert (tmp_path / "baseline" / "decode" / "errs-test-first-pass.txt").exists()
+    with pytest.raises(SystemExit):
+        evaluate.main(rescore_args[:-2] + ["--search", "best-path", "--rescore-lm", "4"])
     # any other test set (here the raw test manifest): features, CMVN and fbank transforms from its audio alone
     evaluate.main(["--checkpoint", str(tmp_path / "gtc" / "checkpoints" / "last.ckpt"), "--test-set",
                    str(data_dir / "manifests" / "test_cuts.jsonl.gz"), "--data-dir", str(data_dir),

@@ -16,6 +16,7 @@ Usage:
   python recipes/asr/evaluate.py --runs exp/dnn/baseline exp/dnn/gtc
   python recipes/asr/evaluate.py --runs exp/dnn/baseline exp/dnn/gtc --compare-only
   python recipes/asr/evaluate.py --runs exp/dnn/baseline exp/dnn/gtc --skip-decoded --test-sweep
+  python recipes/asr/evaluate.py --runs exp/dnn/baseline --rescore-lm 4   # lattices rescored with a 4-gram
   # any other test set, as a Kaldi data dir (wav.scp, text, ...) or a Lhotse cuts manifest:
   python recipes/asr/evaluate.py --checkpoint exp/dnn/gtc/checkpoints/last.ckpt \\
       --test-set /path/to/data/test --data-dir data/synthetic-default --acoustic-scale 0.1
@@ -138,7 +139,7 @@ def locate_run(run_dir: Path, summary: dict, data_dir: Path | None = None) -> tu
 
 def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...], beam: float | None = None,
                  max_active: int = MAX_ACTIVE, test_sweep: bool = False, search: str = "lattice",
-                 penalties: tuple[float, ...] = WORD_INSERTION_PENALTIES) -> dict:
+                 penalties: tuple[float, ...] = WORD_INSERTION_PENALTIES, rescore_lm: str | int | None = None) -> dict:
     """Pick the acoustic scale (1 / LM weight; the grid extended by ``pick_scale``) and, with lattices,
     the word insertion penalty on dev; decode test with them; write ``<run_dir>/decode/``.
 
@@ -148,7 +149,12 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
 
     ``test_sweep``: also decode test at every scale (``per_utt-test-acwt<scale>.json`` and
     ``results.json["test_sweep"]``), to see how much of a WER difference between runs is the scale
-    each picked on dev. The reported test WER stays the one at the scale dev picked."""
+    each picked on dev. The reported test WER stays the one at the scale dev picked.
+
+    ``rescore_lm`` (lattice search only): rescore the lattices with a larger LM (``LmRescorer``) before
+    the grid, an n-gram order (``make_rescore_lm``: that order on the lang stage's LM sentences) or an
+    ARPA file over the graph's words. The scale and penalty are then chosen on the rescored dev
+    lattices; ``results.json["lm_rescore"]`` keeps the first pass's choice and WERs beside them."""
     from lhotse import CutSet
     from local.graph.decode import pick_scale, score
 
@@ -166,9 +172,11 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     dev = list(utterance_logliks(model, context, log_prior, dev_cuts, front_end, "dev"))
     if search == "lattice":
         return _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, model, context, log_prior,
-                                  front_end, scales, penalties, test_sweep, start)
+                                  front_end, scales, penalties, test_sweep, start, rescore_lm)
     if search != "best-path":
         raise ValueError(f"search={search!r}: use lattice or best-path")
+    if rescore_lm is not None:
+        raise ValueError("rescoring with a larger LM needs lattices: use search='lattice' (--search lattice)")
     sweep = {}
 
     def dev_wer(scale: float) -> float:
@@ -205,8 +213,22 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     return result
 
 
+def rescorer_for(data_dir: Path, id2word: dict[int, str], rescore_lm: str | int):
+    """The ``LmRescorer`` of ``--rescore-lm``: an n-gram order (a number: ``make_rescore_lm``) or an ARPA file."""
+    from local.graph.lattice import LmRescorer
+    from local.graph.lm import make_rescore_lm
+
+    if isinstance(rescore_lm, int) or str(rescore_lm).isdigit():
+        path = make_rescore_lm(data_dir, int(rescore_lm))
+    else:
+        path = Path(rescore_lm)
+        if not path.is_file():
+            raise FileNotFoundError(f"--rescore-lm {path}: no such ARPA file (or give an n-gram order, e.g. 4)")
+    return LmRescorer(data_dir / "lang" / "lm.arpa", path, id2word), path
+
+
 def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, model, context, log_prior, front_end,
-                       scales, penalties, test_sweep, start) -> dict:
+                       scales, penalties, test_sweep, start, rescore_lm=None) -> dict:
     """``evaluate_run`` with lattices: one decoding of dev and one of test, the grid by rescoring."""
     from lhotse import CutSet
     from local.graph.decode import pick_scale, score
@@ -219,23 +241,36 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
     t0 = time.perf_counter()
     dev_lats = decode_lattices(decoder.hclg, decoder.trans_model, dev, LATTICE_ACOUSTIC_SCALE, decoder.beam)
     lattice_seconds = time.perf_counter() - t0
-    refs, id2word, wers, results = references(dev_cuts), decoder.id2word, {}, {}
+    refs, id2word = references(dev_cuts), decoder.id2word
 
-    def rescore(new_scales: list[float]) -> None:
-        grid = grid_hypotheses(dev_lats, new_scales, penalties)
-        for (s, p), hyps in grid.items():
-            text = {u: words_to_text(w, id2word) for u, w in hyps.items()}
-            results[(s, p)] = score(refs, text, out, f"dev-acwt{s:g}-wip{p:g}")
-            wers[(s, p)] = results[(s, p)]["wer"]
+    def choose(rescorer, tag: str):  # the (scale, penalty) dev picks, with every point's WER
+        wers, results = {}, {}
 
-    def dev_wer(scale: float) -> float:  # the best penalty's WER at this scale
-        if (scale, penalties[0]) not in wers:
-            rescore([scale])
-        return min(wers[(scale, p)] for p in penalties)
+        def rescore(new_scales: list[float]) -> None:
+            grid = grid_hypotheses(dev_lats, new_scales, penalties, rescorer)
+            for (s, p), hyps in grid.items():
+                text = {u: words_to_text(w, id2word) for u, w in hyps.items()}
+                results[(s, p)] = score(refs, text, out, f"dev{tag}-acwt{s:g}-wip{p:g}")
+                wers[(s, p)] = results[(s, p)]["wer"]
 
-    rescore(sorted(set(scales)))
-    best_scale, grid = pick_scale(dev_wer, scales, prefer=0.1)
-    best_penalty = min(penalties, key=lambda p: (wers[(best_scale, p)], abs(p)))
+        def dev_wer(scale: float) -> float:  # the best penalty's WER at this scale
+            if (scale, penalties[0]) not in wers:
+                rescore([scale])
+            return min(wers[(scale, p)] for p in penalties)
+
+        rescore(sorted(set(scales)))
+        best_scale, grid = pick_scale(dev_wer, scales, prefer=0.1)
+        return best_scale, min(penalties, key=lambda p: (wers[(best_scale, p)], abs(p))), grid, wers, results
+
+    first = choose(None, "")
+    rescorer = lm_path = None
+    if rescore_lm is not None:
+        rescorer, lm_path = rescorer_for(data_dir, id2word, rescore_lm)
+        t_rescore = time.perf_counter()
+        best_scale, best_penalty, grid, wers, results = choose(rescorer, "-lm")
+        rescore_seconds = time.perf_counter() - t_rescore
+    else:
+        best_scale, best_penalty, grid, wers, results = first
     test_cuts = CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz")
     frames = [sum(len(ll) for _, ll in dev)]
 
@@ -251,8 +286,13 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
     audio_seconds = frames[0] / 100.0  # 10 ms frames
     test_refs = references(test_cuts)
     points = grid["grid"] if test_sweep else [best_scale]
-    test_grid = grid_hypotheses(test_lats, points, [best_penalty])
+    t_rescore = time.perf_counter()
+    test_grid = grid_hypotheses(test_lats, points, [best_penalty], rescorer)
     test_text = {s: {u: words_to_text(w, id2word) for u, w in test_grid[(s, best_penalty)].items()} for s in points}
+    if rescorer is not None:
+        rescore_seconds += time.perf_counter() - t_rescore
+        (s1, p1), hyps = next(iter(grid_hypotheses(test_lats, [first[0]], [first[1]]).items()))
+        first_test = score(test_refs, {u: words_to_text(w, id2word) for u, w in hyps.items()}, out, "test-first-pass")
     result = {
         "features": features,
         "graph": str(decoder.graph),
@@ -270,6 +310,15 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
     }
     if test_sweep:
         result["test_sweep"] = {f"{s:g}": score(test_refs, test_text[s], out, f"test-acwt{s:g}")["wer"] for s in points}
+    if rescorer is not None:
+        result["lm_rescore"] = {
+            "lm": str(lm_path), "order": rescorer.new.order, "first_pass_order": rescorer.old.order,
+            "seconds": round(rescore_seconds, 1),
+            "first_pass": {"acoustic_scale": s1, "word_insertion_penalty": p1,
+                           "dev_wer": first[4][(s1, p1)]["wer"], "test_wer": first_test["wer"]},
+        }  # fmt: skip
+        log.info("%s: first pass (order %d) dev WER %.2f %%, test WER %.2f %%; rescored with %s", run_dir,
+                 rescorer.old.order, first[4][(s1, p1)]["wer"], first_test["wer"], lm_path)
     result["decode_seconds"] = round(time.perf_counter() - start, 1)
     (out / "results.json").write_text(json.dumps(result, indent=1))
     log.info("%s: acoustic scale %g, word insertion penalty %g (dev WER %.2f %%), test WER %.2f %%", run_dir,
@@ -286,13 +335,14 @@ def _evaluate_args(args: tuple) -> dict:
     return evaluate_run(*args)
 
 
-def decoded(run_dir: Path, test_sweep: bool = False) -> bool:
+def decoded(run_dir: Path, test_sweep: bool = False, rescore_lm: str | None = None) -> bool:
     """True when ``run_dir/decode/results.json`` is newer than the run's last checkpoint (and, with
-    ``test_sweep``, has test decoded at every scale)."""
+    ``test_sweep``, has test decoded at every scale; with ``rescore_lm``, was rescored with a larger LM)."""
     results, ckpt = run_dir / "decode" / "results.json", run_dir / "checkpoints" / "last.ckpt"
     if not (results.exists() and ckpt.exists() and results.stat().st_mtime > ckpt.stat().st_mtime):
         return False
-    return not test_sweep or "test_sweep" in json.loads(results.read_text())
+    got = json.loads(results.read_text())
+    return (not test_sweep or "test_sweep" in got) and (rescore_lm is None or "lm_rescore" in got)
 
 
 def load_test_set(test_set: Path, work_dir: Path, train_cmvn: dict):
@@ -405,6 +455,10 @@ def main(argv: list[str] | None = None) -> None:
                         "again at each scale (no penalty)")
     p.add_argument("--penalties", type=float, nargs="+", default=list(WORD_INSERTION_PENALTIES),
                    help="word insertion penalties tried on dev with --search lattice (Kaldi's: 0 0.5 1)")
+    p.add_argument("--rescore-lm", default=None, metavar="ORDER|ARPA",
+                   help="rescore the lattices with a larger LM before choosing the scale and penalty on dev: an "
+                        "n-gram order (e.g. 4: estimated on the lang stage's LM sentences, lang/lm_4gram.arpa) or an "
+                        "ARPA file over the graph's words; results.json keeps the first pass's WERs beside")
     p.add_argument("--beam", type=float, default=None,
                    help=f"decoding beam (default: {LATTICE_SEARCH_BEAM:g} with --search lattice, {BEAM:g} with "
                         "--search best-path; Kaldi's decode.sh uses 13, measured in local/graph/lattice.py)")
@@ -437,12 +491,15 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--compare-only: {len(missing)} run(s) were never decoded (no decode/results.json): "
                     f"{' '.join(missing)}; decode them first (the same command without --compare-only, with "
                     "--skip-decoded to keep the decoded runs as they are)")
-    todo = [Path(r) for r in a.runs if not a.compare_only and not (a.skip_decoded and decoded(Path(r), a.test_sweep))]
+    if a.rescore_lm is not None and a.search != "lattice":
+        p.error("--rescore-lm rescores lattices: use it with --search lattice (the default)")
+    todo = [Path(r) for r in a.runs
+            if not a.compare_only and not (a.skip_decoded and decoded(Path(r), a.test_sweep, a.rescore_lm))]
     for run in set(map(Path, a.runs)) - set(todo):
         log.info("%s: not decoded again (%s)", run,
                  "--compare-only" if a.compare_only else "decode/results.json newer than the checkpoint")
     args = [(r, Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales), a.beam, a.max_active,
-             a.test_sweep, a.search, tuple(a.penalties)) for r in todo]
+             a.test_sweep, a.search, tuple(a.penalties), a.rescore_lm) for r in todo]
     if a.jobs > 1 and len(todo) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor

@@ -381,8 +381,8 @@ def prepare_lang(
     if lm_text is not None:
         test_sentences = {tuple(cut_words(c)) for c in cuts.get("test", [])}
         overlap = sum(1 for s in dict.fromkeys(map(tuple, extra)) if s in test_sentences)
-        summary.update(lm_text_sentences=len(extra_kept), lm_text_dropped_oov=len(extra) - len(extra_kept),
-                       lm_text_test_sentences=overlap)  # fmt: skip
+        summary.update(lm_text=str(Path(lm_text).resolve()), lm_text_sentences=len(extra_kept),
+                       lm_text_dropped_oov=len(extra) - len(extra_kept), lm_text_test_sentences=overlap)  # fmt: skip
         if overlap:
             log.warning("lang: %d test sentences appear in --lm-text %s: the LM has seen the test set", overlap, lm_text)
     summary.update(write_lang(lang_dir, vocab, cmu))

@@ -13,6 +13,9 @@ one best path search per utterance, not 35 decodings.
 
 Choosing by acoustic scale ``s`` is choosing the LM weight ``1 / s`` (Kaldi's LMWT, with acoustic
 scale 1): both name the same ratio of graph to acoustic cost.
+
+:class:`LmRescorer` swaps the first-pass LM for a larger one on every path before the grid (Kaldi's
+``lmrescore.sh``); :func:`best_paths` then follows (state, LM history) pairs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -109,8 +113,10 @@ def from_kaldifst(lattice, scale: float) -> WordLattice:
     )  # fmt: skip
 
 
-def best_paths(lattice: WordLattice, scales: np.ndarray, penalties: np.ndarray) -> list[list[int]]:
-    """The best path's words at every grid point ``(scales[k], penalties[k])``, all in one pass.
+def best_paths(lattice: WordLattice, scales: np.ndarray, penalties: np.ndarray,
+               rescorer: LmRescorer | None = None) -> list[list[int]]:
+    """The best path's words at every grid point ``(scales[k], penalties[k])``, all in one pass;
+    with ``rescorer``, under its larger LM (:class:`LmRescorer`).
 
     Returns:
         ``[K]`` lists of word ids (``[]`` where no final state is reachable).
@@ -120,6 +126,9 @@ def best_paths(lattice: WordLattice, scales: np.ndarray, penalties: np.ndarray) 
     ratio = scales / lattice.scale
     has_word = (lattice.word != 0).astype(np.float64)
     arc_cost = lattice.graph[:, None] + lattice.acoustic[:, None] * ratio[None, :] + has_word[:, None] * penalties
+    if rescorer is not None:
+        final = lattice.final_graph[:, None] + lattice.final_acoustic[:, None] * ratio[None, :]
+        return _rescored_best_paths(lattice, arc_cost, final, rescorer)
     cost = np.full((lattice.num_states, k), np.inf)
     back = np.full((lattice.num_states, k), -1, dtype=np.int64)
     cost[0] = 0.0
@@ -148,6 +157,130 @@ def best_paths(lattice: WordLattice, scales: np.ndarray, penalties: np.ndarray) 
             if lattice.word[i]:
                 words.append(int(lattice.word[i]))
             s = lattice.src[i]
+        out.append(words[::-1])
+    return out
+
+
+class LmRescorer:
+    """Replaces the first-pass LM's cost on every lattice path by a larger LM's (Kaldi's
+    ``lmrescore.sh``: ``lattice-lmrescore`` with the old G at scale -1, then with the new LM).
+
+    A path's graph cost is its HMM transition costs plus the first-pass LM's cost of its words (G's
+    arcs, ``-ln 10 * log10 p`` from ``lm.arpa``, ``</s>`` in G's final weights). The rescored path
+    weighs ``graph + ln 10 * (log10 p_old(words) - log10 p_new(words))`` instead: the difference is
+    added word by word, knowing each word's history, by :func:`best_paths` (``rescorer``), which then
+    follows (lattice state, LM history) pairs: the exact best path under the new LM, not an n-best
+    approximation. As in Kaldi, G's cost of a word sequence is taken to be the ARPA's (it is lower where
+    a back-off path through G undercuts an n-gram the ARPA has, which both then leave in).
+
+    Args:
+        old_arpa: the first-pass LM (the data dir's ``lang/lm.arpa``, which G was compiled from).
+        new_arpa: the larger LM, over every word of the graph (``local.graph.lm.make_rescore_lm``).
+        id2word: the lattice's word ids -> words (``lang/words.txt``).
+    """
+
+    def __init__(self, old_arpa: Path | str, new_arpa: Path | str, id2word: dict[int, str]) -> None:
+        from local.graph.lm import BOS, EOS, ArpaLM
+
+        self.old, self.new = ArpaLM(old_arpa), ArpaLM(new_arpa)
+        missing = sorted(set(self.old.vocab) - set(self.new.vocab))
+        if missing:
+            raise ValueError(
+                f"the rescoring LM {new_arpa} lacks {len(missing)} word(s) the graph can output, e.g. "
+                f"{', '.join(missing[:5])}; estimate it over the graph's vocabulary (make_rescore_lm, or "
+                "SRILM/KenLM with lang/words.txt as the vocabulary)")
+        self.words = {i: w for i, w in id2word.items() if w in set(self.old.vocab)}
+        self.words[0] = EOS  # (word id 0 on an arc: no word; here it stands for the end of the sentence)
+        self.start = (BOS,)
+        self.history = max(self.old.order, self.new.order) - 1
+        self._cost: dict[tuple, float] = {}
+
+    def cost(self, history: tuple, word: int) -> float:
+        """The change of graph cost when ``word`` (0: ``</s>``) follows ``history`` (words as strings)."""
+        key = (history, word)
+        if key not in self._cost:
+            w = self.words[word]
+            self._cost[key] = LN10 * (self.old.logprob(w, history) - self.new.logprob(w, history))
+        return self._cost[key]
+
+    def extend(self, history: tuple, word: int) -> tuple:
+        return (history + (self.words[word],))[-self.history :] if self.history else ()
+
+
+LN10 = float(np.log(10.0))
+
+
+def _rescored_best_paths(lattice: WordLattice, arc_cost: np.ndarray, final: np.ndarray,
+                         rescorer: LmRescorer) -> list[list[int]]:
+    """:func:`best_paths` over (lattice state, LM history) pairs, with ``rescorer``'s cost changes.
+
+    A state's histories are those of the paths reaching it; they change only on word arcs, so the
+    states of a stretch without words share one tuple of histories and one row order, and an arc
+    without a word updates all its rows at once (``[H, K]`` arrays)."""
+    n, k = lattice.num_states, arc_cost.shape[1]
+    bounds = np.searchsorted(lattice.src, np.arange(n + 1))
+    hists: list = [None] * n  # each state's histories, a tuple shared along a stretch without words
+    hists[0] = (rescorer.start,)
+    rows: dict[int, tuple[tuple, dict]] = {}  # id(histories) -> (histories (kept alive), {history: row})
+
+    def row_of(h: tuple) -> dict:
+        if id(h) not in rows:
+            rows[id(h)] = (h, {x: r for r, x in enumerate(h)})
+        return rows[id(h)][1]
+
+    for s in range(n):  # 1: the histories of every state (topological order: all arcs into s come first)
+        for i in range(bounds[s], bounds[s + 1]):
+            d, w = int(lattice.dst[i]), int(lattice.word[i])
+            came = hists[s] if not w else tuple(dict.fromkeys(rescorer.extend(h, w) for h in hists[s]))
+            if hists[d] is None or hists[d] is came:
+                hists[d] = came
+            elif any(h not in row_of(hists[d]) for h in came):
+                hists[d] = tuple(dict.fromkeys(hists[d] + came))
+    cost = [np.full((len(h), k), np.inf) if h is not None else None for h in hists]
+    back_arc = [np.full((len(h), k), -1, dtype=np.int64) if h is not None else None for h in hists]
+    back_row = [np.full((len(h), k), -1, dtype=np.int64) if h is not None else None for h in hists]
+    cost[0][0] = 0.0
+    for s in range(n):  # 2: the best path to every (state, history), at every grid point
+        if hists[s] is None:
+            continue
+        for i in range(bounds[s], bounds[s + 1]):
+            d, w = int(lattice.dst[i]), int(lattice.word[i])
+            if not w:
+                cand = cost[s] + arc_cost[i]
+                if hists[d] is hists[s]:  # the same rows
+                    better = cand < cost[d]
+                    cost[d] = np.where(better, cand, cost[d])
+                    back_arc[d][better] = i
+                    back_row[d] = np.where(better, np.arange(len(hists[s]))[:, None], back_row[d])
+                    continue
+                targets = [(r, row_of(hists[d])[h], cand[r]) for r, h in enumerate(hists[s])]
+            else:
+                targets = [(r, row_of(hists[d])[rescorer.extend(h, w)], cost[s][r] + arc_cost[i] + rescorer.cost(h, w))
+                           for r, h in enumerate(hists[s])]  # fmt: skip
+            for r, t, c in targets:
+                better = c < cost[d][t]
+                if better.any():
+                    cost[d][t] = np.where(better, c, cost[d][t])
+                    back_arc[d][t, better], back_row[d][t, better] = i, r
+    best, end = np.full(k, np.inf), [(-1, -1)] * k
+    for s in np.nonzero(np.isfinite(final).any(axis=1))[0]:
+        if hists[s] is None:
+            continue
+        total = cost[s] + final[s] + np.array([rescorer.cost(h, 0) for h in hists[s]])[:, None]
+        r = np.argmin(total, axis=0)
+        for j in np.nonzero(total[r, np.arange(k)] < best)[0]:
+            best[j], end[j] = total[r[j], j], (int(s), int(r[j]))
+    out = []
+    for j in range(k):
+        if not np.isfinite(best[j]):
+            out.append([])
+            continue
+        words, (s, r) = [], end[j]
+        while s != 0:
+            i = back_arc[s][r, j]
+            if lattice.word[i]:
+                words.append(int(lattice.word[i]))
+            s, r = int(lattice.src[i]), int(back_row[s][r, j])
         out.append(words[::-1])
     return out
 
@@ -185,14 +318,16 @@ def decode_lattices(
 
 
 def grid_hypotheses(
-    lattices: dict[str, WordLattice | None], scales: list[float], penalties: list[float]
+    lattices: dict[str, WordLattice | None], scales: list[float], penalties: list[float],
+    rescorer: LmRescorer | None = None,
 ) -> dict[tuple[float, float], dict[str, list[int]]]:
-    """``{(scale, penalty): {utt_id: word ids}}`` over the whole grid, one pass per lattice."""
+    """``{(scale, penalty): {utt_id: word ids}}`` over the whole grid, one pass per lattice (with
+    ``rescorer``: under its larger LM)."""
     points = [(s, p) for s in scales for p in penalties]
     s_arr, p_arr = np.array([s for s, _ in points]), np.array([p for _, p in points])
     out: dict[tuple[float, float], dict[str, list[int]]] = {pt: {} for pt in points}
     for utt_id, lattice in lattices.items():
-        paths = best_paths(lattice, s_arr, p_arr) if lattice is not None else [[] for _ in points]
+        paths = best_paths(lattice, s_arr, p_arr, rescorer) if lattice is not None else [[] for _ in points]
         for pt, words in zip(points, paths):
             out[pt][utt_id] = words
     return out

@@ -22,6 +22,7 @@ hang), so ``arpa2fst`` runs in a subprocess.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import subprocess
@@ -247,3 +248,53 @@ def compile_G(arpa_path, words_txt, G_path, timeout: float = 600.0) -> dict:
         "G: %d states, %d arcs -> %s", G.num_states, sum(G.num_arcs(s) for s in range(G.num_states)), G_path
     )
     return {"G_states": G.num_states}
+
+
+def lm_sentences(data_dir: Path | str, lm_text: Path | str | None = None) -> list[list[str]]:
+    """The distinct sentences the lang stage estimated ``lang/lm.arpa`` on: the kept training
+    transcripts (``lang/train_ids.txt``) and the sentences of ``lm_text`` (default: the ``--lm-text``
+    the lang stage recorded in ``lang/summary.json``) whose words are all in ``lang/words.txt``."""
+    from lhotse import CutSet
+
+    from local.data.normalize import normalize_words
+    from local.graph.lang import cut_words
+
+    data_dir = Path(data_dir)
+    lang = data_dir / "lang"
+    for need in ("train_ids.txt", "words.txt", "summary.json"):
+        if not (lang / need).exists():
+            raise FileNotFoundError(f"{lang / need} is missing; run the lang stage: "
+                                    f"python recipes/asr/prepare.py --data-dir {data_dir} --stage 2")
+    kept = set(lang.joinpath("train_ids.txt").read_text().split())
+    cuts = CutSet.from_file(data_dir / "manifests" / "train_cuts.jsonl.gz")
+    sentences = [cut_words(c) for c in cuts if c.id in kept]
+    lm_text = lm_text or json.loads(lang.joinpath("summary.json").read_text()).get("lm_text")
+    if lm_text:
+        path = Path(lm_text)
+        if not path.is_file():
+            raise FileNotFoundError(f"LM text {path} (the lang stage's --lm-text) is gone; give it again")
+        words = {line.split()[0] for line in lang.joinpath("words.txt").read_text().splitlines() if line.strip()}
+        extra = (normalize_words(line) for line in path.read_text().splitlines())
+        sentences += [w for w in extra if w and all(x in words for x in w)]
+    return [list(s) for s in dict.fromkeys(tuple(s) for s in sentences)]
+
+
+def make_rescore_lm(data_dir: Path | str, order: int, lm_text: Path | str | None = None) -> Path:
+    """A larger n-gram for lattice rescoring (``local.graph.lattice.LmRescorer``): ``order`` over
+    the lang stage's LM sentences (:func:`lm_sentences`) and vocabulary, written once to
+    ``lang/lm_<order>gram.arpa`` (``lm_<order>gram_<text>.arpa`` with another ``lm_text``). Order 3
+    gives ``lang/lm.arpa`` again, byte for byte."""
+    if not isinstance(order, int) or order < 1:
+        raise ValueError(f"rescoring LM order={order!r}; give a whole number >= 1 (4: a 4-gram)")
+    lang = Path(data_dir) / "lang"
+    suffix = f"_{Path(lm_text).stem}" if lm_text else ""
+    path = lang / f"lm_{order}gram{suffix}.arpa"
+    if path.exists():
+        return path
+    vocab = sorted(ArpaLM(lang / "lm.arpa").vocab)
+    from local.atomic import atomic_path
+
+    with atomic_path(path) as tmp:
+        stats = train_lm(lm_sentences(data_dir, lm_text), tmp, order=order, vocab=[w for w in vocab if w != EOS])
+    log.info("rescoring LM: %s (%s)", path, stats)
+    return path
