@@ -203,9 +203,15 @@ def render(snap: dict) -> str:
                     cell += f" ({_relative_change(v['vs_baseline']['mean'])})"
                 cells.append(cell)
             out.append(f"| {name} | " + " | ".join(cells) + " |")
-    out += ["", ("Decoding real-time factor: not recorded (the decoder logs it, no file keeps it); the decoding "
-                 "times above are wall time of the whole decoding, dev at every acoustic scale of the grid and "
-                 "test at the one dev picked. Train times are wall time on a machine shared with other jobs.")]
+    if all(snap["decodes"][f"{r['run']}/{r['seed']}"].get("search") == "lattice" for r in runs):
+        rtf = ("Decoding real-time factor: in each DNN block's header (the lattice decoding of dev and test, wall "
+               "time over audio time); the decoding times above are the whole of `evaluate.py` for the run "
+               "(log-likelihoods, lattices, the grid on dev, scoring), two runs decoded side by side.")
+    else:
+        rtf = ("Decoding real-time factor: not recorded for best-path decodings (the decoder logs it, no file "
+               "keeps it); the decoding times above are wall time of the whole decoding, dev at every acoustic "
+               "scale of the grid and test at the one dev picked.")
+    out += ["", rtf + " Train times are wall time on a machine shared with other jobs."]
     return "\n".join(out)
 
 
