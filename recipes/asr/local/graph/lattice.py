@@ -189,7 +189,8 @@ class LmRescorer:
                 f"the rescoring LM {new_arpa} lacks {len(missing)} word(s) the graph can output, e.g. "
                 f"{', '.join(missing[:5])}; estimate it over the graph's vocabulary (make_rescore_lm, or "
                 "SRILM/KenLM with lang/words.txt as the vocabulary)")
-        self.words = {i: w for i, w in id2word.items() if w in set(self.old.vocab)}
+        known = set(self.old.vocab)
+        self.words = {i: w for i, w in id2word.items() if w in known}
         self.words[0] = EOS  # (word id 0 on an arc: no word; here it stands for the end of the sentence)
         self.start = (BOS,)
         self.history = max(self.old.order, self.new.order) - 1
