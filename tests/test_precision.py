@@ -87,3 +87,23 @@ def test_run_sh_names_its_precision_and_refuses_others():
     assert out.stdout.strip() in ("== DNN training precision: bf16-mixed", "== DNN training precision: 32-true")
     bad = subprocess.run(run_sh, env={**env, "precision": "16-mixed"}, capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "precision=16-mixed: use 32-true or bf16-mixed" in bad.stderr
+
+
+def test_run_sh_hands_evaluate_args_to_the_decoding_stage(tmp_path):
+    """stage=11 decodes every trained run with evaluate.py, adding ``evaluate_args`` (a stand-in python
+    records the command line)."""
+    import os
+
+    (tmp_path / "exp" / "baseline").mkdir(parents=True)
+    (tmp_path / "exp" / "baseline" / "train_summary.json").write_text("{}")
+    stub = tmp_path / "python"
+    stub.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls'}\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "python": str(stub), "stage": "11", "precision": "32-true", "exp": str(tmp_path / "exp"),
+           "evaluate_args": "--rescore-lm 4 --jobs 1"}
+    out = subprocess.run(["bash", str(ROOT / "recipes" / "asr" / "run.sh")], env=env, capture_output=True,
+                         text=True, check=False, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    call = (tmp_path / "calls").read_text().strip()
+    assert call.startswith("recipes/asr/evaluate.py --runs " + str(tmp_path / "exp" / "baseline"))
+    assert call.endswith("--skip-decoded --rescore-lm 4 --jobs 1")

@@ -20,6 +20,8 @@
 #                                                  # yesno, kaldi; prepare_args: more prepare.py options (--train-parts,
 #                                                  # --lexicon, --lm-text, --oov, --num-jobs, --lda-mllt, --sat-schedule kaldi)
 #   test_sweep=1 stage=11 bash recipes/asr/run.sh  # also test at every acoustic scale (fixed-scale tables)
+#   evaluate_args="--rescore-lm 4" stage=11 bash recipes/asr/run.sh
+#                                                  # more evaluate.py options (here: lattices rescored with a 4-gram)
 #   precision=32-true bash recipes/asr/run.sh      # train in float32 (default: bf16-mixed where the
 #                                                  # device computes bfloat16 natively, local/dnn/precision.py)
 #
@@ -35,6 +37,7 @@ python=${python:-.venv/bin/python}
 corpus=${corpus:-synthetic}
 corpus_dir=${corpus_dir:-}
 prepare_args=${prepare_args:-}
+evaluate_args=${evaluate_args:-}
 case "$corpus" in
   synthetic) data=${data:-data/synthetic-default}; corpus_args=() ;;
   mini_librispeech|librispeech|timit|yesno|kaldi)
@@ -88,5 +91,6 @@ if run 11; then
   done
   echo "== stage 11: decode dev/test, compare ${#runs[@]} runs -> $exp/compare"
   sweep=""; [ "$test_sweep" = 1 ] && sweep=--test-sweep  # test also at every scale: fixed-scale tables
-  time $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded $sweep
+  # shellcheck disable=SC2086  # evaluate_args: several options, split on spaces
+  time $python recipes/asr/evaluate.py --runs "${runs[@]}" --out "$exp/compare" --skip-decoded $sweep $evaluate_args
 fi
