@@ -281,6 +281,8 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
     assert rescored["lm_rescore"]["order"] == rescored["lm_rescore"]["first_pass_order"] == 3
     assert (first["dev_wer"], first["test_wer"]) == (rescored["dev"]["wer"], rescored["test"]["wer"])
     assert (tmp_path / "baseline" / "decode" / "errs-test-first-pass.txt").exists()
+    assert evaluate.decoded(tmp_path / "baseline", rescore_lm=rescore_args[-1])
+    assert not evaluate.decoded(tmp_path / "baseline") and not evaluate.decoded(tmp_path / "baseline", rescore_lm="4")
     with pytest.raises(SystemExit):
         evaluate.main(rescore_args[:-2] + ["--search", "best-path", "--rescore-lm", "4"])
     # any other test set (here the raw test manifest): features, CMVN and fbank transforms from its audio alone

@@ -312,7 +312,8 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
         result["test_sweep"] = {f"{s:g}": score(test_refs, test_text[s], out, f"test-acwt{s:g}")["wer"] for s in points}
     if rescorer is not None:
         result["lm_rescore"] = {
-            "lm": str(lm_path), "order": rescorer.new.order, "first_pass_order": rescorer.old.order,
+            "requested": str(rescore_lm), "lm": str(lm_path), "order": rescorer.new.order,
+            "first_pass_order": rescorer.old.order,
             "seconds": round(rescore_seconds, 1),
             "first_pass": {"acoustic_scale": s1, "word_insertion_penalty": p1,
                            "dev_wer": first[4][(s1, p1)]["wer"], "test_wer": first_test["wer"]},
@@ -337,12 +338,14 @@ def _evaluate_args(args: tuple) -> dict:
 
 def decoded(run_dir: Path, test_sweep: bool = False, rescore_lm: str | None = None) -> bool:
     """True when ``run_dir/decode/results.json`` is newer than the run's last checkpoint (and, with
-    ``test_sweep``, has test decoded at every scale; with ``rescore_lm``, was rescored with a larger LM)."""
+    ``test_sweep``, has test decoded at every scale) and was rescored with the ``rescore_lm`` asked for (none
+    when ``None``)."""
     results, ckpt = run_dir / "decode" / "results.json", run_dir / "checkpoints" / "last.ckpt"
     if not (results.exists() and ckpt.exists() and results.stat().st_mtime > ckpt.stat().st_mtime):
         return False
     got = json.loads(results.read_text())
-    return (not test_sweep or "test_sweep" in got) and (rescore_lm is None or "lm_rescore" in got)
+    wanted_lm = None if rescore_lm is None else str(rescore_lm)  # the same rescoring, or none, as asked
+    return (not test_sweep or "test_sweep" in got) and got.get("lm_rescore", {}).get("requested") == wanted_lm
 
 
 def load_test_set(test_set: Path, work_dir: Path, train_cmvn: dict):

@@ -291,7 +291,7 @@ def make_rescore_lm(data_dir: Path | str, order: int, lm_text: Path | str | None
     path = lang / f"lm_{order}gram{suffix}.arpa"
     if path.exists():
         return path
-    vocab = sorted(ArpaLM(lang / "lm.arpa").vocab)
+    vocab = ArpaLM(lang / "lm.arpa").vocab  # (sorted)
     from local.atomic import atomic_path
 
     with atomic_path(path) as tmp:
