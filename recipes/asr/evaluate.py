@@ -494,6 +494,14 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--compare-only: {len(missing)} run(s) were never decoded (no decode/results.json): "
                     f"{' '.join(missing)}; decode them first (the same command without --compare-only, with "
                     "--skip-decoded to keep the decoded runs as they are)")
+    if a.data_dir and a.runs:
+        from local.dnn.builds import group_by_build
+
+        recorded = group_by_build([Path(r) for r in a.runs])
+        if len(recorded) > 1:
+            p.error(f"--data-dir {a.data_dir} with runs trained on {len(recorded)} data dirs ({', '.join(recorded)}): "
+                    "each run is decoded on its own; leave out --data-dir (the comparison then adds the spread over "
+                    "the builds), or give the runs of one data dir")
     if a.rescore_lm is not None and a.search != "lattice":
         p.error("--rescore-lm rescores lattices: use it with --search lattice (the default)")
     todo = [Path(r) for r in a.runs

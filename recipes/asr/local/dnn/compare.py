@@ -531,9 +531,16 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
                  data_dir: Path | str | None = None) -> dict:
     """Write ``comparison.md`` (per-run table, then WERs with intervals over utterances and seeds),
     ``comparison.json`` and ``dev_frame_acc.png`` under ``out_dir``. ``data_dir`` (for the SAT GMM's
-    test WER and the test speakers): default, the one the first run trained on."""
+    test WER and the test speakers): default, the one the first run trained on. Runs on several data dirs
+    (builds, ``local.dnn.builds``) and no ``data_dir``: the first build's tables, then the spread over all."""
+    from local.dnn.builds import builds_markdown, builds_report, check_one_run_per_seed, group_by_build
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    groups = group_by_build([Path(d) for d in run_dirs]) if data_dir is None else {str(data_dir): run_dirs}
+    for group in groups.values():
+        check_one_run_per_seed(group)
+    run_dirs = next(iter(groups.values()))  # several builds: the first one's runs, then the spread over all
     rows = [run_row(d) for d in run_dirs]
     for r, d in zip(rows, run_dirs):
         r["seed"] = run_seed(Path(d))
@@ -570,6 +577,10 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
         if crossfold:
             crossfold["picks"] = per_name("/".join(folds[d][1]) for d in dirs)
             table += "\n\n" + crossfold_markdown(crossfold)
+    builds = builds_report(groups, base_name) if len(groups) > 1 else {}
+    if builds:
+        table = (f"Runs on {next(iter(groups))}, the first of {len(groups)} builds of the corpus (the spread over "
+                 "the builds follows).\n\n" + table + "\n\n" + builds_markdown(builds))
     note = (f"Relative WER change against `{base['run']}` of the same seed (its first run where the seed has "
             "none); bytes sent: what one worker puts on the wire per "
             "optimizer step (for DDP its fp32 ring all-reduce, 2 (W-1)/W x 4 bytes per weight); vs fp32 / bf16 "
@@ -581,7 +592,8 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
     (out_dir / "comparison.json").write_text(json.dumps({"baseline": base and base["run"], "runs": rows,
                                                          "intervals": seeds, "fixed_scales": sweep,
                                                          "scale_from_other_test_speakers": crossfold,
-                                                         "by_voice_family": families}, indent=1, default=str))
+                                                         "by_voice_family": families, "builds": builds}, indent=1,
+                                                        default=str))
     png = plot_accuracy(rows, out_dir / "dev_frame_acc.png")
     log.info("comparison of %d runs -> %s, %s\n%s", len(rows), out_dir / "comparison.md", png, table)
     return {"rows": rows, "markdown": out_dir / "comparison.md", "json": out_dir / "comparison.json", "png": png}
