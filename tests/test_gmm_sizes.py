@@ -98,3 +98,23 @@ def test_later_stages_take_the_corpus_settings_recorded_at_stage_0_and_refuse_ot
     prepare.prepare(data_dir=data_dir, corpus="synthetic", size="tiny", stop_stage=0, force=True)
     recorded = json.loads((data_dir / "settings.json").read_text())
     assert (recorded["corpus"], recorded["size"], recorded["seed"], recorded["corpus_dir"]) == ("synthetic", "tiny", 0, None)
+
+
+def test_train_prepares_a_half_prepared_data_dir_with_its_recorded_corpus(tmp_path, monkeypatch):
+    """train.py on a data dir whose stages stopped early runs the rest with the corpus settings.json
+    records (before, its own --corpus default, synthetic, was given and refused)."""
+    from pathlib import Path
+
+    import train
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "settings.json").write_text(json.dumps({"corpus": "kaldi", "corpus_dir": "/corpora/mine",
+                                                        "size": "tiny", "seed": 0}))  # tiny.yaml: --corpus_size tiny
+    runs = []
+    monkeypatch.setattr(prepare, "_run_stage", lambda name, d, args: runs.append((name, args.corpus, args.corpus_dir)))
+    conf = Path(__file__).resolve().parents[1] / "conf" / "tiny.yaml"
+    with pytest.raises(RuntimeError, match="prepare.py finished but"):  # the stand-in stages write nothing
+        train.main(["--config", str(conf), "--strategy", "single", "--data.data_dir", str(data_dir)])
+    assert [r[0] for r in runs][:2] == ["corpus", "features"]
+    assert {r[1:] for r in runs} == {("kaldi", "/corpora/mine")}

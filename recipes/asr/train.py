@@ -330,9 +330,12 @@ class AsrCLI(LightningCLI):
     """LightningCLI with the recipe's links, data preparation and per-run output directory."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument("--corpus", default="synthetic", help="corpus prepared when data is missing")
+        parser.add_argument("--corpus", default=None, type=str | None,
+                            help="corpus prepared when data is missing (default: the one the data dir's settings.json "
+                                 "records, else synthetic)")
         parser.add_argument("--corpus_dir", default=None, help="directory of a real corpus (see prepare.py)")
-        parser.add_argument("--corpus_size", default="default", help="synthetic corpus size: tiny or default")
+        parser.add_argument("--corpus_size", default=None, type=str | None,
+                            help="synthetic corpus size: tiny or default (default: as recorded, else default)")
         parser.add_argument("--prepare", default=True, type=bool, help="run the data stages if ali/ is missing")
         parser.add_argument("--exp_dir", default="exp/dnn", help="runs are written to <exp_dir>/<run_name>")
         parser.add_argument("--run_name", default=None, help="default: baseline (1 device) or the strategy name")
@@ -354,7 +357,7 @@ class AsrCLI(LightningCLI):
         if cfg.data.data_dir is None:
             from prepare import default_data_dir
 
-            cfg.data.data_dir = str(default_data_dir(cfg.corpus, cfg.corpus_size))
+            cfg.data.data_dir = str(default_data_dir(cfg.corpus or "synthetic", cfg.corpus_size or "default"))
         check_strategy_name(cfg.trainer.strategy)
         if cfg.collective_timeout <= 0:
             raise RecipeError(f"--collective_timeout {cfg.collective_timeout}: give seconds > 0 (default 300)")
