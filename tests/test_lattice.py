@@ -15,13 +15,13 @@ def _lattice(text: str):
     """A kaldifst.Lattice from OpenFst text ``src dst ilabel olabel graph,acoustic`` / ``state graph,acoustic``."""
     lat = kaldifst.Lattice()
     lines = [line.split() for line in text.strip().splitlines()]
-    states = 1 + max(int(f[i]) for f in lines for i in ((0, 1) if len(f) == 5 else (0,)))
+    states = 1 + max(int(f[i]) for f in lines for i in ((0, 1) if len(f) >= 4 else (0,)))
     for _ in range(states):
         lat.add_state()
     lat.start = 0
     for f in lines:
-        if len(f) == 5:
-            g, a = map(float, f[4].split(","))
+        if len(f) >= 4:
+            g, a = map(float, f[4].split(",")) if len(f) == 5 else (0.0, 0.0)
             lat.add_arc(int(f[0]), kaldifst.LatticeArc(int(f[2]), int(f[3]), kaldifst.LatticeWeight(g, a), int(f[1])))
         else:
             g, a = map(float, f[1].split(","))
@@ -51,6 +51,22 @@ def test_raw_lattice_arrays_in_topological_order():
     assert wl.num_states == 5 and len(wl.src) == 6
     assert (wl.dst > wl.src).all() and (np.diff(wl.src) >= 0).all()
     assert np.isfinite(wl.final_graph).sum() == 1
+
+
+def test_an_arc_of_weight_one_is_kept():
+    """OpenFst's text writes an arc of weight (0, 0) with 4 fields; a word arc the LM predicts with
+    probability 1 is one. Dropped, the lattice lost its only complete path and gave an empty hypothesis."""
+    text = """
+0 1 1 0 1.0,2.0
+1 2 0 5
+2 3 2 6 0.5,0.5
+3 0.0,0.0
+"""
+    lat = _lattice(text)
+    assert ["1", "2", "0", "5"] in [line.split() for line in lat.to_str().splitlines()]  # as kaldifst writes it
+    wl = L.from_kaldifst(lat, scale=1.0)
+    assert wl.num_states == 4 and len(wl.src) == 3 and wl.word.tolist() == [0, 5, 6]
+    assert L.best_paths(wl, np.array([1.0]), np.array([0.0])) == [[5, 6]]
 
 
 @pytest.mark.parametrize(("scale", "penalty"), list(itertools.product([0.1, 0.5, 1.0, 3.0], [-2.0, 0.0, 2.0])))

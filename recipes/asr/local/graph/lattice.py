@@ -70,16 +70,23 @@ class WordLattice:
 
 
 def from_kaldifst(lattice, scale: float) -> WordLattice:
-    """Convert a ``kaldifst.Lattice`` (through its text form) into a :class:`WordLattice`."""
+    """Convert a ``kaldifst.Lattice`` (through its text form) into a :class:`WordLattice`.
+
+    OpenFst's text leaves out a weight that is One: an arc ``src dst ilabel olabel`` (4 fields; in a
+    raw lattice a word arc without input whose graph cost is 0, e.g. a word the LM predicts with
+    probability 1) costs (0, 0), as does a final state written alone."""
     arcs, finals = [], {}
     for line in lattice.to_str().splitlines():
         fields = line.split()
-        if len(fields) == 5:
-            g, a = fields[4].split(",")
+        if len(fields) in (4, 5):
+            g, a = fields[4].split(",") if len(fields) == 5 else ("0", "0")
             arcs.append((int(fields[0]), int(fields[1]), int(fields[3]), float(g), float(a)))
         elif len(fields) in (1, 2):
             g, a = fields[1].split(",") if len(fields) == 2 else ("0", "0")
             finals[int(fields[0])] = (float(g), float(a))
+        elif fields:
+            raise ValueError(f"a lattice line of {len(fields)} fields: {line!r}; expected an arc (4 or 5) or a final "
+                             "state (1 or 2)")
     states = 1 + max([lattice.start, *finals, *(a[0] for a in arcs), *(a[1] for a in arcs)])
     out_arcs: list[list[int]] = [[] for _ in range(states)]
     indegree = np.zeros(states, dtype=np.int64)
@@ -308,7 +315,9 @@ def decode_lattices(
         decoder = kaldi_decoder.LatticeSimpleDecoder(hclg, config)
         decoder.decode(kaldi_decoder.DecodableCtc(per_tid))
         ok, raw = decoder.get_raw_lattice()
-        out[utt_id] = from_kaldifst(raw, acoustic_scale) if ok else None
+        lattice = from_kaldifst(raw, acoustic_scale) if ok else None
+        # no final state reachable from the start: no complete path, an empty hypothesis (counted below)
+        out[utt_id] = lattice if lattice is not None and np.isfinite(lattice.final_graph).any() else None
         frames += per_tid.shape[0]
     seconds = time.time() - t0
     log.info(
