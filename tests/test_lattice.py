@@ -54,8 +54,8 @@ def test_raw_lattice_arrays_in_topological_order():
 
 
 def test_an_arc_of_weight_one_is_kept():
-    """OpenFst's text writes an arc of weight (0, 0) with 4 fields; a word arc the LM predicts with
-    probability 1 is one. Dropped, the lattice lost its only complete path and gave an empty hypothesis."""
+    """OpenFst's text writes an arc of weight (0, 0) with 4 fields, e.g. a word arc without input of graph
+    cost 0. Dropped, the lattice lost its only complete path and gave an empty hypothesis."""
     text = """
 0 1 1 0 1.0,2.0
 1 2 0 5

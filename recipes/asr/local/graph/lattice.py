@@ -73,8 +73,8 @@ def from_kaldifst(lattice, scale: float) -> WordLattice:
     """Convert a ``kaldifst.Lattice`` (through its text form) into a :class:`WordLattice`.
 
     OpenFst's text leaves out a weight that is One: an arc ``src dst ilabel olabel`` (4 fields; in a
-    raw lattice a word arc without input whose graph cost is 0, e.g. a word the LM predicts with
-    probability 1) costs (0, 0), as does a final state written alone."""
+    raw lattice a word arc without input whose graph cost is 0) costs (0, 0), as does a final state
+    written alone."""
     arcs, finals = [], {}
     for line in lattice.to_str().splitlines():
         fields = line.split()
