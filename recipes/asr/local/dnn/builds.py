@@ -17,7 +17,7 @@ import json
 import statistics
 from pathlib import Path
 
-from local.dnn.compare import gmm_reference, run_seed, seeds_report, test_speakers
+from local.dnn.compare import gmm_reference, run_row, run_seed, seeds_report, test_speakers
 
 GMM_SYSTEMS = ("mono", "tri", "sat")
 
@@ -82,14 +82,10 @@ def builds_report(groups: dict[str, list[Path]], baseline: str = "baseline") -> 
         path = Path(data_dir)
         settings_path = path / "settings.json"
         settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
-        dev = {}
-        for d in dirs:
-            results = d / "decode" / "results.json"
-            if results.exists():
-                name = json.loads((d / "train_summary.json").read_text()).get("run_name", d.name)
-                wer = json.loads(results.read_text()).get("dev", {}).get("wer")
-                if wer is not None:
-                    dev.setdefault(name, []).append(wer)
+        dev: dict[str, list[float]] = {}
+        for row in map(run_row, dirs):
+            if row["dev_wer"] is not None:
+                dev.setdefault(row["run"], []).append(row["dev_wer"])
         speaker_of = test_speakers(path) if path.is_dir() else None
         reference = gmm_reference(path) if path.is_dir() else None
         builds.append({"data_dir": data_dir, "corpus": settings.get("corpus"), "seed": settings.get("seed"),

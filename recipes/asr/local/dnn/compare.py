@@ -533,19 +533,19 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
     ``comparison.json`` and ``dev_frame_acc.png`` under ``out_dir``. ``data_dir`` (for the SAT GMM's
     test WER and the test speakers): default, the one the first run trained on. Runs on several data dirs
     (builds, ``local.dnn.builds``) and no ``data_dir``: the first build's tables, then the spread over all."""
-    from local.dnn.builds import builds_markdown, builds_report, check_one_run_per_seed, group_by_build
+    from local.dnn import builds as corpus_builds
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    groups = group_by_build([Path(d) for d in run_dirs]) if data_dir is None else {str(data_dir): run_dirs}
+    groups = corpus_builds.group_by_build([Path(d) for d in run_dirs]) if data_dir is None else {str(data_dir): run_dirs}
     for group in groups.values():
-        check_one_run_per_seed(group)
+        corpus_builds.check_one_run_per_seed(group)
     run_dirs = next(iter(groups.values()))  # several builds: the first one's runs, then the spread over all
     rows = [run_row(d) for d in run_dirs]
     for r, d in zip(rows, run_dirs):
         r["seed"] = run_seed(Path(d))
     base = add_relative_wer(rows, baseline)
-    data_dir = data_dir or json.loads((Path(run_dirs[0]) / "train_summary.json").read_text()).get("data_dir")
+    data_dir = data_dir or corpus_builds.run_data_dir(run_dirs[0])
     if data_dir and not Path(data_dir).is_dir():
         log.warning("data dir %s is gone: the comparison has no SAT GMM column and no test-speaker folds; "
                     "give the moved one with evaluate.py --data-dir", data_dir)
@@ -577,10 +577,10 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
         if crossfold:
             crossfold["picks"] = per_name("/".join(folds[d][1]) for d in dirs)
             table += "\n\n" + crossfold_markdown(crossfold)
-    builds = builds_report(groups, base_name) if len(groups) > 1 else {}
+    builds = corpus_builds.builds_report(groups, base_name) if len(groups) > 1 else {}
     if builds:
         table = (f"Runs on {next(iter(groups))}, the first of {len(groups)} builds of the corpus (the spread over "
-                 "the builds follows).\n\n" + table + "\n\n" + builds_markdown(builds))
+                 "the builds follows).\n\n" + table + "\n\n" + corpus_builds.builds_markdown(builds))
     note = (f"Relative WER change against `{base['run']}` of the same seed (its first run where the seed has "
             "none); bytes sent: what one worker puts on the wire per "
             "optimizer step (for DDP its fp32 ring all-reduce, 2 (W-1)/W x 4 bytes per weight); vs fp32 / bf16 "
