@@ -138,9 +138,11 @@ def test_fmllr_objective_never_decreases():
     x, pdfs = sample(rng, params, 500)
     M, c, _ = distortion(rng, 4)
     stats = accumulate_fmllr_stats(am, x @ M.T + c, pdfs)
-    _, info = estimate_fmllr(stats, num_iters=4)
+    W4, info = estimate_fmllr(stats, num_iters=4)
     trace = np.asarray(info["objective_trace"])
     assert len(trace) == 1 + 4 * 4
+    # the trace follows the objective row by row: its last value is the objective of the result
+    assert trace[-1] == pytest.approx(fmllr_objective(W4, stats), rel=1e-10)
     assert np.all(np.diff(trace) >= -1e-9 * np.abs(trace).max())
     assert trace[-1] > trace[0]
     # more iterations from where the last stopped keep climbing (or stay)

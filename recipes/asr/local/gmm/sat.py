@@ -118,11 +118,14 @@ def speaker_transforms(
 
     Speakers without an alignment keep their current transform (or none)."""
     tid2pdf, sil = system.tid2pdf(), silence_tids(system, sil_id)
+    by_speaker: dict[str, list[str]] = {}
+    for utt in alis:
+        by_speaker.setdefault(speakers[utt], []).append(utt)
     stats: dict[str, FmllrStats] = {}
-    for utt, ali in alis.items():
-        x = feats[utt]
-        acc = stats.setdefault(speakers[utt], FmllrStats.zeros(x.shape[1]))
-        accumulate_fmllr_stats(system.am, x, tid2pdf[ali], np.where(sil[ali], silence_weight, 1.0), acc)
+    for spk, utt_ids in by_speaker.items():  # all of a speaker's frames at once: one pass per pdf and speaker
+        tids = np.concatenate([alis[u] for u in utt_ids])
+        stats[spk] = accumulate_fmllr_stats(system.am, np.concatenate([feats[u] for u in utt_ids]), tid2pdf[tids],
+                                            np.where(sil[tids], silence_weight, 1.0))
     out = dict(current or {})
     gains = []
     for spk, acc in stats.items():
