@@ -14,9 +14,11 @@ voices out: every speaker gets an affine feature transform (fMLLR,
 3. ``num_iters`` Viterbi passes, re-aligning and re-estimating the transforms with the SAT model
    (composed onto the current ones) on the passes of a schedule (``SAT_SCHEDULES``).
 4. Decoding (``decode_sat``): a speaker-independent first pass with that system, fMLLR from its
-   best paths (silence weight 0.01), a pass with the SAT model, a second fMLLR estimate from that
-   pass, and the final pass. Speakers are those of the GMM CMVN (``features.gmm_cmvn_key``),
-   estimated without transcripts, as in Kaldi's offline decoding.
+   best paths (silence weight 0.01), a pass with the SAT model at the first pass's acoustic scale, a
+   second fMLLR estimate from that pass, and the final pass, the only one decoded at every scale of
+   dev's grid (``decode_fmllr.sh`` too decodes its passes at one scale and sweeps only the scoring).
+   Speakers are those of the GMM CMVN (``features.gmm_cmvn_key``), estimated without transcripts,
+   as in Kaldi's offline decoding.
 
 Writes ``exp/sat/final.pkl``, ``tree``, ``ali.pkl``, ``history.json``, ``trans.pkl``
 (``{speaker: W [D, D+1]}`` of the training speakers; ``D`` 39, or 40 on LDA+MLLT features), ``summary.json`` and
@@ -240,32 +242,33 @@ def train_sat(
     return summary
 
 
-def _decode_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
-                    first_trans: dict, adapted: dict, scale: float, hclg_path: Path | None = None,
-                    best_paths: dict | None = None, first_loglikes: dict | None = None) -> tuple[dict, dict]:
-    """Two adapted passes from the first-pass transforms (``adapted``: the features under them, the same
-    at every scale): decode, re-estimate, decode (in ``DECODE_JOBS`` processes with ``hclg_path``).
-    Returns (hyps, transforms); ``best_paths`` receives the last pass's transition-ids.
-    ``first_loglikes``: the GMM log-likelihoods of ``adapted`` (``gmm_loglikes``), if kept."""
+def _second_transforms(hclg, system: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
+                       first_trans: dict, scale: float, hclg_path: Path | None = None) -> dict:
+    """The first adapted pass and the second fMLLR estimate from its best paths, composed onto
+    ``first_trans``. The pass decodes at ``scale``, the speaker-independent pass's (``decode_fmllr.sh``
+    decodes every pass at one acoustic scale and sweeps only the scoring): it only chooses the frames
+    of the second estimate, so the dev grid is decoded once per scale, on the final pass."""
+    adapted = transformed(utts.feats, speakers, first_trans)
     alis: dict = {}
     decode_utterances_gmm(hclg, system.tm, system.am, adapted.items(), acoustic_scale=scale, alignments=alis,
-                          hclg_path=hclg_path, num_jobs=DECODE_JOBS, loglikes=first_loglikes)
-    trans = speaker_transforms(system, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_DECODE, first_trans)
-    hyps = decode_utterances_gmm(hclg, system.tm, system.am, transformed(utts.feats, speakers, trans).items(),
-                                 acoustic_scale=scale, alignments=best_paths, hclg_path=hclg_path,
-                                 num_jobs=DECODE_JOBS)
-    return hyps, trans
+                          hclg_path=hclg_path, num_jobs=DECODE_JOBS)
+    return speaker_transforms(system, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_DECODE, first_trans)
 
 
-def _score_adapted(hclg, system: GmmSystem, utts: Utterances, speakers: dict, lang, first_trans: dict,
-                   adapted: dict, hclg_path: Path, refs: dict, out_dir: Path, split: str,
-                   kept: tuple[dict, dict, dict], first_loglikes: dict | None, scale: float) -> float:
-    """``_decode_adapted`` at ``scale``, scored; its result, transforms and best paths kept by scale in
-    ``kept``. Returns the WER."""
-    by_scale, trans_by_scale, paths_by_scale = kept
-    hyps, trans_by_scale[scale] = _decode_adapted(hclg, system, utts, speakers, lang.sil_id, first_trans, adapted,
-                                                  scale, hclg_path, paths_by_scale.setdefault(scale, {}),
-                                                  first_loglikes)
+def _decode_final(hclg, system: GmmSystem, feats: dict, scale: float, hclg_path: Path | None = None,
+                  best_paths: dict | None = None, loglikes: dict | None = None) -> dict:
+    """The final adapted pass over ``feats`` (under the second transforms) at ``scale``; ``best_paths``
+    receives its transition-ids, ``loglikes``: the features' GMM log-likelihoods (``gmm_loglikes``), if kept."""
+    return decode_utterances_gmm(hclg, system.tm, system.am, feats.items(), acoustic_scale=scale,
+                                 alignments=best_paths, hclg_path=hclg_path, num_jobs=DECODE_JOBS, loglikes=loglikes)
+
+
+def _score_final(hclg, system: GmmSystem, feats: dict, lang, hclg_path: Path, refs: dict, out_dir: Path, split: str,
+                 kept: tuple[dict, dict], loglikes: dict | None, scale: float) -> float:
+    """``_decode_final`` at ``scale``, scored; its result and best paths kept by scale in ``kept``.
+    Returns the WER."""
+    by_scale, paths_by_scale = kept
+    hyps = _decode_final(hclg, system, feats, scale, hclg_path, paths_by_scale.setdefault(scale, {}), loglikes)
     texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
     by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
     return by_scale[scale]["wer"]
@@ -291,8 +294,8 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     """fMLLR decoding of any other set's ``cuts`` (stage 1's features, ``cut.mfcc``) as
     ``decode_sat`` decodes test: the speaker-independent first pass with ``exp/tri`` (``exp/lda_mllt``
     for a SAT system on LDA+MLLT features), fMLLR per
-    speaker (``gmm_cmvn_key``) from it, two adapted passes with ``exp/sat``, at the acoustic scales
-    both systems chose on dev. No transcripts are used. Returns ``(hyps {utt: word ids},
+    speaker (``gmm_cmvn_key``) from it, two adapted passes with ``exp/sat`` (the first at the
+    speaker-independent system's dev-chosen scale, the final one at the SAT system's). No transcripts are used. Returns ``(hyps {utt: word ids},
     transforms {speaker: W}, best paths {utt: transition-ids of exp/sat})``."""
     data_dir = Path(data_dir)
     fix = f"run the GMM stages first: python recipes/asr/prepare.py --data-dir {data_dir} --stop-stage 5"
@@ -319,9 +322,10 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     _, si_alis = _si_decode(kaldifst.StdVectorFst.read(str(si_graph)), si_graph, si, utts, scales["si"])
     first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
     graph = paths["sat"] / "graph" / "HCLG.fst"
+    hclg = kaldifst.StdVectorFst.read(str(graph))
+    trans = _second_transforms(hclg, system, utts, speakers, lang.sil_id, first, scales["si"], graph)
     best_paths: dict = {}
-    hyps, trans = _decode_adapted(kaldifst.StdVectorFst.read(str(graph)), system, utts, speakers, lang.sil_id, first,
-                                  transformed(utts.feats, speakers, first), scales["sat"], graph, best_paths)
+    hyps = _decode_final(hclg, system, transformed(utts.feats, speakers, trans), scales["sat"], graph, best_paths)
     log.info("sat decoding of a new set: %d of %d utterances decoded, %d speakers", len(best_paths), len(cuts),
              len(set(speakers.values())))
     return hyps, trans, best_paths
@@ -346,7 +350,7 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
     dev scale, ``PREFERRED_SCALE`` without dev) with the SAT system; the
     first pass is the speaker-independent system's (``si``: ``exp/tri``, or ``exp/lda_mllt`` on
     LDA+MLLT features) decoding at its own dev-chosen scale (its stage's ``best_path.pkl``, decoded
-    again if missing).
+    again if missing), and so is the first adapted pass (``_second_transforms``).
 
     Returns:
         ``{"dev_wer", "test_wer", "dev_si_wer", "test_si_wer", "acoustic_scale", "decode_seconds"}``.
@@ -380,11 +384,12 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
             si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
                            f"{split}-si-acwt{si_scale:g}")["wer"]
         first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
-        by_scale, trans_by_scale, paths_by_scale = {}, {}, {}
-        adapted = transformed(utts.feats, speakers, first)  # the first adapted pass's features, every scale's
-        first_loglikes = gmm_loglikes(system.am, adapted.items()) if split == "dev" else None
-        wer = partial(_score_adapted, hclg, system, utts, speakers, lang, first, adapted, hclg_path, refs, out_dir,
-                      split, (by_scale, trans_by_scale, paths_by_scale), first_loglikes)
+        trans = _second_transforms(hclg, system, utts, speakers, lang.sil_id, first, si_scale, hclg_path)
+        final = transformed(utts.feats, speakers, trans)  # the final pass's features, every scale's
+        loglikes = gmm_loglikes(system.am, final.items()) if split == "dev" else None
+        by_scale, paths_by_scale = {}, {}
+        wer = partial(_score_final, hclg, system, final, lang, hclg_path, refs, out_dir, split,
+                      (by_scale, paths_by_scale), loglikes)
         if split == "dev":
             scale, grid = pick_scale(wer, scales, PREFERRED_SCALE)
             best_scale = scale
@@ -398,7 +403,7 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
             res["grid"] = grid
         (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
         with open(out_dir / "trans.pkl", "wb") as f:
-            pickle.dump(trans_by_scale[scale], f)
+            pickle.dump(trans, f)
         with open(out_dir / "best_path.pkl", "wb") as f:  # the DNN's fbank_sat transforms start from them
             pickle.dump(paths_by_scale[scale], f)
         results[f"{split}_wer"], results[f"{split}_si_wer"] = res["wer"], si_wer
