@@ -498,8 +498,8 @@ def test_alignment_in_two_processes_equals_one_and_follows_changed_features(trai
 
 
 def test_the_sat_schedule_option_reaches_the_sat_stage(monkeypatch, tmp_path):
-    """``prepare.py --sat-schedule kaldi``: steps/train_sat.sh's passes reach ``train_sat``; the default keeps the
-    recipe's; an unknown name is refused with the choices."""
+    """``prepare.py --sat-schedule``: steps/train_sat.sh's passes by default, the recipe's older ones on request,
+    reach ``train_sat``; an unknown name is refused with the choices."""
     import argparse
 
     import prepare
@@ -507,10 +507,10 @@ def test_the_sat_schedule_option_reaches_the_sat_stage(monkeypatch, tmp_path):
 
     seen = {}
     monkeypatch.setattr(prepare, "prepare", lambda *args, **kwargs: seen.update(kwargs))
-    prepare.main(["--sat-schedule", "kaldi"])
-    assert seen["sat_schedule"] == "kaldi"
-    prepare.main([])
+    prepare.main(["--sat-schedule", "recipe"])
     assert seen["sat_schedule"] == "recipe"
+    prepare.main([])
+    assert seen["sat_schedule"] == "kaldi"
     monkeypatch.undo()
     with pytest.raises(ValueError, match="unknown --sat-schedule 'fast'; choose recipe or kaldi"):
         prepare.prepare(data_dir=tmp_path / "d", sat_schedule="fast")
