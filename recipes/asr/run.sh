@@ -18,7 +18,7 @@
 #   corpus=kaldi corpus_dir=/path/to/kaldi_data prepare_args="--lexicon lexicon.txt --oov g2p" bash recipes/asr/run.sh
 #                                                  # corpus: synthetic (default), mini_librispeech, librispeech, timit,
 #                                                  # yesno, kaldi; prepare_args: more prepare.py options (--train-parts,
-#                                                  # --lexicon, --lm-text, --oov, --num-jobs, --lda-mllt, --sat-schedule kaldi)
+#                                                  # --lexicon, --lm-text, --oov, --num-jobs, --lda-mllt, --sat-schedule recipe)
 #   test_sweep=1 stage=11 bash recipes/asr/run.sh  # also test at every acoustic scale (fixed-scale tables)
 #   evaluate_args="--rescore-lm 4" stage=11 bash recipes/asr/run.sh
 #                                                  # more evaluate.py options (here: lattices rescored with a 4-gram)

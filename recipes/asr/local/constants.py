@@ -16,7 +16,7 @@ SELF_LOOP_SCALE = 0.1
 # from 0.05 .. 0.125 (monophone 14.68 % at 0.0667, 15.96 % at 0.1, 18.18 % at 0.125; triphone and LDA+MLLT
 # alike), so the grid stops at 0.0833; a best scale at either edge extends it (``pick_scale``).
 GMM_ACOUSTIC_SCALES = (0.05, 0.0588, 0.0667, 0.0833)
-# The SAT system's fMLLR decoding (two adapted passes per scale): on dev it picked 0.05 (Δ + ΔΔ features) and
+# The SAT system's fMLLR decoding (its final pass at each scale): on corpus version 3's dev it picked 0.05 (Δ + ΔΔ features) and
 # 0.0425 (LDA+MLLT; 7.36 % at 0.0361, 8.07 % at 0.0667, 10.56 % at 0.1), so its grid is one step lower.
 SAT_ACOUSTIC_SCALES = (0.0425, 0.05, 0.0588, 0.0667)
 # LM weights 10 .. 4, the middle of Kaldi's range. Smaller scales decode slower (flatter scores fill the

@@ -99,7 +99,7 @@ SIZES = {
         3,
         ("m8", "robert", "Annie", "linda", "Michael", "paul", "quincy", "rob", "Alicia", "Andrea", "anika", "steph"),
     ),
-    "tiny": Size(24, 8, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1, ("m8",)),
+    "tiny": Size(24, 8, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1, ("m8",), words_per_class=2),
 }
 
 ESPEAK_GENDER = {"Andy": "m", "travis": "m", "robert": "m", "Michael": "m", "paul": "m", "quincy": "m", "rob": "m",

@@ -492,8 +492,9 @@ def family_reports(run_dirs: list[Path], baseline: str, speaker_of: dict[str, st
                    max_families: int = 8) -> dict[str, dict]:
     """``seeds_report`` on the test utterances of each voice family (``voice_family``), or ``{}``
     when the test set has one family or more than ``max_families`` (speaker ids without that
-    structure). On the synthetic corpus the dev set has espeak voices only, so this is where a
-    difference that dev cannot see shows (docs/experiments/auto_tau_rice.md, "Sharpness")."""
+    structure). The test set's families are voices no training or dev utterance has, so a difference
+    that one engine's voices show and the mean hides appears here (docs/experiments/auto_tau_rice.md,
+    "Sharpness", found it when dev had espeak voices only)."""
     families = sorted({voice_family(s) for s in speaker_of.values()})
     if not 2 <= len(families) <= max_families:
         return {}
