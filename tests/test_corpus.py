@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import shutil
-from collections import Counter
 from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
@@ -21,14 +20,7 @@ from fixtures_corpus import (
 )
 from local.data import corpus_synthetic, tts
 from local.data.corpus_real import prepare_real
-from local.data.corpus_synthetic import (
-    ENGINE_SHARE,
-    SIZES,
-    engine_counts,
-    plan,
-    prepare_synthetic,
-    recorded_speaker,
-)
+from local.data.corpus_synthetic import SIZES, plan, prepare_synthetic, recorded_speaker
 from local.drops import load_drops
 
 ARPABET = {
@@ -111,34 +103,45 @@ def test_tiny_corpus_is_deterministic(tiny_corpus, tmp_path):
         ]
 
 
-def test_dev_has_every_engine_of_test_in_the_same_shares_and_no_recorded_speaker_of_another_split(tmp_path):
-    """The default size's plan (no synthesis): dev weighs the engines as test does, with voices of
-    its own, and no person recorded for flite or festival speaks in two splits."""
+def test_dev_extra_adds_held_out_voices_and_leaves_the_rest_as_it_was(tmp_path):
+    """Version 3's further dev sentences: new voices and sentences, while train, test and the first
+    ``dev`` sentences are what the corpus without them has (the default size's plan, no synthesis)."""
     size = SIZES["default"]
-    utts = plan(size, 0, tmp_path)
-    by_split = {s: [u for u in utts if u.split == s] for s in ("train", "dev", "test")}
-    assert {s: len(us) for s, us in by_split.items()} == {"train": size.train, "dev": size.dev, "test": size.test}
-    for split, us in by_split.items():
-        engines = Counter(u.voice.engine for u in us)
-        assert set(engines) == {"espeak", "flite", "festival"}
-        assert engines == engine_counts(len(us), list(ENGINE_SHARE)), split
-        assert all(abs(engines[e] / len(us) - ENGINE_SHARE[e]) < 1 / len(us) for e in ENGINE_SHARE)
-    speakers = {s: {recorded_speaker(u.voice) for u in us} for s, us in by_split.items()}
-    voices = {s: {u.voice for u in us} for s, us in by_split.items()}
+    assert size.dev_extra > 0
+    with_extra = plan(size, 0, tmp_path)
+    without = plan(replace(size, dev_extra=0, espeak_variants_dev_extra=()), 0, tmp_path)
+
+    def key(utts):
+        return [(u.id, u.text, u.voice, u.aug) for u in utts]
+
+    assert key(u for u in with_extra if u.split != "dev") == key(u for u in without if u.split != "dev")
+    dev = [u for u in with_extra if u.split == "dev"]
+    assert key(dev[: size.dev]) == key(u for u in without if u.split == "dev")
+    extra = dev[size.dev :]
+    assert len(extra) == size.dev_extra and len({u.id for u in dev}) == len(dev)
+    others = {u.voice for u in with_extra if u not in extra}
+    assert {u.voice for u in extra}.isdisjoint(others)
+    assert {u.voice.engine for u in extra} == {"espeak"}
+    assert len({u.voice for u in extra}) == len(size.espeak_accents_test) * len(size.espeak_variants_dev_extra)
+    texts = {u.text for u in with_extra if u not in extra}
+    assert {u.text for u in extra}.isdisjoint(texts) and len({u.text for u in extra}) == len(extra)
+    vocab = {w for u in with_extra if u.split == "train" for w in u.text.split()}
+    assert all(set(u.text.split()) <= vocab for u in extra)  # alignable: dev frame accuracy counts them
+    with pytest.raises(ValueError, match="dev_extra"):
+        plan(replace(size, dev_extra=10**6), 0, tmp_path)
+    with pytest.raises(ValueError, match="espeak_variants_dev_extra"):
+        plan(replace(size, espeak_variants_dev_extra=()), 0, tmp_path)
+
+
+def test_no_recorded_speaker_is_in_two_splits(tmp_path):
+    """The default size's plan (no synthesis): no voice setting, and no person recorded for flite or
+    festival (kal16 and kal_diphone are one, so are the two slt voices), speaks in two splits."""
+    utts = plan(SIZES["default"], 0, tmp_path)
+    speakers = {s: {recorded_speaker(u.voice) for u in utts if u.split == s} for s in ("train", "dev", "test")}
     for a, b in (("train", "dev"), ("train", "test"), ("dev", "test")):
-        assert not speakers[a] & speakers[b] and not voices[a] & voices[b], (a, b)
-    assert {recorded_speaker(u.voice) for u in by_split["dev"] if u.voice.engine != "espeak"} == {"kal"}
-    vocab = {w for u in by_split["train"] for w in u.text.split()}
-    assert all(set(u.text.split()) <= vocab for u in by_split["dev"])  # alignable: dev frame accuracy counts them
-    texts = [u.text for u in utts]
-    assert len(set(texts)) == len(texts)
-
-
-def test_engine_counts_share_exactly():
-    assert engine_counts(900, ["espeak", "flite", "festival"]) == {"espeak": 450, "flite": 270, "festival": 180}
-    assert engine_counts(12, ["espeak", "flite", "festival"]) == {"espeak": 6, "flite": 4, "festival": 2}  # 3.6, 2.4
-    assert engine_counts(7, ["espeak", "festival"]) == {"espeak": 5, "festival": 2}
-    assert sum(engine_counts(1001, ["espeak", "flite", "festival"]).values()) == 1001
+        assert not speakers[a] & speakers[b], (a, b)
+    assert {"kal", "slt", "awb"} <= speakers["train"] and {"rms", "ked"} <= speakers["test"]
+    assert all(recorded_speaker(u.voice) != u.voice.name for u in utts if u.voice.engine == "festival")
 
 
 def test_failed_and_empty_synthesis_are_dropped(tmp_path, monkeypatch):

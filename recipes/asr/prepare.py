@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sat-schedule", default="kaldi", choices=["kaldi", "recipe"],
                    help="the SAT stage's passes of fMLLR re-estimation and re-alignment: kaldi (the default, "
                         "train_sat.sh's: fMLLR at 2, 4, 6, 12, realign at 10, 20, 30) or recipe (the recipe's "
-                        "before corpus version 4: fMLLR at pass 20, realign at 10, 25; a weaker SAT GMM on dev)")
+                        "earlier one: fMLLR at pass 20, realign at 10, 25; a weaker SAT GMM on dev)")
     for name in GMM_SIZES:
         system, what = name.rsplit("_", 1)
         p.add_argument(f"--{system.replace('_', '-')}-{what}", type=_gmm_size, default="auto",

@@ -3,23 +3,19 @@
 Splits:
 
 - ``train``: 60 espeak-ng settings (5 accents × m1–m5, f1–f3, Andy, travis, aunty, belinda) plus 3 settings each of flite
-  awb/slt and festival cmu_us_slt_arctic_hts, each with its own rate and pitch; plus one augmented copy of
-  every utterance (sox speed 0.9–1.1, reverb, noise at 10–30 dB SNR), id suffixed ``-aug``, same
-  speaker.
-- ``dev``: held-out voices of every engine that test has, used in neither train nor test (espeak
-  en-gb-scotland / en-029 / en-us-nyc with the variants m8, robert, Annie, linda, Michael, paul,
-  quincy, rob, Alicia, Andrea, anika, steph: 36 voices; flite kal16 and festival kal_diphone, 3
-  settings each: the one recorded speaker of the two engines that neither train nor test has),
-  sentences not in train or test; 900 sentences, for the acoustic scale, the
-  insertion penalty and the epoch, which must be chosen on voices the model has not heard.
+  kal16/awb/slt and festival kal_diphone/cmu_us_slt_arctic_hts, each with its own rate and
+  pitch; plus one augmented copy of every utterance (sox speed 0.9–1.1, reverb, noise at
+  10–30 dB SNR), id suffixed ``-aug``, same speaker.
+- ``dev``: held-out voices, used in neither train nor test (espeak en-gb-scotland / en-029 /
+  en-us-nyc with the variants m8, robert, Annie, linda, and since version 3 also Michael, paul,
+  quincy, rob, Alicia, Andrea, anika, steph: 36 voices), sentences not in train or test; 900
+  sentences, for the acoustic scale and the epoch, which must be chosen on voices the model has not
+  heard (on version 3's first build the 900 picked each DNN run's best test scale in 6 runs of 6, the
+  first 300 alone in 1 of 6: docs/experiments/corpus_v3.md).
 - ``test``: voices never used in training (espeak en-gb-scotland / en-029 / en-us-nyc with
   m6, m7, f4, f5; flite rms; festival ked_diphone), sentences not in train or dev; 1650
   sentences (≥ 12,000 words), so that WER differences of a few percent relative can be told
   from noise.
-
-Every split shares its sentences among the engines in the same proportions (``ENGINE_SHARE``), so
-that dev weighs the engines as test does. No recorded speaker is in two splits (``RECORDED_SPEAKER``:
-flite's kal16 and festival's kal_diphone are one speaker, as are the two slt voices).
 
 Utterance ids are ``<speaker>_<split><index>``; the speaker id names the voice setting
 (``espeak-en-us-m3-r110-p55``). Everything is deterministic in ``seed``. Each supervision
@@ -52,10 +48,9 @@ from local.drops import clear_drops, record_drop
 
 log = logging.getLogger(__name__)
 
-# 4: dev with flite and festival voices (kal, out of train), the engines shared exactly in every split;
-# 3: dev of 900 sentences and 36 held-out espeak voices; 2: dev of 300 sentences and 12 held-out voices,
-# 1650 test sentences, 60 espeak training voices; 1: dev of training voices
-VERSION = 4
+# 3: dev of 900 sentences and 36 held-out voices, train and test as in 2; 2: dev of 300 sentences and 12
+# held-out voices, 1650 test sentences, 60 espeak training voices; 1: dev of training voices
+VERSION = 3
 DEV_POOL_FACTOR = 20  # candidate sentences per dev sentence when looking for in-vocabulary ones
 # Share of utterances per engine: espeak has many voices but one synthesis method, so it
 # does not get a share proportional to its number of voices.
@@ -68,11 +63,14 @@ class Size:
 
     Attributes:
         train, dev, test: number of sentences (train gets as many augmented copies again).
-        espeak_variants_train / _test / _dev: espeak variants used per accent (dev and test on the
-            test accents).
-        settings_per_voice: rate/pitch settings per flite/festival voice in train and dev (test: 1
-            less, at least 1).
+        espeak_variants_train / _test: espeak variants used per accent.
+        espeak_variants_dev: espeak variants of the dev voices, on the test accents (dev has
+            only espeak voices: flite and festival have no voice left that train and test do not use).
+        settings_per_voice: rate/pitch settings per flite/festival voice in train (test: 1 less, at least 1).
         words_per_class: keep only this many words of each template word class (None: all).
+        dev_extra: more dev sentences, on the voices of ``espeak_variants_dev_extra`` (test accents).
+            They are planned after everything else, from sentences neither train, dev nor test has, so
+            that train, test and the first ``dev`` sentences stay what they are without them.
     """
 
     train: int
@@ -85,36 +83,37 @@ class Size:
     settings_per_voice: int
     espeak_variants_dev: tuple[str, ...]
     words_per_class: int | None = None
+    dev_extra: int = 0
+    espeak_variants_dev_extra: tuple[str, ...] = ()
 
 
 SIZES = {
     "default": Size(
         1800,
-        900,
+        300,
         1650,
         ("en-us", "en", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd"),
         ("m1", "m2", "m3", "m4", "m5", "f1", "f2", "f3", "Andy", "travis", "aunty", "belinda"),
         ("en-gb-scotland", "en-029", "en-us-nyc"),
         ("m6", "m7", "f4", "f5"),
         3,
-        ("m8", "robert", "Annie", "linda", "Michael", "paul", "quincy", "rob", "Alicia", "Andrea", "anika", "steph"),
+        ("m8", "robert", "Annie", "linda"),
+        dev_extra=600,
+        espeak_variants_dev_extra=("Michael", "paul", "quincy", "rob", "Alicia", "Andrea", "anika", "steph"),
     ),
-    "tiny": Size(24, 8, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1, ("m8",), words_per_class=2),
+    "tiny": Size(24, 6, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1, ("m8",), 2),
 }
 
 ESPEAK_GENDER = {"Andy": "m", "travis": "m", "robert": "m", "Michael": "m", "paul": "m", "quincy": "m", "rob": "m",
                  "aunty": "f", "belinda": "f", "Annie": "f", "linda": "f", "Alicia": "f", "Andrea": "f", "anika": "f",
                  "steph": "f"}  # named variants; m1.., f1.. say it in their name
-FLITE_TRAIN = (("awb", "m"), ("slt", "f"))
-FESTIVAL_TRAIN = (("cmu_us_slt_arctic_hts", "f"),)
-# kal, not slt: with slt in dev (and kal in train) dev's flite and festival utterances had 4x test's
-# monophone WER (a female voice of two engines whose training voices were all male, against test's male
-# voices); with kal, dev's and test's festival voices are both male diphone voices that training lacks.
-FLITE_DEV = (("kal16", "m"),)
-FESTIVAL_DEV = (("kal_diphone", "m"),)
+FLITE_TRAIN = (("kal16", "m"), ("awb", "m"), ("slt", "f"))
+FESTIVAL_TRAIN = (("kal_diphone", "m"), ("cmu_us_slt_arctic_hts", "f"))
 FLITE_TEST = (("rms", "m"),)
 FESTIVAL_TEST = (("ked_diphone", "m"),)
-# The person each flite/festival voice was recorded from (espeak's voices are rules, each its own).
+# The person each flite/festival voice was recorded from (espeak's voices are rules, each its own): flite's
+# kal16 and festival's kal_diphone are one speaker, as are the two slt voices. All five are in train or
+# test, so dev has none (docs/experiments/corpus_v4_tries.md measured moving kal or slt to dev).
 RECORDED_SPEAKER = {"kal16": "kal", "kal_diphone": "kal", "awb": "awb", "slt": "slt", "cmu_us_slt_arctic_hts": "slt",
                     "rms": "rms", "ked_diphone": "ked"}
 
@@ -124,22 +123,11 @@ def recorded_speaker(voice: Voice) -> str:
     return RECORDED_SPEAKER.get(voice.name, voice.name) if voice.engine != "espeak" else voice.name
 
 
-def engine_counts(n: int, engines: list[str]) -> dict[str, int]:
-    """``n`` utterances shared among ``engines`` in the proportions of ``ENGINE_SHARE`` (largest
-    remainders), so that every split weighs the engines alike."""
-    total = sum(ENGINE_SHARE[e] for e in engines)
-    exact = {e: n * ENGINE_SHARE[e] / total for e in engines}
-    counts = {e: int(v) for e, v in exact.items()}
-    for e in sorted(engines, key=lambda e: counts[e] - exact[e])[: n - sum(counts.values())]:
-        counts[e] += 1
-    return counts
-
-
 def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
     """Voice settings per engine for ``train``, ``dev`` and ``test`` (no setting in two splits).
 
     Returns:
-        ``{"train": {engine: [Voice, ...]}, "dev": {...}, "test": {...}}``
+        ``{"train": {engine: [Voice, ...]}, "dev": {"espeak": [...]}, "test": {...}, "dev_extra": {"espeak": [...]}}``
     """
     rng = random.Random(f"voices-{seed}")
 
@@ -169,11 +157,10 @@ def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
             "flite": others("flite", FLITE_TEST, n_test),
             "festival": others("festival", FESTIVAL_TEST, n_test),
         },
-        "dev": {
-            "espeak": espeak(size.espeak_accents_test, size.espeak_variants_dev),
-            "flite": others("flite", FLITE_DEV, size.settings_per_voice),
-            "festival": others("festival", FESTIVAL_DEV, size.settings_per_voice),
-        },
+        # drawn last, so that the train and test settings stay those of the corpus before dev had its own voices
+        "dev": {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_dev)},
+        # drawn after dev's, for the same reason
+        "dev_extra": {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_dev_extra)},
     }
 
 
@@ -198,11 +185,9 @@ def plan(size: Size, seed: int, audio_dir: Path) -> list[Utterance]:
     for split in SPLITS:
         texts = split_texts[split]
         by_engine = voices[split]
-        # each engine its share of the sentences (among the engines the split has voices of), in a
-        # shuffled order; then round-robin over each engine's settings
+        # engines by share (among those the split has voices of), then round-robin over each engine's settings
         engines = [e for e in ENGINE_SHARE if by_engine.get(e)]
-        engine_of = [e for e, n in engine_counts(len(texts), engines).items() for _ in range(n)]
-        rng.shuffle(engine_of)
+        engine_of = rng.choices(engines, weights=[ENGINE_SHARE[e] for e in engines], k=len(texts))
         used = Counter()
         for k, (text, engine) in enumerate(zip(texts, engine_of)):
             voice = by_engine[engine][used[engine] % len(by_engine[engine])]
@@ -210,6 +195,21 @@ def plan(size: Size, seed: int, audio_dir: Path) -> list[Utterance]:
             uid = f"{voice.speaker}_{split}{k:05d}"
             aug = Augmentation.draw(rng) if split == "train" else None
             utts.append(Utterance(uid, split, text, voice, audio_dir / split / f"{uid}.wav", aug))
+    # dev's further sentences and voices, after every draw above (so that those are as without them)
+    used_texts = taken | set(split_texts["test"])
+    left = [t for t in rest if t not in used_texts]
+    extra = ([t for t in left if set(t.split()) <= vocab] + [t for t in left if not set(t.split()) <= vocab])
+    if len(extra) < size.dev_extra:
+        raise ValueError(f"the sentence pool has {len(extra)} sentences left for dev_extra={size.dev_extra}; "
+                         "raise DEV_POOL_FACTOR or lower dev_extra")
+    extra_voices = voices["dev_extra"]["espeak"]
+    if size.dev_extra and not extra_voices:
+        raise ValueError(f"dev_extra={size.dev_extra} needs voices: give espeak_variants_dev_extra (and "
+                         "espeak_accents_test), or set dev_extra=0")
+    for i, text in enumerate(extra[: size.dev_extra]):
+        voice, k = extra_voices[i % len(extra_voices)], size.dev + i
+        uid = f"{voice.speaker}_dev{k:05d}"
+        utts.append(Utterance(uid, "dev", text, voice, audio_dir / "dev" / f"{uid}.wav", None))
     return utts
 
 

@@ -66,8 +66,8 @@ from local.kaldi import kaldifst
 log = logging.getLogger(__name__)
 
 # Passes that start with a re-alignment and with a re-estimation of the training speakers' transforms.
-# "kaldi" (the default): steps/train_sat.sh's schedule. "recipe": fMLLR once, at pass 20, the recipe's before
-# corpus version 4. On version 3 (seed 0) Kaldi's gave the lower dev WER at every acoustic scale (6.73 %
+# "kaldi" (the default): steps/train_sat.sh's schedule. "recipe": fMLLR once, at pass 20, the recipe's earlier
+# one. On corpus version 3 (seed 0) Kaldi's gave the lower dev WER at every acoustic scale (6.73 %
 # against 7.30 % at dev's pick; test 7.59 against 9.58 %), and the baseline DNN on its alignments dev
 # 4.77 % / test 6.28 % against 4.77 / 6.15 % (docs/experiments/sat_schedule.md): dev chose it.
 SAT_SCHEDULES = {
