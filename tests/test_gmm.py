@@ -383,6 +383,36 @@ def test_sat_first_pass_reuses_tri_best_paths_and_redecodes_without_them(trained
     assert (data_dir / "exp" / "sat" / "decode_test" / f"errs-test-si-acwt{0.1:g}.txt").exists()
 
 
+def test_sat_decoding_decodes_the_first_adapted_pass_once_at_the_first_pass_scale(trained, sat, monkeypatch,
+                                                                                  tmp_path):
+    """As ``decode_fmllr.sh``: per split one adapted pass at the speaker-independent system's scale (for the
+    second transforms), then the final pass at each scale of dev's grid and at dev's pick on test."""
+    import shutil
+
+    from local.gmm import sat as sat_module
+    from local.gmm.common import GmmSystem
+    from local.graph.lang import load_lang
+
+    data_dir = tmp_path / "tiny"  # (a copy: the module's other tests read the SAT stage's decodings)
+    shutil.copytree(trained[0], data_dir, ignore=shutil.ignore_patterns("audio"))
+    si_scale = json.loads((data_dir / "exp" / "tri" / "decode_dev" / "wer.json").read_text())["acoustic_scale"]
+    calls = []
+    real = sat_module.decode_utterances_gmm
+
+    def recording(*args, acoustic_scale, **kwargs):
+        calls.append(acoustic_scale)
+        return real(*args, acoustic_scale=acoustic_scale, **kwargs)
+
+    monkeypatch.setattr(sat_module, "decode_utterances_gmm", recording)
+    grid = (0.0833, 0.1, 0.125)
+    res = sat_module.decode_sat(data_dir, GmmSystem.load(data_dir / "exp" / "sat" / "final.pkl"),
+                                GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl"), load_lang(data_dir / "lang"),
+                                scales=grid)
+    tried = json.loads((data_dir / "exp" / "sat" / "decode_dev" / "wer.json").read_text())["grid"]["grid"]
+    assert calls == [si_scale, *tried, si_scale, res["acoustic_scale"]]
+    assert set(grid) <= set(tried)
+
+
 def test_next_stage_needs_alignments_of_the_current_training_cuts(trained):
     from local.gmm.common import GmmSystem
 

@@ -295,8 +295,9 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     ``decode_sat`` decodes test: the speaker-independent first pass with ``exp/tri`` (``exp/lda_mllt``
     for a SAT system on LDA+MLLT features), fMLLR per
     speaker (``gmm_cmvn_key``) from it, two adapted passes with ``exp/sat`` (the first at the
-    speaker-independent system's dev-chosen scale, the final one at the SAT system's). No transcripts are used. Returns ``(hyps {utt: word ids},
-    transforms {speaker: W}, best paths {utt: transition-ids of exp/sat})``."""
+    speaker-independent system's dev-chosen scale, the final one at the SAT system's). No transcripts
+    are used. Returns ``(hyps {utt: word ids}, transforms {speaker: W}, best paths {utt: transition-ids
+    of exp/sat})``."""
     data_dir = Path(data_dir)
     fix = f"run the GMM stages first: python recipes/asr/prepare.py --data-dir {data_dir} --stop-stage 5"
     sat_path = data_dir / "exp" / "sat" / "final.pkl"
