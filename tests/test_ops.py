@@ -119,6 +119,35 @@ def test_triton_matches_reference_bit_for_bit(name):
     assert torch.all(index[1:] > index[:-1]), "words must be in strictly ascending index order"
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("name", [*CASES, "nan_and_tail"])
+@pytest.mark.parametrize("offset", [0, 1000])
+def test_cpu_emit_matches_the_row_search_bit_for_bit(name, offset):
+    """The CPU step's NumPy search (``_emit_cpu``, what ``emit_`` runs on CPU tensors) writes the
+    same words after the same cursor, counts the same non-finite values and leaves the same residual
+    bits as the torch row search (``_emit_rows``, other devices)."""
+    from gtc_lightning.ops import torch_ops
+
+    if name == "nan_and_tail":  # NaN in a full row and in the tail past the last row of CHUNK elements
+        grad, residual, tau = random_case(3 * torch_ops.CHUNK + 7, 11)
+        grad[[5, 3 * torch_ops.CHUNK + 2]] = float("nan")
+    else:
+        grad, residual, tau = CASES[name][:3]
+    results = []
+    for emit in (torch_ops._emit_cpu, torch_ops._emit_rows):
+        out = residual + grad
+        message = torch.full((out.numel() + 3,), 7, dtype=torch.int32)
+        cursor, bad = torch.tensor([3]), torch.zeros(1, dtype=torch.int32)
+        emit(out, f32(tau), message, cursor, bad, offset)
+        results.append((message, int(cursor), int(bad), bits(out)))
+    (m_cpu, c_cpu, b_cpu, o_cpu), (m_rows, c_rows, b_rows, o_rows) = results
+    assert (c_cpu, b_cpu) == (c_rows, b_rows)
+    assert torch.equal(m_cpu, m_rows), f"words differ: {m_cpu[3:11].tolist()} vs {m_rows[3:11].tolist()}"
+    assert torch.equal(o_cpu, o_rows), "residuals differ in their bits"
+    if name == "nan_and_tail":
+        assert b_cpu == 2 and c_cpu > 5
+
+
 def test_semantics_on_hand_made_values():
     """Strict thresholds, sign bit, in-place update: checked against values written out."""
     up = next_up(TAU)

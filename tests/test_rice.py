@@ -63,6 +63,29 @@ def test_triton_bit_packing_matches_torch(name):
     assert torch.equal(rice_decode(data, backend="triton"), words)
 
 
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("k", [None, 0, 9])
+def test_numpy_bit_packing_matches_torch(name, k):
+    """The CPU coding (NumPy's packbits, what "auto" runs on CPU tensors) writes and reads the same
+    bytes as the torch code."""
+    words = CASES[name]
+    data = rice_encode(words, k=k, backend="torch")
+    assert torch.equal(rice_encode(words, k=k, backend="numpy"), data)
+    assert torch.equal(rice_encode(words, k=k), data)
+    assert torch.equal(rice_decode(data, backend="numpy"), words)
+    assert torch.equal(rice_decode(data, backend="torch"), words)
+
+
+def test_unknown_or_misplaced_backend_is_refused():
+    with pytest.raises(ValueError, match="backend in"):
+        rice_encode(message([1, 2]), backend="cuda")
+    from gtc_lightning.ops.rice import _backend
+
+    assert _backend(message([1]), "auto") == "numpy" and _backend(message([1]).to("meta"), "auto") == "torch"
+    with pytest.raises(ValueError, match="backend='numpy' codes CPU tensors"):
+        _backend(message([1]).to("meta"), "numpy")
+
+
 @pytest.mark.parametrize("k", [0, 1, 7, 30])
 def test_round_trip_with_any_parameter(k):
     words = CASES["density_0.5%"]

