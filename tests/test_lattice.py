@@ -206,3 +206,52 @@ def test_the_rescoring_lm_of_order_3_is_the_first_pass_lm(tiny_aligned, tmp_path
     assert "ngram 4=" in four.read_text() and make_rescore_lm(data, 4) == four  # written once
     with pytest.raises(ValueError, match="order=0"):
         make_rescore_lm(data, 0)
+
+
+def _sweep(lat: L.WordLattice, scales: np.ndarray, penalties: np.ndarray) -> list[list[int]]:
+    """The reference search: one sweep over the arcs in order, a state's cost replaced only by a strictly
+    lower one, the best end by ``np.argmin``."""
+    ratio = scales / lat.scale
+    arc_cost = lat.graph[:, None] + lat.acoustic[:, None] * ratio + (lat.word != 0)[:, None] * penalties
+    cost = np.full((lat.num_states, len(scales)), np.inf)
+    back = np.full((lat.num_states, len(scales)), -1)
+    cost[0] = 0.0
+    for i in range(len(lat.src)):
+        cand = cost[lat.src[i]] + arc_cost[i]
+        better = cand < cost[lat.dst[i]]
+        cost[lat.dst[i]] = np.where(better, cand, cost[lat.dst[i]])
+        back[lat.dst[i], better] = i
+    total = cost + lat.final_graph[:, None] + lat.final_acoustic[:, None] * ratio
+    out = []
+    for j, end in enumerate(np.argmin(total, axis=0)):
+        words, s = [], end
+        while np.isfinite(total[end, j]) and s != 0:
+            i = back[s, j]
+            words += [int(lat.word[i])] if lat.word[i] else []
+            s = lat.src[i]
+        out.append(words[::-1])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_lattices_searched_together_choose_as_one_sweep_each(seed):
+    """``batch_best_paths`` relaxes many lattices a generation of states at a time; on lattices of
+    small integer costs, full of exact ties between paths and between ends, it picks the same paths
+    as one sweep over each lattice's arcs in order (the first arc and the first end among equals)."""
+    rng = np.random.default_rng(seed)
+    lattices = []
+    for states in rng.integers(2, 40, size=12):
+        lat = _random_lattice(rng, int(states), words=3)
+        lat.graph, lat.acoustic = np.round(lat.graph), np.round(lat.acoustic)
+        lat.final_graph[states // 3] = 1.0 if seed % 2 else lat.final_graph[states // 3]  # a third end, for ties
+        lat.final_acoustic[states // 3] = 0.0 if seed % 2 else lat.final_acoustic[states // 3]
+        lattices.append(lat)
+    nowhere = _random_lattice(rng, 5, words=3)
+    nowhere.final_graph[:] = np.inf  # no final state: no path
+    lattices.insert(3, nowhere)
+    scales = np.array([0.1, 0.1, 0.2, 0.5, 1.0, 2.0])
+    penalties = np.array([0.0, 1.0, 0.0, -1.0, 0.5, 0.0])
+    got = L.batch_best_paths(lattices, scales, penalties)
+    assert got == [_sweep(lat, scales, penalties) for lat in lattices]
+    assert got[3] == [[]] * len(scales)
+    assert L.batch_best_paths(lattices[:1], scales, penalties) == got[:1]

@@ -9,7 +9,9 @@ transition-ids on the input side, words on the output side and a (graph cost, ac
 every arc, the acoustic cost at the scale the decoder used. A grid point ``(s, p)`` weighs an arc
 ``graph + acoustic * s / s_decode + p * [arc has a word]``; the best path of every grid point comes
 from one pass over the lattice (:func:`best_paths`, all points at once), so a grid of 35 costs about
-one best path search per utterance, not 35 decodings.
+one best path search per utterance, not 35 decodings. :func:`grid_hypotheses` searches
+:data:`BATCH` lattices side by side (:func:`batch_best_paths`: array operations per generation of
+states rather than Python steps per arc), with the same choices, ties included.
 
 Choosing by acoustic scale ``s`` is choosing the LM weight ``1 / s`` (Kaldi's LMWT, with acoustic
 scale 1): both name the same ratio of graph to acoustic cost.
@@ -40,6 +42,9 @@ LATTICE_BEAM = 6.0  # Kaldi's decode.sh default
 LATTICE_SEARCH_BEAM = 10.0
 # The scale the lattices are made at: inside the DNN's grid (local.constants), near where dev picks.
 LATTICE_ACOUSTIC_SCALE = 0.125
+# Lattices searched together (batch_best_paths): enough to share each pass over a generation of states,
+# few enough to keep the grid's arrays (states x grid points) to some 100 MB.
+BATCH = 128
 
 
 @dataclass
@@ -120,6 +125,22 @@ def from_kaldifst(lattice, scale: float) -> WordLattice:
     )  # fmt: skip
 
 
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])`` without the loop."""
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    shift = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    return shift + np.arange(total, dtype=np.int64)
+
+
+def _csr(src: np.ndarray, num_states: int) -> tuple[np.ndarray, np.ndarray]:
+    """Arcs by source state: ``(arc order: by source, then as given; first arc of each state)``."""
+    order = np.argsort(src, kind="stable")
+    first = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=num_states))])
+    return order, first
+
+
 def best_paths(lattice: WordLattice, scales: np.ndarray, penalties: np.ndarray,
                rescorer: LmRescorer | None = None) -> list[list[int]]:
     """The best path's words at every grid point ``(scales[k], penalties[k])``, all in one pass;
@@ -129,42 +150,112 @@ def best_paths(lattice: WordLattice, scales: np.ndarray, penalties: np.ndarray,
         ``[K]`` lists of word ids (``[]`` where no final state is reachable).
     """
     scales, penalties = np.asarray(scales, dtype=np.float64), np.asarray(penalties, dtype=np.float64)
-    k = len(scales)
-    ratio = scales / lattice.scale
-    has_word = (lattice.word != 0).astype(np.float64)
-    arc_cost = lattice.graph[:, None] + lattice.acoustic[:, None] * ratio[None, :] + has_word[:, None] * penalties
     if rescorer is not None:
+        ratio = scales / lattice.scale
+        has_word = (lattice.word != 0).astype(np.float64)
+        arc_cost = lattice.graph[:, None] + lattice.acoustic[:, None] * ratio[None, :] + has_word[:, None] * penalties
         final = lattice.final_graph[:, None] + lattice.final_acoustic[:, None] * ratio[None, :]
         return _rescored_best_paths(lattice, arc_cost, final, rescorer)
-    cost = np.full((lattice.num_states, k), np.inf)
-    back = np.full((lattice.num_states, k), -1, dtype=np.int64)
-    cost[0] = 0.0
-    bounds = np.searchsorted(lattice.src, np.arange(lattice.num_states + 1))
-    for s in range(lattice.num_states):
-        lo, hi = bounds[s], bounds[s + 1]
-        if lo == hi or not np.isfinite(cost[s]).any():
-            continue
-        for i in range(lo, hi):  # (a state has few arcs; each update is over the whole grid)
-            d = lattice.dst[i]
-            cand = cost[s] + arc_cost[i]
-            better = cand < cost[d]
-            if better.any():
-                cost[d] = np.where(better, cand, cost[d])
-                back[d, better] = i
-    total = cost + lattice.final_graph[:, None] + lattice.final_acoustic[:, None] * ratio[None, :]
-    ends = np.argmin(total, axis=0)
-    out = []
-    for j in range(k):
-        if not np.isfinite(total[ends[j], j]):
-            out.append([])
-            continue
-        words, s = [], ends[j]
-        while s != 0:
-            i = back[s, j]
-            if lattice.word[i]:
-                words.append(int(lattice.word[i]))
-            s = lattice.src[i]
-        out.append(words[::-1])
+    return batch_best_paths([lattice], scales, penalties)[0]
+
+
+def batch_best_paths(lattices: list[WordLattice], scales: np.ndarray, penalties: np.ndarray) -> list[list[list[int]]]:
+    """:func:`best_paths` of many lattices side by side: ``[lattice][grid point]`` word ids.
+
+    A path's cost at a point weighs an arc ``graph + acoustic * scale / lattice.scale + penalty * [word]``.
+    Each state keeps, per point, the least ``cost of its source + cost of the arc`` over its incoming
+    arcs and, among arcs that tie, the first in the lattice's arc order; the best final state is the
+    first (in state order) of least ``cost + final cost``. Those are the choices of a sweep over the arcs
+    in order, whatever the order the arcs are relaxed in, so the lattices are relaxed together one
+    generation of states at a time (a state once all its incoming arcs are relaxed), and the paths are
+    traced back together, a step per pass."""
+    scales, penalties = np.asarray(scales, dtype=np.float64), np.asarray(penalties, dtype=np.float64)
+    k, n = len(scales), len(lattices)
+    if not n:
+        return []
+    sizes = np.array([lat.num_states for lat in lattices], dtype=np.int64)
+    offset = np.concatenate([[0], np.cumsum(sizes)])
+    num = int(offset[-1])
+    arc_counts = np.array([lat.src.size for lat in lattices], dtype=np.int64)
+    arc_owner = np.repeat(np.arange(n), arc_counts)
+    src = np.concatenate([lat.src for lat in lattices]) + offset[arc_owner]
+    dst = np.concatenate([lat.dst for lat in lattices]) + offset[arc_owner]
+    word = np.concatenate([lat.word for lat in lattices])
+    graph = np.concatenate([lat.graph for lat in lattices])
+    acoustic = np.concatenate([lat.acoustic for lat in lattices])
+    has_word = (word != 0).astype(np.float64)
+    ratio = np.stack([scales / lat.scale for lat in lattices])  # [lattice, point]
+    none = np.iinfo(np.int64).max
+    cost = np.full((num, k), np.inf)
+    back = np.full((num, k), none, dtype=np.int64)
+    starts = offset[:-1][sizes > 0]
+    cost[starts] = 0.0
+    order, first = _csr(src, num)
+    indegree = np.bincount(dst, minlength=num)
+    frontier = starts
+    while frontier.size:
+        arcs = order[_ranges(first[frontier], first[frontier + 1] - first[frontier])]
+        if not arcs.size:
+            break
+        arcs = arcs[np.argsort(dst[arcs], kind="stable")]  # by head, each head's arcs in their order
+        heads = dst[arcs]
+        group = np.flatnonzero(np.concatenate([[True], heads[1:] != heads[:-1]]))
+        unique = heads[group]
+        # the arc costs as best_paths has always computed them: graph + acoustic * ratio + penalty * [word]
+        arc_cost = graph[arcs, None] + acoustic[arcs, None] * ratio[arc_owner[arcs]] + has_word[arcs, None] * penalties
+        cand = cost[src[arcs]] + arc_cost
+        low = np.minimum.reduceat(cand, group, axis=0)
+        before = cost[unique]
+        after = np.minimum(before, low)
+        cost[unique] = after
+        tied = np.where(cand == after[np.repeat(np.arange(group.size), np.diff(np.append(group, arcs.size)))],
+                        arcs[:, None], none)
+        kept = np.where(after < before, none, back[unique])  # a lower cost: the old arc lost
+        back[unique] = np.minimum(kept, np.minimum.reduceat(tied, group, axis=0))
+        indegree[unique] -= np.diff(np.append(group, arcs.size))
+        frontier = unique[indegree[unique] == 0]
+    # per lattice and point: the first state of least total cost (np.argmin's choice); only final states count
+    finals = np.flatnonzero(np.isfinite(np.concatenate([lat.final_graph for lat in lattices])))
+    final_owner = np.searchsorted(offset, finals, side="right") - 1
+    final_graph = np.concatenate([lat.final_graph for lat in lattices])[finals, None]
+    final_acoustic = np.concatenate([lat.final_acoustic for lat in lattices])[finals, None] * ratio[final_owner]
+    total = cost[finals] + final_graph + final_acoustic
+    best = np.full((n, k), np.inf)
+    ends = np.full((n, k), none, dtype=np.int64)
+    if finals.size:
+        bounds = np.flatnonzero(np.concatenate([[True], final_owner[1:] != final_owner[:-1]]))
+        owners = final_owner[bounds]
+        best[owners] = np.minimum.reduceat(total, bounds, axis=0)
+        is_best = total == best[final_owner]
+        ends[owners] = np.minimum.reduceat(np.where(is_best, finals[:, None], none), bounds, axis=0)
+    found = np.isfinite(best)
+    # trace back every (lattice, point) together: one arc per pass, words collected last to first
+    row, col = np.nonzero(found)
+    cur = ends[row, col]
+    start_of = offset[row]
+    steps: list[tuple[np.ndarray, np.ndarray]] = []  # (which path, word) per pass, words != 0
+    path_id = row * k + col
+    while cur.size:
+        live = cur != start_of
+        cur, start_of, path_id = cur[live], start_of[live], path_id[live]
+        if not cur.size:
+            break
+        arc = back[cur, path_id % k]
+        w = word[arc]
+        has = w != 0
+        steps.append((path_id[has], w[has]))
+        cur = src[arc]
+    out = [[[] for _ in range(k)] for _ in range(n)]
+    ids = np.concatenate([p for p, _ in steps]) if steps else np.zeros(0, dtype=np.int64)
+    if ids.size:
+        words = np.concatenate([w for _, w in steps])
+        step = np.concatenate([np.full(p.size, i) for i, (p, _) in enumerate(steps)])
+        by_path = np.lexsort((-step, ids))
+        ids, words = ids[by_path], words[by_path]
+        cuts = np.flatnonzero(np.diff(ids)) + 1
+        for group_ids, group_words in zip(np.split(ids, cuts), np.split(words, cuts)):
+            pid = int(group_ids[0])
+            out[pid // k][pid % k] = group_words.tolist()
     return out
 
 
@@ -336,8 +427,16 @@ def grid_hypotheses(
     points = [(s, p) for s in scales for p in penalties]
     s_arr, p_arr = np.array([s for s, _ in points]), np.array([p for _, p in points])
     out: dict[tuple[float, float], dict[str, list[int]]] = {pt: {} for pt in points}
-    for utt_id, lattice in lattices.items():
-        paths = best_paths(lattice, s_arr, p_arr, rescorer) if lattice is not None else [[] for _ in points]
-        for pt, words in zip(points, paths):
-            out[pt][utt_id] = words
+    items = list(lattices.items())
+    for first in range(0, len(items), BATCH):
+        batch = items[first : first + BATCH]
+        found = [(u, lat) for u, lat in batch if lat is not None]
+        if rescorer is not None:
+            paths = [best_paths(lat, s_arr, p_arr, rescorer) for _, lat in found]
+        else:
+            paths = batch_best_paths([lat for _, lat in found], s_arr, p_arr)
+        by_utt = dict(zip((u for u, _ in found), paths))
+        for utt_id, _ in batch:
+            for j, pt in enumerate(points):
+                out[pt][utt_id] = by_utt[utt_id][j] if utt_id in by_utt else []
     return out
