@@ -79,11 +79,11 @@ def test_numpy_bit_packing_matches_torch(name, k):
 def test_unknown_or_misplaced_backend_is_refused():
     with pytest.raises(ValueError, match="backend in"):
         rice_encode(message([1, 2]), backend="cuda")
-    from gtc_lightning.ops.rice import _backend
+    from gtc_lightning.ops.rice import backend_for
 
-    assert _backend(message([1]), "auto") == "numpy" and _backend(message([1]).to("meta"), "auto") == "torch"
+    assert backend_for(message([1]), "auto") == "numpy" and backend_for(message([1]).to("meta"), "auto") == "torch"
     with pytest.raises(ValueError, match="backend='numpy' codes CPU tensors"):
-        _backend(message([1]).to("meta"), "numpy")
+        backend_for(message([1]).to("meta"), "numpy")
 
 
 @pytest.mark.parametrize("k", [0, 1, 7, 30])

@@ -104,7 +104,7 @@ def rice_encode(words: torch.Tensor, k: int | None = None, backend: str = "auto"
     ends = torch.cumsum(torch.clamp(q, max=QMAX) + 1, 0) - 1  # where each word's terminating zero sits
     unary_bits = int(ends[-1]) + 1 if m else 0
     fixed_value = ((gaps & ((1 << k) - 1)) << 1) | (words < 0).long()
-    chosen = _backend(words, backend)
+    chosen = backend_for(words, backend)
     if chosen == "triton":
         from gtc_lightning.ops.rice_kernels import pack_fixed, pack_unary
 
@@ -168,7 +168,7 @@ def _unpack_cpu(unary: torch.Tensor, fixed: torch.Tensor, m: int, width: int) ->
 BACKENDS = ("auto", "torch", "numpy", "triton")
 
 
-def _backend(t: torch.Tensor, backend: str) -> str:
+def backend_for(t: torch.Tensor, backend: str) -> str:
     """``backend`` with ``"auto"`` resolved: Triton for CUDA tensors, NumPy for CPU ones, else torch."""
     if backend not in BACKENDS:
         raise ValueError(f"Expect backend in {BACKENDS}, got {backend!r}")
@@ -209,7 +209,7 @@ def rice_decode(data: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     unary = words32[4 : 4 + unary_words]
     fixed = words32[4 + unary_words : 4 + unary_words + fixed_words]
     escapes = words32[4 + unary_words + fixed_words :].long()
-    chosen = _backend(data, backend)
+    chosen = backend_for(data, backend)
     if chosen == "triton":
         from gtc_lightning.ops.rice_kernels import unpack_fixed, zero_positions
 
