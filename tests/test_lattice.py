@@ -249,9 +249,15 @@ def test_the_lattices_searched_together_choose_as_one_sweep_each(seed):
     nowhere = _random_lattice(rng, 5, words=3)
     nowhere.final_graph[:] = np.inf  # no final state: no path
     lattices.insert(3, nowhere)
+    # state 1 is not reached from the start, yet its arc leads into state 2, which is
+    orphan = L.WordLattice(src=np.array([0, 0, 1, 2, 3]), dst=np.array([2, 3, 2, 3, 4]), word=np.array([1, 0, 2, 3, 0]),
+                           graph=np.array([1.0, 4.0, 0.0, 1.0, 0.0]), acoustic=np.array([0.0, 0.0, 0.0, 1.0, 1.0]),
+                           final_graph=np.array([np.inf] * 4 + [0.0]), final_acoustic=np.array([np.inf] * 4 + [0.0]),
+                           scale=0.1)  # fmt: skip
+    lattices.append(orphan)
     scales = np.array([0.1, 0.1, 0.2, 0.5, 1.0, 2.0])
     penalties = np.array([0.0, 1.0, 0.0, -1.0, 0.5, 0.0])
     got = L.batch_best_paths(lattices, scales, penalties)
     assert got == [_sweep(lat, scales, penalties) for lat in lattices]
-    assert got[3] == [[]] * len(scales)
+    assert got[3] == [[]] * len(scales) and got[-1][0] == [1, 3]
     assert L.batch_best_paths(lattices[:1], scales, penalties) == got[:1]

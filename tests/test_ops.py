@@ -410,8 +410,10 @@ def test_bench_command_on_cpu(capsys, tmp_path):
     assert "| 10,000 | torch | " in out  # the Rice row
     saved = json.loads(out_json.read_text())
     assert saved["device"] == "cpu" and [r["backend"] for r in saved["rows"]] == ["copy (roofline)", "torch reference"]
-    (rice,) = saved["rice"]
-    assert rice["round_trip"] is True and rice["words"] > 0 and 8 < rice["bits_per_word"] < 12
+    torch_row, numpy_row = saved["rice"]
+    assert (torch_row["backend"], numpy_row["backend"]) == ("torch", "numpy") and numpy_row["identical"] is True
+    for rice in (torch_row, numpy_row):
+        assert rice["round_trip"] is True and rice["words"] > 0 and 8 < rice["bits_per_word"] < 12
 
 
 def test_kernels_compile_for_sm90():

@@ -150,15 +150,17 @@ def _bench_backend(compress_fn, decompress_fn, grad, residual0, residual, tau32,
 def bench_rice(n: int, density: float, device: torch.device, repeats: int) -> list[dict]:
     """Golomb-Rice encode and decode of one message of ``n`` elements at ``density``, per backend.
 
-    The torch code everywhere, the Triton bit packing on CUDA (``rice_encode(..., backend=...)``);
-    rows say the bits per word and whether the Triton bytes equal the torch bytes.
+    The torch code everywhere, and the bit packing ``"auto"`` picks there: Triton's on CUDA, NumPy's on
+    CPU (``rice_encode(..., backend=...)``); rows say the bits per word and whether its bytes equal the
+    torch bytes.
     """
     from gtc_lightning.ops.rice import rice_bits_per_word, rice_decode, rice_encode
 
     grad, residual, tau32 = make_problem(n, density, device)
     words = compress_torch(grad, residual, tau32)
     rows, coded = [], {}
-    for backend in ("torch", "triton") if device.type == "cuda" else ("torch",):
+    backends = ("torch", "triton") if device.type == "cuda" else ("torch", "numpy")
+    for backend in backends:
         data = coded[backend] = rice_encode(words, backend=backend)
         rows.append({
             "n": n, "backend": backend, "words": words.numel(), "bits_per_word": rice_bits_per_word(data),
@@ -166,8 +168,7 @@ def bench_rice(n: int, density: float, device: torch.device, repeats: int) -> li
             "decode_s": median_seconds(lambda b=backend, d=data: rice_decode(d, backend=b), lambda: None, repeats, device),
             "round_trip": torch.equal(rice_decode(data, backend=backend), words),
         })  # fmt: skip
-    if "triton" in coded:
-        rows[-1]["identical"] = torch.equal(coded["triton"], coded["torch"])
+    rows[-1]["identical"] = torch.equal(coded[backends[-1]], coded["torch"])
     return rows
 
 

@@ -192,7 +192,7 @@ def batch_best_paths(lattices: list[WordLattice], scales: np.ndarray, penalties:
     cost[starts] = 0.0
     order, first = _csr(src, num)
     indegree = np.bincount(dst, minlength=num)
-    frontier = starts
+    frontier = np.flatnonzero(indegree == 0)  # the starts, and any state the start does not reach (cost inf)
     while frontier.size:
         arcs = order[_ranges(first[frontier], first[frontier + 1] - first[frontier])]
         if not arcs.size:
