@@ -152,10 +152,10 @@ def _emit_cpu(
     out: torch.Tensor, tau32: float, message: torch.Tensor, cursor: torch.Tensor, bad: torch.Tensor, offset: int
 ) -> None:
     """:func:`emit_` on a contiguous float32 CPU tensor, through NumPy: the same words, counts and
-    residual to the bit. On one core of this project's CPUs, at 1.5 M elements and 1 % of them
-    beyond tau, NumPy's comparison and ``flatnonzero`` over all elements take about 1.3 ms where
-    torch's row search takes 4.3 ms (``torch.nonzero`` alone scans a bool tensor at about a third
-    of NumPy's speed)."""
+    residual to the bit. NumPy's comparison and ``flatnonzero`` over all elements beat torch's row
+    search on this project's CPUs (``torch.nonzero`` scans a bool tensor at about a third of
+    ``np.flatnonzero``'s speed): in the recipe's 2-rank ``gtc`` run (update mode, 1.55 M weights, 1 %
+    of them sent a step) the compress step took 5.1 ms a step against 6.2 ms."""
     values = out.detach().numpy()
     bits = values.view(np.int32) & ABS_MASK  # orders like |x|; NaN/Inf above every finite tau
     index = np.flatnonzero(bits > tau_bits(tau32))
