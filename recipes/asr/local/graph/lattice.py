@@ -204,20 +204,21 @@ def batch_best_paths(lattices: list[WordLattice], scales: np.ndarray, penalties:
         # the arc costs as best_paths has always computed them: graph + acoustic * ratio + penalty * [word]
         arc_cost = graph[arcs, None] + acoustic[arcs, None] * ratio[arc_owner[arcs]] + has_word[arcs, None] * penalties
         cand = cost[src[arcs]] + arc_cost
+        count = np.diff(np.append(group, arcs.size))  # incoming arcs of each head in this pass
         low = np.minimum.reduceat(cand, group, axis=0)
         before = cost[unique]
         after = np.minimum(before, low)
         cost[unique] = after
-        tied = np.where(cand == after[np.repeat(np.arange(group.size), np.diff(np.append(group, arcs.size)))],
-                        arcs[:, None], none)
+        tied = np.where(cand == np.repeat(after, count, axis=0), arcs[:, None], none)
         kept = np.where(after < before, none, back[unique])  # a lower cost: the old arc lost
         back[unique] = np.minimum(kept, np.minimum.reduceat(tied, group, axis=0))
-        indegree[unique] -= np.diff(np.append(group, arcs.size))
+        indegree[unique] -= count
         frontier = unique[indegree[unique] == 0]
     # per lattice and point: the first state of least total cost (np.argmin's choice); only final states count
-    finals = np.flatnonzero(np.isfinite(np.concatenate([lat.final_graph for lat in lattices])))
+    all_final_graph = np.concatenate([lat.final_graph for lat in lattices])
+    finals = np.flatnonzero(np.isfinite(all_final_graph))
     final_owner = np.searchsorted(offset, finals, side="right") - 1
-    final_graph = np.concatenate([lat.final_graph for lat in lattices])[finals, None]
+    final_graph = all_final_graph[finals, None]
     final_acoustic = np.concatenate([lat.final_acoustic for lat in lattices])[finals, None] * ratio[final_owner]
     total = cost[finals] + final_graph + final_acoustic
     best = np.full((n, k), np.inf)
