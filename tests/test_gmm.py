@@ -473,9 +473,29 @@ def test_gmm_scorer_equals_kaldis_per_pdf_log_likelihood():
         GmmScorer(system.am)(feats[:, :6])
 
 
-def test_decoding_from_kept_log_likelihoods_equals_evaluating_the_gmms(trained, monkeypatch):
-    """What a grid of acoustic scales reads (``gmm_loglikes``): the same words and transition-ids as
-    Kaldi's ``DecodableAmDiagGmmScaled``, in one process and in two."""
+def _kaldi_gmm_decode(hclg, system, items, scale: float) -> tuple[dict, dict]:
+    """The reference: Kaldi's ``DecodableAmDiagGmmScaled`` (the GMMs evaluated frame by frame and pdf by
+    pdf) under the recipe's search settings; (words, transition-ids) per utterance."""
+    from local.graph.decode import BEAM, MAX_ACTIVE
+    from local.kaldi import kaldifst, khg
+
+    options = khg.FasterDecoderOptions(beam=BEAM, max_active=MAX_ACTIVE, min_active=200)
+    words, alis = {}, {}
+    for u, feats in items:
+        decoder = khg.FasterDecoder(hclg, options)
+        decoder.decode(khg.DecodableAmDiagGmmScaled(am=system.am, tm=system.tm, scale=scale,
+                                                     feats=np.ascontiguousarray(feats, dtype=np.float32)))
+        ok, best = decoder.get_best_path()
+        assert ok, u
+        ok, tids, word_ids, _ = kaldifst.get_linear_symbol_sequence(best)
+        words[u], alis[u] = list(word_ids), np.asarray(tids, dtype=np.int64)
+    return words, alis
+
+
+def test_gmm_decoding_equals_kaldis_decodable(trained, monkeypatch):
+    """Every GMM decoding (``GmmScorer``'s products, evaluated per utterance or kept for a grid of
+    acoustic scales, ``gmm_loglikes``): the same words and transition-ids as Kaldi's
+    ``DecodableAmDiagGmmScaled``, in one process and in two."""
     from local.gmm.common import GmmSystem, load_utterances
     from local.graph.decode import decode_utterances_gmm, gmm_loglikes
     from local.kaldi import kaldifst
@@ -486,16 +506,17 @@ def test_decoding_from_kept_log_likelihoods_equals_evaluating_the_gmms(trained, 
     hclg = kaldifst.StdVectorFst.read(str(graph))
     utts = load_utterances(data_dir, "dev")
     items = [(u, utts.feats[u]) for u in utts.ids]
+    kaldi_words, kaldi_alis = _kaldi_gmm_decode(hclg, system, items, 0.07)
+    assert any(kaldi_words.values())
     kept = gmm_loglikes(system.am, items)
     monkeypatch.setattr("local.graph.decode.MIN_PARALLEL", 1)  # two processes even for the tiny corpus
     for jobs in (1, 2):
-        alis, kept_alis = {}, {}
-        words = decode_utterances_gmm(hclg, system.tm, system.am, items, 0.07, alignments=alis, hclg_path=graph,
-                                      num_jobs=jobs)
-        kept_words = decode_utterances_gmm(hclg, system.tm, system.am, items, 0.07, alignments=kept_alis,
-                                           hclg_path=graph, num_jobs=jobs, loglikes=kept)
-        assert words == kept_words and any(words.values())
-        assert set(alis) == set(kept_alis) and all(np.array_equal(alis[u], kept_alis[u]) for u in alis)
+        for loglikes in (None, kept):
+            alis: dict = {}
+            words = decode_utterances_gmm(hclg, system.tm, system.am, items, 0.07, alignments=alis,
+                                          hclg_path=graph, num_jobs=jobs, loglikes=loglikes)
+            assert words == kaldi_words
+            assert set(alis) == set(kaldi_alis) and all(np.array_equal(alis[u], kaldi_alis[u]) for u in alis)
 
 
 def test_alignment_in_two_processes_equals_one_and_follows_changed_features(trained, monkeypatch):

@@ -8,8 +8,9 @@ in 0.39-0.40 of the time; two DNN runs decoded again (dev at 5 acoustic scales a
 utterances each) gave the same words everywhere, in about the same time (a DNN's peaked scores keep
 few tokens alive).
 
-Used by the GMM stages (``decode_utterances_gmm``; a grid of acoustic scales on one set of features
-evaluates the GMMs once, ``gmm_loglikes``) and by the DNN evaluation (``decode_utterances`` on
+Used by the GMM stages (``decode_utterances_gmm``: the GMMs evaluated as one matrix product per
+utterance, ``GmmScorer``; a grid of acoustic scales on one set of features evaluates them once,
+``gmm_loglikes``) and by the DNN evaluation (``decode_utterances`` on
 pseudo-log-likelihoods ``log p(pdf | x) - log p(pdf)``).
 
 The decoder asks a decodable for the log-likelihood of a transition-id at a frame.
@@ -187,7 +188,10 @@ def decode_utterances_gmm(
     num_jobs: int = 1,
     loglikes: dict[str, np.ndarray] | None = None,
 ) -> dict[str, list[int]]:
-    """Decode GMM features: ``utterances`` yields ``(utt_id, feats [T, D])`` for ``am`` (``khg.AmDiagGmm``);
+    """Decode GMM features: ``utterances`` yields ``(utt_id, feats [T, D])`` for ``am`` (``khg.AmDiagGmm``),
+    scored by :class:`GmmScorer` (what Kaldi's ``DecodableAmDiagGmmScaled`` computes; on the default
+    corpus's 1,650 test utterances, in two processes, the same words and transition-ids in 35 s against
+    42 s for the monophone system and 37 s against 52 s for the triphone one);
     ``alignments`` as in ``_decode_all`` (the first pass of fMLLR decoding uses them). With
     ``num_jobs`` > 1 and ``hclg_path`` (the graph as written on disk: FSTs do not pickle), the
     utterances are decoded by that many processes (``decode_gmm_parallel``). ``loglikes``: these
@@ -200,17 +204,10 @@ def decode_utterances_gmm(
         if len(utterances) >= MIN_PARALLEL * num_jobs:  # fewer: starting the processes costs more than it saves
             return decode_gmm_parallel(hclg_path, trans_model, am, utterances, acoustic_scale, num_jobs, beam,
                                        max_active, alignments, scored=loglikes is not None)
-    if loglikes is not None:
-        return decode_utterances(hclg, trans_model, utterances, acoustic_scale, beam, max_active, alignments)
-
-    def decodables():
-        for utt_id, feats in tqdm(utterances, desc="decode", leave=False, mininterval=2.0):
-            feats = np.ascontiguousarray(feats, dtype=np.float32)
-            yield utt_id, feats.shape[0], khg.DecodableAmDiagGmmScaled(
-                am=am, tm=trans_model, feats=feats, scale=acoustic_scale
-            )
-
-    return _decode_all(hclg, decodables(), beam, max_active, alignments)
+    if loglikes is None:  # each utterance's GMMs evaluated as one product, just before it is decoded
+        scorer = GmmScorer(am)
+        utterances = ((u, scorer(f)) for u, f in tqdm(utterances, desc="decode", leave=False, mininterval=2.0))
+    return decode_utterances(hclg, trans_model, utterances, acoustic_scale, beam, max_active, alignments)
 
 
 _WORKER: dict = {}
