@@ -190,8 +190,8 @@ def decode_utterances_gmm(
 ) -> dict[str, list[int]]:
     """Decode GMM features: ``utterances`` yields ``(utt_id, feats [T, D])`` for ``am`` (``khg.AmDiagGmm``),
     scored by :class:`GmmScorer` (what Kaldi's ``DecodableAmDiagGmmScaled`` computes; on the default
-    corpus's 1,650 test utterances, in two processes, the same words and transition-ids in 35 s against
-    42 s for the monophone system and 37 s against 52 s for the triphone one);
+    corpus's 1,650 test utterances, in two processes, the same words and transition-ids in 28 s against
+    42 s for the monophone system and 33 s against 52 s for the triphone one);
     ``alignments`` as in ``_decode_all`` (the first pass of fMLLR decoding uses them). With
     ``num_jobs`` > 1 and ``hclg_path`` (the graph as written on disk: FSTs do not pickle), the
     utterances are decoded by that many processes (``decode_gmm_parallel``). ``loglikes``: these
