@@ -149,6 +149,25 @@ def test_every_config_builds_the_trainer(config, aligned, tmp_path):
         assert cli.model.hparams.lr == 2.0 and cli.config.run_name == "gtc_auto" and cli.trainer.num_devices == 2
 
 
+@pytest.mark.parametrize("terminal", [False, True])
+def test_progress_bar_refreshes_every_step_only_in_a_terminal(terminal, aligned, tmp_path, monkeypatch):
+    import io
+
+    class Stderr(io.StringIO):
+        def isatty(self) -> bool:
+            return terminal
+
+    monkeypatch.setattr("sys.stderr", Stderr())
+    cli = train.build_cli(["--config", str(ROOT / "conf" / "baseline.yaml"), "--data.data_dir", str(aligned),
+                           "--exp_dir", str(tmp_path), "--num_threads", "1"])
+    bars = [c for c in cli.trainer.callbacks if type(c).__name__ == "TQDMProgressBar"]
+    assert len(bars) == 1 and cli.trainer.progress_bar_callback is bars[0]
+    assert bars[0].refresh_rate == (1 if terminal else train.PROGRESS_EVERY)
+    quiet = train.build_cli(["--config", str(ROOT / "conf" / "baseline.yaml"), "--data.data_dir", str(aligned),
+                             "--exp_dir", str(tmp_path), "--num_threads", "1", "--trainer.enable_progress_bar", "false"])
+    assert quiet.trainer.progress_bar_callback is None
+
+
 def test_gtc_config_trains_on_the_tiny_corpus(tiny_aligned, tmp_path):
     """``train.py --config conf/tiny.yaml --config conf/gtc.yaml`` (the class path with its init_args,
     every DDP argument passed by LightningCLI), started by fork instead of popen inside pytest."""

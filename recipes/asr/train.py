@@ -64,7 +64,7 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -391,6 +391,7 @@ class AsrCLI(LightningCLI):
         if trainer.world_size > 2:
             trainer.callbacks.append(OneBucketLayout())
         self._check_precision(trainer)
+        quiet_progress(trainer)
         return trainer
 
     @staticmethod
@@ -655,6 +656,19 @@ def _link_down() -> str | None:
 
 
 _RESUME = {"command": None}  # how to resume this run, for messages printed on failure
+
+
+PROGRESS_EVERY = 50  # steps between progress-bar refreshes when the output goes to a file or a pipe
+
+
+def quiet_progress(trainer: Trainer) -> None:
+    """Lightning's default progress bar, refreshed every ``PROGRESS_EVERY`` steps, not every step, when
+    stderr is not a terminal: run.sh's log held 10 MB of rewritten bars (1,500 baseline steps into a
+    file: 8 KB against 282 KB; the wall time the same within the runs' spread). A bar given with
+    another refresh rate (``--trainer.callbacks``) is kept as it is."""
+    bar = trainer.progress_bar_callback
+    if type(bar) is TQDMProgressBar and bar.refresh_rate == 1 and not sys.stderr.isatty():
+        trainer.callbacks[trainer.callbacks.index(bar)] = TQDMProgressBar(refresh_rate=PROGRESS_EVERY)
 
 
 def resume_command(argv: list[str]) -> str:
