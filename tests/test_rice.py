@@ -135,3 +135,32 @@ def test_unsorted_words_are_refused():
         rice_encode(message([5, 5]))
     with pytest.raises(ValueError, match="Rice parameter"):
         rice_encode(message([5]), k=31)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_decode_coded_takes_this_ranks_own_words(rank, padded):
+    """Every rank's words as the exchange delivers them, with this rank's own words taken as given
+    instead of decoded from its own message: the same words in the same rank order."""
+    from gtc_lightning.algorithms.gtc.decode import decode_coded
+
+    messages = [random_message(50_000, 0.01, 10 + r) for r in range(3)]
+    messages[1] = message([])  # a rank with nothing to send
+    coded = [rice_encode(m) for m in messages]
+    sizes = [c.numel() for c in coded]
+    if padded:  # an all-gather's rows, padded to the longest message
+        width = max(sizes)
+        data = torch.zeros(len(coded), width, dtype=torch.uint8)
+        for r, c in enumerate(coded):
+            data[r, : c.numel()] = c
+        data = data.view(-1)
+    else:
+        data, width = torch.cat(coded), None
+    expected = torch.cat(messages)
+    assert torch.equal(decode_coded(data, sizes, width), expected)
+    got = decode_coded(data, sizes, width, own=(rank, messages[rank].clone()))
+    assert torch.equal(got, expected)
+    # the own words are used, not decoded: other words in their place show up in the result, in place
+    other = message([7, 9], [True, False])
+    mixed = decode_coded(data, sizes, width, own=(rank, other))
+    assert torch.equal(mixed, torch.cat([other if r == rank else m for r, m in enumerate(messages)]))

@@ -25,14 +25,18 @@ def votes(words: torch.Tensor, numel: int) -> torch.Tensor:
     return flat
 
 
-def decode_coded(data: torch.Tensor, sizes: list[int], width: int | None) -> torch.Tensor:
+def decode_coded(
+    data: torch.Tensor, sizes: list[int], width: int | None, own: tuple[int, torch.Tensor] | None = None
+) -> torch.Tensor:
     """The words of every rank's coded message in ``data`` (as :func:`~gtc_lightning.algorithms.gtc.exchange.send_coded` received it), rank
-    0's first, as ``send_words`` gives them."""
+    0's first, as ``send_words`` gives them. ``own``: ``(rank, words)``, the words this rank coded itself,
+    taken as they are instead of decoding its own message again (the code is lossless: the same words)."""
     if width is None:
         parts = data.split(sizes)
     else:
         parts = [row[:n] for row, n in zip(data.view(len(sizes), width), sizes)]
-    return torch.cat([rice_decode(part) for part in parts])
+    rank, words = own if own is not None else (-1, None)
+    return torch.cat([words if r == rank else rice_decode(part) for r, part in enumerate(parts)])
 
 
 def decode_dense(sums: torch.Tensor, world: int, grad_scale: float, outputs: list) -> None:

@@ -324,7 +324,7 @@ def _exchange(state: GTCState) -> None:
     # 5. One word exchange.
     if state.coding == "rice":
         data, width, sent, received, _ = send_coded(state, sizes)
-        words, lengths = decode_coded(data, sizes, width), None
+        words, lengths = decode_coded(data, sizes, width, own=(rank, state._message[:own])), None
     else:
         words, lengths, sent, received, _ = send_words(state, counts)
     exchanged = clock.now()

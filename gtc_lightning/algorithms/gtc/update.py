@@ -210,7 +210,7 @@ def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, f
         taus = headers[:, 2].contiguous().view(torch.float64).tolist()
         if state.coding == "rice":
             data, width, sent, received, _ = send_coded(state, sizes)
-            words, lengths = decode_coded(data, sizes, width), None
+            words, lengths = decode_coded(data, sizes, width, own=(rank, message[:own])), None
         else:
             state._message = message  # what send_words sends from
             words, lengths, sent, received, _ = send_words(state, counts)
