@@ -27,7 +27,8 @@ class InFlight:
         work: the collective's handle until it was waited for.
         words: sparse: the received words, ``[m]`` or ``[W * width]`` with ``lengths``.
         lengths: valid words per row of a padded all-gather, else None.
-        coded: sparse with ``coding="rice"``: the received bytes until decoded into ``words``.
+        coded: sparse with ``coding="rice"``: the received bytes until decoded into ``words``; ``own``:
+            ``(rank, words)``, this rank's own words, taken as they are rather than decoded.
         sizes: the ranks' coded message bytes; ``width``: the padded row length of an all-gather of
             coded messages, else None.
         sums: dense: ``[capacity]`` float32 sums, laid out as ``slots``.
@@ -44,6 +45,7 @@ class InFlight:
     words: torch.Tensor | None = None
     lengths: list[int] | None = None
     coded: torch.Tensor | None = None
+    own: tuple[int, torch.Tensor] | None = None
     sizes: list[int] | None = None
     width: int | None = None
     sums: torch.Tensor | None = None
@@ -60,8 +62,8 @@ class InFlight:
         """A Rice-coded exchange's words, decoded (``coded`` -> ``words``); call once it was waited for."""
         if self.coded is None:
             return
-        self.words, self.lengths = decode_coded(self.coded, self.sizes, self.width), None
-        self.coded = self.sizes = self.width = None
+        self.words, self.lengths = decode_coded(self.coded, self.sizes, self.width, own=self.own), None
+        self.coded = self.own = self.sizes = self.width = None
 
     def vector_in(self, names: list[str], numels: list[int]) -> torch.Tensor:
         """The update as ``[sum(numels)]`` float32 in the order of ``names``: vote counts (sparse) or

@@ -102,10 +102,11 @@ def exchange_stale(
 
 
 def _launch_sparse(state: GTCState, counts: list[int], sizes: list[int]) -> tuple[InFlight, int, int]:
-    coded = width = None
+    coded = width = own = None
     if state.coding == "rice":  # the coded bytes travel; they are decoded when the update is applied
         words, lengths = None, None
         coded, width, sent, received, work = send_coded(state, sizes, async_op=True)
+        own = (state.rank, state._message[: counts[state.rank]].clone())  # the buffer is reused
     else:
         words, lengths, sent, received, work = send_words(state, counts, async_op=True)
     state._residual, state._spare = state._spare, state._residual
@@ -115,7 +116,8 @@ def _launch_sparse(state: GTCState, counts: list[int], sizes: list[int]) -> tupl
     state._message, state._spare_message = message, state._message
     flight = InFlight(
         step=state.step, kind="sparse", world=state.world_size, tau32=state.tau32, work=work, words=words,
-        lengths=lengths, coded=coded, sizes=sizes if coded is not None else None, width=width, slots=state._slots,
+        lengths=lengths, coded=coded, own=own, sizes=sizes if coded is not None else None, width=width,
+        slots=state._slots,
     )  # fmt: skip
     return flight, sent, received
 
