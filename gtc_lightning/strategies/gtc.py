@@ -98,6 +98,12 @@ class GTCStrategy(DDPStrategy):
             optimizer sees the decoded average gradient: right for plain SGD, wrong for Adam (it
             rescales each sparse vote); 16 bytes a parameter. ``"auto"`` (default): ``"update"``
             with one optimizer, ``"gradient"`` with ``stale=True`` or several optimizers.
+        busy_wait: how a rank waits for GTC's collectives each step (the header and word exchanges,
+            the update mode's finite-gradient flag). ``None`` (default): on gloo it polls them,
+            yielding its core between polls, when the machine has a core for each of its ranks;
+            otherwise, and on NCCL, it blocks. ``True`` / ``False``: always poll / always block. On the
+            project's 2-core CPU machines a blocked rank's wake-ups cost about a millisecond per
+            collective; polling made the recipe's 2-rank ``gtc`` step 16 % faster.
         coding: ``"rice"`` (default) sends each message Golomb-Rice coded (the gaps between its
             sorted indices and the signs: about 10 bits a word at the densities GTC runs at, instead
             of 32), lossless, at the cost of encoding and decoding on every step (on an H100 about
@@ -157,6 +163,7 @@ class GTCStrategy(DDPStrategy):
         coding: Literal["none", "rice"] = "rice",
         target_density: float | None = None,
         compress: Literal["auto", "gradient", "update"] = "auto",
+        busy_wait: bool | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -173,6 +180,9 @@ class GTCStrategy(DDPStrategy):
         check_int(
             "check_replicas_every", check_replicas_every, 0, "steps between replica checks; 0 turns it off"
         )
+        if busy_wait is not None and not isinstance(busy_wait, bool):
+            raise ValueError(f"Expect busy_wait to be True, False or None (poll on gloo when each rank has a core), "
+                             f"got {busy_wait!r}")
         drop_hook_args(kwargs, "GTCStrategy")
         if kwargs.get("bucket_cap_mb") is None:
             kwargs["bucket_cap_mb"] = BUCKET_CAP_MB
@@ -201,6 +211,7 @@ class GTCStrategy(DDPStrategy):
         self._coding = coding
         self._target_density = target_density
         self._compress = compress
+        self._busy_wait = busy_wait
         if stale and compress == "update":
             raise ValueError(
                 "GTCStrategy(stale=True) delays the decoded gradient by a step; it takes compress='gradient' (or "
@@ -382,6 +393,7 @@ class GTCStrategy(DDPStrategy):
             coding=self._coding,
             target_density=self._target_density,
             compress="auto",
+            busy_wait=self._busy_wait,
         )
 
     @override

@@ -12,7 +12,8 @@ mode at the fixed ``--tau`` in 32-bit words, ``GTCStrategy(compress="gradient", 
 every ``gtc_*`` here but ``gtc_update``, not GTCStrategy's defaults; its exchange as ``--exchange`` says),
 ``gtc_update`` (GTCStrategy's defaults as of 2026-11-28, asked for explicitly: each rank's optimizer steps
 on its own gradient and GTC compresses the step it made, a per-rank tau at density 1e-2, Golomb-Rice
-coded), ``powersgd_r1`` / ``powersgd_r4`` (torch's PowerSGD hook at rank 1 and 4, built as the model
+coded; ``gtc_update_blocking``: the same with ``busy_wait=False``, every collective waited for by
+blocking instead of polling), ``powersgd_r1`` / ``powersgd_r4`` (torch's PowerSGD hook at rank 1 and 4, built as the model
 suite builds them; the bytes of every all-reduce the hook issues are counted), ``gtc_rice``
 (the same, Golomb-Rice coded), ``gtc_alltoall`` / ``gtc_allgather`` (the two word exchanges, uneven
 messages or padded to the longest), ``gtc_stale`` (one-step-stale GTC: the word exchange overlaps the next
@@ -47,7 +48,7 @@ from pathlib import Path
 
 STRATEGIES = (
     "ddp", "ddp_bf16", "gtc", "gtc_alltoall", "gtc_allgather", "gtc_rice", "gtc_stale", "gtc_ddpbuckets", "gtc_update",
-    "powersgd_r1", "powersgd_r4", "dpsgd", "nocomm",
+    "gtc_update_blocking", "powersgd_r1", "powersgd_r4", "dpsgd", "nocomm",
 )
 # gtc_update: GTCStrategy()'s defaults since 2026-11-28 01:12 UTC (hook.DEFAULT_DENSITY 1e-2; 3e-3 before),
 # pinned so that its rows keep their meaning if the defaults move again
@@ -210,6 +211,8 @@ def make_strategy(name: str, tau: float, exchange: str):
         return DPSGDStrategy(average_at_end=False)
     if name == "gtc_update":  # the defaults, asked for: no fixed tau (``tau`` is not used)
         return GTCStrategy(exchange=exchange, **GTC_UPDATE)
+    if name == "gtc_update_blocking":  # the same, each collective waited for by blocking, as before busy_wait
+        return GTCStrategy(exchange=exchange, busy_wait=False, **GTC_UPDATE)
     # Every GTC variant is Strom's gradient mode at the fixed ``tau`` in 32-bit words (gtc_rice: Golomb-Rice
     # coded), what the published timings measured, whatever GTCStrategy's defaults (automatic tau, Rice
     # coding, the update mode). These three go only where the strategy has them, so that the same command

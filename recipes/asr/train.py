@@ -74,6 +74,7 @@ from local.dnn.model import AcousticModel
 from local.dnn.precision import native_bf16_cpu
 
 import gtc_lightning  # noqa: F401  (registers the "gtc" strategy, also in re-launched children)
+from gtc_lightning.algorithms.common import busy_wait_fits, finish
 
 log = logging.getLogger("train")
 
@@ -697,17 +698,22 @@ def _lost_message(lost: dict[int, str], cause: BaseException | None = None) -> s
 
 
 _LIGHTNING_OBSERVER: dict = {}
+_SIGTERM_POLL: dict = {}  # "busy": whether the per-step SIGTERM broadcast is polled (decided once)
 
 
 def _broadcast_sigterm_strictly(loop) -> None:
     """Lightning's per-step broadcast of rank 0's SIGTERM flag, minus its ``except Exception``: a
     rank cut off from rank 0 waited out the collective timeout there, went on, and waited it out
-    again in its step's own collective (41 s for a 20 s timeout, seen with bmuf_gtc on 4 nodes)."""
+    again in its step's own collective (41 s for a 20 s timeout, seen with bmuf_gtc on 4 nodes).
+    On gloo with a core per rank it polls the broadcast, as GTC polls its own collectives
+    (``gtc_lightning.algorithms.common.finish``)."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     trainer = loop.trainer
     flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0], device=trainer.strategy.root_device)
-    torch.distributed.broadcast(flag, src=0)
+    if "busy" not in _SIGTERM_POLL:
+        _SIGTERM_POLL["busy"] = busy_wait_fits()
+    finish(torch.distributed.broadcast(flag, src=0, async_op=True), _SIGTERM_POLL["busy"])
     if flag.item() == 1:
         with contextlib.suppress(Exception):  # stopping anyway
             torch.distributed.barrier()  # as Lightning: every rank stops at the same step

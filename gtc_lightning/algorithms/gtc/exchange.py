@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gtc_lightning.algorithms.common import all_gather_equal
+from gtc_lightning.algorithms.common import all_gather_equal, finish
 from gtc_lightning.algorithms.gtc.config import WORD_BYTES, f32
 from gtc_lightning.algorithms.gtc.state import GTCState
 
@@ -33,9 +33,10 @@ def send_header(state: GTCState, header: torch.Tensor) -> torch.Tensor:
         return header
     headers = torch.empty(world * header.numel(), dtype=torch.int64, device=header.device)
     if exchange_kind(state) == "alltoall":
-        dist.all_to_all_single(headers, header.repeat(world), group=state.process_group)
+        work = dist.all_to_all_single(headers, header.repeat(world), group=state.process_group, async_op=True)
     else:
-        all_gather_equal(headers, header, group=state.process_group)
+        work = all_gather_equal(headers, header, group=state.process_group, async_op=True)
+    finish(work, state.busy)
     return headers
 
 
@@ -61,14 +62,14 @@ def send_words(state: GTCState, counts: list[int], async_op: bool = False) -> tu
         words = torch.empty(sum(counts), dtype=torch.int32, device=message.device)
         work = dist.all_to_all_single(
             words, message[:own].repeat(world), output_split_sizes=counts, input_split_sizes=[own] * world,
-            group=group, async_op=async_op,
+            group=group, async_op=True,
         )  # fmt: skip
-        return words, None, (world - 1) * own * WORD_BYTES, (sum(counts) - own) * WORD_BYTES, work
+        return words, None, (world - 1) * own * WORD_BYTES, (sum(counts) - own) * WORD_BYTES, _handed(work, state, async_op)
     width = max(counts)
     words = torch.empty(world * width, dtype=torch.int32, device=message.device)
-    work = all_gather_equal(words, message[:width], group=group, async_op=async_op)
+    work = all_gather_equal(words, message[:width], group=group, async_op=True)
     sent = (world - 1) * width * WORD_BYTES
-    return words, counts, sent, sent, work
+    return words, counts, sent, sent, _handed(work, state, async_op)
 
 
 def send_coded(state: GTCState, sizes: list[int], async_op: bool = False) -> tuple:
@@ -88,16 +89,24 @@ def send_coded(state: GTCState, sizes: list[int], async_op: bool = False) -> tup
         data = torch.empty(sum(sizes), dtype=torch.uint8, device=coded.device)
         work = dist.all_to_all_single(
             data, coded.repeat(world), output_split_sizes=sizes, input_split_sizes=[own] * world, group=group,
-            async_op=async_op,
+            async_op=True,
         )  # fmt: skip
-        return data, None, (world - 1) * own, sum(sizes) - own, work
+        return data, None, (world - 1) * own, sum(sizes) - own, _handed(work, state, async_op)
     width = max(sizes)
     padded = torch.zeros(width, dtype=torch.uint8, device=coded.device)
     padded[:own] = coded
     data = torch.empty(world * width, dtype=torch.uint8, device=coded.device)
-    work = all_gather_equal(data, padded, group=group, async_op=async_op)
+    work = all_gather_equal(data, padded, group=group, async_op=True)
     sent = (world - 1) * width
-    return data, width, sent, sent, work
+    return data, width, sent, sent, _handed(work, state, async_op)
+
+
+def _handed(work, state: GTCState, async_op: bool):
+    """The handle, for the caller to wait on (``async_op``); else waited for here, and None."""
+    if async_op:
+        return work
+    finish(work, state.busy)
+    return None
 
 
 def word_scale(state: GTCState, world: int, tau32: float | None = None) -> float:
@@ -119,7 +128,10 @@ def reduce_dense(state: GTCState, unused: list, own: int, numel: int, async_op: 
     state._ops.apply_words_(spare, state._message[:own], -state.tau32)
     for a, b in unused:
         spare[a:b].zero_()
-    work = dist.all_reduce(spare[:numel], group=state.process_group, async_op=async_op)
+    work = dist.all_reduce(spare[:numel], group=state.process_group, async_op=True)
+    if not async_op:
+        finish(work, state.busy)
+        work = None
     kept = [(a, b, residual[a:b].clone()) for a, b in unused]
     residual.zero_()
     for a, b, values in kept:

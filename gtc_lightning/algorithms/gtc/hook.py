@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from gtc_lightning.algorithms.common import allreduce_bytes
+from gtc_lightning.algorithms.common import allreduce_bytes, finish
 from gtc_lightning.algorithms.gtc.config import (
     AUTO_TAU_INIT,
     FALLBACK_ENTER,
@@ -226,7 +226,7 @@ def _first_tau(state: GTCState, alpha: float) -> float:
     log_tau = torch.tensor([math.log(tau) if tau > 0 else math.log(AUTO_TAU_INIT)], dtype=torch.float64)
     if state.world_size > 1:
         log_tau = log_tau.to(residual.device)
-        dist.all_reduce(log_tau, group=state.process_group)
+        finish(dist.all_reduce(log_tau, group=state.process_group, async_op=True), state.busy)
         log_tau = log_tau.cpu() / state.world_size
     return float(torch.exp(log_tau))
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from gtc_lightning.algorithms.common import all_finite
+from gtc_lightning.algorithms.common import all_finite, busy_wait_fits
 from gtc_lightning.algorithms.gtc.auto_tau import TauController
 from gtc_lightning.algorithms.gtc.config import (
     AUTO_TAU_INIT,
@@ -58,6 +58,10 @@ class GTCState:
         compress: ``"gradient"`` (Strom's: the residual of gradients, in the DDP hook) or
             ``"update"`` (:mod:`gtc_lightning.algorithms.gtc.update`: the residual of the steps each rank's
             optimizer makes); ``"auto"`` until the strategy has seen the optimizers.
+        busy_wait: how a rank waits for the step's collectives. ``True``: it polls them (see
+            :func:`~gtc_lightning.algorithms.common.finish`), ``False``: it blocks; ``None``
+            (default): polls on gloo when the machine has a core for each of its ranks
+            (:func:`~gtc_lightning.algorithms.common.busy_wait_fits`).
     """
 
     def __init__(
@@ -74,8 +78,12 @@ class GTCState:
         coding: str = "none",
         target_density: float | None = None,
         compress: str = "gradient",
+        busy_wait: bool | None = None,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress)
+        if busy_wait is not None and not isinstance(busy_wait, bool):
+            raise ValueError(f"Expect busy_wait to be True, False or None (poll on gloo when each rank has a core), "
+                             f"got {busy_wait!r}")
         measure = tau == "auto"  # automatic tau measures where to start at its first compressed step
         if tau == "auto":
             tau = AUTO_TAU_INIT
@@ -93,6 +101,8 @@ class GTCState:
         self.coding = coding
         self.compress = compress
         self.target_density = target_density
+        self.busy_wait = busy_wait
+        self._busy: bool | None = None  # busy_wait resolved, at the first collective
         self.controller = (
             TauController(target_density, float(tau), started=not measure) if target_density is not None else None
         )
@@ -182,10 +192,17 @@ class GTCState:
     def rank(self) -> int:
         return dist.get_rank(self.process_group)
 
+    @property
+    def busy(self) -> bool:
+        """Whether this rank polls the step's collectives (``busy_wait``, ``None`` resolved once)."""
+        if self._busy is None:
+            self._busy = busy_wait_fits(self.process_group) if self.busy_wait is None else self.busy_wait
+        return self._busy
+
     _PICKLED = (
         "tau", "tau32", "warmup_steps", "max_consecutive_skips", "dense_fallback", "exchange", "backend",
         "stale", "coding", "compress", "target_density", "controller", "clip", "grad_scale", "param_names",
-        "numels", "step", "totals", "last",
+        "numels", "step", "totals", "last", "busy_wait",
         "_dense_mode", "_warned_fallback",
     )  # fmt: skip
 
@@ -205,7 +222,9 @@ class GTCState:
         """Restore with the default process group; ``bind(named_parameters)`` must follow."""
         residuals = state.pop("residuals")
         pending = state.pop("pending", None)
+        state.setdefault("busy_wait", None)  # pickled before it existed
         self.__dict__.update(state)
+        self._busy = None
         self.process_group = None
         self._name_of = {}
         self._used, self._usage_handles = None, []

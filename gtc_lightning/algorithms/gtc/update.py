@@ -48,7 +48,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gtc_lightning.algorithms.common import all_finite, allreduce_bytes
+from gtc_lightning.algorithms.common import all_finite, allreduce_bytes, finish
 from gtc_lightning.algorithms.gtc.config import FALLBACK_ENTER, WORD_BYTES, f32
 from gtc_lightning.algorithms.gtc.decode import decode_coded
 from gtc_lightning.algorithms.gtc.exchange import send_coded, send_header, send_words
@@ -132,7 +132,7 @@ def check_finite(state: GTCState, params: list[torch.nn.Parameter], loss_scaler:
     if world > 1:
         flags = torch.zeros(world, dtype=torch.int64, device=params[0].device if params else "cpu")
         flags[state.rank] = bad.to(flags.device)
-        dist.all_reduce(flags, group=state.process_group)
+        finish(dist.all_reduce(flags, group=state.process_group, async_op=True), state.busy)
         bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
     else:
         bad_ranks = [0] if bool(bad) else []
