@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from _strategy_helpers import fit
 
-from gtc_lightning import GTCStrategy
+from gtc_lightning import GTCFabricStrategy, GTCStrategy
 from gtc_lightning.algorithms import common
 from gtc_lightning.algorithms.common import busy_wait_fits, finish
 from gtc_lightning.algorithms.gtc.state import GTCState
@@ -67,9 +67,10 @@ def test_busy_wait_fits_gloo_with_a_core_per_local_rank(monkeypatch):
 
 
 def test_busy_wait_values_are_checked():
-    with pytest.raises(ValueError, match=r"busy_wait to be True, False or None .*got 'yes'"):
-        GTCStrategy(busy_wait="yes")
-    with pytest.raises(ValueError, match=r"busy_wait to be True, False or None .*got 1"):
+    for cls in (GTCStrategy, GTCFabricStrategy):
+        with pytest.raises(ValueError, match=r"busy_wait to be True .*got 'yes'"):
+            cls(busy_wait="yes")
+    with pytest.raises(ValueError, match=r"busy_wait to be True .*got 1"):
         GTCState(None, torch.nn.Linear(2, 2).named_parameters(), tau=0.01, busy_wait=1)
 
 
@@ -82,4 +83,7 @@ def test_polling_and_blocking_ranks_make_the_same_steps(tmp_path, compress):
         assert len(a["records"]) == len(b["records"]) > 0
         for ra, rb in zip(a["records"], b["records"]):
             assert torch.equal(ra["params"], rb["params"])
-        assert a["records"][-1]["stats"]["total"]["words"] > 0
+        total = a["records"][-1]["stats"]["total"]
+        assert total["words"] > 0
+        # every mode's totals add up its exchange and decode times (the update mode's were left at 0)
+        assert total["exchange_s"] > 0 and total["decompress_s"] > 0

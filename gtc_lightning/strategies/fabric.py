@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from gtc_lightning.algorithms.gtc import update as update_mode
-from gtc_lightning.algorithms.gtc.config import check_options, sparse_gradient_parameters
+from gtc_lightning.algorithms.gtc.config import check_busy_wait, check_options, sparse_gradient_parameters
 from gtc_lightning.algorithms.gtc.hook import gtc_hook
 from gtc_lightning.algorithms.gtc.state import GTCState
 from gtc_lightning.strategies import checkpoint
@@ -58,7 +58,7 @@ class GTCFabricStrategy(DDPStrategy):
     Args:
         tau: as for :class:`gtc_lightning.GTCStrategy`, and so are ``warmup_steps``,
             ``max_consecutive_skips``, ``dense_fallback``, ``exchange``, ``backend``,
-            ``restore_residuals``, ``coding``, ``target_density``, ``compress``
+            ``restore_residuals``, ``coding``, ``target_density``, ``busy_wait``, ``compress``
             (``compress="auto"`` decides when ``fabric.setup`` is given the optimizer; with
             ``"update"`` every rank's optimizer state goes into its shard of ``fabric.save``).
         gradient_clip_val, gradient_clip_algorithm: clip each rank's local gradient before it enters
@@ -83,6 +83,7 @@ class GTCFabricStrategy(DDPStrategy):
         coding: Literal["none", "rice"] = "rice",
         target_density: float | None = None,
         compress: Literal["auto", "gradient", "update"] = "auto",
+        busy_wait: bool | None = None,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         accelerator: Accelerator | None = None,
@@ -96,6 +97,7 @@ class GTCFabricStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress)
+        check_busy_wait(busy_wait)
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
@@ -123,6 +125,7 @@ class GTCFabricStrategy(DDPStrategy):
             "backend": backend,
             "coding": coding,
             "target_density": target_density,
+            "busy_wait": busy_wait,
         }
         self._compress = compress
         self._update_params: list[torch.nn.Parameter] = []

@@ -108,3 +108,12 @@ def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
                 if p.requires_grad
             ]
     return names
+
+
+def check_busy_wait(busy_wait: bool | None) -> None:
+    """Raise ``ValueError`` unless ``busy_wait`` is True, False or None."""
+    if busy_wait is not None and not isinstance(busy_wait, bool):
+        raise ValueError(
+            f"Expect busy_wait to be True (poll the collectives), False (block on them) or None (poll on gloo "
+            f"when each rank has a core), got {busy_wait!r}"
+        )

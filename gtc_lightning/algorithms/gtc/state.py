@@ -24,6 +24,7 @@ from gtc_lightning.algorithms.gtc.config import (
     AUTO_TAU_INIT,
     DEFAULT_DENSITY,
     SILENT_STEPS,
+    check_busy_wait,
     check_options,
     f32,
 )
@@ -81,9 +82,7 @@ class GTCState:
         busy_wait: bool | None = None,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress)
-        if busy_wait is not None and not isinstance(busy_wait, bool):
-            raise ValueError(f"Expect busy_wait to be True, False or None (poll on gloo when each rank has a core), "
-                             f"got {busy_wait!r}")
+        check_busy_wait(busy_wait)
         measure = tau == "auto"  # automatic tau measures where to start at its first compressed step
         if tau == "auto":
             tau = AUTO_TAU_INIT
@@ -196,7 +195,8 @@ class GTCState:
     def busy(self) -> bool:
         """Whether this rank polls the step's collectives (``busy_wait``, ``None`` resolved once)."""
         if self._busy is None:
-            self._busy = busy_wait_fits(self.process_group) if self.busy_wait is None else self.busy_wait
+            wanted = self.busy_wait
+            self._busy = busy_wait_fits(self.process_group) if wanted is None else wanted
         return self._busy
 
     _PICKLED = (

@@ -255,6 +255,8 @@ def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, f
             stacklevel=2,
         )
     state._record(stats)
+    for field in ("exchange_s", "decompress_s"):  # host timers: known at once (the hook's wait for CUDA events)
+        state.totals[field] += getattr(stats, field)
     state._last_consumed = True
     state.settle()
     return stats
