@@ -17,6 +17,7 @@ all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 SPIN_SECONDS = 0.05  # the longest a busy wait polls before it blocks as a plain wait does
+_yield_core = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))  # (no sched_yield on Windows)
 
 
 def busy_wait_fits(group: dist.ProcessGroup | None = None) -> bool:
@@ -48,7 +49,7 @@ def finish(work: Any, busy: bool) -> None:
     if busy:
         end = time.perf_counter() + SPIN_SECONDS
         while not work.is_completed() and time.perf_counter() < end:
-            os.sched_yield()
+            _yield_core()
     work.wait()
 
 

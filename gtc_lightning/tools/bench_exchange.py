@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gtc_lightning.algorithms.common import busy_wait_fits
 from gtc_lightning.algorithms.gtc import exchange
 
 WAYS = ("allgather", "alltoall")  # how the header goes; the words go by all-to-all in both
@@ -40,6 +41,7 @@ class _Exchange:
         self.process_group = None
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self._message = torch.arange(words, dtype=torch.int32)
+        self.busy = busy_wait_fits()  # GTCState's default: poll on gloo when each rank has a core
 
 
 def one_step(header_way: str, words: int) -> float:
