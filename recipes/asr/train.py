@@ -698,7 +698,6 @@ def _lost_message(lost: dict[int, str], cause: BaseException | None = None) -> s
 
 
 _LIGHTNING_OBSERVER: dict = {}
-_SIGTERM_POLL: dict = {}  # "busy": whether the per-step SIGTERM broadcast is polled (decided once)
 
 
 def _broadcast_sigterm_strictly(loop) -> None:
@@ -711,9 +710,7 @@ def _broadcast_sigterm_strictly(loop) -> None:
 
     trainer = loop.trainer
     flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0], device=trainer.strategy.root_device)
-    if "busy" not in _SIGTERM_POLL:
-        _SIGTERM_POLL["busy"] = busy_wait_fits()
-    finish(torch.distributed.broadcast(flag, src=0, async_op=True), _SIGTERM_POLL["busy"])
+    finish(torch.distributed.broadcast(flag, src=0, async_op=True), busy_wait_fits())
     if flag.item() == 1:
         with contextlib.suppress(Exception):  # stopping anyway
             torch.distributed.barrier()  # as Lightning: every rank stops at the same step

@@ -129,14 +129,11 @@ def reduce_dense(state: GTCState, unused: list, own: int, numel: int, async_op: 
     for a, b in unused:
         spare[a:b].zero_()
     work = dist.all_reduce(spare[:numel], group=state.process_group, async_op=True)
-    if not async_op:
-        finish(work, state.busy)
-        work = None
     kept = [(a, b, residual[a:b].clone()) for a, b in unused]
     residual.zero_()
     for a, b, values in kept:
         residual[a:b].copy_(values)
-    return work
+    return _handed(work, state, async_op)
 
 
 def feed_back(state: GTCState, errors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

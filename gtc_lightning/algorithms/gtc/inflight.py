@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from gtc_lightning.algorithms.common import finish
 from gtc_lightning.algorithms.gtc.decode import decode_coded, valid_words, votes
 
 
@@ -52,10 +53,10 @@ class InFlight:
     slots: dict | None = None
     vector: torch.Tensor | None = None
 
-    def wait(self) -> None:
-        """Wait for the collective, if it is still running."""
+    def wait(self, busy: bool = False) -> None:
+        """Wait for the collective, if it is still running (``busy``: poll it, as ``common.finish``)."""
         if self.work is not None:
-            self.work.wait()
+            finish(self.work, busy)
             self.work = None
 
     def received_words(self) -> None:

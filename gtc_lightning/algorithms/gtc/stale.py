@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import torch
 
-from gtc_lightning.algorithms.common import allreduce_bytes, finish
+from gtc_lightning.algorithms.common import allreduce_bytes
 from gtc_lightning.algorithms.gtc.decode import decode_dense, dense_rounding, sparse_rounding, valid_words
 from gtc_lightning.algorithms.gtc.exchange import feed_back, reduce_dense, send_coded, send_words, word_scale
 from gtc_lightning.algorithms.gtc.inflight import InFlight
@@ -80,9 +80,8 @@ def exchange_stale(
     clock = state._clock
     outputs = [(offset, bucket.buffer()) for bucket, _, offset in pending]
     previous, state._in_flight = state._in_flight, None
-    if previous is not None and previous.work is not None:
-        finish(previous.work, state.busy)
-        previous.work = None
+    if previous is not None:
+        previous.wait(state.busy)
     exchanged = clock.now()
     if previous is None:
         for _, buffer in outputs:
