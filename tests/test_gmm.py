@@ -238,7 +238,8 @@ def test_gmm_decoding_writes_wer(trained):
             assert (data_dir / "exp" / system / f"decode_{split}" / f"errs-{split}-acwt0.1.txt").exists()
         assert (data_dir / "exp" / system / "graph" / "HCLG.fst").exists()
         dev = json.loads((data_dir / "exp" / system / "decode_dev" / "wer.json").read_text())
-        assert dev["grid"] == {"grid": [0.1], "extended": [], "at_edge": False}  # one scale: taken as given
+        # one scale: taken as given
+        assert dev["grid"] == {"grid": [0.1], "extended": [], "at_edge": False, "skipped": []}
     assert tri["sizes"] == {"leaves": 150, "gaussians": 300, "train_hours": tri["sizes"]["train_hours"], "auto": []}
 
 
@@ -252,19 +253,50 @@ def test_gmm_decoding_extends_the_grid_past_the_edge_dev_picks(trained, monkeypa
     decoded = []
 
     def fake_decode(hclg, system, utts, id2word, out_dir, split, scale, alignments=None, hclg_path=None,
-                    loglikes=None):
+                    loglikes=None, penalty=0.0):
         decoded.append((split, scale))
         out_dir.mkdir(parents=True, exist_ok=True)  # as scoring does
-        return {"wer": 10.0 + 100 * abs(scale - 0.06), "words": 1}
+        return {"wer": 10.0 + 100 * abs(scale - 0.06) + penalty, "words": 1}
 
     monkeypatch.setattr(decode, "decode_split", fake_decode)
     system = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
     summary = decode.decode_system(data_dir, "mono_grid", system, load_lang(data_dir / "lang"), scales=(0.08, 0.1))
     dev = json.loads((data_dir / "exp" / "mono_grid" / "decode_dev" / "wer.json").read_text())
-    assert dev["grid"] == {"grid": [0.0512, 0.064, 0.08, 0.1], "extended": [0.064, 0.0512], "at_edge": False}
+    assert dev["grid"] == {"grid": [0.0512, 0.064, 0.08, 0.1], "extended": [0.064, 0.0512], "at_edge": False,
+                           "skipped": []}
     assert summary["acoustic_scale"] == dev["acoustic_scale"] == 0.064
     assert [s for split, s in decoded if split == "test"] == [summary["acoustic_scale"]]
     assert set(dev["by_scale"]) == {str(s) for s in dev["grid"]["grid"]}
+
+
+def test_gmm_decoding_sweeps_the_penalty_at_dev_s_scale_and_decodes_test_with_it(trained, monkeypatch):
+    """Dev's scale at no penalty, then penalties in order while each is better; test at dev's (scale,
+    penalty), through the graph with that penalty."""
+    from local.gmm import decode
+    from local.gmm.common import GmmSystem
+    from local.graph.lang import load_lang
+
+    data_dir = trained[0]
+    decoded = []
+
+    def fake_decode(hclg, system, utts, id2word, out_dir, split, scale, alignments=None, hclg_path=None,
+                    loglikes=None, penalty=0.0):
+        decoded.append((split, scale, penalty, hclg_path.name))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return {"wer": 10.0 + 100 * abs(scale - 0.1) + {0.0: 0.0, 0.5: -1.0, 1.0: -0.5}[penalty], "words": 1}
+
+    monkeypatch.setattr(decode, "decode_split", fake_decode)
+    system = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
+    summary = decode.decode_system(data_dir, "mono_wip", system, load_lang(data_dir / "lang"),
+                                   scales=(0.08, 0.1, 0.125, 0.15))
+    dev = json.loads((data_dir / "exp" / "mono_wip" / "decode_dev" / "wer.json").read_text())
+    assert (summary["acoustic_scale"], summary["word_insertion_penalty"]) == (0.1, 0.5)
+    assert dev["by_penalty"] == {"0.0": 10.0, "0.5": 9.0, "1.0": 9.5} and dev["grid"]["skipped"] == [0.15]
+    assert [d for d in decoded if d[0] == "dev"] == [
+        ("dev", 0.1, 0.0, "HCLG.fst"), ("dev", 0.125, 0.0, "HCLG.fst"), ("dev", 0.08, 0.0, "HCLG.fst"),
+        ("dev", 0.1, 0.5, "HCLG_wip0.5.fst"), ("dev", 0.1, 1.0, "HCLG_wip1.fst")]
+    assert [d for d in decoded if d[0] == "test"] == [("test", 0.1, 0.5, "HCLG_wip0.5.fst")]
+    assert (data_dir / "exp" / "mono_wip" / "graph" / "HCLG_wip0.5.fst").exists()
 
 
 def test_converted_alignment_keeps_phones_and_transitions(trained):
@@ -408,9 +440,12 @@ def test_sat_decoding_decodes_the_first_adapted_pass_once_at_the_first_pass_scal
     res = sat_module.decode_sat(data_dir, GmmSystem.load(data_dir / "exp" / "sat" / "final.pkl"),
                                 GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl"), load_lang(data_dir / "lang"),
                                 scales=grid)
-    tried = json.loads((data_dir / "exp" / "sat" / "decode_dev" / "wer.json").read_text())["grid"]["grid"]
-    assert calls == [si_scale, *tried, si_scale, res["acoustic_scale"]]
-    assert set(grid) <= set(tried)
+    dev = json.loads((data_dir / "exp" / "sat" / "decode_dev" / "wer.json").read_text())
+    tried = dev["grid"]["grid"]
+    final = len(tried) + len(dev["by_penalty"]) - 1  # dev's final passes: each scale tried, then each penalty
+    assert calls == [si_scale, *calls[1 : final + 1], si_scale, res["acoustic_scale"]]
+    assert sorted(set(calls[1 : final + 1])) == tried and calls[final] == res["acoustic_scale"]
+    assert sorted(tried + dev["grid"]["skipped"]) == sorted(set(grid) | set(dev["grid"]["extended"]))
 
 
 def test_next_stage_needs_alignments_of_the_current_training_cuts(trained):

@@ -19,7 +19,7 @@ from local.graph.decode import (
     tid_to_pdf,
     words_to_text,
 )
-from local.graph.hclg import make_hclg, training_graph_compiler
+from local.graph.hclg import make_hclg, training_graph_compiler, with_word_penalty
 from local.graph.lang import cmu_lexicon, load_lang, write_lang
 from local.graph.lm import compile_G, train_lm
 from local.kaldi import kaldifst, khg
@@ -105,6 +105,35 @@ def test_hclg_shape(system, lang, tmp_path):
     assert olabels - {0} == {i for w, i in lang.words.items() if w in lang.lexicon}
     make_hclg(lang.dir, tree, tm, out_path=tmp_path / "HCLG.fst")
     assert kaldifst.StdVectorFst.read(str(tmp_path / "HCLG.fst")).num_states == hclg.num_states
+
+
+def _arcs(fst) -> tuple[list, list]:
+    """The arcs ``(ilabel, olabel, weight)`` and final weights of ``fst``, sorted (state numbers left out)."""
+    arcs, finals = [], []
+    for s in range(fst.num_states):
+        it = kaldifst.ArcIterator(fst, s)
+        while not it.done:
+            a = it.value
+            arcs.append((a.ilabel, a.olabel, round(float(a.weight.value), 4)))
+            it.next()
+        if np.isfinite(float(fst.final(s).value)):
+            finals.append(round(float(fst.final(s).value), 4))
+    return sorted(arcs), sorted(finals)
+
+
+def test_word_penalty_adds_to_every_word_arc_and_nothing_else(system, lang):
+    _, _, _, hclg = system
+    trimmed = kaldifst.StdVectorFst(hclg)
+    kaldifst.connect(trimmed)  # (this small graph has dead ends; composing leaves them out)
+    arcs, finals = _arcs(trimmed)
+    penalized = with_word_penalty(hclg, 0.5, lang.id2word)
+    assert penalized.num_states == trimmed.num_states
+    expected = sorted((i, o, round(w + (0.5 if o else 0.0), 4)) for i, o, w in arcs)
+    assert _arcs(penalized) == (expected, finals)
+    assert sum(o != 0 for _, o, _ in arcs) > 0
+    words = [w for w in lang.id2word if w]
+    with pytest.raises(RuntimeError, match="not in words.txt"):
+        with_word_penalty(hclg, 0.5, words[: len(words) // 2])
 
 
 def test_decode_peaked_loglik_returns_transcript(system, lang):

@@ -1,11 +1,12 @@
 """Acoustic scales picked on dev (``local.graph.decode.pick_scale``): the grid grows past an edge that
-holds dev's best scale, by the geometric step of that end, a bounded number of times."""
+holds dev's best scale, by the geometric step of that end, a bounded number of times; a costly sweep
+brackets dev's best instead of scoring the whole grid. Word insertion penalties (``pick_penalty``)."""
 
 import math
 
 import pytest
-from local.constants import GMM_ACOUSTIC_SCALES, MAX_GRID_EXTENSIONS
-from local.graph.decode import pick_scale
+from local.constants import GMM_ACOUSTIC_SCALES, MAX_GRID_EXTENSIONS, WORD_INSERTION_PENALTIES
+from local.graph.decode import pick_penalty, pick_scale
 
 GRID = (0.05, 0.0588, 0.0667, 0.0833, 0.1, 0.125)
 
@@ -58,3 +59,46 @@ def test_ties_go_to_the_preferred_scale_and_a_single_scale_is_taken_as_given():
     assert scale == 0.1 and info == {"grid": [0.1], "extended": [], "at_edge": False}
     with pytest.raises(ValueError, match="empty acoustic-scale grid"):
         pick_scale(lambda s: 0.0, (), prefer=0.1)
+
+
+def test_the_bracketing_search_picks_as_the_whole_grid_and_skips_the_far_side():
+    """Dev's WER falls then rises: the two middle scales, then outwards to the first worse one."""
+    for optimum in (0.052, 0.06, 0.07, 0.09, 0.11, 0.13):
+        calls = []
+        whole, _ = pick_scale(dev_wer(optimum, []), GRID, prefer=0.1)
+        scale, info = pick_scale(dev_wer(optimum, calls), GRID, prefer=0.1, bracket=True)
+        assert scale == whole
+        assert sorted(calls) == info["grid"] and len(calls) < len(GRID)
+        assert sorted(info["grid"] + info["skipped"]) == sorted(set(GRID) | set(info["extended"]))
+        i = info["grid"].index(scale)  # bracketed: a worse scale tried on each side
+        assert 0 < i < len(info["grid"]) - 1
+
+
+def test_the_bracketing_search_reaches_an_edge_and_extends_the_grid():
+    calls = []
+    scale, info = pick_scale(dev_wer(0.04, calls), GRID, prefer=0.1, bracket=True)
+    whole, whole_info = pick_scale(dev_wer(0.04, []), GRID, prefer=0.1)
+    assert scale == whole == 0.0425 and info["extended"] == whole_info["extended"] == [0.0425, 0.0361]
+    assert info["skipped"] == [0.1, 0.125] and sorted(calls) == info["grid"] and not info["at_edge"]
+
+
+def test_the_bracketing_search_stops_at_the_first_worse_scale():
+    """Not unimodal: a lower WER beyond a worse scale is not seen (the whole grid would find it)."""
+    wers = {0.05: 5.0, 0.0588: 9.0, 0.0667: 8.0, 0.0833: 7.0, 0.1: 8.5, 0.125: 9.5}
+    wer = lambda s: wers.get(s, 6.0)  # (below the grid, where the whole grid's search extends it)
+    scale, info = pick_scale(wer, GRID, prefer=0.1, bracket=True)
+    assert scale == 0.0833 and info["skipped"] == [0.05, 0.0588, 0.125]
+    assert pick_scale(wer, GRID, prefer=0.1)[0] == 0.05
+
+
+def test_penalties_are_tried_in_order_while_each_is_better():
+    calls = []
+    wers = {0.0: 10.0, 0.5: 9.0, 1.0: 9.5}
+    assert pick_penalty(lambda p: calls.append(p) or wers[p], (1.0, 0.0, 0.5)) == (0.5, wers)
+    assert calls == [0.0, 0.5, 1.0]
+    calls = []
+    assert pick_penalty(lambda p: calls.append(p) or {0.0: 10.0, 0.5: 10.0}[p], WORD_INSERTION_PENALTIES) == (
+        0.0, {0.0: 10.0, 0.5: 10.0})  # a tie stops the sweep and goes to the smaller penalty
+    assert calls == [0.0, 0.5]
+    with pytest.raises(ValueError, match="no word insertion penalty"):
+        pick_penalty(lambda p: 0.0, ())

@@ -140,14 +140,17 @@ def render(snap: dict) -> str:
     for name, title in GMM.items():
         g = snap["gmm"][name]
         dev, test = g["dev"], g["test"]
-        out.append(f"# {name}: {title}; acoustic scale {test['acoustic_scale']:g}, picked on dev "
+        penalty = test.get("word_insertion_penalty")  # (builds before the GMM penalty sweep: none recorded)
+        swept = "" if penalty is None else f", word insertion penalty {penalty:g}"
+        out.append(f"# {name}: {title}; acoustic scale {test['acoustic_scale']:g}{swept}, picked on dev "
                    f"({dev['wer']:.2f} %)")
         if "si_first_pass_wer" in test:
             out.append(f"#   speaker-independent first pass: dev {dev['si_first_pass_wer']:.2f} %, "
                        f"test {test['si_first_pass_wer']:.2f} %")
         base = f"{c['data']}/exp/{name}"
-        out.append(wer_line(dev, f"{base}/decode_dev/errs-dev-acwt{dev['acoustic_scale']:g}.txt"))
-        out.append(wer_line(test, f"{base}/decode_test/errs-test-acwt{test['acoustic_scale']:g}.txt"))
+        wip = f"-wip{penalty:g}" if penalty else ""  # the file names of local.graph.decode.point_name
+        out.append(wer_line(dev, f"{base}/decode_dev/errs-dev-acwt{dev['acoustic_scale']:g}{wip}.txt"))
+        out.append(wer_line(test, f"{base}/decode_test/errs-test-acwt{test['acoustic_scale']:g}{wip}.txt"))
     out += ["```", "", "| system | dev %WER | test %WER | acoustic scale | HCLG and decoding time (dev at every scale, test) |",
             "|---|---|---|---|---|"]
     for name in GMM:

@@ -309,13 +309,16 @@ def sweep_scales(run_dirs: list[Path]) -> list[str]:
 
 
 def gmm_reference(data_dir: Path | str, system: str = "sat") -> dict | None:
-    """Per-utterance test counts of a GMM system's decoding at its chosen scale (``exp/<system>/
-    decode_test``), or None when the data pipeline did not write them."""
+    """Per-utterance test counts of a GMM system's decoding at its chosen scale and word insertion penalty
+    (``exp/<system>/decode_test``), or None when the data pipeline did not write them."""
+    from local.graph.decode import point_name
+
     decode_dir = Path(data_dir) / "exp" / system / "decode_test"
     wer = decode_dir / "wer.json"
     if not wer.exists():
         return None
-    path = decode_dir / f"per_utt-test-acwt{json.loads(wer.read_text())['acoustic_scale']:g}.json"
+    res = json.loads(wer.read_text())
+    path = decode_dir / f"per_utt-{point_name('test', res['acoustic_scale'], res.get('word_insertion_penalty', 0.0))}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 

@@ -1,12 +1,20 @@
 """Decoding of dev and test with a GMM system: the classic first baselines of a Kaldi recipe.
 
-The acoustic scale is picked on dev from ``GMM_ACOUSTIC_SCALES`` (Kaldi's scoring sweeps the LM
-weight the same way), the grid extended past an edge that holds dev's best (``pick_scale``), and
-applied to test; without dev, test is decoded at ``PREFERRED_SCALE``. Writes
-``exp/<name>/graph/HCLG.fst`` and ``exp/<name>/decode_{dev,test}/`` with ``recogs-*``/``errs-*`` per
-scale and ``wer.json`` (the result at the chosen scale: ``wer`` in %, counts, ``acoustic_scale``, and
-on dev ``by_scale`` and ``grid``: the scales tried and those added). Dev's GMM log-likelihoods are
-evaluated once for the whole grid (``gmm_loglikes``).
+No binding gives a GMM lattice fast enough (``kaldi-decoder``'s ``LatticeSimpleDecoder`` has no limit on
+active states: on the default corpus's dev set, lattices of the triphone system at Kaldi's scale
+0.0833 took 51 s on one core, against 6-13 s per scale for ``FasterDecoder`` in 2 processes, and
+rescoring them to the scale dev picks lost 0.9 points of dev WER), so dev is decoded again per point
+of the sweep, Kaldi's scoring by decoding: the acoustic scale (1 / LM weight) from
+``GMM_ACOUSTIC_SCALES`` at no penalty, by a bracketing search that stops one scale past dev's best and
+extends the grid past an edge that holds it (``pick_scale``); then, at that scale, the word insertion
+penalties of Kaldi's ``score.sh`` (``WORD_INSERTION_PENALTIES``) in order while each is better
+(``pick_penalty``). Test is decoded once, at dev's pick; without dev, at ``PREFERRED_SCALE`` and no
+penalty. Writes ``exp/<name>/graph/HCLG.fst`` (and ``HCLG_wip<p>.fst`` per penalty tried) and
+``exp/<name>/decode_{dev,test}/`` with ``recogs-*``/``errs-*`` per point (``point_name``) and
+``wer.json`` (the result at the chosen point: ``wer`` in %, counts, ``acoustic_scale``,
+``word_insertion_penalty``, and on dev ``by_scale``, ``by_penalty`` and ``grid``: the scales tried,
+those added and those skipped). Dev's GMM log-likelihoods are evaluated once for the whole sweep
+(``gmm_loglikes``).
 """
 
 from __future__ import annotations
@@ -18,10 +26,18 @@ import time
 from functools import partial
 from pathlib import Path
 
-from local.constants import GMM_ACOUSTIC_SCALES
+from local.constants import GMM_ACOUSTIC_SCALES, WORD_INSERTION_PENALTIES
 from local.gmm.common import GmmSystem, load_utterances
-from local.graph.decode import decode_utterances_gmm, gmm_loglikes, pick_scale, score, words_to_text
-from local.graph.hclg import make_hclg
+from local.graph.decode import (
+    decode_utterances_gmm,
+    gmm_loglikes,
+    pick_penalty,
+    pick_scale,
+    point_name,
+    score,
+    words_to_text,
+)
+from local.graph.hclg import make_hclg, with_word_penalty
 
 log = logging.getLogger(__name__)
 
@@ -31,40 +47,66 @@ DECODE_JOBS = 2  # processes per decoding: the 2 cores of the reference machine 
 
 def decode_split(hclg, system: GmmSystem, utts, id2word: dict[int, str], out_dir: Path, split: str,
                  acoustic_scale: float, alignments: dict | None = None, hclg_path: Path | None = None,
-                 loglikes: dict | None = None) -> dict:
+                 loglikes: dict | None = None, penalty: float = 0.0) -> dict:
     """Decode one split at one acoustic scale and score it; returns ``decode.score``'s result
     (``alignments`` receives the best paths' transition-ids). With ``hclg_path``, ``DECODE_JOBS``
-    processes decode; ``loglikes``: the split's GMM log-likelihoods (``gmm_loglikes``), if kept."""
+    processes decode; ``loglikes``: the split's GMM log-likelihoods (``gmm_loglikes``), if kept;
+    ``penalty``: the word insertion penalty ``hclg`` (and ``hclg_path``) already carry, for the names."""
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, ((u, utts.feats[u]) for u in utts.ids),
                                  acoustic_scale=acoustic_scale, alignments=alignments, hclg_path=hclg_path,
                                  num_jobs=DECODE_JOBS, loglikes=loglikes)
     refs = {c.id: " ".join(utts.words[c.id]) for c in utts.cuts}
     texts = {u: words_to_text(w, id2word) for u, w in hyps.items()}
-    return score(refs, texts, out_dir, f"{split}-acwt{acoustic_scale:g}")
+    return score(refs, texts, out_dir, point_name(split, acoustic_scale, penalty))
 
 
-def _decode_kept(hclg, system: GmmSystem, utts, id2word: dict[int, str], out_dir: Path, split: str,
-                 hclg_path: Path, loglikes: dict | None, tried: dict, paths: dict, acoustic_scale: float) -> float:
-    """``decode_split`` at ``acoustic_scale``, its result kept in ``tried`` and its best paths in
-    ``paths`` (by scale); returns the WER."""
-    paths[acoustic_scale] = {}
-    tried[acoustic_scale] = decode_split(hclg, system, utts, id2word, out_dir, split, acoustic_scale,
-                                         paths[acoustic_scale], hclg_path, loglikes)
-    return tried[acoustic_scale]["wer"]
+class PenaltyGraphs:
+    """HCLG with each word insertion penalty (``with_word_penalty``), built once per penalty and written
+    beside ``HCLG.fst`` as ``HCLG_wip<penalty>.fst`` for the decoding processes; penalty 0 is HCLG itself."""
+
+    def __init__(self, hclg, hclg_path: Path, word_ids) -> None:
+        self.graphs, self.word_ids = {0.0: (hclg, hclg_path)}, list(word_ids)
+
+    def __call__(self, penalty: float) -> tuple:
+        if penalty not in self.graphs:
+            hclg, path = self.graphs[0.0]
+            graph = with_word_penalty(hclg, penalty, self.word_ids)
+            out = path.with_name(f"{path.stem}_wip{penalty:g}{path.suffix}")
+            graph.write(str(out))
+            self.graphs[penalty] = (graph, out)
+        return self.graphs[penalty]
+
+
+def _decode_kept(graphs: PenaltyGraphs, system: GmmSystem, utts, id2word: dict[int, str], out_dir: Path,
+                 split: str, loglikes: dict | None, tried: dict, paths: dict, acoustic_scale: float,
+                 penalty: float = 0.0) -> float:
+    """``decode_split`` at ``(acoustic_scale, penalty)``, its result kept in ``tried`` and its best paths
+    in ``paths`` (by that point); returns the WER (a point already decoded is not decoded again)."""
+    point = (acoustic_scale, penalty)
+    if point in tried:
+        return tried[point]["wer"]
+    paths[point] = {}
+    hclg, hclg_path = graphs(penalty)
+    tried[point] = decode_split(hclg, system, utts, id2word, out_dir, split, acoustic_scale, paths[point], hclg_path,
+                                loglikes, penalty)
+    return tried[point]["wer"]
 
 
 def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
-                  scales: tuple[float, ...] = GMM_ACOUSTIC_SCALES) -> dict:
-    """Build HCLG for ``system``, decode dev (every scale of the grid, extended by ``pick_scale``) and
-    test (the best dev scale).
+                  scales: tuple[float, ...] = GMM_ACOUSTIC_SCALES,
+                  penalties: tuple[float, ...] = WORD_INSERTION_PENALTIES) -> dict:
+    """Build HCLG for ``system``, decode dev and test. Dev: the acoustic scale from the grid (a bracketing
+    search, extended past an edge: ``pick_scale``) at no penalty, then the word insertion penalty at that
+    scale (``pick_penalty``: Kaldi's 0, 0.5, 1, in order while each is better); test: at dev's pick.
 
     Returns:
-        ``{"dev_wer", "test_wer", "acoustic_scale", "decode_seconds"}`` (WER in %).
+        ``{"dev_wer", "test_wer", "acoustic_scale", "word_insertion_penalty", "decode_seconds"}`` (WER in %).
     """
     start = time.perf_counter()
     exp = Path(data_dir) / "exp" / name
     hclg_path = exp / "graph" / "HCLG.fst"
     hclg = make_hclg(lang.dir, system.tree, system.tm, out_path=hclg_path)
+    graphs = PenaltyGraphs(hclg, hclg_path, lang.id2word)
     id2word = lang.id2word
     results, best = {}, {}
     splits = [s for s in ("dev", "test") if (Path(data_dir) / "features" / f"{s}_cuts.jsonl.gz").exists()]
@@ -72,23 +114,26 @@ def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
         utts = load_utterances(data_dir, split, transform=system.transform)
         out_dir = exp / f"decode_{split}"
         paths, tried = {}, {}
-        loglikes = gmm_loglikes(system.am, utts.feats.items()) if split == "dev" else None  # every scale's
-        wer = partial(_decode_kept, hclg, system, utts, id2word, out_dir, split, hclg_path, loglikes, tried, paths)
+        loglikes = gmm_loglikes(system.am, utts.feats.items()) if split == "dev" else None  # every point's
+        wer = partial(_decode_kept, graphs, system, utts, id2word, out_dir, split, loglikes, tried, paths)
         if split == "dev":
-            scale, grid = pick_scale(wer, scales, PREFERRED_SCALE)
+            scale, grid = pick_scale(wer, scales, PREFERRED_SCALE, bracket=True)
+            penalty, by_penalty = pick_penalty(partial(wer, scale), penalties)
         else:
-            scale = best.get("dev", PREFERRED_SCALE)
-            wer(scale)
-        res = {**tried[scale], "acoustic_scale": scale}
+            scale, penalty = best.get("dev", (PREFERRED_SCALE, 0.0))
+            wer(scale, penalty)
+        res = {**tried[(scale, penalty)], "acoustic_scale": scale, "word_insertion_penalty": penalty}
         if split == "dev":
-            res["by_scale"] = {str(s): tried[s]["wer"] for s in grid["grid"]}
+            res["by_scale"] = {str(s): tried[(s, 0.0)]["wer"] for s in grid["grid"]}
+            res["by_penalty"] = {str(p): w for p, w in by_penalty.items()}
             res["grid"] = grid
-        best[split] = scale
+        best[split] = (scale, penalty)
         (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
         with open(out_dir / "best_path.pkl", "wb") as f:  # first pass of the SAT stage's fMLLR decoding
-            pickle.dump(paths[scale], f)
+            pickle.dump(paths[(scale, penalty)], f)
         results[f"{split}_wer"] = res["wer"]
-        log.info("%s %s: WER %.2f %% at acoustic scale %g", name, split, res["wer"], scale)
-    results["acoustic_scale"] = best.get("dev")
+        log.info("%s %s: WER %.2f %% at acoustic scale %g, word insertion penalty %g", name, split, res["wer"],
+                 scale, penalty)
+    results["acoustic_scale"], results["word_insertion_penalty"] = best.get("dev", (None, None))
     results["decode_seconds"] = round(time.perf_counter() - start, 1)
     return results

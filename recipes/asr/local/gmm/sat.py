@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from local.constants import SAT_ACOUSTIC_SCALES
+from local.constants import SAT_ACOUSTIC_SCALES, WORD_INSERTION_PENALTIES
 from local.data.features import gmm_cmvn_key
 from local.gmm.align_jobs import align_jobs
 from local.gmm.common import (
@@ -50,7 +50,7 @@ from local.gmm.common import (
     realign_all,
     train_iterations,
 )
-from local.gmm.decode import DECODE_JOBS
+from local.gmm.decode import DECODE_JOBS, PenaltyGraphs
 from local.gmm.sizes import resolve_sizes
 from local.gmm.transforms import (
     FmllrStats,
@@ -59,7 +59,15 @@ from local.gmm.transforms import (
     compose_affine,
     estimate_fmllr,
 )
-from local.graph.decode import decode_utterances_gmm, gmm_loglikes, pick_scale, score, words_to_text
+from local.graph.decode import (
+    decode_utterances_gmm,
+    gmm_loglikes,
+    pick_penalty,
+    pick_scale,
+    point_name,
+    score,
+    words_to_text,
+)
 from local.graph.hclg import make_hclg
 from local.kaldi import kaldifst
 
@@ -263,15 +271,20 @@ def _decode_final(hclg, system: GmmSystem, feats: dict, scale: float, hclg_path:
                                  alignments=best_paths, hclg_path=hclg_path, num_jobs=DECODE_JOBS, loglikes=loglikes)
 
 
-def _score_final(hclg, system: GmmSystem, feats: dict, lang, hclg_path: Path, refs: dict, out_dir: Path, split: str,
-                 kept: tuple[dict, dict], loglikes: dict | None, scale: float) -> float:
-    """``_decode_final`` at ``scale``, scored; its result and best paths kept by scale in ``kept``.
-    Returns the WER."""
-    by_scale, paths_by_scale = kept
-    hyps = _decode_final(hclg, system, feats, scale, hclg_path, paths_by_scale.setdefault(scale, {}), loglikes)
+def _score_final(graphs, system: GmmSystem, feats: dict, lang, refs: dict, out_dir: Path, split: str,
+                 kept: tuple[dict, dict], loglikes: dict | None, scale: float, penalty: float = 0.0) -> float:
+    """``_decode_final`` at ``(scale, penalty)`` (``graphs``: ``local.gmm.decode.PenaltyGraphs``), scored;
+    its result and best paths kept by that point in ``kept``. Returns the WER (a point already decoded is not
+    decoded again)."""
+    by_point, paths_by_point = kept
+    if (scale, penalty) in by_point:
+        return by_point[(scale, penalty)]["wer"]
+    hclg, hclg_path = graphs(penalty)
+    hyps = _decode_final(hclg, system, feats, scale, hclg_path, paths_by_point.setdefault((scale, penalty), {}),
+                         loglikes)
     texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
-    by_scale[scale] = score(refs, texts, out_dir, f"{split}-acwt{scale:g}")
-    return by_scale[scale]["wer"]
+    by_point[(scale, penalty)] = score(refs, texts, out_dir, point_name(split, scale, penalty))
+    return by_point[(scale, penalty)]["wer"]
 
 
 def _si_decode(si_hclg, si_graph: Path, si: GmmSystem, utts: Utterances, scale: float) -> tuple[dict, dict]:
@@ -290,12 +303,22 @@ def _first_transforms(system: GmmSystem, si: GmmSystem, utts: Utterances, speake
                               SILENCE_WEIGHT_DECODE)
 
 
+def _chosen_point(dev_wer: Path, default_scale: float) -> tuple[float, float]:
+    """The acoustic scale and word insertion penalty a stage picked on dev (its ``decode_dev/wer.json``;
+    a data dir decoded before penalties were swept: no penalty), ``(default_scale, 0)`` without dev."""
+    if not dev_wer.exists():
+        return default_scale, 0.0
+    res = json.loads(dev_wer.read_text())
+    return res["acoustic_scale"], res.get("word_insertion_penalty", 0.0)
+
+
 def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     """fMLLR decoding of any other set's ``cuts`` (stage 1's features, ``cut.mfcc``) as
     ``decode_sat`` decodes test: the speaker-independent first pass with ``exp/tri`` (``exp/lda_mllt``
     for a SAT system on LDA+MLLT features), fMLLR per
     speaker (``gmm_cmvn_key``) from it, two adapted passes with ``exp/sat`` (the first at the
-    speaker-independent system's dev-chosen scale, the final one at the SAT system's). No transcripts
+    speaker-independent system's dev-chosen scale, the final one at the SAT system's scale and word
+    insertion penalty). No transcripts
     are used. Returns ``(hyps {utt: word ids}, transforms {speaker: W}, best paths {utt: transition-ids
     of exp/sat})``."""
     data_dir = Path(data_dir)
@@ -315,18 +338,22 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     lang = load_lang(data_dir / "lang")
     si = GmmSystem.load(paths["si"] / "final.pkl")
     check_same_features(si, system, data_dir)
-    scales = {n: json.loads((e / "decode_dev" / "wer.json").read_text())["acoustic_scale"] for n, e in paths.items()}
+    points = {n: _chosen_point(e / "decode_dev" / "wer.json", PREFERRED_SCALE) for n, e in paths.items()}
     cuts = list(cuts)
     utts = Utterances(cuts, gmm_front_end(cuts, transform=system.transform), {c.id: [] for c in cuts})
     speakers = {c.id: gmm_cmvn_key(c) for c in cuts}
     si_graph = paths["si"] / "graph" / "HCLG.fst"
-    _, si_alis = _si_decode(kaldifst.StdVectorFst.read(str(si_graph)), si_graph, si, utts, scales["si"])
+    si_graphs = PenaltyGraphs(kaldifst.StdVectorFst.read(str(si_graph)), si_graph, lang.id2word)
+    (si_scale, si_penalty), (scale, penalty) = points["si"], points["sat"]
+    _, si_alis = _si_decode(*si_graphs(si_penalty), si, utts, si_scale)
     first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
     graph = paths["sat"] / "graph" / "HCLG.fst"
-    hclg = kaldifst.StdVectorFst.read(str(graph))
-    trans = _second_transforms(hclg, system, utts, speakers, lang.sil_id, first, scales["si"], graph)
+    graphs = PenaltyGraphs(kaldifst.StdVectorFst.read(str(graph)), graph, lang.id2word)
+    hclg, _ = graphs(0.0)
+    trans = _second_transforms(hclg, system, utts, speakers, lang.sil_id, first, si_scale, graph)
     best_paths: dict = {}
-    hyps = _decode_final(hclg, system, transformed(utts.feats, speakers, trans), scales["sat"], graph, best_paths)
+    final_hclg, final_graph = graphs(penalty)
+    hyps = _decode_final(final_hclg, system, transformed(utts.feats, speakers, trans), scale, final_graph, best_paths)
     log.info("sat decoding of a new set: %d of %d utterances decoded, %d speakers", len(best_paths), len(cuts),
              len(set(speakers.values())))
     return hyps, trans, best_paths
@@ -346,28 +373,32 @@ def _first_pass(decode_dir: Path, utt_ids: set[str]) -> tuple[dict | None, float
 
 
 def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
-               scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES) -> dict:
-    """fMLLR decoding of dev (every scale of the grid, extended by ``pick_scale``) and test (the best
-    dev scale, ``PREFERRED_SCALE`` without dev) with the SAT system; the
-    first pass is the speaker-independent system's (``si``: ``exp/tri``, or ``exp/lda_mllt`` on
-    LDA+MLLT features) decoding at its own dev-chosen scale (its stage's ``best_path.pkl``, decoded
-    again if missing), and so is the first adapted pass (``_second_transforms``).
+               scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES,
+               penalties: tuple[float, ...] = WORD_INSERTION_PENALTIES) -> dict:
+    """fMLLR decoding of dev and test with the SAT system. The first pass is the speaker-independent
+    system's (``si``: ``exp/tri``, or ``exp/lda_mllt`` on LDA+MLLT features) decoding at its own
+    dev-chosen scale and penalty (its stage's ``best_path.pkl``, decoded again if missing); the first
+    adapted pass decodes at that system's scale with no penalty (``_second_transforms``); the final pass
+    is swept on dev as ``local.gmm.decode.decode_system`` sweeps (the scale by ``pick_scale``'s bracketing
+    search, then the penalty by ``pick_penalty``) and decoded on test at dev's pick (``PREFERRED_SCALE``
+    and no penalty without dev).
 
     Returns:
-        ``{"dev_wer", "test_wer", "dev_si_wer", "test_si_wer", "acoustic_scale", "decode_seconds"}``.
+        ``{"dev_wer", "test_wer", "dev_si_wer", "test_si_wer", "acoustic_scale", "word_insertion_penalty",
+        "decode_seconds"}``.
     """
     start = time.perf_counter()
     data_dir = Path(data_dir)
     exp = data_dir / "exp" / "sat"
     hclg_path = exp / "graph" / "HCLG.fst"
     hclg = make_hclg(lang.dir, system.tree, system.tm, out_path=hclg_path)
+    graphs = PenaltyGraphs(hclg, hclg_path, lang.id2word)
     check_same_features(si, system, data_dir)
     si_dir = data_dir / "exp" / speaker_independent_of(system)
-    si_hclg = None
-    dev_wer = si_dir / "decode_dev" / "wer.json"
-    si_scale = json.loads(dev_wer.read_text())["acoustic_scale"] if dev_wer.exists() else 0.0833
+    si_graphs = None
+    si_scale, si_penalty = _chosen_point(si_dir / "decode_dev" / "wer.json", 0.0833)
     results: dict = {}
-    best_scale = None
+    best_point = None
     for split in ("dev", "test"):
         if not (data_dir / "features" / f"{split}_cuts.jsonl.gz").exists():
             continue
@@ -377,39 +408,42 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
         out_dir = exp / f"decode_{split}"
         si_alis, si_wer = _first_pass(si_dir / f"decode_{split}", set(utts.ids))
         if si_alis is None:  # the first-pass system's best paths are missing or stale: decode again
-            if si_hclg is None:
+            if si_graphs is None:
                 si_graph = si_dir / "graph" / "HCLG.fst"
                 si_hclg = (kaldifst.StdVectorFst.read(str(si_graph)) if si_graph.exists()
                            else make_hclg(lang.dir, si.tree, si.tm, out_path=si_graph))
-            si_hyps, si_alis = _si_decode(si_hclg, si_graph, si, utts, si_scale)
+                si_graphs = PenaltyGraphs(si_hclg, si_graph, lang.id2word)
+            si_hyps, si_alis = _si_decode(*si_graphs(si_penalty), si, utts, si_scale)
             si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
-                           f"{split}-si-acwt{si_scale:g}")["wer"]
+                           point_name(f"{split}-si", si_scale, si_penalty))["wer"]
         first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
         trans = _second_transforms(hclg, system, utts, speakers, lang.sil_id, first, si_scale, hclg_path)
         final = transformed(utts.feats, speakers, trans)  # the final pass's features, every scale's
         loglikes = gmm_loglikes(system.am, final.items()) if split == "dev" else None
-        by_scale, paths_by_scale = {}, {}
-        wer = partial(_score_final, hclg, system, final, lang, hclg_path, refs, out_dir, split,
-                      (by_scale, paths_by_scale), loglikes)
+        by_point, paths_by_point = {}, {}
+        wer = partial(_score_final, graphs, system, final, lang, refs, out_dir, split, (by_point, paths_by_point),
+                      loglikes)
         if split == "dev":
-            scale, grid = pick_scale(wer, scales, PREFERRED_SCALE)
-            best_scale = scale
+            scale, grid = pick_scale(wer, scales, PREFERRED_SCALE, bracket=True)
+            penalty, by_penalty = pick_penalty(partial(wer, scale), penalties)
+            best_point = (scale, penalty)
         else:
-            scale = best_scale or PREFERRED_SCALE
-            wer(scale)
-        res = {**by_scale[scale], "acoustic_scale": scale, "si_first_pass_wer": si_wer,
-               "speakers": len(set(speakers.values()))}
+            scale, penalty = best_point or (PREFERRED_SCALE, 0.0)
+            wer(scale, penalty)
+        res = {**by_point[(scale, penalty)], "acoustic_scale": scale, "word_insertion_penalty": penalty,
+               "si_first_pass_wer": si_wer, "speakers": len(set(speakers.values()))}
         if split == "dev":
-            res["by_scale"] = {str(s): by_scale[s]["wer"] for s in grid["grid"]}
+            res["by_scale"] = {str(s): by_point[(s, 0.0)]["wer"] for s in grid["grid"]}
+            res["by_penalty"] = {str(p): w for p, w in by_penalty.items()}
             res["grid"] = grid
         (out_dir / "wer.json").write_text(json.dumps(res, indent=1))
         with open(out_dir / "trans.pkl", "wb") as f:
             pickle.dump(trans, f)
         with open(out_dir / "best_path.pkl", "wb") as f:  # the DNN's fbank_sat transforms start from them
-            pickle.dump(paths_by_scale[scale], f)
+            pickle.dump(paths_by_point[(scale, penalty)], f)
         results[f"{split}_wer"], results[f"{split}_si_wer"] = res["wer"], si_wer
-        log.info("sat %s: WER %.2f %% with fMLLR at acoustic scale %g (first pass %.2f %%)", split, res["wer"],
-                 scale, si_wer)
-    results["acoustic_scale"] = best_scale
+        log.info("sat %s: WER %.2f %% with fMLLR at acoustic scale %g, word insertion penalty %g (first pass "
+                 "%.2f %%)", split, res["wer"], scale, penalty, si_wer)
+    results["acoustic_scale"], results["word_insertion_penalty"] = best_point or (None, None)
     results["decode_seconds"] = round(time.perf_counter() - start, 1)
     return results

@@ -21,6 +21,7 @@ acoustic scale here (matching ``DecodableAmDiagGmmScaled`` to 1e-6, DESIGN §5).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -283,22 +284,41 @@ def _log_speed(n: int, failed: list[str], partial: list[str], frames: int, t0: f
 
 
 def pick_scale(wer: Callable[[float], float], grid: Sequence[float], prefer: float,
-               max_extensions: int = MAX_GRID_EXTENSIONS) -> tuple[float, dict]:
+               max_extensions: int = MAX_GRID_EXTENSIONS, bracket: bool = False) -> tuple[float, dict]:
     """The scale of ``grid`` with the lowest ``wer(scale)`` on dev (ties: the one nearest ``prefer``).
 
     While the best lies at an edge of the grid, the grid grows one geometric step past that edge
     (the ratio of its two outermost scales, 3 significant digits), at most ``max_extensions`` times;
     a grid of one scale is taken as given.
 
+    ``bracket``: for a costly ``wer`` (a decoding per scale), score the grid's two middle scales, then
+    walk from the better one outwards while the next scale is better, stopping at the first worse one:
+    the same pick as the whole grid when dev's WER falls and then rises along the grid, with the scales
+    beyond that worse one left out (``"skipped"``).
+
     Returns:
         the scale and ``{"grid": the scales tried, ascending, "extended": the scales added,
-        "at_edge": the best is still at an edge (the bound was reached)}``.
+        "at_edge": the best is still at an edge (the bound was reached)}``, with ``bracket`` also
+        ``"skipped"``: the grid's scales not tried.
     """
     grid = sorted(set(grid))
     if not grid:
         raise ValueError("an empty acoustic-scale grid; give at least one scale")
-    wers = {s: wer(s) for s in grid}
-    best = lambda: min(grid, key=lambda s: (wers[s], abs(s - prefer)))
+    wers: dict[float, float] = {}
+    key = lambda s: (wers[s], abs(s - prefer))
+    if bracket and len(grid) > 2:
+        low = (len(grid) - 1) // 2
+        for s in grid[low : low + 2]:
+            wers[s] = wer(s)
+        i, step = (low, -1) if key(grid[low]) <= key(grid[low + 1]) else (low + 1, 1)
+        while 0 <= i + step < len(grid):
+            wers[grid[i + step]] = wer(grid[i + step])
+            if key(grid[i + step]) >= key(grid[i]):
+                break
+            i += step
+    else:
+        wers = {s: wer(s) for s in grid}
+    best = lambda: min(wers, key=key)
     added = []
     while len(grid) > 1 and best() in (grid[0], grid[-1]) and len(added) < max_extensions:
         low = best() == grid[0]
@@ -316,7 +336,31 @@ def pick_scale(wer: Callable[[float], float], grid: Sequence[float], prefer: flo
                     "pass a wider grid", scale, [f"{s:g}" for s in grid], len(added))
     elif added:
         log.info("acoustic scale %g picked on dev after extending the grid by %s", scale, added)
-    return scale, {"grid": grid, "extended": added, "at_edge": at_edge}
+    info = {"grid": sorted(wers), "extended": added, "at_edge": at_edge}
+    if bracket:
+        info["skipped"] = [s for s in grid if s not in wers]
+    return scale, info
+
+
+def pick_penalty(wer: Callable[[float], float], penalties: Sequence[float]) -> tuple[float, dict[float, float]]:
+    """The word insertion penalty with the lowest ``wer(penalty)`` on dev (ties: the smallest), tried in
+    ascending order and stopping at the first that is worse than the one before: a costly ``wer`` (a
+    decoding per penalty) is not called past it. Returns the penalty and ``{penalty: WER}`` of those tried."""
+    penalties = sorted(set(penalties))
+    if not penalties:
+        raise ValueError("no word insertion penalty to try; give at least one (0 is Kaldi's neutral value)")
+    wers = {penalties[0]: wer(penalties[0])}
+    for before, p in itertools.pairwise(penalties):
+        wers[p] = wer(p)
+        if wers[p] >= wers[before]:
+            break
+    return min(wers, key=lambda p: (wers[p], p)), wers
+
+
+def point_name(split: str, scale: float, penalty: float = 0.0) -> str:
+    """The name of a GMM decoding's ``recogs-``/``errs-`` files: ``dev-acwt0.0588``, with a nonzero word
+    insertion penalty ``dev-acwt0.0588-wip0.5``."""
+    return f"{split}-acwt{scale:g}" + (f"-wip{penalty:g}" if penalty else "")
 
 
 def words_to_text(word_ids: list[int], id2word: dict[int, str]) -> str:
