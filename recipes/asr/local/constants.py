@@ -23,7 +23,8 @@ SAT_ACOUSTIC_SCALES = (0.0425, 0.05, 0.0588, 0.0667)
 # beam); at beam 10 with 3000 active states the decoder's work per frame is bounded. Until corpus version 3
 # the grid was LM weights 8 .. 3, and dev preferred its lowest scale, 0.125: an optimum at the edge.
 DNN_ACOUSTIC_SCALES = (0.1, 0.111, 0.125, 0.143, 0.167, 0.2, 0.25)
-# Word insertion penalties tried on dev with lattices (Kaldi's score.sh: 0.0 0.5 1.0).
+# Word insertion penalties tried on dev (Kaldi's score.sh: 0.0 0.5 1.0): by rescoring the DNN's lattices, and by
+# decoding the GMM systems again at dev's scale, in order while each is better (``pick_penalty``).
 WORD_INSERTION_PENALTIES = (0.0, 0.5, 1.0)
 # Most steps a grid is extended by when dev's best scale stays at its edge (``pick_scale``).
 MAX_GRID_EXTENSIONS = 3

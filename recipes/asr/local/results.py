@@ -151,12 +151,16 @@ def render(snap: dict) -> str:
         wip = f"-wip{penalty:g}" if penalty else ""  # the file names of local.graph.decode.point_name
         out.append(wer_line(dev, f"{base}/decode_dev/errs-dev-acwt{dev['acoustic_scale']:g}{wip}.txt"))
         out.append(wer_line(test, f"{base}/decode_test/errs-test-acwt{test['acoustic_scale']:g}{wip}.txt"))
-    out += ["```", "", "| system | dev %WER | test %WER | acoustic scale | HCLG and decoding time (dev at every scale, test) |",
+    swept = any("word_insertion_penalty" in snap["gmm"][name]["test"] for name in GMM)
+    point = "acoustic scale / penalty" if swept else "acoustic scale"
+    out += ["```", "", f"| system | dev %WER | test %WER | {point} | HCLG and decoding time (dev's sweep, test) |",
             "|---|---|---|---|---|"]
     for name in GMM:
         g = snap["gmm"][name]
-        out.append(f"| {name} | {g['dev']['wer']:.2f} | {g['test']['wer']:.2f} | "
-                   f"{g['test']['acoustic_scale']:g} | {_seconds(g['decode_seconds'])} |")
+        penalty = g["test"].get("word_insertion_penalty")
+        chosen = f"{g['test']['acoustic_scale']:g}" + ("" if penalty is None else f" / {penalty:g}")
+        out.append(f"| {name} | {g['dev']['wer']:.2f} | {g['test']['wer']:.2f} | {chosen} | "
+                   f"{_seconds(g['decode_seconds'])} |")
     out += ["", "### DNN-HMM (stages 9-11)", "", "```"]
     for run in runs:
         d = snap["decodes"][f"{run['run']}/{run['seed']}"]
@@ -175,7 +179,7 @@ def render(snap: dict) -> str:
     out += ["```", ""]
     header = ("| run | workers | bytes sent / step / worker | vs fp32 all-reduce | dev frame acc. | "
               "mean test %WER [95 %] | vs baseline, paired [95 %] | vs SAT GMM [95 %] | "
-              "train time | decoding time (dev at every scale, test) |")
+              "train time | decoding time (dev, test) |")
     out += [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["run"] for r in runs):
         mine = [r for r in runs if r["run"] == name]
