@@ -26,6 +26,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from local.atomic import atomic_path
 from local.constants import GMM_ACOUSTIC_SCALES, WORD_INSERTION_PENALTIES
 from local.gmm.common import GmmSystem, load_utterances
 from local.graph.decode import (
@@ -72,7 +73,8 @@ class PenaltyGraphs:
             hclg, path = self.graphs[0.0]
             graph = with_word_penalty(hclg, penalty, self.word_ids)
             out = path.with_name(f"{path.stem}_wip{penalty:g}{path.suffix}")
-            graph.write(str(out))
+            with atomic_path(out) as tmp:  # (two evaluations decoding new sets may write it at once)
+                graph.write(str(tmp))
             self.graphs[penalty] = (graph, out)
         return self.graphs[penalty]
 
