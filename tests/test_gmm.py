@@ -147,6 +147,7 @@ def test_sat_decoding_writes_adapted_and_first_pass_wer(trained, sat):
         res = json.loads((out / "wer.json").read_text())
         assert res["wer"] == sat[f"{split}_wer"] and res["words"] > 0 and res["acoustic_scale"] == 0.1
         assert res["si_first_pass_wer"] == sat[f"{split}_si_wer"] and res["speakers"] > 0
+        assert res["speed"]["rtf"] > 0 and res["speed"]["jobs"] >= 1
         assert (out / f"errs-{split}-acwt0.1.txt").exists() and (out / "trans.pkl").exists()
 
 
@@ -230,12 +231,19 @@ def test_pdf_alignment_cuts_and_priors(trained):
 
 
 def test_gmm_decoding_writes_wer(trained):
+    from local.gmm.common import load_utterances
+
     data_dir, mono, tri, _ = trained
     for system, summary in (("mono", mono), ("tri", tri)):
         for split in ("dev", "test"):
             res = json.loads((data_dir / "exp" / system / f"decode_{split}" / "wer.json").read_text())
             assert res["wer"] == summary[f"{split}_wer"] and res["words"] > 0 and res["acoustic_scale"] == 0.1
             assert (data_dir / "exp" / system / f"decode_{split}" / f"errs-{split}-acwt0.1.txt").exists()
+            speed = res["speed"]  # the chosen point's decoding: wall time over the split's audio
+            assert speed["seconds"] > 0 and speed["rtf"] == pytest.approx(speed["seconds"] / speed["audio_seconds"],
+                                                                          rel=0.1, abs=1e-3)  # (both rounded)
+            frames = sum(len(f) for f in load_utterances(data_dir, split).feats.values())
+            assert speed["audio_seconds"] == pytest.approx(frames / 100, abs=0.1)
         assert (data_dir / "exp" / system / "graph" / "HCLG.fst").exists()
         dev = json.loads((data_dir / "exp" / system / "decode_dev" / "wer.json").read_text())
         # one scale: taken as given

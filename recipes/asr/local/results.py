@@ -152,15 +152,18 @@ def render(snap: dict) -> str:
         out.append(wer_line(dev, f"{base}/decode_dev/errs-dev-acwt{dev['acoustic_scale']:g}{wip}.txt"))
         out.append(wer_line(test, f"{base}/decode_test/errs-test-acwt{test['acoustic_scale']:g}{wip}.txt"))
     swept = any("word_insertion_penalty" in snap["gmm"][name]["test"] for name in GMM)
+    timed = any("speed" in snap["gmm"][name]["test"] for name in GMM)  # (recorded since 2026-11-29)
     point = "acoustic scale / penalty" if swept else "acoustic scale"
-    out += ["```", "", f"| system | dev %WER | test %WER | {point} | HCLG and decoding time (dev's sweep, test) |",
-            "|---|---|---|---|---|"]
+    out += ["```", "", f"| system | dev %WER | test %WER | {point} | HCLG and decoding time (dev's sweep, test) |"
+            + (" test decoding RTF |" if timed else ""), "|---|---|---|---|---|" + ("---|" if timed else "")]
     for name in GMM:
         g = snap["gmm"][name]
         penalty = g["test"].get("word_insertion_penalty")
         chosen = f"{g['test']['acoustic_scale']:g}" + ("" if penalty is None else f" / {penalty:g}")
+        speed = g["test"].get("speed")
+        rtf = (f" {speed['rtf']:.3f} ({speed['jobs']} processes) |" if speed else " not recorded |") if timed else ""
         out.append(f"| {name} | {g['dev']['wer']:.2f} | {g['test']['wer']:.2f} | {chosen} | "
-                   f"{_seconds(g['decode_seconds'])} |")
+                   f"{_seconds(g['decode_seconds'])} |" + rtf)
     out += ["", "### DNN-HMM (stages 9-11)", "", "```"]
     for run in runs:
         d = snap["decodes"][f"{run['run']}/{run['seed']}"]

@@ -12,8 +12,8 @@ penalties of Kaldi's ``score.sh`` (``WORD_INSERTION_PENALTIES``) in order while 
 penalty. Writes ``exp/<name>/graph/HCLG.fst`` (and ``HCLG_wip<p>.fst`` per penalty tried) and
 ``exp/<name>/decode_{dev,test}/`` with ``recogs-*``/``errs-*`` per point (``point_name``) and
 ``wer.json`` (the result at the chosen point: ``wer`` in %, counts, ``acoustic_scale``,
-``word_insertion_penalty``, and on dev ``by_scale``, ``by_penalty`` and ``grid``: the scales tried,
-those added and those skipped). Dev's GMM log-likelihoods are evaluated once for the whole sweep
+``word_insertion_penalty``, ``speed``: that decoding's wall time, audio time and real-time factor, and on
+dev ``by_scale``, ``by_penalty`` and ``grid``: the scales tried, those added and those skipped). Dev's GMM log-likelihoods are evaluated once for the whole sweep
 (``gmm_loglikes``).
 """
 
@@ -52,13 +52,25 @@ def decode_split(hclg, system: GmmSystem, utts, id2word: dict[int, str], out_dir
     """Decode one split at one acoustic scale and score it; returns ``decode.score``'s result
     (``alignments`` receives the best paths' transition-ids). With ``hclg_path``, ``DECODE_JOBS``
     processes decode; ``loglikes``: the split's GMM log-likelihoods (``gmm_loglikes``), if kept;
-    ``penalty``: the word insertion penalty ``hclg`` (and ``hclg_path``) already carry, for the names."""
+    ``penalty``: the word insertion penalty ``hclg`` (and ``hclg_path``) already carry, for the names.
+    The result also holds the decoding's ``speed`` (``timed``)."""
+    start = time.perf_counter()
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, ((u, utts.feats[u]) for u in utts.ids),
                                  acoustic_scale=acoustic_scale, alignments=alignments, hclg_path=hclg_path,
                                  num_jobs=DECODE_JOBS, loglikes=loglikes)
+    speed = timed(start, utts.feats)
     refs = {c.id: " ".join(utts.words[c.id]) for c in utts.cuts}
     texts = {u: words_to_text(w, id2word) for u, w in hyps.items()}
-    return score(refs, texts, out_dir, point_name(split, acoustic_scale, penalty))
+    return {**score(refs, texts, out_dir, point_name(split, acoustic_scale, penalty)), "speed": speed}
+
+
+def timed(start: float, feats: dict) -> dict:
+    """A decoding's speed since ``start`` (``time.perf_counter``) over ``feats``' frames (10 ms each):
+    ``{"seconds", "audio_seconds", "rtf", "jobs"}`` (wall time, with ``DECODE_JOBS`` processes)."""
+    seconds = time.perf_counter() - start
+    audio = sum(len(f) for f in feats.values()) / 100.0
+    return {"seconds": round(seconds, 2), "audio_seconds": round(audio, 1), "rtf": round(seconds / max(audio, 1e-9), 4),
+            "jobs": DECODE_JOBS}
 
 
 class PenaltyGraphs:

@@ -50,7 +50,7 @@ from local.gmm.common import (
     realign_all,
     train_iterations,
 )
-from local.gmm.decode import DECODE_JOBS, PenaltyGraphs
+from local.gmm.decode import DECODE_JOBS, PenaltyGraphs, timed
 from local.gmm.sizes import resolve_sizes
 from local.gmm.transforms import (
     FmllrStats,
@@ -280,10 +280,12 @@ def _score_final(graphs, system: GmmSystem, feats: dict, lang, refs: dict, out_d
     if (scale, penalty) in by_point:
         return by_point[(scale, penalty)]["wer"]
     hclg, hclg_path = graphs(penalty)
+    start = time.perf_counter()
     hyps = _decode_final(hclg, system, feats, scale, hclg_path, paths_by_point.setdefault((scale, penalty), {}),
                          loglikes)
+    speed = timed(start, feats)  # (the final pass alone)
     texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
-    by_point[(scale, penalty)] = score(refs, texts, out_dir, point_name(split, scale, penalty))
+    by_point[(scale, penalty)] = {**score(refs, texts, out_dir, point_name(split, scale, penalty)), "speed": speed}
     return by_point[(scale, penalty)]["wer"]
 
 
