@@ -13,8 +13,8 @@ penalty. Writes ``exp/<name>/graph/HCLG.fst`` (and ``HCLG_wip<p>.fst`` per penal
 ``exp/<name>/decode_{dev,test}/`` with ``recogs-*``/``errs-*`` per point (``point_name``) and
 ``wer.json`` (the result at the chosen point: ``wer`` in %, counts, ``acoustic_scale``,
 ``word_insertion_penalty``, ``speed``: that decoding's wall time, audio time and real-time factor, and on
-dev ``by_scale``, ``by_penalty`` and ``grid``: the scales tried, those added and those skipped). Dev's GMM log-likelihoods are evaluated once for the whole sweep
-(``gmm_loglikes``).
+dev ``by_scale``, ``by_penalty`` and ``grid``: the scales tried, those added and those skipped). Dev's GMM
+log-likelihoods are evaluated once for the whole sweep (``gmm_loglikes``).
 """
 
 from __future__ import annotations
