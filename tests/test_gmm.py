@@ -813,3 +813,28 @@ def test_sat_on_lda_mllt_features_decodes_and_aligns(lda_mllt):
     dev = list(CutSet.from_file(data_dir / "features" / "dev_cuts.jsonl.gz"))
     _, x = next(iter(front(dev, "dev")))
     assert front.dim == x.shape[1] == 40
+
+
+def test_a_new_set_is_decoded_at_the_sat_system_s_scale_and_penalty(trained, sat, tmp_path):
+    """``decode_new_set`` (``evaluate.py --test-set``'s SAT decoding) decodes as ``decode_sat`` decoded
+    test, the word insertion penalty dev picked included: the same best paths."""
+    import pickle
+    import shutil
+
+    from lhotse import CutSet
+    from local.gmm.common import GmmSystem
+    from local.gmm.sat import decode_new_set, decode_sat
+    from local.graph.lang import load_lang
+
+    data_dir = tmp_path / "tiny"  # (a copy: the module's other tests read the SAT stage's decodings)
+    shutil.copytree(trained[0], data_dir, ignore=shutil.ignore_patterns("audio"))
+    res = decode_sat(data_dir, GmmSystem.load(data_dir / "exp" / "sat" / "final.pkl"),
+                     GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl"), load_lang(data_dir / "lang"),
+                     scales=(0.1,), penalties=(0.5,))
+    assert (res["acoustic_scale"], res["word_insertion_penalty"]) == (0.1, 0.5)
+    with open(data_dir / "exp" / "sat" / "decode_test" / "best_path.pkl", "rb") as f:
+        expected = pickle.load(f)
+    _, _, best = decode_new_set(data_dir, CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz"))
+    assert expected and set(best) == set(expected)
+    assert all(np.array_equal(best[u], expected[u]) for u in expected)
+    assert (data_dir / "exp" / "sat" / "graph" / "HCLG_wip0.5.fst").exists()
