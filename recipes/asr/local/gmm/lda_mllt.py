@@ -269,7 +269,8 @@ def train_lda_mllt(
         dim: the LDA's output dimension (Kaldi's 40).
         beam: Viterbi alignment beam (retry beam 40).
         decode: decode dev and test (``exp/lda_mllt/decode_*``).
-        scales: acoustic scales tried on dev (default ``GMM_ACOUSTIC_SCALES``, extended past an edge).
+        scales: the acoustic-scale grid dev is searched on (default ``GMM_ACOUSTIC_SCALES``; bracketed, extended
+            past an edge: ``pick_scale``).
         seed: seed of the mixing up's perturbations (``common.split_by_count``).
 
     Returns:

@@ -83,7 +83,8 @@ def train_mono(
         beam: Viterbi alignment beam (retry beam 40).
         seed: seed of the flat start's random paths (``align-equal-compiled``) and of the mixing
             up's perturbations (``common.split_by_count``).
-        scales: acoustic scales tried on dev (default ``GMM_ACOUSTIC_SCALES``, extended past an edge).
+        scales: the acoustic-scale grid dev is searched on (default ``GMM_ACOUSTIC_SCALES``; bracketed, extended
+            past an edge: ``pick_scale``).
         augmented: train on the sox-augmented copies too (those that fail alignment are dropped
             and counted). Held-out-voice validation with mean-only CMVN (11 training voice settings left
             out of GMM training, their 347 clean utterances decoded): WER 21.4 % clean-only, 19.6 % with them.

@@ -180,7 +180,7 @@ def train_sat(
         fmllr_iters: passes that start with a re-estimation of the speaker transforms.
         beam: Viterbi alignment beam (retry beam 40).
         decode: decode dev and test (``decode_sat``).
-        scales: acoustic scales tried on dev (extended past an edge, ``pick_scale``).
+        scales: the acoustic-scale grid dev is searched on (bracketed, extended past an edge: ``pick_scale``).
         seed: seed of the mixing up's perturbations (``common.split_by_count``).
         speaker_independent: the system SAT starts from, on whose features it trains: ``"tri"`` (Δ + ΔΔ)
             or ``"lda_mllt"`` (``prepare.py --lda-mllt``).

@@ -99,7 +99,8 @@ def train_tri(
             separate roots per HMM state 22.3 %.
         num_iters: training passes (Kaldi's train_deltas uses 35, re-aligning at 10, 20, 30).
         beam: Viterbi alignment beam (retry beam 40).
-        scales: acoustic scales tried on dev (default ``GMM_ACOUSTIC_SCALES``, extended past an edge).
+        scales: the acoustic-scale grid dev is searched on (default ``GMM_ACOUSTIC_SCALES``; bracketed, extended
+            past an edge: ``pick_scale``).
         augmented: train on the sox-augmented copies too (speed/noise/reverb variety acts like
             more voices); needs a monophone trained the same way (its alignments seed the tree).
         shared_roots: one tree root per phone shared by its HMM states (Kaldi's ``roots.txt``
