@@ -318,7 +318,8 @@ def gmm_reference(data_dir: Path | str, system: str = "sat") -> dict | None:
     if not wer.exists():
         return None
     res = json.loads(wer.read_text())
-    path = decode_dir / f"per_utt-{point_name('test', res['acoustic_scale'], res.get('word_insertion_penalty', 0.0))}.json"
+    point = point_name("test", res["acoustic_scale"], res.get("word_insertion_penalty", 0.0))
+    path = decode_dir / f"per_utt-{point}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
