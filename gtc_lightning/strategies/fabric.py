@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from gtc_lightning.algorithms.gtc import update as update_mode
-from gtc_lightning.algorithms.gtc.config import check_busy_wait, check_options, sparse_gradient_parameters
+from gtc_lightning.algorithms.gtc.config import check_options, sparse_gradient_parameters
 from gtc_lightning.algorithms.gtc.hook import gtc_hook
 from gtc_lightning.algorithms.gtc.state import GTCState
 from gtc_lightning.strategies import checkpoint
@@ -96,8 +96,8 @@ class GTCFabricStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress)
-        check_busy_wait(busy_wait)
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
+                      busy_wait)
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'")
         if gradient_clip_val is not None and not gradient_clip_val > 0:

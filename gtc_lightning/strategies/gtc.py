@@ -34,7 +34,6 @@ from gtc_lightning.algorithms.common import all_gather_equal, check_int, paramet
 from gtc_lightning.algorithms.gtc import update as update_mode
 from gtc_lightning.algorithms.gtc.config import (
     DEFAULT_DENSITY,
-    check_busy_wait,
     check_options,
     sparse_gradient_parameters,
 )
@@ -179,13 +178,13 @@ class GTCStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress)
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
+                      busy_wait)
         if not isinstance(stale, bool):
             raise ValueError(f"Expect stale to be True or False, got {stale!r}")  # noqa: TRY004
         check_int(
             "check_replicas_every", check_replicas_every, 0, "steps between replica checks; 0 turns it off"
         )
-        check_busy_wait(busy_wait)
         drop_hook_args(kwargs, "GTCStrategy")
         if kwargs.get("bucket_cap_mb") is None:
             kwargs["bucket_cap_mb"] = BUCKET_CAP_MB

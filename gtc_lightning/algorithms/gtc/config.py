@@ -43,6 +43,7 @@ def check_options(
     coding: str = "none",
     target_density: float | None = None,
     compress: str = "gradient",
+    busy_wait: bool | None = None,
 ) -> None:
     """Validate GTC's hyper-parameters, with messages that say what each one means.
 
@@ -94,6 +95,11 @@ def check_options(
             f"the step each rank's optimizer makes, for momentum SGD and Adam; 'auto': by the optimizer), got "
             f"{compress!r}"
         )
+    if busy_wait is not None and not isinstance(busy_wait, bool):
+        raise ValueError(
+            f"Expect busy_wait to be True (poll the collectives), False (block on them) or None (poll on gloo "
+            f"when each rank has a core), got {busy_wait!r}"
+        )
 
 
 def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
@@ -108,12 +114,3 @@ def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
                 if p.requires_grad
             ]
     return names
-
-
-def check_busy_wait(busy_wait: bool | None) -> None:
-    """Raise ``ValueError`` unless ``busy_wait`` is True, False or None."""
-    if busy_wait is not None and not isinstance(busy_wait, bool):
-        raise ValueError(
-            f"Expect busy_wait to be True (poll the collectives), False (block on them) or None (poll on gloo "
-            f"when each rank has a core), got {busy_wait!r}"
-        )

@@ -24,7 +24,6 @@ from gtc_lightning.algorithms.gtc.config import (
     AUTO_TAU_INIT,
     DEFAULT_DENSITY,
     SILENT_STEPS,
-    check_busy_wait,
     check_options,
     f32,
 )
@@ -81,8 +80,8 @@ class GTCState:
         compress: str = "gradient",
         busy_wait: bool | None = None,
     ) -> None:
-        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress)
-        check_busy_wait(busy_wait)
+        check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
+                      busy_wait)
         measure = tau == "auto"  # automatic tau measures where to start at its first compressed step
         if tau == "auto":
             tau = AUTO_TAU_INIT
