@@ -261,7 +261,7 @@ def test_gmm_decoding_extends_the_grid_past_the_edge_dev_picks(trained, monkeypa
     decoded = []
 
     def fake_decode(hclg, system, utts, id2word, out_dir, split, scale, alignments=None, hclg_path=None,
-                    loglikes=None, penalty=0.0):
+                    loglikes=None, penalty=0.0, search=None):
         decoded.append((split, scale))
         out_dir.mkdir(parents=True, exist_ok=True)  # as scoring does
         return {"wer": 10.0 + 100 * abs(scale - 0.06) + penalty, "words": 1}
@@ -288,7 +288,7 @@ def test_gmm_decoding_sweeps_the_penalty_at_dev_s_scale_and_decodes_test_with_it
     decoded = []
 
     def fake_decode(hclg, system, utts, id2word, out_dir, split, scale, alignments=None, hclg_path=None,
-                    loglikes=None, penalty=0.0):
+                    loglikes=None, penalty=0.0, search=None):
         decoded.append((split, scale, penalty, hclg_path.name))
         out_dir.mkdir(parents=True, exist_ok=True)
         return {"wer": 10.0 + 100 * abs(scale - 0.1) + {0.0: 0.0, 0.5: -1.0, 1.0: -0.5}[penalty], "words": 1}
@@ -306,6 +306,61 @@ def test_gmm_decoding_sweeps_the_penalty_at_dev_s_scale_and_decodes_test_with_it
     assert [d for d in decoded if d[0] == "test"] == [("test", 0.1, 0.5, "HCLG_wip0.5.fst")]
     assert (data_dir / "exp" / "mono_wip" / "graph" / "HCLG_wip0.5.fst").exists()
 
+
+
+def test_every_gmm_decoding_prunes_with_the_stage_s_search_and_records_it(trained, sat, monkeypatch, tmp_path):
+    """``prepare.py --beam/--max-active`` reach every GMM decoding: a system's dev sweep and test, SAT's
+    passes, and a new set's passes (each as its stage decoded, read from its ``wer.json``)."""
+    import shutil
+
+    from lhotse import CutSet
+    from local.gmm import decode as decode_module
+    from local.gmm import sat as sat_module
+    from local.gmm.common import GmmSystem
+    from local.graph.decode import KALDI_SEARCH, Search
+    from local.graph.lang import load_lang
+
+    data_dir = tmp_path / "tiny"  # (a copy: the module's other tests read the stages' decodings)
+    shutil.copytree(trained[0], data_dir, ignore=shutil.ignore_patterns("audio"))
+    lang = load_lang(data_dir / "lang")
+    seen = []
+    real = decode_module.decode_utterances_gmm
+
+    def recording(*args, beam, max_active, **kwargs):
+        seen.append((beam, max_active))
+        return real(*args, beam=beam, max_active=max_active, **kwargs)
+
+    for module in (decode_module, sat_module):
+        monkeypatch.setattr(module, "decode_utterances_gmm", recording)
+    mono = GmmSystem.load(data_dir / "exp" / "mono" / "final.pkl")
+    decode_module.decode_system(data_dir, "mono", mono, lang, scales=(0.1,), penalties=(0.5,), search=KALDI_SEARCH)
+    assert len(seen) >= 3 and set(seen) == {(13.0, 7000)}  # dev at 0.1, at penalty 0.5, test
+    for split in ("dev", "test"):
+        res = json.loads((data_dir / "exp" / "mono" / f"decode_{split}" / "wer.json").read_text())
+        assert res["search"] == {"beam": 13.0, "max_active": 7000}
+
+    seen.clear()
+    sat_module.decode_sat(data_dir, GmmSystem.load(data_dir / "exp" / "sat" / "final.pkl"),
+                          GmmSystem.load(data_dir / "exp" / "tri" / "final.pkl"), lang, scales=(0.1,),
+                          penalties=(0.5,), search=KALDI_SEARCH)
+    assert len(seen) >= 5 and set(seen) == {(13.0, 7000)}  # (the first pass is the tri stage's, kept)
+    assert json.loads((data_dir / "exp" / "sat" / "decode_dev" / "wer.json").read_text())["search"]["beam"] == 13.0
+
+    seen.clear()  # a new set: tri's first pass as the tri stage decoded (before searches were recorded: 10 / 3000)
+    tri_dev = data_dir / "exp" / "tri" / "decode_dev" / "wer.json"
+    tri_dev.write_text(json.dumps({k: v for k, v in json.loads(tri_dev.read_text()).items() if k != "search"}))
+    sat_module.decode_new_set(data_dir, CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz"))
+    assert seen == [(10.0, 3000), (13.0, 7000), (13.0, 7000)]
+    assert Search.recorded({}) == Search() and Search.recorded({"search": KALDI_SEARCH.record()}) == KALDI_SEARCH
+
+
+@pytest.mark.parametrize("beam, max_active, match", [(0, 3000, "beam=0"), (10.0, 100, "max_active=100"),
+                                                     (10.0, 3000.5, "max_active=3000.5")])
+def test_a_bad_search_names_the_value_and_the_fix(beam, max_active, match):
+    from local.graph.decode import Search
+
+    with pytest.raises(ValueError, match=match + ".*Kaldi's"):
+        Search(beam, max_active)
 
 def test_converted_alignment_keeps_phones_and_transitions(trained):
     from local.gmm.common import GmmSystem, convert_alignments, phones_of
@@ -598,6 +653,7 @@ def test_the_sat_schedule_option_reaches_the_sat_stage(monkeypatch, tmp_path):
 
     import prepare
     from local.gmm import sat
+    from local.graph.decode import Search
 
     seen = {}
     monkeypatch.setattr(prepare, "prepare", lambda *args, **kwargs: seen.update(kwargs))
@@ -612,8 +668,8 @@ def test_the_sat_schedule_option_reaches_the_sat_stage(monkeypatch, tmp_path):
     monkeypatch.setattr(sat, "train_sat", lambda data_dir, *a, **kw: calls.append(kw) or {})
     sizes = dict.fromkeys(prepare.GMM_SIZES, "auto")
     prepare._run_stage("sat", tmp_path, argparse.Namespace(seed=0, gmm_sizes=sizes, lda_mllt=False,
-                                                           sat_schedule="kaldi"))
-    assert calls == [{"seed": 0, "realign_iters": (10, 20, 30), "fmllr_iters": (2, 4, 6, 12)}]
+                                                           sat_schedule="kaldi", search=Search()))
+    assert calls == [{"seed": 0, "search": Search(), "realign_iters": (10, 20, 30), "fmllr_iters": (2, 4, 6, 12)}]
 
 
 def test_mixing_up_is_kaldis_split_with_a_seeded_perturbation(trained):

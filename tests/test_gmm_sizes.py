@@ -37,8 +37,9 @@ def test_given_sizes_are_checked_and_auto_ones_recorded():
         resolve_sizes("lda_mllt", 500, 100, frames=1000)
 
 
-def test_prepare_hands_its_seed_and_sizes_to_every_gmm_stage(monkeypatch, tmp_path):
+def test_prepare_hands_its_seed_sizes_and_search_to_every_gmm_stage(monkeypatch, tmp_path):
     from local.gmm import align, mono, sat, tri
+    from local.graph.decode import KALDI_SEARCH
 
     calls = {}
 
@@ -48,11 +49,13 @@ def test_prepare_hands_its_seed_and_sizes_to_every_gmm_stage(monkeypatch, tmp_pa
     for module, fn in ((mono, "train_mono"), (tri, "train_tri"), (sat, "train_sat"), (align, "align")):
         monkeypatch.setattr(module, fn, record(fn))
     args = argparse.Namespace(seed=7, gmm_sizes={"tri_leaves": 400, "tri_gauss": "auto", "sat_leaves": "auto",
-                                                 "sat_gauss": 6000}, lda_mllt=False, sat_schedule="recipe")
+                                                 "sat_gauss": 6000}, lda_mllt=False, sat_schedule="recipe",
+                              search=KALDI_SEARCH)
     for stage in ("mono", "tri", "sat", "align"):
         prepare._run_stage(stage, tmp_path, args)
     assert all(kwargs["seed"] == 7 for _, kwargs in calls.values()) and len(calls) == 4
     assert calls["train_tri"][0] == (400, "auto") and calls["train_sat"][0] == ("auto", 6000)
+    assert [calls[fn][1]["search"] for fn in ("train_mono", "train_tri", "train_sat")] == [KALDI_SEARCH] * 3
 
 
 def test_the_size_options_parse_auto_or_a_positive_number(monkeypatch):

@@ -139,18 +139,20 @@ def test_mllt_never_lowers_the_likelihood_and_gains_on_correlated_data(correlate
 # ---------------------------------------------------------------- prepare.py --lda-mllt
 def test_the_flag_trains_lda_mllt_in_the_tri_stage_and_sat_on_it(monkeypatch, tmp_path):
     from local.gmm import lda_mllt, sat, tri
+    from local.graph.decode import Search
 
     calls = {}
     for module, fn in ((tri, "train_tri"), (lda_mllt, "train_lda_mllt"), (sat, "train_sat")):
         monkeypatch.setattr(module, fn, lambda data_dir, *a, _fn=fn, **kw: calls.setdefault(_fn, []).append((a, kw))
                             or {})
     sizes = {**dict.fromkeys(prepare.GMM_SIZES, "auto"), "lda_mllt_leaves": 500}
+    search = Search(13.0, 7000)
     for flag in (False, True):
-        args = argparse.Namespace(seed=3, gmm_sizes=sizes, lda_mllt=flag, sat_schedule="recipe")
+        args = argparse.Namespace(seed=3, gmm_sizes=sizes, lda_mllt=flag, sat_schedule="recipe", search=search)
         prepare._run_stage("tri", tmp_path, args)
         prepare._run_stage("sat", tmp_path, args)
-    assert len(calls["train_tri"]) == 2 and calls["train_lda_mllt"] == [((500, "auto"), {"seed": 3})]
-    recipe = {"seed": 3, "realign_iters": (10, 25), "fmllr_iters": (20,)}
+    assert len(calls["train_tri"]) == 2 and calls["train_lda_mllt"] == [((500, "auto"), {"seed": 3, "search": search})]
+    recipe = {"seed": 3, "search": search, "realign_iters": (10, 25), "fmllr_iters": (20,)}
     assert [kw for _, kw in calls["train_sat"]] == [recipe, {**recipe, "speaker_independent": "lda_mllt"}]
 
 
@@ -173,3 +175,32 @@ def test_the_flag_is_recorded_and_a_data_dir_built_the_other_way_is_refused(tmp_
     prepare.check_lda_mllt(data_dir, settings, False, stage=5, force=False)  # the same setting continues
     with pytest.raises(SystemExit, match="built with --lda-mllt"):
         prepare.check_lda_mllt(data_dir, {**settings, "lda_mllt": True}, False, stage=6, force=True)
+
+
+def test_the_gmm_search_is_recorded_taken_when_left_out_and_refused_when_it_differs(tmp_path, monkeypatch):
+    from local.graph.decode import KALDI_SEARCH, Search
+
+    seen = {}
+    monkeypatch.setattr(prepare, "prepare", lambda *args, **kwargs: seen.update(kwargs))
+    prepare.main(["--beam", "13", "--max-active", "7000"])
+    assert (seen["beam"], seen["max_active"]) == (13.0, 7000)
+    monkeypatch.undo()
+
+    data_dir = tmp_path / "data"
+    (data_dir / ".done").mkdir(parents=True)
+    settings = {"corpus": "synthetic", "corpus_dir": None, "size": "tiny", "seed": 0}
+    (data_dir / "settings.json").write_text(json.dumps(settings))
+    for stage in prepare.STAGES:  # every stage done: prepare() only checks and records
+        (data_dir / ".done" / stage).write_text("done\n")
+    with pytest.raises(SystemExit, match=r"decoded with --beam 10 --max-active 3000.*--stage 3 --force"):
+        prepare.prepare(data_dir=data_dir, stage=6, stop_stage=6, beam=13, max_active=7000)
+    assert json.loads((data_dir / "settings.json").read_text()) == settings  # nothing written
+    prepare.check_gmm_search(data_dir, settings, KALDI_SEARCH, stage=3, force=True)  # a rebuild may change it
+    kaldi = {**settings, "gmm_search": KALDI_SEARCH.record()}
+    (data_dir / "settings.json").write_text(json.dumps(kaldi))
+    prepare.prepare(data_dir=data_dir, stage=8, stop_stage=8)  # left out: the recorded search is taken, kept
+    assert json.loads((data_dir / "settings.json").read_text()) == kaldi
+    with pytest.raises(SystemExit, match=r"decoded with --beam 13 --max-active 7000.*not --beam 10 --max-active 7000"):
+        prepare.prepare(data_dir=data_dir, stage=8, stop_stage=8, beam=10)
+    with pytest.raises(SystemExit, match="--stage 3 --force"):  # a rebuild from a later stage is not enough
+        prepare.check_gmm_search(data_dir, kaldi, Search(), stage=4, force=True)

@@ -84,7 +84,8 @@ def test_run_sh_names_its_precision_and_refuses_others():
     run_sh = ["bash", str(ROOT / "recipes" / "asr" / "run.sh")]
     out = subprocess.run(run_sh, env=env, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() in ("== DNN training precision: bf16-mixed", "== DNN training precision: 32-true")
+    assert out.stdout.strip() in ("== DNN training precision: bf16-mixed; profile: default",
+                                  "== DNN training precision: 32-true; profile: default")
     bad = subprocess.run(run_sh, env={**env, "precision": "16-mixed"}, capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "precision=16-mixed: use 32-true or bf16-mixed" in bad.stderr
 
@@ -107,3 +108,27 @@ def test_run_sh_hands_evaluate_args_to_the_decoding_stage(tmp_path):
     call = (tmp_path / "calls").read_text().strip()
     assert call.startswith("recipes/asr/evaluate.py --runs " + str(tmp_path / "exp" / "baseline"))
     assert call.endswith("--skip-decoded --rescore-lm 4 --jobs 1")
+
+
+def test_run_sh_profile_kaldi_asks_every_stage_for_kaldi_s_settings_in_its_own_dirs(tmp_path):
+    """profile=kaldi: prepare.py gets LDA+MLLT and the GMM beams, evaluate.py the DNN beam, and the data and
+    runs go to their own dirs (a stand-in python records the command lines); another profile is refused."""
+    import os
+
+    stub = tmp_path / "python"
+    stub.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls'}\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "python": str(stub), "precision": "32-true", "profile": "kaldi",
+           "prepare_args": "--num-jobs 1"}
+    out = subprocess.run(["bash", str(ROOT / "recipes" / "asr" / "run.sh")], env=env, capture_output=True,
+                         text=True, check=False, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    prep, base, gtc, evaluate = (tmp_path / "calls").read_text().strip().splitlines()
+    assert prep.startswith("recipes/asr/prepare.py --data-dir data/synthetic-default-kaldi --stage 0 --stop-stage 8")
+    assert prep.endswith("--lda-mllt --beam 13 --max-active 7000 --num-jobs 1")
+    assert all("--data.data_dir data/synthetic-default-kaldi --exp_dir exp/dnn-kaldi " in c for c in (base, gtc))
+    assert evaluate.startswith("recipes/asr/evaluate.py --runs --out exp/dnn-kaldi/compare")
+    assert evaluate.endswith("--skip-decoded --beam 13")
+    bad = subprocess.run(["bash", str(ROOT / "recipes" / "asr" / "run.sh")], env={**env, "profile": "fast"},
+                         capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert bad.returncode == 2 and "profile=fast: use default or kaldi" in bad.stderr

@@ -24,7 +24,9 @@ Stage 0 records the corpus options (--corpus, --corpus-dir, --size, --seed, --tr
 ``<data-dir>/settings.json``; later runs on that data dir take them from there when left out, and refuse
 a value that differs (rebuild from stage 0 with --force, or use another --data-dir). --lda-mllt (off by
 default) is recorded there too: a data dir whose GMM stages were built one way is refused the other way
-until they are rebuilt (``--stage 4 --force``).
+until they are rebuilt (``--stage 4 --force``). So are --beam and --max-active, the GMM decodings' search
+(default 10 and 3,000; Kaldi's 13 and 7,000): left out, the recorded ones are taken; others are refused
+until the decoding stages are rebuilt (``--stage 3 --force``).
 
 A stage is marked done (``<data-dir>/.done/<stage>``) only when it completed, and before it runs
 what it writes (``STAGE_OUTPUTS``) is cleared: killing a run in the middle of any stage and running
@@ -84,6 +86,9 @@ STAGE_REQUIRES = {"adapt": ["adapt/fbank_sat_trans.pkl"]}
 GMM_SIZES = ("tri_leaves", "tri_gauss", "lda_mllt_leaves", "lda_mllt_gauss", "sat_leaves", "sat_gauss")
 # the stages a data dir built with or without --lda-mllt holds that the flag changes
 LDA_MLLT_STAGES = ("tri", "sat", "align", "adapt", "report")
+# the stages whose output the GMM decodings' search (--beam, --max-active) changes: the decodings, the
+# DNN's dev and test fbank transforms made from SAT's (adapt), the report
+GMM_SEARCH_STAGES = ("mono", "tri", "sat", "adapt", "report")
 
 
 def default_data_dir(corpus: str, size: str) -> Path:
@@ -136,16 +141,17 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
     if name == "mono":
         from local.gmm.mono import train_mono
 
-        return _summary(train_mono(data_dir, seed=args.seed))
+        return _summary(train_mono(data_dir, seed=args.seed, search=args.search))
     if name == "tri":
         from local.gmm.tri import train_tri
 
         sizes = args.gmm_sizes
-        line = _summary(train_tri(data_dir, sizes["tri_leaves"], sizes["tri_gauss"], seed=args.seed))
+        line = _summary(train_tri(data_dir, sizes["tri_leaves"], sizes["tri_gauss"], seed=args.seed, search=args.search))
         if args.lda_mllt:
             from local.gmm.lda_mllt import train_lda_mllt
 
-            lda = train_lda_mllt(data_dir, sizes["lda_mllt_leaves"], sizes["lda_mllt_gauss"], seed=args.seed)
+            lda = train_lda_mllt(data_dir, sizes["lda_mllt_leaves"], sizes["lda_mllt_gauss"], seed=args.seed,
+                                 search=args.search)
             line += "; lda_mllt: " + _summary(lda)
         return line
     if name == "sat":
@@ -155,7 +161,7 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
         from local.gmm.sat import SAT_SCHEDULES
 
         return _summary(train_sat(data_dir, sizes["sat_leaves"], sizes["sat_gauss"], seed=args.seed,
-                                  **SAT_SCHEDULES[args.sat_schedule],
+                                  search=args.search, **SAT_SCHEDULES[args.sat_schedule],
                                   **({"speaker_independent": "lda_mllt"} if args.lda_mllt else {})))
     if name == "align":
         from local.gmm.align import align
@@ -206,8 +212,9 @@ def _shown(value) -> str:
 
 
 def _without_flag(settings: dict) -> dict:
-    """``settings`` without the ``lda_mllt`` entry, which ``check_lda_mllt`` compares on its own."""
-    return {k: v for k, v in settings.items() if k != "lda_mllt"}
+    """``settings`` without the ``lda_mllt`` and ``gmm_search`` entries, which ``check_lda_mllt`` and
+    ``check_gmm_search`` compare on their own."""
+    return {k: v for k, v in settings.items() if k not in ("lda_mllt", "gmm_search")}
 
 
 def check_lda_mllt(data_dir: Path, recorded: dict | None, lda_mllt: bool, stage: int, force: bool) -> None:
@@ -227,6 +234,27 @@ def check_lda_mllt(data_dir: Path, recorded: dict | None, lda_mllt: bool, stage:
         f"or run {flag} --lda-mllt)"
     )
 
+
+
+def check_gmm_search(data_dir: Path, recorded: dict | None, search, stage: int, force: bool) -> None:
+    """Refuse to continue a data dir whose decoding stages (mono on) were built with another GMM search
+    (``--beam``, ``--max-active``; ``settings.json``'s ``gmm_search``, absent: the recipe's), unless this run
+    rebuilds them from the mono stage (``--stage`` at most 3 with ``--force``): a done stage would be skipped
+    and keep the decodings of the other search."""
+    from local.graph.decode import Search
+
+    was = Search(**(recorded or {}).get("gmm_search", {}))
+    if was == search:
+        return
+    built = [name for name in GMM_SEARCH_STAGES if _marker(data_dir, name).exists()]
+    if not built or (force and stage <= STAGES.index("mono")):
+        return
+    raise SystemExit(
+        f"{data_dir}'s stages {', '.join(built)} were decoded with --beam {was.beam:g} --max-active {was.max_active} "
+        f"(settings.json), not --beam {search.beam:g} --max-active {search.max_active}; to change that, rebuild "
+        f"them from the mono stage: add --stage {STAGES.index('mono')} --force (or use another --data-dir, or run "
+        f"with --beam {was.beam:g} --max-active {was.max_active})"
+    )
 
 def _gmm_size(text: str) -> int | str:
     """A GMM size option's value: ``auto`` or a positive whole number."""
@@ -280,6 +308,8 @@ def prepare(
     gmm_sizes: dict[str, int | str] | None = None,
     lda_mllt: bool = False,
     sat_schedule: str = "kaldi",
+    beam: float | None = None,
+    max_active: int | None = None,
 ) -> Path:
     """Run stages ``stage..stop_stage``; return the data directory. Importable by train.py.
 
@@ -289,7 +319,10 @@ def prepare(
     from the hours of training speech, ``local.gmm.sizes``). ``lda_mllt``: train the LDA+MLLT system in
     the tri stage and build SAT, align and adapt on its features (recorded in ``settings.json``;
     ``check_lda_mllt``). ``sat_schedule``: the SAT stage's passes of re-alignment and fMLLR re-estimation,
-    ``"kaldi"`` (the default) or ``"recipe"`` (``local.gmm.sat.SAT_SCHEDULES``).
+    ``"kaldi"`` (the default) or ``"recipe"`` (``local.gmm.sat.SAT_SCHEDULES``). ``beam``, ``max_active``: the
+    GMM systems' dev and test decodings' search (``local.graph.decode.Search``; None: the one recorded in
+    ``settings.json``, else the recipe's 10 and 3,000), recorded there when not the recipe's; one that differs
+    from the recorded search is refused unless the decoding stages are rebuilt (``check_gmm_search``).
 
     ``corpus``, ``corpus_dir``, ``size``, ``seed`` and ``train_parts`` describe what stage 0 built and are
     recorded in ``settings.json``; left ``None``, they are taken from there (or default to the embedded
@@ -318,10 +351,15 @@ def prepare(
         raise ValueError(f"need 0 <= stage ({stage}) <= stop_stage ({stop_stage}) <= {len(STAGES) - 1}")
     if set(gmm_sizes or {}) - set(GMM_SIZES):
         raise ValueError(f"unknown GMM sizes {sorted(set(gmm_sizes) - set(GMM_SIZES))}; use {list(GMM_SIZES)}")
+    from local.graph.decode import BEAM, MAX_ACTIVE, Search
+
+    was = (recorded or {}).get("gmm_search", {})  # left out: the data dir's search, else the recipe's
+    search = Search(float(beam) if beam is not None else was.get("beam", BEAM),
+                    max_active if max_active is not None else was.get("max_active", MAX_ACTIVE))
     data_dir.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs,
                               train_parts=train_parts, lexicon=lexicon, lm_text=lm_text, oov=oov,
-                              lda_mllt=lda_mllt, sat_schedule=sat_schedule)  # fmt: skip
+                              lda_mllt=lda_mllt, sat_schedule=sat_schedule, search=search)  # fmt: skip
     args.gmm_sizes = {**dict.fromkeys(GMM_SIZES, "auto"), **(gmm_sizes or {})}
     wanted = {"corpus": corpus, "corpus_dir": corpus_dir, "size": size, "seed": seed}
     if train_parts:  # (only when given: data dirs prepared before these options stay valid)
@@ -337,10 +375,13 @@ def prepare(
             "use another --data-dir or --force to rebuild it"
         )
     check_lda_mllt(data_dir, recorded, lda_mllt, stage, force)
+    check_gmm_search(data_dir, recorded, search, stage, force)
     # Later stages build on what stage 0 made: its record stays as written then (an older corpus version too).
     record = _without_flag(wanted if rebuild else recorded)
     if lda_mllt:  # (only when given: the settings of a data dir built without it stay as they were)
         record["lda_mllt"] = True
+    if search != Search():  # (likewise: only when not the recipe's)
+        record["gmm_search"] = search.record()
     write_text(settings, json.dumps(record))
     for i in range(stage, stop_stage + 1):
         name = STAGES[i]
@@ -399,6 +440,13 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(f"--{system.replace('_', '-')}-{what}", type=_gmm_size, default="auto",
                        help=f"{'leaves' if what == 'leaves' else 'Gaussians in total'} of the {system} system, or "
                             "auto: from the hours of training speech (default)")
+    p.add_argument("--beam", type=float, default=None,
+                   help="decoding beam of the GMM systems' dev and test decodings (default: the data dir's "
+                        "settings.json, else 10; Kaldi's decode.sh: 13, with --max-active 7000, about 2.5 times the "
+                        "decoding time)")
+    p.add_argument("--max-active", type=int, default=None,
+                   help="most active decoder states per frame in those decodings (default: the data dir's "
+                        "settings.json, else 3000; Kaldi's: 7000)")
     p.add_argument("--num-jobs", type=int, default=2, help="parallel processes for synthesis and features")
     p.add_argument("--force", action="store_true", help="re-run the selected stages even if done")
     p.add_argument("--train-parts", nargs="+", default=None,
@@ -413,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     prepare(a.corpus, a.corpus_dir, a.data_dir, a.size, a.stage, a.stop_stage, a.seed, a.num_jobs, a.force,
             a.train_parts, a.lexicon, a.lm_text, a.oov,
             gmm_sizes={name: getattr(a, name) for name in GMM_SIZES}, lda_mllt=a.lda_mllt,
-            sat_schedule=a.sat_schedule)  # fmt: skip
+            sat_schedule=a.sat_schedule, beam=a.beam, max_active=a.max_active)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -24,6 +24,11 @@
 #                                                  # more evaluate.py options (here: lattices rescored with a 4-gram)
 #   precision=32-true bash recipes/asr/run.sh      # train in float32 (default: bf16-mixed where the
 #                                                  # device computes bfloat16 natively, local/dnn/precision.py)
+#   profile=kaldi bash recipes/asr/run.sh          # Kaldi's settings where the default departs from them for time:
+#                                                  # LDA+MLLT before SAT, GMM decodings at beam 13 with 7,000 active
+#                                                  # states, DNN lattices at beam 13 (prepare_args="--lda-mllt --beam 13
+#                                                  # --max-active 7000", evaluate_args="--beam 13"); data in
+#                                                  # <data>-kaldi, runs in exp/dnn-kaldi; about 20 minutes more
 #
 # Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 11 decodes
 # the runs not decoded yet (dev at each acoustic scale, test at the one dev picks; with test_sweep=1
@@ -38,17 +43,24 @@ corpus=${corpus:-synthetic}
 corpus_dir=${corpus_dir:-}
 prepare_args=${prepare_args:-}
 evaluate_args=${evaluate_args:-}
+profile=${profile:-default}
+case "$profile" in
+  default) suffix="" ;;
+  kaldi) suffix=-kaldi; prepare_args="--lda-mllt --beam 13 --max-active 7000 $prepare_args"
+         evaluate_args="--beam 13 $evaluate_args" ;;
+  *) echo "run.sh: profile=$profile: use default or kaldi (LDA+MLLT and Kaldi's decoding beams)" >&2; exit 2 ;;
+esac
 case "$corpus" in
-  synthetic) data=${data:-data/synthetic-default}; corpus_args=() ;;
+  synthetic) data=${data:-data/synthetic-default$suffix}; corpus_args=() ;;
   mini_librispeech|librispeech|timit|yesno|kaldi)
-    data=${data:-data/$corpus}
+    data=${data:-data/$corpus$suffix}
     if [ "${stage:-0}" -le 0 ] && [ -z "$corpus_dir" ]; then
       echo "run.sh: corpus=$corpus needs corpus_dir=/path/to/it (this recipe downloads nothing)" >&2; exit 2
     fi
     corpus_args=(--corpus "$corpus"); [ -n "$corpus_dir" ] && corpus_args+=(--corpus-dir "$corpus_dir") ;;
   *) echo "run.sh: corpus=$corpus: use synthetic, mini_librispeech, librispeech, timit, yesno or kaldi" >&2; exit 2 ;;
 esac
-exp=${exp:-exp/dnn}
+exp=${exp:-exp/dnn$suffix}
 stage=${stage:-0}
 stop_stage=${stop_stage:-11}
 seeds=${seeds:-0}
@@ -56,7 +68,7 @@ test_sweep=${test_sweep:-0}
 case "$test_sweep" in 0|1) ;; *) echo "run.sh: test_sweep=$test_sweep: use test_sweep=1 (test at every scale) or 0" >&2; exit 2 ;; esac
 precision=${precision:-$($python recipes/asr/local/dnn/precision.py)}
 case "$precision" in 32-true|bf16-mixed) ;; *) echo "run.sh: precision=$precision: use 32-true or bf16-mixed" >&2; exit 2 ;; esac
-echo "== DNN training precision: $precision"
+echo "== DNN training precision: $precision; profile: $profile"
 
 run_dir() { if [ "$1" = 0 ]; then echo "$exp"; else echo "$exp/seed$1"; fi; }
 

@@ -12,9 +12,14 @@ penalties of Kaldi's ``score.sh`` (``WORD_INSERTION_PENALTIES``) in order while 
 penalty. Writes ``exp/<name>/graph/HCLG.fst`` (and ``HCLG_wip<p>.fst`` per penalty tried) and
 ``exp/<name>/decode_{dev,test}/`` with ``recogs-*``/``errs-*`` per point (``point_name``) and
 ``wer.json`` (the result at the chosen point: ``wer`` in %, counts, ``acoustic_scale``,
-``word_insertion_penalty``, ``speed``: that decoding's wall time, audio time and real-time factor, and on
-dev ``by_scale``, ``by_penalty`` and ``grid``: the scales tried, those added and those skipped). Dev's GMM
-log-likelihoods are evaluated once for the whole sweep (``gmm_loglikes``).
+``word_insertion_penalty``, ``search``: the decoder's beam and most active states, ``speed``: that
+decoding's wall time, audio time and real-time factor, and on dev ``by_scale``, ``by_penalty`` and
+``grid``: the scales tried, those added and those skipped). Dev's GMM log-likelihoods are evaluated
+once for the whole sweep (``gmm_loglikes``).
+
+The search is the recipe's beam 10 with at most 3,000 active states (``Search``), or Kaldi's 13 and 7,000
+(``prepare.py --beam 13 --max-active 7000``). On the default corpus's 900 dev utterances, at the scale dev
+picks, Kaldi's took BEAMCOST.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from local.atomic import atomic_path
 from local.constants import GMM_ACOUSTIC_SCALES, WORD_INSERTION_PENALTIES
 from local.gmm.common import GmmSystem, load_utterances
 from local.graph.decode import (
+    RECIPE_SEARCH,
+    Search,
     decode_utterances_gmm,
     gmm_loglikes,
     pick_penalty,
@@ -48,16 +55,17 @@ DECODE_JOBS = 2  # processes per decoding: the 2 cores of the reference machine 
 
 def decode_split(hclg, system: GmmSystem, utts, id2word: dict[int, str], out_dir: Path, split: str,
                  acoustic_scale: float, alignments: dict | None = None, hclg_path: Path | None = None,
-                 loglikes: dict | None = None, penalty: float = 0.0) -> dict:
+                 loglikes: dict | None = None, penalty: float = 0.0, search: Search = RECIPE_SEARCH) -> dict:
     """Decode one split at one acoustic scale and score it; returns ``decode.score``'s result
     (``alignments`` receives the best paths' transition-ids). With ``hclg_path``, ``DECODE_JOBS``
     processes decode; ``loglikes``: the split's GMM log-likelihoods (``gmm_loglikes``), if kept;
-    ``penalty``: the word insertion penalty ``hclg`` (and ``hclg_path``) already carry, for the names.
+    ``penalty``: the word insertion penalty ``hclg`` (and ``hclg_path``) already carry, for the names;
+    ``search``: the decoder's beam and most active states.
     The result also holds the decoding's ``speed`` (``timed``)."""
     start = time.perf_counter()
     hyps = decode_utterances_gmm(hclg, system.tm, system.am, ((u, utts.feats[u]) for u in utts.ids),
-                                 acoustic_scale=acoustic_scale, alignments=alignments, hclg_path=hclg_path,
-                                 num_jobs=DECODE_JOBS, loglikes=loglikes)
+                                 acoustic_scale=acoustic_scale, beam=search.beam, max_active=search.max_active,
+                                 alignments=alignments, hclg_path=hclg_path, num_jobs=DECODE_JOBS, loglikes=loglikes)
     speed = timed(start, utts.feats)
     refs = {c.id: " ".join(utts.words[c.id]) for c in utts.cuts}
     texts = {u: words_to_text(w, id2word) for u, w in hyps.items()}
@@ -92,7 +100,7 @@ class PenaltyGraphs:
 
 
 def _decode_kept(graphs: PenaltyGraphs, system: GmmSystem, utts, id2word: dict[int, str], out_dir: Path,
-                 split: str, loglikes: dict | None, tried: dict, paths: dict, acoustic_scale: float,
+                 split: str, loglikes: dict | None, search: Search, tried: dict, paths: dict, acoustic_scale: float,
                  penalty: float = 0.0) -> float:
     """``decode_split`` at ``(acoustic_scale, penalty)``, its result kept in ``tried`` and its best paths
     in ``paths`` (by that point); returns the WER (a point already decoded is not decoded again)."""
@@ -102,16 +110,17 @@ def _decode_kept(graphs: PenaltyGraphs, system: GmmSystem, utts, id2word: dict[i
     paths[point] = {}
     hclg, hclg_path = graphs(penalty)
     tried[point] = decode_split(hclg, system, utts, id2word, out_dir, split, acoustic_scale, paths[point], hclg_path,
-                                loglikes, penalty)
+                                loglikes, penalty, search)
     return tried[point]["wer"]
 
 
 def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
                   scales: tuple[float, ...] = GMM_ACOUSTIC_SCALES,
-                  penalties: tuple[float, ...] = WORD_INSERTION_PENALTIES) -> dict:
+                  penalties: tuple[float, ...] = WORD_INSERTION_PENALTIES, search: Search = RECIPE_SEARCH) -> dict:
     """Build HCLG for ``system``, decode dev and test. Dev: the acoustic scale from the grid (a bracketing
     search, extended past an edge: ``pick_scale``) at no penalty, then the word insertion penalty at that
-    scale (``pick_penalty``: Kaldi's 0, 0.5, 1, in order while each is better); test: at dev's pick.
+    scale (``pick_penalty``: Kaldi's 0, 0.5, 1, in order while each is better); test: at dev's pick. Every
+    decoding prunes with ``search`` (recorded in ``wer.json``).
 
     Returns:
         ``{"dev_wer", "test_wer", "acoustic_scale", "word_insertion_penalty", "decode_seconds"}`` (WER in %).
@@ -129,14 +138,15 @@ def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
         out_dir = exp / f"decode_{split}"
         paths, tried = {}, {}
         loglikes = gmm_loglikes(system.am, utts.feats.items()) if split == "dev" else None  # every point's
-        wer = partial(_decode_kept, graphs, system, utts, id2word, out_dir, split, loglikes, tried, paths)
+        wer = partial(_decode_kept, graphs, system, utts, id2word, out_dir, split, loglikes, search, tried, paths)
         if split == "dev":
             scale, grid = pick_scale(wer, scales, PREFERRED_SCALE, bracket=True)
             penalty, by_penalty = pick_penalty(partial(wer, scale), penalties)
         else:
             scale, penalty = best.get("dev", (PREFERRED_SCALE, 0.0))
             wer(scale, penalty)
-        res = {**tried[(scale, penalty)], "acoustic_scale": scale, "word_insertion_penalty": penalty}
+        res = {**tried[(scale, penalty)], "acoustic_scale": scale, "word_insertion_penalty": penalty,
+               "search": search.record()}
         if split == "dev":
             res["by_scale"] = {str(s): tried[(s, 0.0)]["wer"] for s in grid["grid"]}
             res["by_penalty"] = {str(p): w for p, w in by_penalty.items()}

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from local.gmm.transforms import apply_affine, gaussian_posteriors
+from local.graph.decode import RECIPE_SEARCH, Search
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +255,7 @@ def train_lda_mllt(
     beam: float = 10.0,
     decode: bool = True,
     scales: tuple[float, ...] | None = None,
+    search: Search = RECIPE_SEARCH,
     seed: int = 0,
 ) -> dict:
     """Train the LDA+MLLT triphone system from ``exp/tri`` and decode dev/test.
@@ -271,6 +273,8 @@ def train_lda_mllt(
         decode: decode dev and test (``exp/lda_mllt/decode_*``).
         scales: the acoustic-scale grid dev is searched on (default ``GMM_ACOUSTIC_SCALES``; bracketed, extended
             past an edge: ``pick_scale``).
+        search: the dev and test decodings' beam and most active states (``local.graph.decode.Search``;
+            ``prepare.py --beam``, ``--max-active``).
         seed: seed of the mixing up's perturbations (``common.split_by_count``).
 
     Returns:
@@ -364,7 +368,8 @@ def train_lda_mllt(
     if decode:
         from local.gmm.decode import decode_system
 
-        summary.update(decode_system(data_dir, "lda_mllt", system, lang, **({"scales": scales} if scales else {})))
+        summary.update(decode_system(data_dir, "lda_mllt", system, lang, search=search,
+                                    **({"scales": scales} if scales else {})))
     summary["seconds"] = round(time.perf_counter() - start, 1)
     (exp / "summary.json").write_text(json.dumps({**summary, "tree": tree_summary, "lda": lda_info, "mllt": mllt},
                                                  indent=1))

@@ -33,6 +33,7 @@ from local.gmm.common import (
     single_gaussian_am,
     train_iterations,
 )
+from local.graph.decode import RECIPE_SEARCH, Search
 from local.kaldi import khg
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ def train_mono(
     augmented: bool = True,
     decode: bool = True,
     scales: tuple[float, ...] | None = None,
+    search: Search = RECIPE_SEARCH,
 ) -> dict:
     """Train the monophone system on the clean training utterances and decode dev/test.
 
@@ -85,6 +87,8 @@ def train_mono(
             up's perturbations (``common.split_by_count``).
         scales: the acoustic-scale grid dev is searched on (default ``GMM_ACOUSTIC_SCALES``; bracketed, extended
             past an edge: ``pick_scale``).
+        search: the dev and test decodings' beam and most active states (``local.graph.decode.Search``;
+            ``prepare.py --beam``, ``--max-active``).
         augmented: train on the sox-augmented copies too (those that fail alignment are dropped
             and counted). Held-out-voice validation with mean-only CMVN (11 training voice settings left
             out of GMM training, their 347 clean utterances decoded): WER 21.4 % clean-only, 19.6 % with them.
@@ -127,7 +131,8 @@ def train_mono(
     if decode:
         from local.gmm.decode import decode_system
 
-        summary.update(decode_system(data_dir, "mono", system, lang, **({"scales": scales} if scales else {})))
+        summary.update(decode_system(data_dir, "mono", system, lang, search=search,
+                                    **({"scales": scales} if scales else {})))
     summary["seconds"] = round(time.perf_counter() - start, 1)
     (exp / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -60,6 +60,8 @@ from local.gmm.transforms import (
     estimate_fmllr,
 )
 from local.graph.decode import (
+    RECIPE_SEARCH,
+    Search,
     decode_utterances_gmm,
     gmm_loglikes,
     pick_penalty,
@@ -166,6 +168,7 @@ def train_sat(
     scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES,
     seed: int = 0,
     speaker_independent: str = "tri",
+    search: Search = RECIPE_SEARCH,
 ) -> dict:
     """Train the SAT triphone system from ``exp/tri`` (or ``exp/lda_mllt``) and decode dev/test with fMLLR.
 
@@ -184,6 +187,7 @@ def train_sat(
         seed: seed of the mixing up's perturbations (``common.split_by_count``).
         speaker_independent: the system SAT starts from, on whose features it trains: ``"tri"`` (Δ + ΔΔ)
             or ``"lda_mllt"`` (``prepare.py --lda-mllt``).
+        search: the decodings' beam and most active states (``prepare.py --beam``, ``--max-active``).
 
     Returns:
         a summary: speakers, leaves, pdfs, Gaussians, the sizes asked (``sizes``), log-likelihood,
@@ -244,35 +248,38 @@ def train_sat(
     }
     log.info("sat: trained %s", summary)
     if decode:
-        summary.update(decode_sat(data_dir, system, si, lang, scales))
+        summary.update(decode_sat(data_dir, system, si, lang, scales, search=search))
     summary["seconds"] = round(time.perf_counter() - start, 1)
     (exp / "summary.json").write_text(json.dumps({**summary, "tree": tree_summary}, indent=1))
     return summary
 
 
 def _second_transforms(hclg, system: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
-                       first_trans: dict, scale: float, hclg_path: Path | None = None) -> dict:
+                       first_trans: dict, scale: float, hclg_path: Path | None = None,
+                       search: Search = RECIPE_SEARCH) -> dict:
     """The first adapted pass and the second fMLLR estimate from its best paths, composed onto
     ``first_trans``. The pass decodes at ``scale``, the speaker-independent pass's (``decode_fmllr.sh``
     decodes every pass at one acoustic scale and sweeps only the scoring): it only chooses the frames
     of the second estimate, so the dev grid is decoded once per scale, on the final pass."""
     adapted = transformed(utts.feats, speakers, first_trans)
     alis: dict = {}
-    decode_utterances_gmm(hclg, system.tm, system.am, adapted.items(), acoustic_scale=scale, alignments=alis,
-                          hclg_path=hclg_path, num_jobs=DECODE_JOBS)
+    decode_utterances_gmm(hclg, system.tm, system.am, adapted.items(), acoustic_scale=scale, beam=search.beam,
+                          max_active=search.max_active, alignments=alis, hclg_path=hclg_path, num_jobs=DECODE_JOBS)
     return speaker_transforms(system, adapted, alis, speakers, sil_id, SILENCE_WEIGHT_DECODE, first_trans)
 
 
 def _decode_final(hclg, system: GmmSystem, feats: dict, scale: float, hclg_path: Path | None = None,
-                  best_paths: dict | None = None, loglikes: dict | None = None) -> dict:
+                  best_paths: dict | None = None, loglikes: dict | None = None, search: Search = RECIPE_SEARCH) -> dict:
     """The final adapted pass over ``feats`` (under the second transforms) at ``scale``; ``best_paths``
     receives its transition-ids, ``loglikes``: the features' GMM log-likelihoods (``gmm_loglikes``), if kept."""
-    return decode_utterances_gmm(hclg, system.tm, system.am, feats.items(), acoustic_scale=scale,
-                                 alignments=best_paths, hclg_path=hclg_path, num_jobs=DECODE_JOBS, loglikes=loglikes)
+    return decode_utterances_gmm(hclg, system.tm, system.am, feats.items(), acoustic_scale=scale, beam=search.beam,
+                                 max_active=search.max_active, alignments=best_paths, hclg_path=hclg_path,
+                                 num_jobs=DECODE_JOBS, loglikes=loglikes)
 
 
 def _score_final(graphs, system: GmmSystem, feats: dict, lang, refs: dict, out_dir: Path, split: str,
-                 kept: tuple[dict, dict], loglikes: dict | None, scale: float, penalty: float = 0.0) -> float:
+                 kept: tuple[dict, dict], loglikes: dict | None, search: Search, scale: float,
+                 penalty: float = 0.0) -> float:
     """``_decode_final`` at ``(scale, penalty)`` (``graphs``: ``local.gmm.decode.PenaltyGraphs``), scored;
     its result and best paths kept by that point in ``kept``. Returns the WER (a point already decoded is not
     decoded again)."""
@@ -282,19 +289,21 @@ def _score_final(graphs, system: GmmSystem, feats: dict, lang, refs: dict, out_d
     hclg, hclg_path = graphs(penalty)
     start = time.perf_counter()
     hyps = _decode_final(hclg, system, feats, scale, hclg_path, paths_by_point.setdefault((scale, penalty), {}),
-                         loglikes)
+                         loglikes, search)
     speed = timed(start, feats)  # (the final pass alone)
     texts = {u: words_to_text(w, lang.id2word) for u, w in hyps.items()}
     by_point[(scale, penalty)] = {**score(refs, texts, out_dir, point_name(split, scale, penalty)), "speed": speed}
     return by_point[(scale, penalty)]["wer"]
 
 
-def _si_decode(si_hclg, si_graph: Path, si: GmmSystem, utts: Utterances, scale: float) -> tuple[dict, dict]:
+def _si_decode(si_hclg, si_graph: Path, si: GmmSystem, utts: Utterances, scale: float,
+               search: Search = RECIPE_SEARCH) -> tuple[dict, dict]:
     """The speaker-independent first pass of fMLLR decoding (``DECODE_JOBS`` processes reading
     ``si_graph``). Returns (hyps, best paths' transition-ids of ``si``)."""
     alis: dict = {}
-    hyps = decode_utterances_gmm(si_hclg, si.tm, si.am, utts.feats.items(), acoustic_scale=scale, alignments=alis,
-                                 hclg_path=si_graph, num_jobs=DECODE_JOBS)
+    hyps = decode_utterances_gmm(si_hclg, si.tm, si.am, utts.feats.items(), acoustic_scale=scale, beam=search.beam,
+                                 max_active=search.max_active, alignments=alis, hclg_path=si_graph,
+                                 num_jobs=DECODE_JOBS)
     return hyps, alis
 
 
@@ -320,8 +329,8 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     for a SAT system on LDA+MLLT features), fMLLR per
     speaker (``gmm_cmvn_key``) from it, two adapted passes with ``exp/sat`` (the first at the
     speaker-independent system's dev-chosen scale, the final one at the SAT system's scale and word
-    insertion penalty). No transcripts
-    are used. Returns ``(hyps {utt: word ids}, transforms {speaker: W}, best paths {utt: transition-ids
+    insertion penalty), each pass pruned as its stage's decodings were (``wer.json``'s ``search``). No
+    transcripts are used. Returns ``(hyps {utt: word ids}, transforms {speaker: W}, best paths {utt: transition-ids
     of exp/sat})``."""
     data_dir = Path(data_dir)
     fix = f"run the GMM stages first: python recipes/asr/prepare.py --data-dir {data_dir} --stop-stage 5"
@@ -341,21 +350,23 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     si = GmmSystem.load(paths["si"] / "final.pkl")
     check_same_features(si, system, data_dir)
     points = {n: _chosen_point(e / "decode_dev" / "wer.json", PREFERRED_SCALE) for n, e in paths.items()}
+    searches = {n: Search.recorded(json.loads((e / "decode_dev" / "wer.json").read_text())) for n, e in paths.items()}
     cuts = list(cuts)
     utts = Utterances(cuts, gmm_front_end(cuts, transform=system.transform), {c.id: [] for c in cuts})
     speakers = {c.id: gmm_cmvn_key(c) for c in cuts}
     si_graph = paths["si"] / "graph" / "HCLG.fst"
     si_graphs = PenaltyGraphs(kaldifst.StdVectorFst.read(str(si_graph)), si_graph, lang.id2word)
     (si_scale, si_penalty), (scale, penalty) = points["si"], points["sat"]
-    _, si_alis = _si_decode(*si_graphs(si_penalty), si, utts, si_scale)
+    _, si_alis = _si_decode(*si_graphs(si_penalty), si, utts, si_scale, searches["si"])
     first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
     graph = paths["sat"] / "graph" / "HCLG.fst"
     graphs = PenaltyGraphs(kaldifst.StdVectorFst.read(str(graph)), graph, lang.id2word)
     hclg, _ = graphs(0.0)
-    trans = _second_transforms(hclg, system, utts, speakers, lang.sil_id, first, si_scale, graph)
+    trans = _second_transforms(hclg, system, utts, speakers, lang.sil_id, first, si_scale, graph, searches["sat"])
     best_paths: dict = {}
     final_hclg, final_graph = graphs(penalty)
-    hyps = _decode_final(final_hclg, system, transformed(utts.feats, speakers, trans), scale, final_graph, best_paths)
+    hyps = _decode_final(final_hclg, system, transformed(utts.feats, speakers, trans), scale, final_graph, best_paths,
+                         search=searches["sat"])
     log.info("sat decoding of a new set: %d of %d utterances decoded, %d speakers", len(best_paths), len(cuts),
              len(set(speakers.values())))
     return hyps, trans, best_paths
@@ -376,7 +387,7 @@ def _first_pass(decode_dir: Path, utt_ids: set[str]) -> tuple[dict | None, float
 
 def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
                scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES,
-               penalties: tuple[float, ...] = WORD_INSERTION_PENALTIES) -> dict:
+               penalties: tuple[float, ...] = WORD_INSERTION_PENALTIES, search: Search = RECIPE_SEARCH) -> dict:
     """fMLLR decoding of dev and test with the SAT system. The first pass is the speaker-independent
     system's (``si``: ``exp/tri``, or ``exp/lda_mllt`` on LDA+MLLT features) decoding at its own
     dev-chosen scale and penalty (its stage's ``best_path.pkl``, decoded again if missing); the first
@@ -415,16 +426,16 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
                 si_hclg = (kaldifst.StdVectorFst.read(str(si_graph)) if si_graph.exists()
                            else make_hclg(lang.dir, si.tree, si.tm, out_path=si_graph))
                 si_graphs = PenaltyGraphs(si_hclg, si_graph, lang.id2word)
-            si_hyps, si_alis = _si_decode(*si_graphs(si_penalty), si, utts, si_scale)
+            si_hyps, si_alis = _si_decode(*si_graphs(si_penalty), si, utts, si_scale, search)
             si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
                            point_name(f"{split}-si", si_scale, si_penalty))["wer"]
         first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
-        trans = _second_transforms(hclg, system, utts, speakers, lang.sil_id, first, si_scale, hclg_path)
+        trans = _second_transforms(hclg, system, utts, speakers, lang.sil_id, first, si_scale, hclg_path, search)
         final = transformed(utts.feats, speakers, trans)  # the final pass's features, every scale's
         loglikes = gmm_loglikes(system.am, final.items()) if split == "dev" else None
         by_point, paths_by_point = {}, {}
         wer = partial(_score_final, graphs, system, final, lang, refs, out_dir, split, (by_point, paths_by_point),
-                      loglikes)
+                      loglikes, search)
         if split == "dev":
             scale, grid = pick_scale(wer, scales, PREFERRED_SCALE, bracket=True)
             penalty, by_penalty = pick_penalty(partial(wer, scale), penalties)
@@ -433,7 +444,7 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
             scale, penalty = best_point or (PREFERRED_SCALE, 0.0)
             wer(scale, penalty)
         res = {**by_point[(scale, penalty)], "acoustic_scale": scale, "word_insertion_penalty": penalty,
-               "si_first_pass_wer": si_wer, "speakers": len(set(speakers.values()))}
+               "si_first_pass_wer": si_wer, "speakers": len(set(speakers.values())), "search": search.record()}
         if split == "dev":
             res["by_scale"] = {str(s): by_point[(s, 0.0)]["wer"] for s in grid["grid"]}
             res["by_penalty"] = {str(p): w for p, w in by_penalty.items()}

@@ -35,6 +35,7 @@ from local.gmm.common import (
 from local.gmm.sizes import resolve_sizes
 from local.gmm.tree import build_tree
 from local.gmm.tree_stats import TidTables, accumulate_tree_stats
+from local.graph.decode import RECIPE_SEARCH, Search
 from local.kaldi import khg
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ def train_tri(
     min_count: float = 100.0,
     decode: bool = True,
     scales: tuple[float, ...] | None = None,
+    search: Search = RECIPE_SEARCH,
     seed: int = 0,
 ) -> dict:
     """Train the triphone system from ``exp/mono`` and decode dev/test.
@@ -101,6 +103,8 @@ def train_tri(
         beam: Viterbi alignment beam (retry beam 40).
         scales: the acoustic-scale grid dev is searched on (default ``GMM_ACOUSTIC_SCALES``; bracketed, extended
             past an edge: ``pick_scale``).
+        search: the dev and test decodings' beam and most active states (``local.graph.decode.Search``;
+            ``prepare.py --beam``, ``--max-active``).
         augmented: train on the sox-augmented copies too (speed/noise/reverb variety acts like
             more voices); needs a monophone trained the same way (its alignments seed the tree).
         shared_roots: one tree root per phone shared by its HMM states (Kaldi's ``roots.txt``
@@ -150,7 +154,8 @@ def train_tri(
     if decode:
         from local.gmm.decode import decode_system
 
-        summary.update(decode_system(data_dir, "tri", system, lang, **({"scales": scales} if scales else {})))
+        summary.update(decode_system(data_dir, "tri", system, lang, search=search,
+                                    **({"scales": scales} if scales else {})))
     summary["seconds"] = round(time.perf_counter() - start, 1)
     (exp / "summary.json").write_text(json.dumps({**summary, "tree": tree_summary}, indent=1))
     return summary

@@ -26,6 +26,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,37 @@ log = logging.getLogger(__name__)
 # (0.05-0.0667 for the GMMs, 0.125 for the DNN), 7000 active states decoded the monophone GMM at
 # ~2 s per utterance; 3000 bounds the cost per frame (a DNN lost one error in 300 words at beam 10).
 BEAM, MAX_ACTIVE = 10.0, 3000
+
+
+@dataclass(frozen=True)
+class Search:
+    """The pruning of a GMM system's dev and test decodings (``FasterDecoder``'s beam and most active
+    states per frame): the recipe's :data:`BEAM` / :data:`MAX_ACTIVE` by default, :data:`KALDI_SEARCH`
+    with ``prepare.py --beam 13 --max-active 7000``. Recorded in each decoding's ``wer.json``."""
+
+    beam: float = BEAM
+    max_active: int = MAX_ACTIVE
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.beam, (int, float)) and self.beam > 0):
+            raise ValueError(f"beam={self.beam!r}: give a positive number (the recipe's {BEAM:g}, Kaldi's 13)")
+        if isinstance(self.max_active, bool) or not isinstance(self.max_active, int) or self.max_active < 200:
+            raise ValueError(f"max_active={self.max_active!r}: give a whole number of at least 200, the decoder's "
+                             f"min_active (the recipe's {MAX_ACTIVE}, Kaldi's 7000)")
+
+    def record(self) -> dict:
+        """``{"beam", "max_active"}`` for a ``wer.json``."""
+        return {"beam": float(self.beam), "max_active": int(self.max_active)}
+
+    @classmethod
+    def recorded(cls, wer_json: dict) -> Search:
+        """The search a ``wer.json`` records; the recipe's default for one written before it was recorded."""
+        given = wer_json.get("search") or {}
+        return cls(float(given.get("beam", BEAM)), int(given.get("max_active", MAX_ACTIVE)))
+
+
+RECIPE_SEARCH = Search()  # the GMM stages' default
+KALDI_SEARCH = Search(13.0, 7000)  # Kaldi's steps/decode.sh and decode_fmllr.sh
 MIN_PARALLEL = 100  # utterances per process below which a GMM decoding stays in this process
 # Most bytes of GMM log-likelihoods kept for one set of features (``gmm_loglikes``): the default corpus's
 # test set takes 0.45 GB with the SAT system's 300 pdfs; a LibriSpeech dev set with 4,200 would take 30.
