@@ -7,7 +7,8 @@ of the files ``FILES`` lists; ``TABLES`` maps NAME to the function that renders 
   suite's whole report, both from ``docs/benchmarks/model_suite/results.json`` (``python -m
   gtc_lightning.tools.model_suite --out docs/benchmarks/model_suite`` writes it);
 - ``compat-matrix`` and ``compat-matrix-short``: the compatibility matrix, from ``tests/compat_matrix.py``;
-- ``recipe-results``: the current section of ``recipes/asr/RESULTS.md``, from ``recipes/asr/RESULTS.json``
+- ``recipe-results``: the current section of ``recipes/asr/RESULTS.md``, from ``recipes/asr/RESULTS.json``,
+  and ``recipe-results-kaldi``: the section of run.sh's ``profile=kaldi``, from ``recipes/asr/RESULTS-kaldi.json``
   (``recipes/asr/local/results.py``).
 
     python tests/doc_tables.py           # rewrite every stale table
@@ -100,9 +101,12 @@ def _compat(short: bool) -> Callable[[], str]:
     return lambda: _load("compat_matrix", ROOT / "tests" / "compat_matrix.py").render_table(short)
 
 
-def _recipe_results() -> str:
-    results = _load("recipe_results", ROOT / "recipes" / "asr" / "local" / "results.py")
-    return results.render(json.loads(results.SNAPSHOT.read_text()))
+def _recipe_results(profile: str) -> Callable[[], str]:
+    def render() -> str:
+        results = _load("recipe_results", ROOT / "recipes" / "asr" / "local" / "results.py")
+        return results.render(json.loads(results.PROFILES[profile][0].read_text()))
+
+    return render
 
 
 TABLES: dict[str, Callable[[], str]] = {
@@ -110,7 +114,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "model-suite-report": model_suite_report,
     "compat-matrix": _compat(False),
     "compat-matrix-short": _compat(True),
-    "recipe-results": _recipe_results,
+    "recipe-results": _recipe_results("default"),
+    "recipe-results-kaldi": _recipe_results("kaldi"),
 }
 
 

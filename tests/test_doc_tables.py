@@ -34,7 +34,7 @@ def test_the_readme_and_results_hold_their_tables():
     readme = [name for name, _ in doc_tables.blocks((ROOT / "README.md").read_text())]
     assert {"model-suite", "compat-matrix-short"} <= set(readme), readme
     results = [name for name, _ in doc_tables.blocks((ROOT / "recipes" / "asr" / "RESULTS.md").read_text())]
-    assert results == ["recipe-results"], results
+    assert results == ["recipe-results", "recipe-results-kaldi"], results
 
 
 def test_every_rendered_table_has_rows():
@@ -43,17 +43,48 @@ def test_every_rendered_table_has_rows():
 
 
 def test_recipe_results_add_up():
-    """Each %WER line of RESULTS.json: errors = ins + del + sub, and the WER is errors over words."""
-    snap = json.loads((ROOT / "recipes" / "asr" / "RESULTS.json").read_text())
-    records = [g[split] for g in snap["gmm"].values() for split in ("dev", "test")]
-    records += [d[split] for d in snap["decodes"].values() for split in ("dev", "test")]
-    assert records
-    for r in records:
-        assert r["ins"] + r["del"] + r["sub"] == r["errors"], r
-        assert abs(100 * r["errors"] / r["words"] - r["wer"]) < 0.006, r
-    runs = {f"{r['run']}/{r['seed']}" for r in snap["comparison"]["runs"]}
-    assert runs == set(snap["decodes"]), "every compared run needs its decode results"
+    """Each %WER line of RESULTS.json (and RESULTS-kaldi.json): errors = ins + del + sub, and the WER is errors
+    over words."""
+    for name in ("RESULTS.json", "RESULTS-kaldi.json"):
+        snap = json.loads((ROOT / "recipes" / "asr" / name).read_text())
+        records = [g[split] for g in snap["gmm"].values() for split in ("dev", "test")]
+        records += [d[split] for d in snap["decodes"].values() for split in ("dev", "test")]
+        assert records
+        for r in records:
+            assert r["ins"] + r["del"] + r["sub"] == r["errors"], r
+            assert abs(100 * r["errors"] / r["words"] - r["wer"]) < 0.006, r
+        runs = {f"{r['run']}/{r['seed']}" for r in snap["comparison"]["runs"]}
+        assert runs == set(snap["decodes"]), f"{name}: every compared run needs its decode results"
 
+
+def test_recipe_results_show_the_lda_mllt_system_and_the_search_when_a_build_has_them(tmp_path):
+    """A build with ``--lda-mllt`` and a recorded search: the LDA+MLLT row between tri and SAT, and the search
+    under the GMM table; the section of each profile is rewritten between its own markers."""
+    import copy
+
+    results = doc_tables._load("recipe_results", ROOT / "recipes" / "asr" / "local" / "results.py")
+    snap = json.loads(results.SNAPSHOT.read_text())
+    plain = results.render(snap)
+    assert "lda_mllt" not in plain and "Every GMM decoding searched" not in plain
+    kaldi = copy.deepcopy(snap)
+    kaldi["gmm"] = {name: kaldi["gmm"][name] for name in ("mono", "tri")}
+    kaldi["gmm"]["lda_mllt"] = copy.deepcopy(snap["gmm"]["tri"])
+    kaldi["gmm"]["sat"] = copy.deepcopy(snap["gmm"]["sat"])
+    for g in kaldi["gmm"].values():
+        g["test"]["search"] = {"beam": 13.0, "max_active": 7000}
+    text = results.render(kaldi)
+    rows = [line.split(" |")[0] for line in text.splitlines() if line.startswith("| ") and " | " in line]
+    assert rows[rows.index("| tri") + 1] == "| lda_mllt" and rows[rows.index("| lda_mllt") + 1] == "| sat"
+    assert "Every GMM decoding searched with beam 13 and at most 7,000 active states" in text
+    kaldi["gmm"]["mono"]["test"]["search"] = {"beam": 10.0, "max_active": 3000}  # mixed: no single line
+    assert "Every GMM decoding searched" not in results.render(kaldi)
+
+    md, path = tmp_path / "RESULTS.md", tmp_path / "kaldi.json"
+    begin, end = results.markers("recipe-results-kaldi")
+    md.write_text(f"{results.BEGIN}\nold\n{results.END}\n{begin}\nold\n{end}\n")
+    path.write_text(json.dumps(snap))
+    assert results.update(md, path, "recipe-results-kaldi") and not results.update(md, path, "recipe-results-kaldi")
+    assert results.block(md.read_text()) == "old" and results.block(md.read_text(), "recipe-results-kaldi") == plain
 
 def test_ci_runs_the_readme_test_command():
     """`.ci/run` runs exactly the test command the README shows."""

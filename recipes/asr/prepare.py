@@ -235,7 +235,6 @@ def check_lda_mllt(data_dir: Path, recorded: dict | None, lda_mllt: bool, stage:
     )
 
 
-
 def check_gmm_search(data_dir: Path, recorded: dict | None, search, stage: int, force: bool) -> None:
     """Refuse to continue a data dir whose decoding stages (mono on) were built with another GMM search
     (``--beam``, ``--max-active``; ``settings.json``'s ``gmm_search``, absent: the recipe's), unless this run
@@ -255,6 +254,7 @@ def check_gmm_search(data_dir: Path, recorded: dict | None, search, stage: int, 
         f"them from the mono stage: add --stage {STAGES.index('mono')} --force (or use another --data-dir, or run "
         f"with --beam {was.beam:g} --max-active {was.max_active})"
     )
+
 
 def _gmm_size(text: str) -> int | str:
     """A GMM size option's value: ``auto`` or a positive whole number."""
