@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local.atomic import write_json, write_text
 from local.drops import clear_drops
+from local.graph.decode import BEAM, MAX_ACTIVE, Search
 
 log = logging.getLogger("prepare")
 
@@ -146,7 +147,8 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
         from local.gmm.tri import train_tri
 
         sizes = args.gmm_sizes
-        line = _summary(train_tri(data_dir, sizes["tri_leaves"], sizes["tri_gauss"], seed=args.seed, search=args.search))
+        line = _summary(train_tri(data_dir, sizes["tri_leaves"], sizes["tri_gauss"], seed=args.seed,
+                                  search=args.search))
         if args.lda_mllt:
             from local.gmm.lda_mllt import train_lda_mllt
 
@@ -235,13 +237,11 @@ def check_lda_mllt(data_dir: Path, recorded: dict | None, lda_mllt: bool, stage:
     )
 
 
-def check_gmm_search(data_dir: Path, recorded: dict | None, search, stage: int, force: bool) -> None:
+def check_gmm_search(data_dir: Path, recorded: dict | None, search: Search, stage: int, force: bool) -> None:
     """Refuse to continue a data dir whose decoding stages (mono on) were built with another GMM search
     (``--beam``, ``--max-active``; ``settings.json``'s ``gmm_search``, absent: the recipe's), unless this run
     rebuilds them from the mono stage (``--stage`` at most 3 with ``--force``): a done stage would be skipped
     and keep the decodings of the other search."""
-    from local.graph.decode import Search
-
     was = Search(**(recorded or {}).get("gmm_search", {}))
     if was == search:
         return
@@ -351,8 +351,6 @@ def prepare(
         raise ValueError(f"need 0 <= stage ({stage}) <= stop_stage ({stop_stage}) <= {len(STAGES) - 1}")
     if set(gmm_sizes or {}) - set(GMM_SIZES):
         raise ValueError(f"unknown GMM sizes {sorted(set(gmm_sizes) - set(GMM_SIZES))}; use {list(GMM_SIZES)}")
-    from local.graph.decode import BEAM, MAX_ACTIVE, Search
-
     was = (recorded or {}).get("gmm_search", {})  # left out: the data dir's search, else the recipe's
     search = Search(float(beam) if beam is not None else was.get("beam", BEAM),
                     max_active if max_active is not None else was.get("max_active", MAX_ACTIVE))

@@ -7,11 +7,13 @@ Two steps, so that the numbers in RESULTS.md always come from a file in the repo
     # render again from recipes/asr/RESULTS.json alone (what tests/test_doc_tables.py checks)
     python recipes/asr/local/results.py
     # a build of run.sh's profile=kaldi: recipes/asr/RESULTS-kaldi.json and its own section
-    python recipes/asr/local/results.py --profile kaldi --collect --exp exp/dnn-kaldi --data data/synthetic-default-kaldi
+    python recipes/asr/local/results.py --profile kaldi --collect --exp exp/dnn-kaldi \
+        --data data/synthetic-default-kaldi
 
 ``--collect`` reads the data dir's ``report.json`` (splits; the GMM systems' dev and test WER with
-insertions, deletions, substitutions, the acoustic scale and penalty dev picked and the decoder's search),
-``exp/{mono,tri,lda_mllt,sat}/summary.json`` (decoding time; lda_mllt with ``--lda-mllt``), and the DNN comparison ``<exp>/compare/comparison.json`` with every compared run's
+insertions, deletions, substitutions, the acoustic scale and penalty dev picked and the decoder's
+search), ``exp/{mono,tri,lda_mllt,sat}/summary.json`` (decoding time; lda_mllt with ``--lda-mllt``),
+and the DNN comparison ``<exp>/compare/comparison.json`` with every compared run's
 ``decode/results.json`` (its WER counts, acoustic scale and decoding time). Nothing else is written
 into RESULTS.json, and the section renders only what it holds: a field no file records is shown as
 "not recorded".
