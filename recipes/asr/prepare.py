@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local.atomic import write_json, write_text
 from local.drops import clear_drops
-from local.graph.decode import BEAM, MAX_ACTIVE, Search
+from local.graph.decode import Search
 
 log = logging.getLogger("prepare")
 
@@ -237,12 +237,17 @@ def check_lda_mllt(data_dir: Path, recorded: dict | None, lda_mllt: bool, stage:
     )
 
 
+def recorded_search(recorded: dict | None) -> Search:
+    """The GMM search ``settings.json`` records (``gmm_search``); the recipe's when it records none."""
+    return Search(**(recorded or {}).get("gmm_search", {}))
+
+
 def check_gmm_search(data_dir: Path, recorded: dict | None, search: Search, stage: int, force: bool) -> None:
     """Refuse to continue a data dir whose decoding stages (mono on) were built with another GMM search
     (``--beam``, ``--max-active``; ``settings.json``'s ``gmm_search``, absent: the recipe's), unless this run
     rebuilds them from the mono stage (``--stage`` at most 3 with ``--force``): a done stage would be skipped
     and keep the decodings of the other search."""
-    was = Search(**(recorded or {}).get("gmm_search", {}))
+    was = recorded_search(recorded)
     if was == search:
         return
     built = [name for name in GMM_SEARCH_STAGES if _marker(data_dir, name).exists()]
@@ -351,9 +356,9 @@ def prepare(
         raise ValueError(f"need 0 <= stage ({stage}) <= stop_stage ({stop_stage}) <= {len(STAGES) - 1}")
     if set(gmm_sizes or {}) - set(GMM_SIZES):
         raise ValueError(f"unknown GMM sizes {sorted(set(gmm_sizes) - set(GMM_SIZES))}; use {list(GMM_SIZES)}")
-    was = (recorded or {}).get("gmm_search", {})  # left out: the data dir's search, else the recipe's
-    search = Search(float(beam) if beam is not None else was.get("beam", BEAM),
-                    max_active if max_active is not None else was.get("max_active", MAX_ACTIVE))
+    was = recorded_search(recorded)  # left out: the data dir's search, else the recipe's
+    search = Search(float(beam) if beam is not None else was.beam,
+                    max_active if max_active is not None else was.max_active)
     data_dir.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs,
                               train_parts=train_parts, lexicon=lexicon, lm_text=lm_text, oov=oov,
