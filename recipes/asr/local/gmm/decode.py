@@ -21,7 +21,8 @@ The search is the recipe's beam 10 with at most 3,000 active states (``Search``)
 (``prepare.py --beam 13 --max-active 7000``). On the default corpus's 900 dev utterances, each system at the
 scale dev picks, 2 processes, Kaldi's search took 2.1-2.7 times as long for 1-2 % fewer errors: monophone
 8.7 -> 23.6 s, 14.68 -> 14.55 %; triphone 11.9 -> 28.5 s, 13.87 -> 13.81 %; SAT's final pass 8.5 -> 17.9 s,
-6.78 -> 6.62 %.
+6.78 -> 6.62 %. Paired, whole processes with their loading (``farm-bench -n 3 --vs``): 2.48 (monophone) and
+2.39 (triphone) times the recipe's search's wall time.
 """
 
 from __future__ import annotations
