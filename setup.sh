@@ -5,17 +5,40 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-APT_PACKAGES="espeak-ng flite festival festvox-kallpc16k festvox-kdlpc16k festvox-us-slt-hts sox libespeak-ng1"
+APT_PACKAGES="espeak-ng flite festival festvox-kallpc16k festvox-kdlpc16k festvox-us-slt-hts festvox-us1 festvox-us2 festvox-us3 sox libespeak-ng1"
+# festvox-us1/2/3 (festival's MBROLA voices, dev's festival speakers) are in Debian's contrib component and
+# pull their diphone databases (mbrola-us1/2/3) from non-free: both are enabled when the sources lack them.
+VOICES_LIST=/etc/apt/sources.list.d/gtc-lightning-voices.list
 missing=$(for p in $APT_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
 if [ -n "$missing" ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing; } >/tmp/gtc-apt.log 2>&1; then
+  if ! {
+    components=$(apt-get indextargets --format '$(COMPONENT)' 2>/dev/null | sort -u)
+    if ! { grep -qx contrib <<<"$components" && grep -qx non-free <<<"$components"; }; then
+      codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
+      [ -n "$codename" ] || { echo "no VERSION_CODENAME in /etc/os-release"; false; }
+      # the same keyring as the main source's, else apt refuses two Signed-By values for one source
+      keyring=""
+      for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+        [ -f "$f" ] && grep -q "deb.debian.org/debian\b" "$f" || continue
+        keyring=$(grep -hoE '(Signed-By: *|signed-by=)[^] ]+' "$f" | head -1 | sed -E 's/^(Signed-By: *|signed-by=)//')
+        break
+      done
+      echo "deb ${keyring:+[signed-by=$keyring] }http://deb.debian.org/debian $codename contrib non-free" \
+        | $SUDO tee "$VOICES_LIST" >/dev/null
+      enabled=1
+    fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing
+  } >/tmp/gtc-apt.log 2>&1; then
     cat /tmp/gtc-apt.log >&2
     echo "setup.sh: could not install the Debian packages the embedded TTS corpus needs:" >&2
     echo "  $missing" >&2
-    echo "Install them (apt-get install $APT_PACKAGES) and run setup.sh again." >&2
+    echo "Install them (apt-get install $APT_PACKAGES; festvox-us1/2/3 need the contrib and non-free" >&2
+    echo "components in the apt sources) and run setup.sh again." >&2
     exit 1
   fi
+  [ -z "${enabled:-}" ] || echo "setup.sh: enabled Debian's contrib and non-free components ($VOICES_LIST) for the MBROLA voices"
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import shutil
+from collections import Counter
 from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
@@ -20,7 +21,7 @@ from fixtures_corpus import (
 )
 from local.data import corpus_synthetic, tts
 from local.data.corpus_real import prepare_real
-from local.data.corpus_synthetic import SIZES, plan, prepare_synthetic, recorded_speaker
+from local.data.corpus_synthetic import ENGINE_SHARE, SIZES, plan, prepare_synthetic, recorded_speaker
 from local.drops import load_drops
 
 ARPABET = {
@@ -120,9 +121,12 @@ def test_dev_extra_adds_held_out_voices_and_leaves_the_rest_as_it_was(tmp_path):
     extra = dev[size.dev :]
     assert len(extra) == size.dev_extra and len({u.id for u in dev}) == len(dev)
     others = {u.voice for u in with_extra if u not in extra}
-    assert {u.voice for u in extra}.isdisjoint(others)
-    assert {u.voice.engine for u in extra} == {"espeak"}
-    assert len({u.voice for u in extra}) == len(size.espeak_accents_test) * len(size.espeak_variants_dev_extra)
+    extra_espeak = {u.voice for u in extra if u.voice.engine == "espeak"}
+    assert extra_espeak.isdisjoint(others)
+    assert len(extra_espeak) == len(size.espeak_accents_test) * len(size.espeak_variants_dev_extra)
+    # festival's dev voices speak dev's further sentences too
+    assert {u.voice for u in extra if u.voice.engine == "festival"} == {u.voice for u in dev[: size.dev]
+                                                                          if u.voice.engine == "festival"}
     texts = {u.text for u in with_extra if u not in extra}
     assert {u.text for u in extra}.isdisjoint(texts) and len({u.text for u in extra}) == len(extra)
     vocab = {w for u in with_extra if u.split == "train" for w in u.text.split()}
@@ -133,6 +137,51 @@ def test_dev_extra_adds_held_out_voices_and_leaves_the_rest_as_it_was(tmp_path):
         plan(replace(size, espeak_variants_dev_extra=()), 0, tmp_path)
 
 
+def test_dev_has_festival_voices_of_its_own_and_train_and_test_stay_as_they_were(tmp_path):
+    """Version 4: dev's sentences shared between espeak and festival's MBROLA voices by the engines'
+    shares, three persons that train and test do not have, each in as many settings as a test voice;
+    train, test and dev's sentences are those of the corpus without them (the default size's plan)."""
+    size = SIZES["default"]
+    assert [name for name, _ in size.festival_dev] == ["us1_mbrola", "us2_mbrola", "us3_mbrola"]
+    utts = plan(size, 0, tmp_path)
+    without = plan(replace(size, festival_dev=()), 0, tmp_path)
+
+    def key(us):
+        return [(u.id, u.text, u.voice, u.aug) for u in us if u.split != "dev"]
+
+    assert key(utts) == key(without)
+    dev = [u for u in utts if u.split == "dev"]
+    assert [u.text for u in dev] == [u.text for u in without if u.split == "dev"]
+    assert len(dev) == size.dev + size.dev_extra
+    festival = [u for u in dev if u.voice.engine == "festival"]
+    share = ENGINE_SHARE["festival"] / (ENGINE_SHARE["festival"] + ENGINE_SHARE["espeak"])
+    assert abs(len(festival) / len(dev) - share) < 0.05, len(festival)
+    settings = Counter(u.voice for u in festival)
+    n_test = size.settings_per_voice - 1
+    assert len(settings) == 3 * n_test and max(settings.values()) - min(settings.values()) <= 1
+    assert {recorded_speaker(v) for v in settings} == {"us1", "us2", "us3"}
+    assert {v.gender for v in settings} == {"f", "m"}
+    assert not {u.voice for u in dev} & {u.voice for u in utts if u.split != "dev"}
+    # the tiny size (the tests' corpus) has none
+    assert not any(u.voice.engine == "festival" for u in plan(SIZES["tiny"], 0, tmp_path) if u.split == "dev")
+
+
+def test_mbrola_voice_gives_mapped_phone_timings():
+    """A festival MBROLA voice (dev's) speaks on festival's radio phone set: every phone maps."""
+    (out,) = tts.synth_festival_batch(tts.Voice("festival", "us1_mbrola", 1.0, 0, "f"), ["please call stella"])
+    audio, spans = out
+    phones, unmapped = tts.to_alignment(spans, "festival", len(audio) / tts.SAMPLE_RATE)
+    assert not unmapped and float(np.abs(audio).max()) > 0.01
+    assert [p for p, _, _ in phones if p != tts.SIL] == ["P", "L", "IY", "Z", "K", "AO", "L", "S", "T", "EH", "L", "AH"]
+
+
+def test_missing_festival_voice_names_its_package(tmp_path, monkeypatch):
+    monkeypatch.setattr(tts, "festival_voices", lambda: {"kal_diphone", "ked_diphone", "cmu_us_slt_arctic_hts"})
+    with pytest.raises(RuntimeError, match=r"festival voice us2_mbrola \(festvox-us2\).*run setup.sh"):
+        tts.check_tools(festival=("kal_diphone", "us2_mbrola"))
+    tts.check_tools(festival=("kal_diphone", "ked_diphone"))
+
+
 def test_no_recorded_speaker_is_in_two_splits(tmp_path):
     """The default size's plan (no synthesis): no voice setting, and no person recorded for flite or
     festival (kal16 and kal_diphone are one, so are the two slt voices), speaks in two splits."""
@@ -141,6 +190,7 @@ def test_no_recorded_speaker_is_in_two_splits(tmp_path):
     for a, b in (("train", "dev"), ("train", "test"), ("dev", "test")):
         assert not speakers[a] & speakers[b], (a, b)
     assert {"kal", "slt", "awb"} <= speakers["train"] and {"rms", "ked"} <= speakers["test"]
+    assert {"us1", "us2", "us3"} <= speakers["dev"]
     assert all(recorded_speaker(u.voice) != u.voice.name for u in utts if u.voice.engine == "festival")
 
 

@@ -8,10 +8,13 @@ Splits:
   10–30 dB SNR), id suffixed ``-aug``, same speaker.
 - ``dev``: held-out voices, used in neither train nor test (espeak en-gb-scotland / en-029 /
   en-us-nyc with the variants m8, robert, Annie, linda, and since version 3 also Michael, paul,
-  quincy, rob, Alicia, Andrea, anika, steph: 36 voices), sentences not in train or test; 900
-  sentences, for the acoustic scale and the epoch, which must be chosen on voices the model has not
-  heard (on version 3's first build the 900 picked each DNN run's best test scale in 6 runs of 6, the
-  first 300 alone in 1 of 6: docs/experiments/corpus_v3.md).
+  quincy, rob, Alicia, Andrea, anika, steph: 36 voices; since version 4 also festival's MBROLA
+  diphone voices us1 (female), us2 and us3 (male), 2 settings each, so that dev has festival
+  voices as test has), sentences not in train or test; 900 sentences, for the acoustic scale and
+  the epoch, which must be chosen on voices the model has not heard (on version 3's first build the
+  900 picked each DNN run's best test scale in 6 runs of 6, the first 300 alone in 1 of 6:
+  docs/experiments/corpus_v3.md). Flite has no English voice left that train and test do not use,
+  so dev has no flite voice.
 - ``test``: voices never used in training (espeak en-gb-scotland / en-029 / en-us-nyc with
   m6, m7, f4, f5; flite rms; festival ked_diphone), sentences not in train or dev; 1650
   sentences (≥ 12,000 words), so that WER differences of a few percent relative can be told
@@ -48,9 +51,10 @@ from local.drops import clear_drops, record_drop
 
 log = logging.getLogger(__name__)
 
+# 4: dev's sentences shared between espeak and festival's MBROLA voices, train and test as in 3;
 # 3: dev of 900 sentences and 36 held-out voices, train and test as in 2; 2: dev of 300 sentences and 12
 # held-out voices, 1650 test sentences, 60 espeak training voices; 1: dev of training voices
-VERSION = 3
+VERSION = 4
 DEV_POOL_FACTOR = 20  # candidate sentences per dev sentence when looking for in-vocabulary ones
 # Share of utterances per engine: espeak has many voices but one synthesis method, so it
 # does not get a share proportional to its number of voices.
@@ -64,13 +68,15 @@ class Size:
     Attributes:
         train, dev, test: number of sentences (train gets as many augmented copies again).
         espeak_variants_train / _test: espeak variants used per accent.
-        espeak_variants_dev: espeak variants of the dev voices, on the test accents (dev has
-            only espeak voices: flite and festival have no voice left that train and test do not use).
+        espeak_variants_dev: espeak variants of the dev voices, on the test accents.
         settings_per_voice: rate/pitch settings per flite/festival voice in train (test: 1 less, at least 1).
         words_per_class: keep only this many words of each template word class (None: all).
-        dev_extra: more dev sentences, on the voices of ``espeak_variants_dev_extra`` (test accents).
-            They are planned after everything else, from sentences neither train, dev nor test has, so
-            that train, test and the first ``dev`` sentences stay what they are without them.
+        dev_extra: more dev sentences, on the voices of ``espeak_variants_dev_extra`` (test accents)
+            and ``festival_dev``. They are planned after everything else, from sentences neither train,
+            dev nor test has, so that train and test stay what they are without them.
+        festival_dev: festival voices of dev (``(name, gender)``), persons that neither train nor test
+            has; each gets as many settings as a test voice of flite or festival. Dev's sentences are
+            shared among its engines by ``ENGINE_SHARE``, as train's and test's are.
     """
 
     train: int
@@ -85,6 +91,7 @@ class Size:
     words_per_class: int | None = None
     dev_extra: int = 0
     espeak_variants_dev_extra: tuple[str, ...] = ()
+    festival_dev: tuple[tuple[str, str], ...] = ()
 
 
 SIZES = {
@@ -100,6 +107,7 @@ SIZES = {
         ("m8", "robert", "Annie", "linda"),
         dev_extra=600,
         espeak_variants_dev_extra=("Michael", "paul", "quincy", "rob", "Alicia", "Andrea", "anika", "steph"),
+        festival_dev=(("us1_mbrola", "f"), ("us2_mbrola", "m"), ("us3_mbrola", "m")),
     ),
     "tiny": Size(24, 6, 12, ("en-us", "en"), ("m1", "f2"), ("en-gb-scotland",), ("m6", "f4"), 1, ("m8",), 2),
 }
@@ -112,10 +120,13 @@ FESTIVAL_TRAIN = (("kal_diphone", "m"), ("cmu_us_slt_arctic_hts", "f"))
 FLITE_TEST = (("rms", "m"),)
 FESTIVAL_TEST = (("ked_diphone", "m"),)
 # The person each flite/festival voice was recorded from (espeak's voices are rules, each its own): flite's
-# kal16 and festival's kal_diphone are one speaker, as are the two slt voices. All five are in train or
-# test, so dev has none (docs/experiments/corpus_v4_tries.md measured moving kal or slt to dev).
+# kal16 and festival's kal_diphone are one speaker, as are the two slt voices. These five are in train or
+# test (docs/experiments/corpus_v4_tries.md measured moving kal or slt to dev); dev's festival voices are
+# MBROLA's three American diphone databases (Debian's contrib and non-free festvox-us1/2/3), three more
+# persons.
 RECORDED_SPEAKER = {"kal16": "kal", "kal_diphone": "kal", "awb": "awb", "slt": "slt", "cmu_us_slt_arctic_hts": "slt",
-                    "rms": "rms", "ked_diphone": "ked"}
+                    "rms": "rms", "ked_diphone": "ked", "us1_mbrola": "us1", "us2_mbrola": "us2",
+                    "us3_mbrola": "us3"}
 
 
 def recorded_speaker(voice: Voice) -> str:
@@ -127,7 +138,8 @@ def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
     """Voice settings per engine for ``train``, ``dev`` and ``test`` (no setting in two splits).
 
     Returns:
-        ``{"train": {engine: [Voice, ...]}, "dev": {"espeak": [...]}, "test": {...}, "dev_extra": {"espeak": [...]}}``
+        ``{"train": {engine: [Voice, ...]}, "dev": {"espeak": [...], "festival": [...]}, "test": {...},
+        "dev_extra": {"espeak": [...], "festival": [...]}}``
     """
     rng = random.Random(f"voices-{seed}")
 
@@ -146,7 +158,7 @@ def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
         ]
 
     n_test = max(1, size.settings_per_voice - 1)
-    return {
+    out = {
         "train": {
             "espeak": espeak(size.espeak_accents_train, size.espeak_variants_train),
             "flite": others("flite", FLITE_TRAIN, size.settings_per_voice),
@@ -159,9 +171,13 @@ def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
         },
         # drawn last, so that the train and test settings stay those of the corpus before dev had its own voices
         "dev": {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_dev)},
-        # drawn after dev's, for the same reason
-        "dev_extra": {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_dev_extra)},
     }
+    festival = others("festival", size.festival_dev, n_test)  # dev's further sentences share them
+    # drawn after dev's, for the same reason
+    out["dev_extra"] = {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_dev_extra)}
+    if festival:
+        out["dev"]["festival"] = out["dev_extra"]["festival"] = festival
+    return out
 
 
 def plan(size: Size, seed: int, audio_dir: Path) -> list[Utterance]:
@@ -202,12 +218,20 @@ def plan(size: Size, seed: int, audio_dir: Path) -> list[Utterance]:
     if len(extra) < size.dev_extra:
         raise ValueError(f"the sentence pool has {len(extra)} sentences left for dev_extra={size.dev_extra}; "
                          "raise DEV_POOL_FACTOR or lower dev_extra")
-    extra_voices = voices["dev_extra"]["espeak"]
-    if size.dev_extra and not extra_voices:
+    by_engine = voices["dev_extra"]
+    if size.dev_extra and not by_engine["espeak"]:
         raise ValueError(f"dev_extra={size.dev_extra} needs voices: give espeak_variants_dev_extra (and "
                          "espeak_accents_test), or set dev_extra=0")
-    for i, text in enumerate(extra[: size.dev_extra]):
-        voice, k = extra_voices[i % len(extra_voices)], size.dev + i
+    # engines drawn by share as above, from a generator of their own (nothing drawn before changes)
+    engines = [e for e in ENGINE_SHARE if by_engine.get(e)]
+    engine_of = random.Random(f"dev-extra-{seed}").choices(
+        engines, weights=[ENGINE_SHARE[e] for e in engines], k=size.dev_extra
+    ) if size.dev_extra else []
+    # round-robin over each engine's settings; festival's are dev's own, so they go on where dev's stopped
+    used = Counter(u.voice.engine for u in utts if u.split == "dev" and u.voice.engine != "espeak")
+    for i, (text, engine) in enumerate(zip(extra[: size.dev_extra], engine_of)):
+        voice, k = by_engine[engine][used[engine] % len(by_engine[engine])], size.dev + i
+        used[engine] += 1
         uid = f"{voice.speaker}_dev{k:05d}"
         utts.append(Utterance(uid, "dev", text, voice, audio_dir / "dev" / f"{uid}.wav", None))
     return utts
@@ -270,10 +294,10 @@ def prepare_synthetic(
         raise ValueError(f"unknown corpus size {size!r}; use one of {sorted(SIZES)}")
     if num_jobs < 1:
         raise ValueError(f"num_jobs={num_jobs}; use 1 or more")
-    check_tools()
     data_dir = Path(data_dir)
-    clear_drops(data_dir, "corpus")
     utts = plan(SIZES[size], seed, data_dir / "audio")
+    check_tools(festival=tuple(sorted({u.voice.name for u in utts if u.voice.engine == "festival"})))
+    clear_drops(data_dir, "corpus")
     chunks = _chunks(utts, 8 if size == "tiny" else 25)
     results: list[dict] = []
     bar = tqdm(total=len(utts), desc=f"synthesising {size} corpus", unit="utt")

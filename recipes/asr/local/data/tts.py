@@ -7,7 +7,9 @@ Three Debian engines, each with a real source of phone timings:
   start in ms; a phone ends where the next event starts. Native rate (words/min) and pitch.
 - **flite** (``flite -psdur``): ``phone:end_time`` pairs. kal16's final pause runs past the
   audio end (DESIGN §5); alignments are clipped to the audio in :func:`to_alignment`.
-- **festival** (a Scheme batch script, ``utt.save.segs``): segment end times.
+- **festival** (a Scheme batch script, ``utt.save.segs``): segment end times. Its voices here are
+  diphone (kal, ked; MBROLA's us1, us2, us3, whose diphones MBROLA joins) and HTS (slt) voices,
+  all on festival's American front end and its radio phone set.
 
 Pitch for flite and festival is changed after synthesis with sox ``pitch`` (cents), which
 keeps durations, so the timings stay valid. Phone symbols are mapped to ARPAbet without
@@ -31,8 +33,19 @@ import numpy as np
 SAMPLE_RATE = 16000
 SIL = "SIL"
 DEBIAN_PACKAGES = (
-    "espeak-ng flite festival festvox-kallpc16k festvox-kdlpc16k festvox-us-slt-hts sox libespeak-ng1"
+    "espeak-ng flite festival festvox-kallpc16k festvox-kdlpc16k festvox-us-slt-hts "
+    "festvox-us1 festvox-us2 festvox-us3 sox libespeak-ng1"
 )
+# The Debian package of each festival voice; the MBROLA ones are in contrib, their diphone databases
+# (mbrola-us1/2/3) in non-free: setup.sh enables both components.
+FESTIVAL_VOICE_PACKAGE = {
+    "kal_diphone": "festvox-kallpc16k",
+    "ked_diphone": "festvox-kdlpc16k",
+    "cmu_us_slt_arctic_hts": "festvox-us-slt-hts",
+    "us1_mbrola": "festvox-us1",
+    "us2_mbrola": "festvox-us2",
+    "us3_mbrola": "festvox-us3",
+}
 
 # flite and festival both use the CMU/radio phone set (lower case ARPAbet plus a few extras).
 FLITE_TO_ARPA: dict[str, tuple[str, ...]] = {
@@ -226,16 +239,34 @@ class Voice:
         return f"{self.engine}-{self.name.replace('+', '-')}-r{round(self.rate * 100)}-p{self.pitch}"
 
 
-def check_tools() -> None:
-    """Raise one error naming the Debian packages when a TTS tool is missing."""
+def festival_voices() -> set[str]:
+    """The voices festival finds (``voice.list``); empty when festival is missing."""
+    if shutil.which("festival") is None:
+        return set()
+    res = subprocess.run(["festival", "--pipe"], input="(print (voice.list))\n", capture_output=True, text=True,
+                         check=False)  # fmt: skip
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("(")]
+    return set(lines[-1].strip("()").split()) if lines else set()
+
+
+def check_tools(festival: tuple[str, ...] = ()) -> None:
+    """Raise one error naming the Debian packages when a TTS tool or a ``festival`` voice is missing."""
     missing = [t for t in ("espeak-ng", "flite", "festival", "sox") if shutil.which(t) is None]
     try:
         ctypes.CDLL("libespeak-ng.so.1")
     except OSError:
         missing.append("libespeak-ng.so.1")
+    if "festival" not in missing:
+        have = festival_voices()
+        for name in festival:
+            if name not in have:
+                missing.append(f"festival voice {name} ({FESTIVAL_VOICE_PACKAGE.get(name, 'no Debian package known')})")
+            elif name.endswith("_mbrola") and shutil.which("mbrola") is None:
+                missing.append(f"mbrola (the engine of festival voice {name})")
     if missing:
         raise RuntimeError(
             f"the synthetic corpus needs TTS tools that are missing: {', '.join(missing)}; "
+            f"run setup.sh (it enables Debian's contrib and non-free components for the MBROLA voices), or "
             f"install them with `sudo apt-get install {DEBIAN_PACKAGES}`, or prepare a real corpus "
             "with --corpus mini_librispeech|librispeech|timit|yesno|kaldi --corpus-dir DIR"
         )
