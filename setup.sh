@@ -14,9 +14,9 @@ if [ -n "$missing" ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   if ! {
     components=$(apt-get indextargets --format '$(COMPONENT)' 2>/dev/null | sort -u)
-    if ! { grep -qx contrib <<<"$components" && grep -qx non-free <<<"$components"; }; then
-      codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
-      [ -n "$codename" ] || { echo "no VERSION_CODENAME in /etc/os-release"; false; }
+    # (Debian only: another distribution's sources are left as they are, and the install below says what is missing)
+    codename=$(. /etc/os-release && [ "${ID:-}" = debian ] && echo "${VERSION_CODENAME:-}" || true)
+    if [ -n "$codename" ] && ! { grep -qx contrib <<<"$components" && grep -qx non-free <<<"$components"; }; then
       # the same keyring as the main source's, else apt refuses two Signed-By values for one source
       keyring=""
       for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do

@@ -180,6 +180,12 @@ def test_missing_festival_voice_names_its_package(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"festival voice us2_mbrola \(festvox-us2\).*run setup.sh"):
         tts.check_tools(festival=("kal_diphone", "us2_mbrola"))
     tts.check_tools(festival=("kal_diphone", "ked_diphone"))
+    # the voice is there but not the engine that speaks it
+    monkeypatch.setattr(tts, "festival_voices", lambda: {"us1_mbrola"})
+    real_which = shutil.which
+    monkeypatch.setattr(tts.shutil, "which", lambda name: None if name == "mbrola" else real_which(name))
+    with pytest.raises(RuntimeError, match=r"mbrola \(the engine of festival voice us1_mbrola\)"):
+        tts.check_tools(festival=("us1_mbrola",))
 
 
 def test_no_recorded_speaker_is_in_two_splits(tmp_path):
