@@ -175,6 +175,14 @@ def test_mbrola_voice_gives_mapped_phone_timings():
     assert [p for p, _, _ in phones if p != tts.SIL] == ["P", "L", "IY", "Z", "K", "AO", "L", "S", "T", "EH", "L", "AH"]
 
 
+def test_setup_installs_the_packages_the_corpus_names():
+    """setup.sh's package list is the one the corpus's error message names, and holds every festival voice's."""
+    setup = (Path(__file__).resolve().parents[1] / "setup.sh").read_text()
+    (line,) = [ln for ln in setup.splitlines() if ln.startswith("APT_PACKAGES=")]
+    assert line.split("=", 1)[1].strip('"').split() == tts.DEBIAN_PACKAGES.split()
+    assert set(tts.FESTIVAL_VOICE_PACKAGE.values()) <= set(tts.DEBIAN_PACKAGES.split())
+
+
 def test_missing_festival_voice_names_its_package(tmp_path, monkeypatch):
     monkeypatch.setattr(tts, "festival_voices", lambda: {"kal_diphone", "ked_diphone", "cmu_us_slt_arctic_hts"})
     with pytest.raises(RuntimeError, match=r"festival voice us2_mbrola \(festvox-us2\).*run setup.sh"):

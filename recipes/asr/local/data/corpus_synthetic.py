@@ -172,7 +172,8 @@ def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:
         # drawn last, so that the train and test settings stay those of the corpus before dev had its own voices
         "dev": {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_dev)},
     }
-    festival = others("festival", size.festival_dev, n_test)  # dev's further sentences share them
+    # dev's festival settings (its further sentences share them), drawn after dev's espeak ones for the same reason
+    festival = others("festival", size.festival_dev, n_test)
     # drawn after dev's, for the same reason
     out["dev_extra"] = {"espeak": espeak(size.espeak_accents_test, size.espeak_variants_dev_extra)}
     if festival:
