@@ -35,11 +35,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/asr: the recipe's `local` package
 
-from local.data.features import gmm_cmvn_key  # noqa: E402
-from local.gmm.common import GmmSystem, load_utterances  # noqa: E402
-from local.gmm.decode import DECODE_JOBS  # noqa: E402
-from local.gmm.sat import transformed  # noqa: E402
-from local.graph.decode import (  # noqa: E402
+from local.data.features import gmm_cmvn_key
+from local.gmm.common import GmmSystem, load_utterances
+from local.gmm.decode import DECODE_JOBS
+from local.gmm.sat import transformed
+from local.graph.decode import (
     KALDI_SEARCH,
     RECIPE_SEARCH,
     Search,
@@ -48,8 +48,8 @@ from local.graph.decode import (  # noqa: E402
     score,
     words_to_text,
 )
-from local.graph.lang import load_lang  # noqa: E402
-from local.kaldi import kaldifst  # noqa: E402
+from local.graph.lang import load_lang
+from local.kaldi import kaldifst
 
 KALDI_DECODE_SCALE = 0.0833  # steps/decode.sh's --acwt, the scale Kaldi's GMM lattices are searched at
 
