@@ -455,3 +455,31 @@ def test_speaker_bootstrap_is_wider_when_a_voice_carries_the_errors():
     assert d["diff_lo"] >= 0.0 and d["diff_hi"] <= 10.0
     with pytest.raises(ValueError, match="groups name 3 utterances but words 100"):
         wer_interval(errors, words, groups=np.array(["a", "b", "c"]))
+
+
+def test_test_speakers_are_persons_not_voice_settings(tmp_path):
+    """On the synthetic corpus a SAT speaker is one rate/pitch setting of a voice; the bootstrap's
+    clusters are the persons behind them: flite's rms at two settings is one speaker, festival's
+    ked_diphone is ked, each espeak voice (at any setting) is its own; a corpus without the ``engine``
+    and ``voice`` fields keeps its supervisions' speakers."""
+    from lhotse import CutSet, MonoCut, SupervisionSegment
+    from local.dnn.compare import test_speakers
+
+    settings = [("flite", "rms", "flite-rms-r112-p-200"), ("flite", "rms", "flite-rms-r114-p200"),
+                ("festival", "ked_diphone", "festival-ked_diphone-r102-p150"),
+                ("espeak", "en-029+f4", "espeak-en-029-f4-r116-p45"), ("espeak", "en-029+f4", "espeak-en-029-f4-r90-p50"),
+                ("espeak", "en-029+m7", "espeak-en-029-m7-r92-p35")]
+    (tmp_path / "features").mkdir()
+
+    def write(custom: bool):
+        CutSet.from_cuts(MonoCut(id=f"u{i}", start=0.0, duration=1.0, channel=0, supervisions=[SupervisionSegment(
+            id=f"u{i}", recording_id=f"u{i}", start=0.0, duration=1.0, speaker=spk,
+            custom={"engine": eng, "voice": voice} if custom else None)]) for i, (eng, voice, spk) in enumerate(settings)
+        ).to_file(tmp_path / "features" / "test_cuts.jsonl.gz")
+
+    write(custom=True)
+    assert test_speakers(tmp_path) == {"u0": "flite-rms", "u1": "flite-rms", "u2": "festival-ked",
+                                       "u3": "espeak-en-029+f4", "u4": "espeak-en-029+f4", "u5": "espeak-en-029+m7"}
+    write(custom=False)
+    assert test_speakers(tmp_path) == {f"u{i}": spk for i, (_, _, spk) in enumerate(settings)}
+    assert test_speakers(tmp_path / "nowhere") is None

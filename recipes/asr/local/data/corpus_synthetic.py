@@ -132,7 +132,13 @@ RECORDED_SPEAKER = {"kal16": "kal", "kal_diphone": "kal", "awb": "awb", "slt": "
 
 def recorded_speaker(voice: Voice) -> str:
     """Who a voice speaks as: the recorded person of a flite/festival voice, else the espeak voice."""
-    return RECORDED_SPEAKER.get(voice.name, voice.name) if voice.engine != "espeak" else voice.name
+    return person(voice.engine, voice.name)
+
+
+def person(engine: str, voice: str) -> str:
+    """``recorded_speaker`` from a cut's ``custom`` fields (``engine``, ``voice``): the recorded person of
+    a flite/festival voice, else the espeak voice; every rate/pitch setting of it is the same person."""
+    return RECORDED_SPEAKER.get(voice, voice) if engine != "espeak" else voice
 
 
 def voice_settings(size: Size, seed: int) -> dict[str, list[Voice]]:

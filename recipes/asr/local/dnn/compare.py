@@ -325,13 +325,28 @@ def gmm_reference(data_dir: Path | str, system: str = "sat") -> dict | None:
 
 def test_speakers(data_dir: Path | str) -> dict[str, str] | None:
     """Test utterance id -> speaker, from the cuts ``evaluate.py`` decodes (``features/test_cuts``;
-    None without them)."""
+    None without them): the supervision's speaker, or on the synthetic corpus the person behind the
+    voice (``cut_speaker``), so that the bootstrap draws persons, not rate/pitch settings of one voice."""
     path = Path(data_dir) / "features" / "test_cuts.jsonl.gz"
     if not path.exists():
         return None
     from lhotse import CutSet
 
-    return {c.id: c.supervisions[0].speaker for c in CutSet.from_file(path) if c.supervisions}
+    return {c.id: cut_speaker(c.supervisions[0]) for c in CutSet.from_file(path) if c.supervisions}
+
+
+def cut_speaker(supervision) -> str:
+    """The speaker of a supervision for statistics. The synthetic corpus names a speaker per voice
+    setting (``espeak-en-029-f4-r116-p45``: the SAT and fMLLR speaker); its ``custom`` fields
+    (``engine``, ``voice``) give the person: ``<engine>-<person>`` (``espeak-en-029+f4``,
+    ``flite-rms``, ``festival-ked``; ``local.data.corpus_synthetic.person``). Other corpora: the
+    supervision's ``speaker``."""
+    custom = supervision.custom or {}
+    if "engine" in custom and "voice" in custom:
+        from local.data.corpus_synthetic import person
+
+        return f"{custom['engine']}-{person(custom['engine'], custom['voice'])}"
+    return supervision.speaker
 
 
 def crossfold_counts(run_dir: Path, scales: list[str], speaker_of: dict[str, str]) -> tuple[dict, list[str]] | None:
