@@ -6,7 +6,7 @@ import math
 
 import pytest
 from local.constants import GMM_ACOUSTIC_SCALES, MAX_GRID_EXTENSIONS, WORD_INSERTION_PENALTIES
-from local.graph.decode import pick_penalty, pick_scale
+from local.graph.decode import penalty_past_edge, pick_penalty, pick_scale, pick_scale_and_penalty
 
 GRID = (0.05, 0.0588, 0.0667, 0.0833, 0.1, 0.125)
 
@@ -102,3 +102,53 @@ def test_penalties_are_tried_in_order_while_each_is_better():
     assert calls == [0.0, 0.5]
     with pytest.raises(ValueError, match="no word insertion penalty"):
         pick_penalty(lambda p: 0.0, ())
+
+
+def test_a_best_penalty_at_the_top_extends_the_grid_upwards():
+    """Dev's WER falling through 0, 0.5 and 1 goes on to 1.5 and 2 (the grid's step), stops at the first
+    worse one and picks the best; a WER still falling after MAX_GRID_EXTENSIONS steps stops there with a
+    warning. The lower bound is fixed: a best 0 tries nothing below it."""
+    calls = []
+    wer = {0.0: 10.0, 0.5: 9.0, 1.0: 8.0, 1.5: 7.5, 2.0: 7.9}
+    assert pick_penalty(lambda p: calls.append(p) or wer[p], WORD_INSERTION_PENALTIES) == (1.5, wer)
+    assert calls == [0.0, 0.5, 1.0, 1.5, 2.0]
+    falling = lambda p: 10.0 - p
+    penalty, tried = pick_penalty(falling, WORD_INSERTION_PENALTIES, max_extensions=2)
+    assert penalty == 2.0 and sorted(tried) == [0.0, 0.5, 1.0, 1.5, 2.0]
+    assert pick_penalty(lambda p: 5.0 + p, WORD_INSERTION_PENALTIES)[1] == {0.0: 5.0, 0.5: 5.5}
+    assert penalty_past_edge([0.0, 0.5, 1.0], 0.0) == -0.5 and penalty_past_edge([0.0, 0.5, 1.0], 1.0) == 1.5
+    assert penalty_past_edge([0.0, 0.5, 1.0], 0.5) is None and penalty_past_edge([0.0], 0.0) is None
+
+
+def test_lattice_choice_extends_the_penalties_past_either_edge():
+    """Every (scale, penalty) point costs a best path: dev's best penalty at the lower edge 0 brings -0.5
+    (a bonus per word), scored at every scale tried; the scale is picked again with it. A best inside the
+    penalties stops there; one still at the edge after the bound says so."""
+    calls = []
+
+    def rescore_with(wer_of):
+        def rescore(scales, penalties):
+            calls.append((list(scales), list(penalties)))
+            wers.update({(s, p): wer_of(s, p) for s in scales for p in penalties})
+        return rescore
+
+    wers = {}
+    bowl = lambda s, p: 10.0 + 100 * abs(s - 0.125) + abs(p + 0.5)  # best at (0.125, -0.5)
+    scale, penalty, info = pick_scale_and_penalty(rescore_with(bowl), wers, (0.1, 0.125, 0.143), (0.0, 0.5, 1.0),
+                                                  prefer=0.1)
+    assert (scale, penalty) == (0.125, -0.5)
+    assert info["penalties"] == [-1.0, -0.5, 0.0, 0.5, 1.0] and info["penalties_extended"] == [-0.5, -1.0]
+    assert not info["penalty_at_edge"] and info["grid"] == [0.1, 0.125, 0.143] and info["extended"] == []
+    assert set(wers) == {(s, p) for s in info["grid"] for p in info["penalties"]}
+    assert calls[1] == ([0.1, 0.125, 0.143], [-0.5])
+    wers.clear()
+    falling = lambda s, p: 10.0 + 100 * abs(s - 0.125) - p
+    _, penalty, info = pick_scale_and_penalty(rescore_with(falling), wers, (0.1, 0.125, 0.143), (0.0, 0.5, 1.0),
+                                              prefer=0.1, max_extensions=2)
+    assert penalty == 2.0 and info["penalty_at_edge"] and info["penalties_extended"] == [1.5, 2.0]
+    wers.clear()
+    # the scale grid grows too: every point of it has every penalty
+    low = lambda s, p: 10.0 + 100 * s + abs(p - 0.5)
+    scale, penalty, info = pick_scale_and_penalty(rescore_with(low), wers, (0.1, 0.125), (0.0, 0.5, 1.0), prefer=0.1)
+    assert penalty == 0.5 and scale == info["grid"][0] < 0.1 and info["extended"] == info["grid"][:-2]
+    assert set(wers) == {(s, p) for s in info["grid"] for p in info["penalties"]}

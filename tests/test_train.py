@@ -269,8 +269,12 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
     assert list((tmp_path / "baseline" / "decode").glob("errs-test*"))
     # the default search: lattices once, the scale and the insertion penalty chosen on dev by rescoring
     lattice = json.loads((tmp_path / "baseline" / "decode" / "results.json").read_text())
-    assert lattice["search"] == "lattice" and lattice["word_insertion_penalty"] in (0.0, 0.5, 1.0)
-    assert len(lattice["dev_grid"]["wer"]) == 3 * len(lattice["dev_grid"]["grid"])
+    grid = lattice["dev_grid"]
+    assert lattice["search"] == "lattice" and lattice["word_insertion_penalty"] in grid["penalties"]
+    assert set(grid["penalties"]) == {0.0, 0.5, 1.0, *grid["penalties_extended"]}
+    # a penalty past the grid only when dev's best sat at its edge, and then inside the grown grid
+    assert not grid["penalty_at_edge"] or len(grid["penalties_extended"]) == 3
+    assert len(grid["wer"]) == len(grid["penalties"]) * len(grid["grid"])
     assert lattice["dev"]["wer"] == min(lattice["dev_grid"]["wer"].values())
     assert report["intervals"]["runs"]["gtc"]["vs_baseline"]["seeds"] == [0]
     # --test-sweep decodes again what was decoded without it (also with --skip-decoded); test at the scale

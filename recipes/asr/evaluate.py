@@ -5,8 +5,8 @@ For each run: pseudo log-likelihoods ``log p(pdf | x) - log p(pdf)`` of ``checkp
 -> the HCLG of the aligning GMM system (``exp/sat/graph``). By default (``--search lattice``, Kaldi's
 ``score.sh``) dev and test are each decoded once into word lattices (``local/graph/lattice.py``); the
 acoustic scale (1 / LM weight) from ``--acoustic-scales`` (the grid extended past an edge that holds
-dev's best, ``pick_scale``) and the word insertion penalty from ``--penalties`` are chosen on dev by
-rescoring its lattices, and test's best path at that point is scored (with ``--test-sweep`` also at
+dev's best, ``pick_scale``) and the word insertion penalty from ``--penalties`` (likewise extended past an
+edge, below 0 too: ``penalty_past_edge``) are chosen on dev by rescoring its lattices, and test's best path at that point is scored (with ``--test-sweep`` also at
 every scale dev tried, for the comparison's fixed-scale tables). ``--search best-path`` decodes dev
 again at each scale with ``FasterDecoder`` instead (no penalty), as the recipe did before 2026-11-28. Writes ``<run>/decode/`` (``recogs-*``, ``errs-*``,
 ``per_utt-*``, ``results.json``), then the comparison over runs (markdown, JSON and the dev frame
@@ -231,7 +231,7 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
                        scales, penalties, test_sweep, start, rescore_lm=None) -> dict:
     """``evaluate_run`` with lattices: one decoding of dev and one of test, the grid by rescoring."""
     from lhotse import CutSet
-    from local.graph.decode import pick_scale, score
+    from local.graph.decode import pick_scale_and_penalty, score
     from local.graph.lattice import LATTICE_ACOUSTIC_SCALE, LATTICE_BEAM, decode_lattices, grid_hypotheses
 
     out = run_dir / "decode"
@@ -246,21 +246,18 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
     def choose(rescorer, tag: str):  # the (scale, penalty) dev picks, with every point's WER
         wers, results = {}, {}
 
-        def rescore(new_scales: list[float]) -> None:
-            grid = grid_hypotheses(dev_lats, new_scales, penalties, rescorer)
+        def rescore(new_scales: list[float], new_pens: list[float]) -> None:
+            grid = grid_hypotheses(dev_lats, new_scales, new_pens, rescorer)
             for (s, p), hyps in grid.items():
                 text = {u: words_to_text(w, id2word) for u, w in hyps.items()}
                 results[(s, p)] = score(refs, text, out, f"dev{tag}-acwt{s:g}-wip{p:g}")
                 wers[(s, p)] = results[(s, p)]["wer"]
 
-        def dev_wer(scale: float) -> float:  # the best penalty's WER at this scale
-            if (scale, penalties[0]) not in wers:
-                rescore([scale])
-            return min(wers[(scale, p)] for p in penalties)
-
-        rescore(sorted(set(scales)))
-        best_scale, grid = pick_scale(dev_wer, scales, prefer=0.1)
-        return best_scale, min(penalties, key=lambda p: (wers[(best_scale, p)], abs(p))), grid, wers, results
+        best_scale, best_penalty, grid = pick_scale_and_penalty(rescore, wers, scales, penalties, prefer=0.1)
+        if grid["penalty_at_edge"]:
+            log.warning("%s: word insertion penalty %g, picked on dev, is still at the edge of %s", run_dir,
+                        best_penalty, [f"{p:g}" for p in grid["penalties"]])
+        return best_scale, best_penalty, grid, wers, results
 
     first = choose(None, "")
     rescorer = lm_path = None
@@ -304,8 +301,7 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
         "word_insertion_penalty": best_penalty,
         "dev": results[(best_scale, best_penalty)],
         "dev_sweep": {f"{s:g}": results[(s, best_penalty)]["wer"] for s in grid["grid"]},
-        "dev_grid": {**grid, "penalties": penalties,
-                     "wer": {f"{s:g}/{p:g}": w for (s, p), w in sorted(wers.items())}},
+        "dev_grid": {**grid, "wer": {f"{s:g}/{p:g}": w for (s, p), w in sorted(wers.items())}},
         "test": score(test_refs, test_text[best_scale], out, "test"),
     }
     if test_sweep:
@@ -457,7 +453,8 @@ def main(argv: list[str] | None = None) -> None:
                         "the word insertion penalty on dev by rescoring (Kaldi's score.sh); best-path: decode dev "
                         "again at each scale (no penalty)")
     p.add_argument("--penalties", type=float, nargs="+", default=list(WORD_INSERTION_PENALTIES),
-                   help="word insertion penalties tried on dev with --search lattice (Kaldi's: 0 0.5 1)")
+                   help="word insertion penalties tried on dev with --search lattice (Kaldi's: 0 0.5 1), extended "
+                        "one step past an edge that holds dev's best")
     p.add_argument("--rescore-lm", default=None, metavar="ORDER|ARPA",
                    help="rescore the lattices with a larger LM before choosing the scale and penalty on dev: an "
                         "n-gram order (e.g. 4: estimated on the lang stage's LM sentences, lang/lm_4gram.arpa) or an "

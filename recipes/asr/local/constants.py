@@ -24,7 +24,10 @@ SAT_ACOUSTIC_SCALES = (0.0425, 0.05, 0.0588, 0.0667)
 # the grid was LM weights 8 .. 3, and dev preferred its lowest scale, 0.125: an optimum at the edge.
 DNN_ACOUSTIC_SCALES = (0.1, 0.111, 0.125, 0.143, 0.167, 0.2, 0.25)
 # Word insertion penalties tried on dev (Kaldi's score.sh: 0.0 0.5 1.0): by rescoring the DNN's lattices, and by
-# decoding the GMM systems again at dev's scale, in order while each is better (``pick_penalty``).
+# decoding the GMM systems again at dev's scale, in order while each is better (``pick_penalty``). A best penalty
+# at an edge extends the grid by a step (``penalty_past_edge``): both ways on the lattices, where a point costs a
+# best path; upwards only for the GMM systems, whose lower bound 0 is fixed in advance (a negative penalty would
+# cost each system a decoding of dev more in the main job, and Kaldi's scoring never tries one).
 WORD_INSERTION_PENALTIES = (0.0, 0.5, 1.0)
 # Most steps a grid is extended by when dev's best scale stays at its edge (``pick_scale``).
 MAX_GRID_EXTENSIONS = 3

@@ -374,10 +374,14 @@ def pick_scale(wer: Callable[[float], float], grid: Sequence[float], prefer: flo
     return scale, info
 
 
-def pick_penalty(wer: Callable[[float], float], penalties: Sequence[float]) -> tuple[float, dict[float, float]]:
+def pick_penalty(wer: Callable[[float], float], penalties: Sequence[float],
+                 max_extensions: int = MAX_GRID_EXTENSIONS) -> tuple[float, dict[float, float]]:
     """The word insertion penalty with the lowest ``wer(penalty)`` on dev (ties: the smallest), tried in
     ascending order and stopping at the first that is worse than the one before: a costly ``wer`` (a
-    decoding per penalty) is not called past it. Returns the penalty and ``{penalty: WER}`` of those tried."""
+    decoding per penalty) is not called past it. While the largest penalty tried is still the best, the
+    grid grows one step past it (``penalty_past_edge``), at most ``max_extensions`` times. The smallest
+    penalty is a bound fixed in advance (the GMM systems start at Kaldi's 0). Returns the penalty and
+    ``{penalty: WER}`` of those tried."""
     penalties = sorted(set(penalties))
     if not penalties:
         raise ValueError("no word insertion penalty to try; give at least one (0 is Kaldi's neutral value)")
@@ -386,7 +390,71 @@ def pick_penalty(wer: Callable[[float], float], penalties: Sequence[float]) -> t
         wers[p] = wer(p)
         if wers[p] >= wers[before]:
             break
-    return min(wers, key=lambda p: (wers[p], p)), wers
+    best = lambda: min(wers, key=lambda p: (wers[p], p))
+    for _ in range(max_extensions):
+        tried = sorted(wers)
+        new = penalty_past_edge(tried, best()) if best() == tried[-1] else None
+        if new is None:
+            break
+        wers[new] = wer(new)
+    if len(wers) > 1 and best() == max(wers) and max(wers) not in penalties:
+        log.warning("word insertion penalty %g, picked on dev, is still the largest tried (%s)", best(),
+                    [f"{p:g}" for p in sorted(wers)])
+    return best(), wers
+
+
+def penalty_past_edge(penalties: Sequence[float], best: float) -> float | None:
+    """The next word insertion penalty when dev's ``best`` is at an edge of ``penalties`` (ascending, at
+    least 2): one step of the grid's outermost spacing past that edge (3 significant digits); None when
+    ``best`` is inside the grid or the grid has one penalty."""
+    if len(penalties) < 2 or penalties[0] < best < penalties[-1]:
+        return None
+    if best == penalties[-1]:
+        return float(f"{2 * penalties[-1] - penalties[-2]:.3g}")
+    return float(f"{2 * penalties[0] - penalties[1]:.3g}")
+
+
+def pick_scale_and_penalty(rescore: Callable[[list[float], list[float]], None], wers: dict, scales: Sequence[float],
+                           penalties: Sequence[float], prefer: float,
+                           max_extensions: int = MAX_GRID_EXTENSIONS) -> tuple[float, float, dict]:
+    """Dev's (acoustic scale, word insertion penalty) where every point is cheap (a best path through
+    lattices): ``rescore(scales, penalties)`` puts the WER of every such pair into ``wers[(s, p)]``.
+    The scale is ``pick_scale``'s over the best penalty's WER at each scale (the scale grid extended past
+    an edge); while the best penalty there is at an edge of the penalties (either one: a penalty below 0
+    is a bonus per word), they grow one step past it (``penalty_past_edge``) at every scale tried, at most
+    ``max_extensions`` times, and the scale is picked again. Ties: the scale nearest ``prefer``, then the
+    smallest penalty in size.
+
+    Returns:
+        the scale, the penalty and ``pick_scale``'s information, its ``grid`` every scale tried, with
+        ``"penalties"`` (those tried, ascending), ``"penalties_extended"`` and ``"penalty_at_edge"``.
+    """
+    pens = sorted(set(penalties))
+    if not pens:
+        raise ValueError("no word insertion penalty to try; give at least one (0 is Kaldi's neutral value)")
+
+    def wer(scale: float) -> float:  # the best penalty's WER at this scale
+        missing = [p for p in pens if (scale, p) not in wers]
+        if missing:
+            rescore([scale], missing)
+        return min(wers[(scale, p)] for p in pens)
+
+    tried = sorted(set(scales))
+    rescore(tried, pens)
+    added: list[float] = []
+    while True:  # every scale tried so far stays in the grid, so every point has every penalty
+        best_scale, info = pick_scale(wer, tried, prefer=prefer, max_extensions=max_extensions)
+        tried = info["grid"]
+        best_penalty = min(pens, key=lambda p: (wers[(best_scale, p)], abs(p)))
+        new = penalty_past_edge(pens, best_penalty)
+        if new is None or len(added) == max_extensions:
+            break
+        added.append(new)
+        pens = sorted([*pens, new])
+        rescore(tried, [new])
+    info["extended"] = [s for s in tried if s not in set(scales)]
+    return best_scale, best_penalty, {**info, "penalties": pens, "penalties_extended": added,
+                                      "penalty_at_edge": penalty_past_edge(pens, best_penalty) is not None}
 
 
 def point_name(split: str, scale: float, penalty: float = 0.0) -> str:
