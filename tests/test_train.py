@@ -257,7 +257,7 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
     base = _run(common + ["--strategy", "single"])
     gtc = _run(common + ["--trainer.strategy", "gtc_fork", "--trainer.devices", "2", "--num_threads", "1"])
     evaluate.main(["--runs", str(tmp_path / "baseline"), str(tmp_path / "gtc"), "--out", str(tmp_path / "cmp"),
-                   "--acoustic-scales", "0.1", "--beam", "8", "--max-active", "1000", "--jobs", "1"])
+                   "--acoustic-scales", "0.1", "--beam", "8", "--jobs", "1"])
     report = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
     assert [r["run"] for r in report["runs"]] == ["baseline", "gtc"] and report["baseline"] == "baseline"
     for row in report["runs"]:
@@ -293,10 +293,19 @@ def test_tiny_corpus_end_to_end(request, tmp_path):
     mtime = (tmp_path / "gtc" / "decode" / "results.json").stat().st_mtime
     evaluate.main(sweep_args)
     assert (tmp_path / "gtc" / "decode" / "results.json").stat().st_mtime == mtime
+    # --skip-decoded takes only a decoding of the same settings: another beam or grid is decoded again
+    settings = results["settings"]
+    assert settings == evaluate.decode_settings("best-path", 8, 1000, (0.2, 0.1), (0.0,))
+    assert evaluate.decoded(tmp_path / "gtc", True, None, settings)
+    assert not evaluate.decoded(tmp_path / "gtc", True, None, {**settings, "beam": 13.0})
+    assert not evaluate.decoded(tmp_path / "gtc", True, None, evaluate.decode_settings("lattice", 8, None, (0.1, 0.2),
+                                                                                       (0.0, 0.5, 1.0)))
+    with pytest.raises(SystemExit):  # the lattice decoder has no limit on active states to set
+        evaluate.main(["--runs", str(tmp_path / "gtc"), "--max-active", "1000", "--out", str(tmp_path / "x")])
     # --rescore-lm: the lattices rescored with another LM (here the first pass's own: the same choice and
     # WERs), the first pass kept beside; a decoding without rescoring is not taken for one with it
     rescore_args = ["--runs", str(tmp_path / "baseline"), "--out", str(tmp_path / "cmp_lm"), "--acoustic-scales",
-                    "0.1", "--beam", "8", "--max-active", "1000", "--jobs", "1", "--skip-decoded",
+                    "0.1", "--beam", "8", "--jobs", "1", "--skip-decoded",
                     "--rescore-lm", str(data_dir / "lang" / "lm.arpa")]
     evaluate.main(rescore_args)
     rescored = json.loads((tmp_path / "baseline" / "decode" / "results.json").read_text())

@@ -83,7 +83,7 @@ def _run_recipe(corpus: str, corpus_dir: Path, tmp_path: Path, **options) -> dic
     train.main(["--config", str(ROOT / "conf" / "tiny.yaml"), "--strategy", "single", "--data.data_dir", str(data),
                 "--exp_dir", str(tmp_path / "exp"), "--trainer.max_epochs", "1", "--num_threads", "1"])  # fmt: skip
     evaluate.main(["--runs", str(tmp_path / "exp" / "baseline"), "--out", str(tmp_path / "cmp"),
-                   "--acoustic-scales", "0.1", "--beam", "8", "--max-active", "1000", "--jobs", "1"])  # fmt: skip
+                   "--acoustic-scales", "0.1", "--beam", "8", "--jobs", "1"])  # fmt: skip
     return json.loads((tmp_path / "exp" / "baseline" / "decode" / "results.json").read_text())
 
 

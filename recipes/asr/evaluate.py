@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import torch
-from local.constants import DNN_ACOUSTIC_SCALES, WORD_INSERTION_PENALTIES
+from local.constants import DNN_ACOUSTIC_SCALES, DNN_PREFERRED_SCALE, WORD_INSERTION_PENALTIES
 from local.data.features import SAMPLING_RATE
 from local.dnn.compare import compare_runs
 from local.dnn.datamodule import splice
@@ -164,15 +164,15 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     model, context, features = load_checkpoint(checkpoint)
     log_prior = np.log(np.load(data_dir / "ali" / "priors.npy")).astype(np.float32)
     front_end = FrontEnd(data_dir, features)
-    if beam is None:  # (local/graph/lattice.py says why the lattice search's default is not Kaldi's 13)
-        beam = LATTICE_SEARCH_BEAM if search == "lattice" else BEAM
+    settings = decode_settings(search, beam, max_active, scales, penalties)
+    beam = settings["beam"]
     decoder, out = Decoder(data_dir, beam, max_active), run_dir / "decode"
     # all dev utterances (also those the GMM could not align, e.g. with OOV words), like test
     dev_cuts = CutSet.from_file(data_dir / "features" / "dev_cuts.jsonl.gz")
     dev = list(utterance_logliks(model, context, log_prior, dev_cuts, front_end, "dev"))
     if search == "lattice":
         return _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, model, context, log_prior,
-                                  front_end, scales, penalties, test_sweep, start, rescore_lm)
+                                  front_end, scales, penalties, test_sweep, start, rescore_lm, settings)
     if search != "best-path":
         raise ValueError(f"search={search!r}: use lattice or best-path")
     if rescore_lm is not None:
@@ -183,7 +183,7 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
         sweep[scale] = score(references(dev_cuts), decoder.decode(dev, scale), out, f"dev-acwt{scale:g}")
         return sweep[scale]["wer"]
 
-    best, grid = pick_scale(dev_wer, scales, prefer=0.1)
+    best, grid = pick_scale(dev_wer, scales, prefer=DNN_PREFERRED_SCALE)
     scales = grid["grid"]
     test_cuts = CutSet.from_file(data_dir / "features" / "test_cuts.jsonl.gz")
     test, test_refs = utterance_logliks(model, context, log_prior, test_cuts, front_end, "test"), references(test_cuts)
@@ -198,6 +198,7 @@ def evaluate_run(run_dir: Path, data_dir: Path | None, scales: tuple[float, ...]
     result = {
         "features": features,
         "graph": str(decoder.graph),
+        "settings": settings,
         "acoustic_scale": best,
         "dev": sweep[best],
         "dev_sweep": {f"{s:g}": sweep[s]["wer"] for s in scales},
@@ -228,7 +229,7 @@ def rescorer_for(data_dir: Path, id2word: dict[int, str], rescore_lm: str | int)
 
 
 def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, model, context, log_prior, front_end,
-                       scales, penalties, test_sweep, start, rescore_lm=None) -> dict:
+                       scales, penalties, test_sweep, start, rescore_lm=None, settings=None) -> dict:
     """``evaluate_run`` with lattices: one decoding of dev and one of test, the grid by rescoring."""
     from lhotse import CutSet
     from local.graph.decode import pick_scale_and_penalty, score
@@ -253,7 +254,8 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
                 results[(s, p)] = score(refs, text, out, f"dev{tag}-acwt{s:g}-wip{p:g}")
                 wers[(s, p)] = results[(s, p)]["wer"]
 
-        best_scale, best_penalty, grid = pick_scale_and_penalty(rescore, wers, scales, penalties, prefer=0.1)
+        best_scale, best_penalty, grid = pick_scale_and_penalty(rescore, wers, scales, penalties,
+                                                                prefer=DNN_PREFERRED_SCALE)
         if grid["penalty_at_edge"]:
             log.warning("%s: word insertion penalty %g, picked on dev, is still at the edge of %s", run_dir,
                         best_penalty, [f"{p:g}" for p in grid["penalties"]])
@@ -294,6 +296,7 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
         "features": features,
         "graph": str(decoder.graph),
         "search": "lattice",
+        "settings": settings,
         "lattice": {"acoustic_scale": LATTICE_ACOUSTIC_SCALE, "beam": decoder.beam,
                     "lattice_beam": LATTICE_BEAM, "decode_seconds": round(lattice_seconds, 1),
                     "audio_seconds": round(audio_seconds, 1), "rtf": round(lattice_seconds / audio_seconds, 4)},
@@ -332,15 +335,36 @@ def _evaluate_args(args: tuple) -> dict:
     return evaluate_run(*args)
 
 
-def decoded(run_dir: Path, test_sweep: bool = False, rescore_lm: str | None = None) -> bool:
+def decode_settings(search: str, beam: float | None, max_active: int | None, scales, penalties) -> dict:
+    """What a decoding's results depend on besides the checkpoint, as ``results.json["settings"]`` records
+    it: the search, its beam (``None``: that search's default), the most active states (best-path search
+    only: the lattice decoder has no such limit), the acoustic scales and (lattice search) the penalties
+    dev starts from."""
+    if beam is None:  # (local/graph/lattice.py says why the lattice search's default is not Kaldi's 13)
+        beam = LATTICE_SEARCH_BEAM if search == "lattice" else BEAM
+    out = {"search": search, "beam": float(beam), "acoustic_scales": sorted(map(float, set(scales)))}
+    if search == "lattice":
+        out["penalties"] = sorted(map(float, set(penalties)))
+    else:
+        out["max_active"] = int(max_active if max_active is not None else MAX_ACTIVE)
+    return out
+
+
+def decoded(run_dir: Path, test_sweep: bool = False, rescore_lm: str | None = None,
+            settings: dict | None = None) -> bool:
     """True when ``run_dir/decode/results.json`` is newer than the run's last checkpoint (and, with
-    ``test_sweep``, has test decoded at every scale) and was rescored with the ``rescore_lm`` asked for (none
-    when ``None``)."""
+    ``test_sweep``, has test decoded at every scale), was rescored with the ``rescore_lm`` asked for (none
+    when ``None``) and, with ``settings`` (``decode_settings``), was decoded with them: a results.json
+    from another beam, search or grid, or one that does not record its settings, is not taken."""
     results, ckpt = run_dir / "decode" / "results.json", run_dir / "checkpoints" / "last.ckpt"
     if not (results.exists() and ckpt.exists() and results.stat().st_mtime > ckpt.stat().st_mtime):
         return False
     got = json.loads(results.read_text())
     wanted_lm = None if rescore_lm is None else str(rescore_lm)  # the same rescoring, or none, as asked
+    if settings is not None and got.get("settings") != settings:
+        log.info("%s: decoded with %s, not %s: decoding again", run_dir, got.get("settings", "unrecorded settings"),
+                 settings)
+        return False
     return (not test_sweep or "test_sweep" in got) and got.get("lm_rescore", {}).get("requested") == wanted_lm
 
 
@@ -462,7 +486,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--beam", type=float, default=None,
                    help=f"decoding beam (default: {LATTICE_SEARCH_BEAM:g} with --search lattice, {BEAM:g} with "
                         "--search best-path; Kaldi's decode.sh uses 13, measured in local/graph/lattice.py)")
-    p.add_argument("--max-active", type=int, default=MAX_ACTIVE, help="most active decoder states per frame")
+    p.add_argument("--max-active", type=int, default=None,
+                   help=f"most active decoder states per frame, --search best-path only (default {MAX_ACTIVE}; the "
+                        "lattice decoder has no such limit)")
     p.add_argument("--jobs", type=int, default=2, help="runs decoded in parallel (one process, one thread each)")
     p.add_argument("--out", default="exp/dnn/compare", help="where the comparison report goes")
     p.add_argument("--baseline", default=None, help="run name of the baseline (default: the single-worker run)")
@@ -480,7 +506,8 @@ def main(argv: list[str] | None = None) -> None:
         if not (a.checkpoint and a.test_set and a.data_dir):
             p.error("--test-set needs --checkpoint and --data-dir (for the graph, priors and lexicon)")
         decode_test_set(Path(a.checkpoint), Path(a.test_set), Path(a.data_dir), a.acoustic_scale,
-                        Path(a.out) / "decode_other", a.beam if a.beam is not None else BEAM, a.max_active)
+                        Path(a.out) / "decode_other", a.beam if a.beam is not None else BEAM,
+                        a.max_active if a.max_active is not None else MAX_ACTIVE)
     if not a.runs:
         if not a.checkpoint:
             p.error("give --runs (and/or --checkpoint with --test-set)")
@@ -501,12 +528,17 @@ def main(argv: list[str] | None = None) -> None:
                     "the builds), or give the runs of one data dir")
     if a.rescore_lm is not None and a.search != "lattice":
         p.error("--rescore-lm rescores lattices: use it with --search lattice (the default)")
-    todo = [Path(r) for r in a.runs
-            if not a.compare_only and not (a.skip_decoded and decoded(Path(r), a.test_sweep, a.rescore_lm))]
+    if a.max_active is not None and a.search == "lattice" and a.runs:
+        p.error(f"--max-active {a.max_active}: the lattice decoder (kaldi-decoder's LatticeSimpleDecoder) has no limit "
+                "on active states; bound the lattice search with --beam, or use --search best-path")
+    settings = decode_settings(a.search, a.beam, a.max_active, a.acoustic_scales, a.penalties)
+    todo = [Path(r) for r in a.runs if not a.compare_only
+            and not (a.skip_decoded and decoded(Path(r), a.test_sweep, a.rescore_lm, settings))]
     for run in set(map(Path, a.runs)) - set(todo):
         log.info("%s: not decoded again (%s)", run,
                  "--compare-only" if a.compare_only else "decode/results.json newer than the checkpoint")
-    args = [(r, Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales), a.beam, a.max_active,
+    args = [(r, Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales), a.beam,
+             a.max_active if a.max_active is not None else MAX_ACTIVE,
              a.test_sweep, a.search, tuple(a.penalties), a.rescore_lm) for r in todo]
     if a.jobs > 1 and len(todo) > 1:
         import multiprocessing

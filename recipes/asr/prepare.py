@@ -172,7 +172,7 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
     if name == "adapt":
         from local.dnn.adapt import adapt, adapt_sat
 
-        summary = adapt(data_dir)
+        summary = adapt(data_dir, seed=args.seed)
         sat = adapt_sat(data_dir)
         summary["fbank_sat"] = {split: v["gain_per_frame"] for split, v in sat["splits"].items()}
         summary["seconds"] = round(summary["seconds"] + sat["seconds"], 1)
@@ -429,8 +429,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stage", type=int, default=0, help=f"first stage to run (0-{len(STAGES) - 1})")
     p.add_argument("--stop-stage", type=int, default=len(STAGES) - 1, help=f"last stage to run (0-{len(STAGES) - 1})")
     p.add_argument("--seed", type=int, default=None,
-                   help="seed of the synthetic corpus and of the GMM stages (mono, tri, sat, align); default: the "
-                        "data dir's settings.json, else 0")
+                   help="seed of the synthetic corpus and of the GMM and adaptation stages (mono, tri, sat, align, "
+                        "adapt: its UBM); default: the data dir's settings.json, else 0")
     p.add_argument("--lda-mllt", action="store_true",
                    help="train an LDA+MLLT triphone system in the tri stage (exp/lda_mllt) and build SAT, align and "
                         "adapt on its features (default: off, SAT on the Δ + ΔΔ triphone system)")

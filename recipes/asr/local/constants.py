@@ -23,6 +23,11 @@ SAT_ACOUSTIC_SCALES = (0.0425, 0.05, 0.0588, 0.0667)
 # beam); at beam 10 with 3000 active states the decoder's work per frame is bounded. Until corpus version 3
 # the grid was LM weights 8 .. 3, and dev preferred its lowest scale, 0.125: an optimum at the edge.
 DNN_ACOUSTIC_SCALES = (0.1, 0.111, 0.125, 0.143, 0.167, 0.2, 0.25)
+# The scale dev's ties go to, and the one test is decoded at when a corpus has no dev set: Kaldi's decoding
+# scales, steps/decode.sh's --acwt 0.083333 (LM weight 12) for the GMM systems and the nnet recipes' 0.1 for
+# the DNN.
+GMM_PREFERRED_SCALE = 0.0833
+DNN_PREFERRED_SCALE = 0.1
 # Word insertion penalties tried on dev (Kaldi's score.sh: 0.0 0.5 1.0): by rescoring the DNN's lattices, and by
 # decoding the GMM systems again at dev's scale, in order while each is better (``pick_penalty``). A best penalty
 # at an edge extends the grid by a step (``penalty_past_edge``): both ways on the lattices, where a point costs a

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from local.constants import DNN_PREFERRED_SCALE
+
 log = logging.getLogger(__name__)
 
 
@@ -352,7 +354,7 @@ def cut_speaker(supervision) -> str:
 def crossfold_counts(run_dir: Path, scales: list[str], speaker_of: dict[str, str]) -> tuple[dict, list[str]] | None:
     """Per-utterance test counts with the acoustic scale picked on the other half of the test speakers:
     speakers sorted and dealt into two folds; for each fold the scale with the fewest errors on the
-    other fold (ties: the one nearer 0.1, as on dev) decodes it. A diagnostic of what a dev set like
+    other fold (ties: the one nearer ``DNN_PREFERRED_SCALE``, as on dev) decodes it. A diagnostic of what a dev set like
     the test set, 1/2 its size, would pick (``evaluate.py --test-sweep``); returns the counts and the
     two picks (for the folds of the first and second speakers), or None (with a warning) when an
     utterance has no known speaker or the test set has fewer than 2 speakers."""
@@ -368,7 +370,7 @@ def crossfold_counts(run_dir: Path, scales: list[str], speaker_of: dict[str, str
     counts, picks = {}, []
     for k in (0, 1):
         def errors_on_other(scale: str, k=k) -> tuple[int, float]:
-            return (sum(v[0] for u, v in by_scale[scale].items() if fold[speaker_of[u]] != k), abs(float(scale) - 0.1))
+            return (sum(v[0] for u, v in by_scale[scale].items() if fold[speaker_of[u]] != k), abs(float(scale) - DNN_PREFERRED_SCALE))
         best = min(scales, key=errors_on_other)
         picks.append(best)
         counts.update({u: v for u, v in by_scale[best].items() if fold[speaker_of[u]] == k})

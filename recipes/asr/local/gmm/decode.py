@@ -8,7 +8,7 @@ of the sweep, Kaldi's scoring by decoding: the acoustic scale (1 / LM weight) fr
 ``GMM_ACOUSTIC_SCALES`` at no penalty, by a bracketing search that stops one scale past dev's best and
 extends the grid past an edge that holds it (``pick_scale``); then, at that scale, the word insertion
 penalties of Kaldi's ``score.sh`` (``WORD_INSERTION_PENALTIES``) in order while each is better
-(``pick_penalty``). Test is decoded once, at dev's pick; without dev, at ``PREFERRED_SCALE`` and no
+(``pick_penalty``). Test is decoded once, at dev's pick; without dev, at ``GMM_PREFERRED_SCALE`` and no
 penalty. Writes ``exp/<name>/graph/HCLG.fst`` (and ``HCLG_wip<p>.fst`` per penalty tried) and
 ``exp/<name>/decode_{dev,test}/`` with ``recogs-*``/``errs-*`` per point (``point_name``) and
 ``wer.json`` (the result at the chosen point: ``wer`` in %, counts, ``acoustic_scale``,
@@ -39,7 +39,7 @@ from functools import partial
 from pathlib import Path
 
 from local.atomic import atomic_path
-from local.constants import GMM_ACOUSTIC_SCALES, WORD_INSERTION_PENALTIES
+from local.constants import GMM_ACOUSTIC_SCALES, GMM_PREFERRED_SCALE, WORD_INSERTION_PENALTIES
 from local.gmm.common import GmmSystem, load_utterances
 from local.graph.decode import (
     RECIPE_SEARCH,
@@ -56,7 +56,6 @@ from local.graph.hclg import make_hclg, with_word_penalty
 
 log = logging.getLogger(__name__)
 
-PREFERRED_SCALE = 0.1  # Kaldi's GMM acoustic scale: ties on dev go to the scale nearest it
 DECODE_JOBS = 2  # processes per decoding: the 2 cores of the reference machine (the stages run in one)
 
 
@@ -147,10 +146,10 @@ def decode_system(data_dir: Path | str, name: str, system: GmmSystem, lang,
         loglikes = gmm_loglikes(system.am, utts.feats.items()) if split == "dev" else None  # every point's
         wer = partial(_decode_kept, graphs, system, utts, id2word, out_dir, split, loglikes, search, tried, paths)
         if split == "dev":
-            scale, grid = pick_scale(wer, scales, PREFERRED_SCALE, bracket=True)
+            scale, grid = pick_scale(wer, scales, GMM_PREFERRED_SCALE, bracket=True)
             penalty, by_penalty = pick_penalty(partial(wer, scale), penalties)
         else:
-            scale, penalty = best.get("dev", (PREFERRED_SCALE, 0.0))
+            scale, penalty = best.get("dev", (GMM_PREFERRED_SCALE, 0.0))
             wer(scale, penalty)
         res = {**tried[(scale, penalty)], "acoustic_scale": scale, "word_insertion_penalty": penalty,
                "search": search.record()}

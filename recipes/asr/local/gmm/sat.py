@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from local.constants import SAT_ACOUSTIC_SCALES, WORD_INSERTION_PENALTIES
+from local.constants import GMM_PREFERRED_SCALE, SAT_ACOUSTIC_SCALES, WORD_INSERTION_PENALTIES
 from local.data.features import gmm_cmvn_key
 from local.gmm.align_jobs import align_jobs
 from local.gmm.common import (
@@ -87,7 +87,6 @@ SAT_SCHEDULES = {
 FMLLR_MIN_FRAMES = 500.0  # fewer (silence-weighted) frames: the speaker keeps its current transform
 SILENCE_WEIGHT_TRAIN = 0.0  # train_sat.sh
 SILENCE_WEIGHT_DECODE = 0.01  # decode_fmllr.sh
-PREFERRED_SCALE = 0.0833  # ties on dev go to the scale nearest it; test's scale without dev
 
 
 SPEAKER_INDEPENDENT = ("tri", "lda_mllt")  # the systems SAT can start from
@@ -349,7 +348,7 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     lang = load_lang(data_dir / "lang")
     si = GmmSystem.load(paths["si"] / "final.pkl")
     check_same_features(si, system, data_dir)
-    points = {n: _chosen_point(e / "decode_dev" / "wer.json", PREFERRED_SCALE) for n, e in paths.items()}
+    points = {n: _chosen_point(e / "decode_dev" / "wer.json", GMM_PREFERRED_SCALE) for n, e in paths.items()}
     searches = {n: Search.recorded(json.loads((e / "decode_dev" / "wer.json").read_text())) for n, e in paths.items()}
     cuts = list(cuts)
     utts = Utterances(cuts, gmm_front_end(cuts, transform=system.transform), {c.id: [] for c in cuts})
@@ -393,7 +392,7 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
     dev-chosen scale and penalty (its stage's ``best_path.pkl``, decoded again if missing); the first
     adapted pass decodes at that system's scale with no penalty (``_second_transforms``); the final pass
     is swept on dev as ``local.gmm.decode.decode_system`` sweeps (the scale by ``pick_scale``'s bracketing
-    search, then the penalty by ``pick_penalty``) and decoded on test at dev's pick (``PREFERRED_SCALE``
+    search, then the penalty by ``pick_penalty``) and decoded on test at dev's pick (``GMM_PREFERRED_SCALE``
     and no penalty without dev).
 
     Returns:
@@ -409,7 +408,7 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
     check_same_features(si, system, data_dir)
     si_dir = data_dir / "exp" / speaker_independent_of(system)
     si_graphs = None
-    si_scale, si_penalty = _chosen_point(si_dir / "decode_dev" / "wer.json", 0.0833)
+    si_scale, si_penalty = _chosen_point(si_dir / "decode_dev" / "wer.json", GMM_PREFERRED_SCALE)
     results: dict = {}
     best_point = None
     for split in ("dev", "test"):
@@ -437,11 +436,11 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
         wer = partial(_score_final, graphs, system, final, lang, refs, out_dir, split, (by_point, paths_by_point),
                       loglikes, search)
         if split == "dev":
-            scale, grid = pick_scale(wer, scales, PREFERRED_SCALE, bracket=True)
+            scale, grid = pick_scale(wer, scales, GMM_PREFERRED_SCALE, bracket=True)
             penalty, by_penalty = pick_penalty(partial(wer, scale), penalties)
             best_point = (scale, penalty)
         else:
-            scale, penalty = best_point or (PREFERRED_SCALE, 0.0)
+            scale, penalty = best_point or (GMM_PREFERRED_SCALE, 0.0)
             wer(scale, penalty)
         res = {**by_point[(scale, penalty)], "acoustic_scale": scale, "word_insertion_penalty": penalty,
                "si_first_pass_wer": si_wer, "speakers": len(set(speakers.values())), "search": search.record()}
