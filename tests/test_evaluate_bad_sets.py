@@ -102,9 +102,9 @@ def test_empty_transcript_is_scored_as_an_empty_reference(tiny_aligned, checkpoi
     result, dropped = _evaluate(test_set, tiny_aligned, checkpoint, tmp_path / "out")
     assert result["scored_utterances"] == NUM_UTTS and result["not_scored"] == {} and dropped == []
     assert result["empty_references"] == 1
-    from local.graph.lang import normalize_text
+    from local.data.normalize import normalize_words
 
-    assert result["words"] == sum(len(normalize_text(u["text"])) for u in utts if u["id"] != empty)
+    assert result["words"] == sum(len(normalize_words(u["text"])) for u in utts if u["id"] != empty)
     errors, ref_words = json.loads((tmp_path / "out" / "decode_other" / f"per_utt-{test_set.name}.json")
                                    .read_text())[empty]
     recogs = (tmp_path / "out" / "decode_other" / f"recogs-{test_set.name}.txt").read_text().splitlines()
@@ -167,7 +167,8 @@ def test_8khz_recording_is_resampled(tiny_aligned, checkpoint, tmp_path):
 
 
 def test_oov_words_counted_and_reported(tiny_aligned, checkpoint, tmp_path, caplog):
-    from local.graph.lang import normalize_text, read_symbols
+    from local.data.normalize import normalize_words
+    from local.graph.lang import read_symbols
 
     utts = _utterances(tiny_aligned)
     wav, text, spk = _maps(utts)
@@ -177,11 +178,11 @@ def test_oov_words_counted_and_reported(tiny_aligned, checkpoint, tmp_path, capl
     with caplog.at_level(logging.INFO, logger="evaluate"):
         result, _ = _evaluate(test_set, tiny_aligned, checkpoint, tmp_path / "out")
     vocab = set(read_symbols(tiny_aligned / "lang" / "words.txt"))
-    refs = [w for t in text.values() for w in normalize_text(t)]
+    refs = [w for t in text.values() for w in normalize_words(t)]
     oov = result["oov"]
     assert oov["counts"]["ZYXWVU"] == 2 and oov["counts"]["QWXZ"] == 1
     assert oov["tokens"] == sum(w not in vocab for w in refs) and oov["words"] == len(refs) == result["words"]
-    assert oov["utterances"] == sum(any(w not in vocab for w in normalize_text(t)) for t in text.values())
+    assert oov["utterances"] == sum(any(w not in vocab for w in normalize_words(t)) for t in text.values())
     line = next(r.getMessage() for r in caplog.records if "OOV reference words" in r.getMessage())
     assert f"OOV reference words: {oov['tokens']} of {len(refs)}" in line and "ZYXWVU" in line
 

@@ -3,8 +3,9 @@
 import pytest
 from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 from lhotse.audio import AudioSource
+from local.data.normalize import normalize_words
 from local.drops import count_drops, load_drops
-from local.graph.lang import add_disambig, load_lang, normalize_text, prepare_lang, split_oov
+from local.graph.lang import add_disambig, load_lang, prepare_lang, split_oov
 from local.kaldi import kaldifst, khg
 
 TRAIN = [
@@ -38,9 +39,9 @@ def lang(tmp_path_factory):
     return data, summary, load_lang(data / "lang")
 
 
-def test_normalize_text():
+def test_normalize_words():
     # one rule for corpus transcripts, the lexicon, the LM text and the references
-    assert normalize_text("Don't stop, the-end!  'Quoted'") == ["DON'T", "STOP", "THE", "END", "QUOTED"]
+    assert normalize_words("Don't stop, the-end!  'Quoted'") == ["DON'T", "STOP", "THE", "END", "QUOTED"]
 
 
 def _data_dir(tmp_path, train, dev=DEV, test=None):

@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from local.constants import MAX_GRID_EXTENSIONS
-from local.graph.lang import normalize_text
+from local.data.normalize import normalize_words
 from local.kaldi import kaldifst, khg
 
 log = logging.getLogger(__name__)
@@ -471,7 +471,7 @@ def score(refs: dict[str, str], hyps: dict[str, str], out_dir: Path | str, name:
     """WER with jiwer; writes ``recogs-{name}.txt`` and ``errs-{name}.txt`` (Kaldi/icefall style) and
     ``per_utt-{name}.json`` (``{utt: [errors, reference words]}``, for intervals: ``wer_stats``).
 
-    Both sides are normalised with ``lang.normalize_text``. Reference words the system cannot
+    Both sides are normalised with ``local.data.normalize.normalize_words``. Reference words the system cannot
     output (OOV) simply count as errors. An utterance missing from ``hyps`` counts as all deleted.
 
     Returns:
@@ -484,8 +484,8 @@ def score(refs: dict[str, str], hyps: dict[str, str], out_dir: Path | str, name:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = sorted(refs)
-    ref_words = [normalize_text(refs[i]) for i in ids]
-    hyp_words = [normalize_text(hyps.get(i, "")) for i in ids]
+    ref_words = [normalize_words(refs[i]) for i in ids]
+    hyp_words = [normalize_words(hyps.get(i, "")) for i in ids]
     counts = {"ins": 0, "del": 0, "sub": 0, "hits": 0}
     per_utt, sent_err, utt_counts = [], 0, {}
     for i, r, h in zip(ids, ref_words, hyp_words):

