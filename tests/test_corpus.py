@@ -293,6 +293,12 @@ def test_librispeech_layout(tiny_corpus, tmp_path):
     cuts = prepare_real("librispeech", tmp_path / "LS", tmp_path / "data")
     assert {c.id for c in cuts["train"]} == set(ids[0::3])
     assert {c.id for c in cuts["dev"]} == set(ids[1::3]) and {c.id for c in cuts["test"]} == set(ids[2::3])
+    # a tree without test-clean is refused at stage 0, not left with an empty test set
+    import shutil
+
+    shutil.rmtree(tmp_path / "LS" / "test-clean")
+    with pytest.raises(FileNotFoundError, match=r"has no \['test-clean'\].*test \['test-clean'\]"):
+        prepare_real("librispeech", tmp_path / "LS", tmp_path / "data2")
 
 
 def test_librispeech_takes_the_training_parts_asked_for(tiny_corpus, tmp_path):
@@ -373,11 +379,13 @@ def test_kaldi_data_dir_single_and_split(tiny_corpus, tmp_path):
     # missing transcript and empty transcript
     text = [line for line in (single / "text").read_text().splitlines() if not line.startswith(ids[0])]
     text = [line.split()[0] if line.startswith(ids[1]) else line for line in text]
-    (single / "text").write_text("\n".join(text) + "\n")
+    # and a transcript with no audio (no wav.scp entry): recorded, as every other drop
+    (single / "text").write_text("\n".join([*text, "aspk0_noaudio HELLO THERE"]) + "\n")
     _corrupt(single / "wav" / f"{ids[2]}.wav")
     cuts = prepare_real("kaldi", single, tmp_path / "data")
     reasons = {d["id"]: d["reason"] for d in load_drops(tmp_path / "data")}
-    assert reasons == {ids[0]: "missing_transcript", ids[1]: "empty_transcript", ids[2]: "unreadable_audio"}
+    assert reasons == {ids[0]: "missing_transcript", ids[1]: "empty_transcript", ids[2]: "unreadable_audio",
+                       "aspk0_noaudio": "missing_audio"}
     # 4 speakers: one held out for test, one for dev, by sorted speaker id
     assert _speakers(cuts["test"]) == {"aspk3"} and _speakers(cuts["dev"]) == {"aspk2"}
     assert {c.id for cs in cuts.values() for c in cs} == set(ids) - set(reasons)

@@ -125,12 +125,12 @@ def _librispeech(
         if unknown:
             raise ValueError(f"--train-parts {unknown}: {corpus}'s training parts are {list(allowed)}")
         parts["train"] = list(train_parts)
-    missing = [n for s in ("train", "dev") for n in parts[s] if not (corpus_dir / n).is_dir()]
+    missing = [n for s in SPLITS for n in parts.get(s, []) if not (corpus_dir / n).is_dir()]
     if missing:
         raise FileNotFoundError(
-            f"{corpus_dir} has no {missing} (the {corpus} parts asked for: train {parts['train']}, dev "
-            f"{parts['dev']}); point --corpus-dir at the directory that contains them (e.g. LibriSpeech/), "
-            "or choose the training parts present with --train-parts"
+            f"{corpus_dir} has no {missing} (the {corpus} parts it needs: "
+            f"{', '.join(f'{s} {parts[s]}' for s in SPLITS if s in parts)}); point --corpus-dir at the directory "
+            "that contains them (e.g. LibriSpeech/), or choose the training parts present with --train-parts"
         )
     present = {s: [n for n in names if (corpus_dir / n).is_dir()] for s, names in parts.items()}
     _mirror_librispeech(corpus_dir, present, shadow, data_dir)
@@ -383,6 +383,9 @@ def _mirror_kaldi(data: Path, out: Path, data_dir: Path, split_of) -> int:
             record_drop(data_dir, "corpus", split_of(uid), uid, "empty_transcript", str(data / "text"))
         else:
             keep.append(uid)
+    for uid in sorted(set(text) - set(utts)):  # a transcript with no audio: Kaldi's fix_data_dir.sh drops it too
+        record_drop(data_dir, "corpus", split_of(uid), uid, "missing_audio",
+                    f"{data / 'text'} has a line for it but {data / ('segments' if segments else 'wav.scp')} has none")
     out.mkdir(parents=True, exist_ok=True)
     recs = sorted({segments[u].split()[0] if segments else u for u in keep})
 
