@@ -120,15 +120,45 @@ def test_run_sh_profile_kaldi_asks_every_stage_for_kaldi_s_settings_in_its_own_d
     stub.chmod(0o755)
     env = {**os.environ, "python": str(stub), "precision": "32-true", "profile": "kaldi",
            "prepare_args": "--num-jobs 1"}
-    out = subprocess.run(["bash", str(ROOT / "recipes" / "asr" / "run.sh")], env=env, capture_output=True,
-                         text=True, check=False, cwd=tmp_path)
+    out = subprocess.run(["bash", str(ROOT / "recipes" / "asr" / "run.sh")], env={**env, "stop_stage": "10"},
+                         capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    # stage 11 on a run the stand-in did not train (run.sh works from the repository's root: exp given in full)
+    runs = tmp_path / "exp" / "dnn-kaldi"
+    (runs / "baseline").mkdir(parents=True)
+    (runs / "baseline" / "train_summary.json").write_text("{}")
+    out = subprocess.run(["bash", str(ROOT / "recipes" / "asr" / "run.sh")], env={**env, "stage": "11", "exp": str(runs)},
+                         capture_output=True, text=True, check=False, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     prep, base, gtc, evaluate = (tmp_path / "calls").read_text().strip().splitlines()
     assert prep.startswith("recipes/asr/prepare.py --data-dir data/synthetic-default-kaldi --stage 0 --stop-stage 8")
     assert prep.endswith("--lda-mllt --beam 13 --max-active 7000 --num-jobs 1")
     assert all("--data.data_dir data/synthetic-default-kaldi --exp_dir exp/dnn-kaldi " in c for c in (base, gtc))
-    assert evaluate.startswith("recipes/asr/evaluate.py --runs --out exp/dnn-kaldi/compare")
+    assert evaluate.startswith(f"recipes/asr/evaluate.py --runs {runs / 'baseline'} --out {runs / 'compare'}")
     assert evaluate.endswith("--skip-decoded --beam 13")
     bad = subprocess.run(["bash", str(ROOT / "recipes" / "asr" / "run.sh")], env={**env, "profile": "fast"},
                          capture_output=True, text=True, check=False, cwd=tmp_path)
     assert bad.returncode == 2 and "profile=fast: use default or kaldi" in bad.stderr
+
+
+def test_run_sh_decodes_every_seed_found_and_keeps_each_corpus_s_runs_apart(tmp_path):
+    """stage=11 compares the runs of every seed trained (seed 0 in exp/, seed N in exp/seedN/, N in numeric
+    order), stops with the fix when there is none, and a real corpus's runs live in exp/dnn-<corpus>."""
+    import os
+
+    stub = tmp_path / "python"
+    stub.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls'}\n")
+    stub.chmod(0o755)
+    exp = tmp_path / "exp"  # (run.sh works from the repository's root: exp given in full)
+    runs = [str(exp / r) for r in ("baseline", "gtc", "seed1/gtc", "seed3/baseline", "seed10/baseline")]
+    for run in runs:
+        Path(run).mkdir(parents=True)
+        (Path(run) / "train_summary.json").write_text("{}")
+    (exp / "seed2").mkdir()  # a seed dir with no finished run
+    env = {**os.environ, "python": str(stub), "precision": "32-true", "stage": "11"}
+    run_sh = ["bash", str(ROOT / "recipes" / "asr" / "run.sh")]
+    out = subprocess.run(run_sh, env={**env, "exp": str(exp)}, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "calls").read_text().startswith(f"recipes/asr/evaluate.py --runs {' '.join(runs)} --out {exp}/compare")
+    none = subprocess.run(run_sh, env={**env, "corpus": "yesno"}, capture_output=True, text=True, check=False)
+    assert none.returncode == 2 and "no trained run under exp/dnn-yesno" in none.stderr

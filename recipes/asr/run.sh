@@ -14,7 +14,8 @@
 #   stage=9 bash recipes/asr/run.sh                # from the baseline training on
 #   seeds="1 2" stage=9 bash recipes/asr/run.sh    # two more seeds, then the comparison over all
 #   stage=9 stop_stage=10 bash recipes/asr/run.sh  # train only (baseline and GTC), no decoding
-#   corpus=mini_librispeech corpus_dir=/path/to/LibriSpeech bash recipes/asr/run.sh   # a real corpus -> data/mini_librispeech
+#   corpus=mini_librispeech corpus_dir=/path/to/LibriSpeech bash recipes/asr/run.sh   # a real corpus -> data/mini_librispeech,
+#                                                  # exp/dnn-mini_librispeech
 #   corpus=kaldi corpus_dir=/path/to/kaldi_data prepare_args="--lexicon lexicon.txt --oov g2p" bash recipes/asr/run.sh
 #                                                  # corpus: synthetic (default), mini_librispeech, librispeech, timit,
 #                                                  # yesno, kaldi; prepare_args: more prepare.py options (--train-parts,
@@ -32,8 +33,8 @@
 #
 # Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 11 decodes
 # the runs not decoded yet (dev at each acoustic scale, test at the one dev picks; with test_sweep=1
-# also test at each scale, for the comparison's fixed-scale tables) and compares every run found for
-# seeds 0 1 2. Each stage prints its wall and
+# also test at each scale, for the comparison's fixed-scale tables) and compares every run found, of
+# every seed. A corpus other than the synthetic one keeps its runs in exp/dnn-<corpus>. Each stage prints its wall and
 # CPU time (bash `time`; on a shared machine user + sys is what the stage takes alone).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -60,7 +61,8 @@ case "$corpus" in
     corpus_args=(--corpus "$corpus"); [ -n "$corpus_dir" ] && corpus_args+=(--corpus-dir "$corpus_dir") ;;
   *) echo "run.sh: corpus=$corpus: use synthetic, mini_librispeech, librispeech, timit, yesno or kaldi" >&2; exit 2 ;;
 esac
-exp=${exp:-exp/dnn$suffix}
+# the DNN runs of each corpus in their own dir (the synthetic corpus's in exp/dnn, as always)
+if [ "$corpus" = synthetic ]; then exp=${exp:-exp/dnn$suffix}; else exp=${exp:-exp/dnn-$corpus$suffix}; fi
 stage=${stage:-0}
 stop_stage=${stop_stage:-11}
 seeds=${seeds:-0}
@@ -95,12 +97,16 @@ for seed in $seeds; do
   fi
 done
 if run 11; then
-  runs=()
-  for seed in 0 1 2; do
+  runs=()  # every seed trained so far: $exp/{baseline,gtc} and $exp/seedN/{baseline,gtc}, N ascending
+  found=$(find "$exp" -maxdepth 1 -type d -name 'seed[0-9]*' 2>/dev/null | sed 's/.*seed//' | grep -E '^[0-9]+$' | sort -n || true)
+  for seed in 0 $found; do
     for name in baseline gtc; do
       [ -f "$(run_dir "$seed")/$name/train_summary.json" ] && runs+=("$(run_dir "$seed")/$name")
     done
   done
+  if [ "${#runs[@]}" = 0 ]; then
+    echo "run.sh: stage 11: no trained run under $exp (train with stages 9-10 first, or point exp= at the runs)" >&2; exit 2
+  fi
   echo "== stage 11: decode dev/test, compare ${#runs[@]} runs -> $exp/compare"
   sweep=""; [ "$test_sweep" = 1 ] && sweep=--test-sweep  # test also at every scale: fixed-scale tables
   # shellcheck disable=SC2086  # evaluate_args: several options, split on spaces
