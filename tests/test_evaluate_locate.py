@@ -64,3 +64,17 @@ def test_compare_only_refuses_runs_that_were_never_decoded(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"never decoded (no decode/results.json): {fresh_run}" in err and str(decoded_run) not in err
     assert "without --compare-only" in err and not (tmp_path / "cmp").exists()
+
+
+def test_other_test_sets_are_decoded_at_the_scale_dev_picked_for_the_run(tmp_path, caplog):
+    """``--test-set`` without ``--acoustic-scale``: the scale in the run's decode/results.json, else the
+    preferred 0.1 with a warning that says how to do better."""
+    import json
+
+    from evaluate import dev_scale_of
+
+    run = _run_dir(tmp_path, ("last.ckpt",))
+    assert dev_scale_of(run / "checkpoints" / "last.ckpt") == 0.1 and "give --acoustic-scale" in caplog.text
+    (run / "decode").mkdir()
+    (run / "decode" / "results.json").write_text(json.dumps({"acoustic_scale": 0.143}))
+    assert dev_scale_of(run / "checkpoints" / "last.ckpt") == 0.143

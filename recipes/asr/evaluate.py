@@ -19,7 +19,7 @@ Usage:
   python recipes/asr/evaluate.py --runs exp/dnn/baseline --rescore-lm 4   # lattices rescored with a 4-gram
   # any other test set, as a Kaldi data dir (wav.scp, text, ...) or a Lhotse cuts manifest:
   python recipes/asr/evaluate.py --checkpoint exp/dnn/gtc/checkpoints/last.ckpt \\
-      --test-set /path/to/data/test --data-dir data/synthetic-default --acoustic-scale 0.1
+      --test-set /path/to/data/test --data-dir data/synthetic-default   # at the scale dev picked for gtc
 """
 
 from __future__ import annotations
@@ -462,6 +462,19 @@ def decode_test_set(checkpoint: Path, test_set: Path, data_dir: Path, scale: flo
     return result
 
 
+def dev_scale_of(checkpoint: Path) -> float:
+    """The acoustic scale dev picked for the run a checkpoint belongs to (``<run>/checkpoints/x.ckpt`` ->
+    ``<run>/decode/results.json``), else ``DNN_PREFERRED_SCALE``; says which."""
+    results = checkpoint.resolve().parent.parent / "decode" / "results.json"
+    if results.is_file():
+        scale = float(json.loads(results.read_text())["acoustic_scale"])
+        log.info("--test-set: acoustic scale %g, the one dev picked for this run (%s)", scale, results)
+        return scale
+    log.warning("--test-set: no %s to take dev's acoustic scale from: decoding at %g (give --acoustic-scale, or "
+                "decode the run with --runs first)", results, DNN_PREFERRED_SCALE)
+    return DNN_PREFERRED_SCALE
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", nargs="*", default=[], help="run directories of train.py (exp/dnn/<run>)")
@@ -498,14 +511,17 @@ def main(argv: list[str] | None = None) -> None:
                         "(with --test-sweep: and has the test sweep)")
     p.add_argument("--checkpoint", default=None, help="decode --test-set with this checkpoint")
     p.add_argument("--test-set", default=None, help="Kaldi data dir or Lhotse cuts manifest (with --checkpoint)")
-    p.add_argument("--acoustic-scale", type=float, default=0.1, help="acoustic scale for --test-set")
+    p.add_argument("--acoustic-scale", type=float, default=None,
+                   help="acoustic scale for --test-set (default: the one dev picked for the checkpoint's run, its "
+                        f"decode/results.json; without one, {DNN_PREFERRED_SCALE:g})")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     if a.checkpoint or a.test_set:
         if not (a.checkpoint and a.test_set and a.data_dir):
             p.error("--test-set needs --checkpoint and --data-dir (for the graph, priors and lexicon)")
-        decode_test_set(Path(a.checkpoint), Path(a.test_set), Path(a.data_dir), a.acoustic_scale,
+        scale = a.acoustic_scale if a.acoustic_scale is not None else dev_scale_of(Path(a.checkpoint))
+        decode_test_set(Path(a.checkpoint), Path(a.test_set), Path(a.data_dir), scale,
                         Path(a.out) / "decode_other", a.beam if a.beam is not None else BEAM,
                         a.max_active if a.max_active is not None else MAX_ACTIVE)
     if not a.runs:
