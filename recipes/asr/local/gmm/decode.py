@@ -18,11 +18,11 @@ decoding's wall time, audio time and real-time factor, and on dev ``by_scale``, 
 once for the whole sweep (``gmm_loglikes``).
 
 The search is the recipe's beam 10 with at most 3,000 active states (``Search``), or Kaldi's 13 and 7,000
-(``prepare.py --beam 13 --max-active 7000``). On the default corpus's 900 dev utterances, each system at the
-scale dev picks, 2 processes, Kaldi's search took 2.1-2.7 times as long for 1-2 % fewer errors: monophone
-8.7 -> 23.6 s, 14.68 -> 14.55 %; triphone 11.9 -> 28.5 s, 13.87 -> 13.81 %; SAT's final pass 8.5 -> 17.9 s,
-6.78 -> 6.62 %. Paired, whole processes with their loading (``farm-bench -n 3 --vs``): 2.48 (monophone) and
-2.39 (triphone) times the recipe's search's wall time. The gain is the beam's: at beam 10, 7,000 active
+(``prepare.py --beam 13 --max-active 7000``). On the default corpus's 900 dev utterances (version 4), each
+system at the scale dev picks, 2 processes, Kaldi's search took 2.3-2.9 times as long for 0.8-3.1 % fewer
+errors: monophone 8.4 -> 23.6 s, 18.40 -> 18.06 %; triphone 11.2 -> 32.8 s, 18.40 -> 18.25 %; SAT's final
+pass 7.9 -> 18.4 s, 8.46 -> 8.20 %. Paired, whole processes with their loading (``farm-bench -n 3 --vs``):
+1.76 times the recipe's search's wall time for SAT's final pass. The gain is the beam's: at beam 10, 7,000 active
 states in place of 3,000 change no dev WER by more than 0.06 points; and a beam that follows the scale
 (Kaldi's 13 at its decoding scale 0.0833, ``13 * s / 0.0833``) is not Kaldi's search below 0.0833 (SAT's
 final pass at 0.0588: 8.43 against 8.20 %; ``recipes/asr/research/gmm_search.py``,

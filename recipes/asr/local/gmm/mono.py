@@ -76,7 +76,8 @@ def train_mono(
     scales: tuple[float, ...] | None = None,
     search: Search = RECIPE_SEARCH,
 ) -> dict:
-    """Train the monophone system on the clean training utterances and decode dev/test.
+    """Train the monophone system on the training utterances (with their augmented copies: ``augmented``) and
+    decode dev/test.
 
     Args:
         data_dir: the recipe's data directory (features and lang stages done).

@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 # Search settings of the recipe's decodings, GMM and DNN best paths alike (Kaldi's decode.sh uses beam 13
 # with 7000 active states; the DNN's lattices: local/graph/lattice.py). On the default corpus's dev set, at
-# the acoustic scales dev picks (0.05-0.0667 for the GMMs), Kaldi's search took 2.1-2.7 times as long for
-# 1-2 % fewer errors (local/gmm/decode.py); the GMM stages take it with prepare.py --beam 13 --max-active 7000.
+# the acoustic scales dev picks (0.0588-0.0833 for the GMMs), Kaldi's search took 2.3-2.9 times as long for
+# 0.8-3.1 % fewer errors (local/gmm/decode.py); the GMM stages take it with prepare.py --beam 13 --max-active 7000.
 BEAM, MAX_ACTIVE = 10.0, 3000
 
 
