@@ -34,11 +34,12 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LATTICE_BEAM = 6.0  # Kaldi's decode.sh default
-# The search beam of the lattice decoding: the recipe's best-path beam, not Kaldi's decode.sh 13. On the
-# default corpus (baseline DNN, seed 0, a loaded 2-core host) beam 13 took 2.6 times beam 10's time on 150
-# dev utterances for a dev WER of 9.46 % against 9.81 %, and 4.5 times on all 900 dev utterances for 4.66 %
-# against 4.77 %; a lattice beam of 8 gave the same WER as 6 in 1.3 times the time. At 13 the main job's
-# decoding stage would take about 10 minutes more; pass evaluate.py --beam 13 for Kaldi's setting.
+# The search beam of the lattice decoding: the recipe's best-path beam, not Kaldi's decode.sh 13. On corpus
+# version 4 (the main job's four runs decoded again, nothing else changed) beam 13 gains 5 % of test's errors
+# (6.37 -> 6.05 %, every run; dev 7.18 -> 6.90 %) for 2.0-2.2 times the lattices' time: about 1.5 minutes
+# more in the main job, which would then pass 30 minutes (docs/experiments/dnn_beams.md). A lattice beam
+# of 8 gave the same WER as 6 in 1.3 times the time. evaluate.py --beam 13 (or run.sh's profile=kaldi) for
+# Kaldi's setting.
 LATTICE_SEARCH_BEAM = 10.0
 # The scale the lattices are made at: inside the DNN's grid (local.constants), near where dev picks.
 LATTICE_ACOUSTIC_SCALE = 0.125
