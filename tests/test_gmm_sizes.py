@@ -24,6 +24,32 @@ def test_auto_sizes_keep_the_default_corpus_and_reach_kaldis_sizes():
     assert all(auto_sizes("lda_mllt", h) == auto_sizes("tri", h) for h in (0.05, 2.34, 10, 100, 960))
 
 
+def test_recorded_speech_takes_kaldis_small_recipes_sizes():
+    """A corpus of recorded speech: RM's sizes at 3 h, mini_librispeech's at 5 h (tri1 2,000 / 10,000,
+    tri2b and tri3b 2,500 / 15,000), Kaldi's larger recipes above as for the synthetic corpus; below 3 h
+    in proportion to the hours, never below the synthetic corpus's sizes."""
+    for system in ("tri", "lda_mllt", "sat"):
+        assert auto_sizes(system, 3.0, "timit") == (1800, 9000)
+        assert auto_sizes(system, 15, "librispeech") == auto_sizes(system, 15) == (2500, 15000)
+        sizes = [auto_sizes(system, h, "kaldi") for h in (0.01, 0.5, 1, 2, 3, 4, 5, 10, 15)]
+        assert sizes == sorted(sizes)
+    assert auto_sizes("tri", 5.0, "mini_librispeech") == (2000, 10000)
+    assert auto_sizes("sat", 5.0, "mini_librispeech") == auto_sizes("lda_mllt", 5.0, "kaldi") == (2500, 15000)
+    assert auto_sizes("tri", 1.0, "kaldi") == (600, 3000)  # RM's speech per leaf and per Gaussian
+    assert auto_sizes("tri", 0.01, "yesno") == (150, 1500) and auto_sizes("sat", 0.01, "kaldi") == (300, 2500)
+    assert resolve_sizes("tri", "auto", "auto", frames=3 * 360_000, corpus="timit")["leaves"] == 1800
+
+
+def test_a_data_dir_names_its_corpus(tmp_path):
+    import json as _json
+
+    from local.gmm.sizes import corpus_of
+
+    assert corpus_of(tmp_path) == "synthetic"
+    (tmp_path / "settings.json").write_text(_json.dumps({"corpus": "timit", "seed": 0}))
+    assert corpus_of(tmp_path) == "timit"
+
+
 def test_given_sizes_are_checked_and_auto_ones_recorded():
     sizes = resolve_sizes("tri", "auto", 4000, frames=36_000_000)
     assert sizes == {"leaves": 2500, "gaussians": 4000, "train_hours": 100.0, "auto": ["leaves"]}

@@ -294,7 +294,7 @@ def train_lda_mllt(
         train_iterations,
     )
     from local.gmm.sat import silence_tids
-    from local.gmm.sizes import resolve_sizes
+    from local.gmm.sizes import corpus_of, resolve_sizes
     from local.gmm.tri import build_triphone_system
     from local.graph.lang import cut_words
 
@@ -317,7 +317,8 @@ def train_lda_mllt(
              lda.shape[1], dim, lda_info["frames"], lda_info["classes"],
              100 * sum(lda_info["eigenvalues"][:dim]) / sum(lda_info["eigenvalues"]))
 
-    sizes = resolve_sizes("lda_mllt", num_leaves, total_gauss, sum(len(mfcc[u]) for u in tri_alis))
+    frames = sum(len(mfcc[u]) for u in tri_alis)
+    sizes = resolve_sizes("lda_mllt", num_leaves, total_gauss, frames, corpus_of(data_dir))
     log.info("lda_mllt: %d leaves, %d Gaussians at most (%.2f h of training speech)", sizes["leaves"],
              sizes["gaussians"], sizes["train_hours"])
     system, tree_summary = build_triphone_system(tri, tri_alis, utts.feats, lang, sizes["leaves"], shared_roots=True)

@@ -51,7 +51,7 @@ from local.gmm.common import (
     train_iterations,
 )
 from local.gmm.decode import DECODE_JOBS, PenaltyGraphs, timed
-from local.gmm.sizes import resolve_sizes
+from local.gmm.sizes import corpus_of, resolve_sizes
 from local.gmm.transforms import (
     FmllrStats,
     accumulate_fmllr_stats,
@@ -206,7 +206,8 @@ def train_sat(
 
     trans = speaker_transforms(si, raw, si_alis, speakers, lang.sil_id, SILENCE_WEIGHT_TRAIN)
     utts.feats.update(transformed(raw, speakers, trans))
-    sizes = resolve_sizes("sat", num_leaves, total_gauss, sum(len(raw[u]) for u in si_alis))
+    frames = sum(len(raw[u]) for u in si_alis)
+    sizes = resolve_sizes("sat", num_leaves, total_gauss, frames, corpus_of(data_dir))
     log.info("sat: %d leaves, %d Gaussians at most (%.2f h of training speech)", sizes["leaves"],
              sizes["gaussians"], sizes["train_hours"])
     system, tree_summary = build_triphone_system(si, si_alis, utts.feats, lang, sizes["leaves"], shared_roots=True)

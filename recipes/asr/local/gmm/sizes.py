@@ -15,35 +15,55 @@ end's sizes outside them:
   (LibriSpeech train-clean-100, tri3b), 4,200 / 40,000 at 460 h (LibriSpeech tri4b) and
   7,000 / 150,000 at 960 h (LibriSpeech tri6b).
 
-Kaldi's smallest recipe (RM, ~3 h: 1,800 / 9,000) is not a point: at that size the default corpus,
-a few dozen voices of synthetic speech, is the recipe's own. Leaves are rounded to 50, Gaussians to 500.
+That is the synthetic corpus's rule (``corpus="synthetic"``): below 15 h its own point is the only one, a
+few dozen voices of synthetic speech. A corpus of recorded speech (every other ``corpus``) takes Kaldi's
+smaller recipes as points too, RM (~3 h: 1,800 / 9,000 for all three systems) and mini_librispeech
+(train-clean-5, ~5 h: tri1 2,000 / 10,000, tri2b and tri3b 2,500 / 15,000); below 3 h its sizes shrink in
+proportion to the hours from RM's (as much speech per leaf and per Gaussian), never below the synthetic
+corpus's sizes. Leaves are rounded to 50, Gaussians to 500.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 
 FRAMES_PER_HOUR = 360_000  # 10 ms frames
 KALDI_POINTS = ((15.0, 2500, 15000), (100.0, 2500, 15000), (460.0, 4200, 40000), (960.0, 7000, 150000))
 DEFAULT_CORPUS_POINTS = {"tri": (2.34, 150, 1500), "lda_mllt": (2.34, 150, 1500), "sat": (2.34, 300, 2500)}
+# Kaldi's recipes on recorded speech below 15 h: RM's tri1 / tri2b / tri3b, mini_librispeech's
+KALDI_SMALL_POINTS = {"tri": ((3.0, 1800, 9000), (5.0, 2000, 10000)),
+                      "lda_mllt": ((3.0, 1800, 9000), (5.0, 2500, 15000)),
+                      "sat": ((3.0, 1800, 9000), (5.0, 2500, 15000))}
 
 
-def auto_sizes(system: str, hours: float) -> tuple[int, int]:
-    """``(leaves, total Gaussians)`` of ``system`` ("tri", "lda_mllt" or "sat") trained on ``hours`` of speech."""
+def auto_sizes(system: str, hours: float, corpus: str = "synthetic") -> tuple[int, int]:
+    """``(leaves, total Gaussians)`` of ``system`` ("tri", "lda_mllt" or "sat") trained on ``hours`` of speech
+    of ``corpus`` (``prepare.py --corpus``: the synthetic corpus's rule, or that of recorded speech)."""
     if system not in DEFAULT_CORPUS_POINTS:
         raise ValueError(f"system={system!r}; use 'tri', 'lda_mllt' or 'sat'")
-    points = np.log(np.array([DEFAULT_CORPUS_POINTS[system], *KALDI_POINTS], dtype=np.float64))
-    x = np.log(max(hours, 1e-6))
-    leaves, gauss = (float(np.exp(np.interp(x, points[:, 0], points[:, i]))) for i in (1, 2))
+    hours = max(hours, 1e-6)
+    if corpus == "synthetic":
+        points = [DEFAULT_CORPUS_POINTS[system], *KALDI_POINTS]
+    else:
+        points = [*KALDI_SMALL_POINTS[system], *KALDI_POINTS]
+    logs = np.log(np.array(points, dtype=np.float64))
+    leaves, gauss = (float(np.exp(np.interp(np.log(hours), logs[:, 0], logs[:, i]))) for i in (1, 2))
+    if corpus != "synthetic" and hours < points[0][0]:  # as much speech per leaf and per Gaussian as RM
+        floor = DEFAULT_CORPUS_POINTS[system][1:]
+        leaves, gauss = (max(size * hours / points[0][0], low) for size, low in zip(points[0][1:], floor))
     return 50 * round(leaves / 50), 500 * round(gauss / 500)
 
 
-def resolve_sizes(system: str, num_leaves: int | str, total_gauss: int | str, frames: int) -> dict:
+def resolve_sizes(system: str, num_leaves: int | str, total_gauss: int | str, frames: int,
+                  corpus: str = "synthetic") -> dict:
     """The sizes a stage trains with: each of ``num_leaves`` / ``total_gauss`` a positive number or
-    ``"auto"`` (``auto_sizes`` of ``frames`` training frames). Returns ``{"leaves", "gaussians",
-    "train_hours", "auto": which were auto}``."""
+    ``"auto"`` (``auto_sizes`` of ``frames`` training frames of ``corpus``). Returns ``{"leaves",
+    "gaussians", "train_hours", "auto": which were auto}``."""
     hours = frames / FRAMES_PER_HOUR
-    auto = dict(zip(("leaves", "gaussians"), auto_sizes(system, hours)))
+    auto = dict(zip(("leaves", "gaussians"), auto_sizes(system, hours, corpus)))
     sizes, flag = {}, system.replace("_", "-")
     for name, value, option in (("leaves", num_leaves, "leaves"), ("gaussians", total_gauss, "gauss")):
         if value == "auto":
@@ -58,3 +78,9 @@ def resolve_sizes(system: str, num_leaves: int | str, total_gauss: int | str, fr
                          f"least one Gaussian, so give --{flag}-gauss of at least --{flag}-leaves")
     return {**sizes, "train_hours": round(hours, 3),
             "auto": [n for n, v in (("leaves", num_leaves), ("gaussians", total_gauss)) if v == "auto"]}
+
+
+def corpus_of(data_dir: Path | str) -> str:
+    """The corpus a data dir was built from (``settings.json``'s ``corpus``; absent: the synthetic one)."""
+    path = Path(data_dir) / "settings.json"
+    return json.loads(path.read_text()).get("corpus", "synthetic") if path.exists() else "synthetic"

@@ -32,7 +32,7 @@ from local.gmm.common import (
     single_gaussian_am,
     train_iterations,
 )
-from local.gmm.sizes import resolve_sizes
+from local.gmm.sizes import corpus_of, resolve_sizes
 from local.gmm.tree import build_tree
 from local.gmm.tree_stats import TidTables, accumulate_tree_stats
 from local.graph.decode import RECIPE_SEARCH, Search
@@ -121,7 +121,8 @@ def train_tri(
     data_dir, exp, lang = begin_stage(data_dir, "tri")
     utts = load_utterances(data_dir, "train", clean_only=not augmented)
     mono, mono_alis = GmmSystem.load_run(data_dir / "exp" / "mono", utts.feats)
-    sizes = resolve_sizes("tri", num_leaves, total_gauss, sum(len(utts.feats[u]) for u in mono_alis))
+    frames = sum(len(utts.feats[u]) for u in mono_alis)
+    sizes = resolve_sizes("tri", num_leaves, total_gauss, frames, corpus_of(data_dir))
     log.info("tri: %d leaves, %d Gaussians at most (%.2f h of training speech)", sizes["leaves"],
              sizes["gaussians"], sizes["train_hours"])
     system, tree_summary = build_triphone_system(
