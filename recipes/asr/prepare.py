@@ -37,7 +37,7 @@ Usage:
   python recipes/asr/prepare.py --corpus synthetic --size tiny --data-dir data/tiny
   python recipes/asr/prepare.py --corpus mini_librispeech --corpus-dir /path/to/LibriSpeech
   python recipes/asr/prepare.py --corpus librispeech --corpus-dir /path/to/LibriSpeech \
-      --train-parts train-clean-100 train-clean-360 --lm-text librispeech-lm-norm.txt --oov g2p
+      --train-parts train-clean-100 train-clean-360 --lm-text more_sentences.txt --oov g2p
   python recipes/asr/prepare.py --corpus kaldi --corpus-dir /path/to/data --lexicon lexicon.txt
   python recipes/asr/prepare.py --stage 3 --stop-stage 5         # re-run the GMM stages only
 """
