@@ -15,7 +15,8 @@ Splits:
   900 picked each DNN run's best test scale in 6 runs of 6, the first 300 alone in 1 of 6:
   docs/experiments/corpus_v3.md). Flite has no English voice left that train and test do not use,
   so dev has no flite voice (giving dev awb, one of train's, made every system worse on test:
-  docs/experiments/corpus_v4.md).
+  docs/experiments/corpus_v4.md; a choice of the corpus's design made on test, the one measure two
+  corpora with different dev sets share).
 - ``test``: voices never used in training (espeak en-gb-scotland / en-029 / en-us-nyc with
   m6, m7, f4, f5; flite rms; festival ked_diphone), sentences not in train or dev; 1650
   sentences (≥ 12,000 words), so that WER differences of a few percent relative can be told
