@@ -5,9 +5,10 @@ For each run: pseudo log-likelihoods ``log p(pdf | x) - log p(pdf)`` of ``checkp
 -> the HCLG of the aligning GMM system (``exp/sat/graph``). By default (``--search lattice``, Kaldi's
 ``score.sh``) dev and test are each decoded once into word lattices (``local/graph/lattice.py``); the
 acoustic scale (1 / LM weight) from ``--acoustic-scales`` (the grid extended past an edge that holds
-dev's best, ``pick_scale``) and the word insertion penalty from ``--penalties`` (likewise extended past an
-edge, below 0 too: ``penalty_past_edge``) are chosen on dev by rescoring its lattices, and test's best path at that point is scored (with ``--test-sweep`` also at
-every scale dev tried, for the comparison's fixed-scale tables). ``--search best-path`` decodes dev
+dev's best, ``pick_scale``) and the word insertion penalty from ``--penalties`` (likewise extended
+past an edge, below 0 too: ``penalty_past_edge``) are chosen on dev by rescoring its lattices, and
+test's best path at that point is scored (with ``--test-sweep`` also at every scale dev tried, for the
+comparison's fixed-scale tables). ``--search best-path`` decodes dev
 again at each scale with ``FasterDecoder`` instead (no penalty), as the recipe did before 2026-11-28. Writes ``<run>/decode/`` (``recogs-*``, ``errs-*``,
 ``per_utt-*``, ``results.json``), then the comparison over runs (markdown, JSON and the dev frame
 accuracy plot) under ``--out``.
