@@ -80,6 +80,8 @@ log = logging.getLogger(__name__)
 # one. On corpus version 3 (seed 0) Kaldi's gave the lower dev WER at every acoustic scale (6.73 %
 # against 7.30 % at dev's pick; test 7.59 against 9.58 %), and the baseline DNN on its alignments dev
 # 4.77 % / test 6.28 % against 4.77 / 6.15 % (docs/experiments/sat_schedule.md): dev chose it.
+# Mixing up reaches the total Gaussians by pass 15 (``max_iter_inc`` below; train_sat.sh: 25). On version 4's dev
+# (seed 0) 25 gave 8.55 % against 8.46 % (6 errors of 6,892 words; docs/experiments/sat_schedule.md).
 SAT_SCHEDULES = {
     "kaldi": {"realign_iters": (10, 20, 30), "fmllr_iters": (2, 4, 6, 12)},
     "recipe": {"realign_iters": (10, 25), "fmllr_iters": (20,)},
