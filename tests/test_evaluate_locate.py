@@ -78,3 +78,42 @@ def test_other_test_sets_are_decoded_at_the_scale_dev_picked_for_the_run(tmp_pat
     (run / "decode").mkdir()
     (run / "decode" / "results.json").write_text(json.dumps({"acoustic_scale": 0.143}))
     assert dev_scale_of(run / "checkpoints" / "last.ckpt") == 0.143
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_decoding_workers_stop_with_a_killed_evaluate(tmp_path):
+    """evaluate.py decodes runs in spawned worker processes: when evaluate.py is killed (SIGKILL, no
+    clean-up), its workers die with it instead of decoding on for minutes (Linux: PR_SET_PDEATHSIG)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    asr = Path(__file__).resolve().parents[1] / "recipes" / "asr"
+    pid_file = tmp_path / "pid"
+    code = textwrap.dedent(f"""
+        import multiprocessing, os, signal, sys
+        sys.path.insert(0, {str(asr)!r})
+        from concurrent.futures import ProcessPoolExecutor
+        import evaluate
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=evaluate._worker_init)
+        open({str(pid_file)!r}, "w").write(str(pool.submit(os.getpid).result()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    subprocess.run([sys.executable, "-c", code], check=False, timeout=120)
+    worker = int(pid_file.read_text())
+
+    def alive() -> bool:  # a zombie (dead, not yet reaped) counts as dead
+        try:
+            return Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survived = alive()
+    if survived:
+        os.kill(worker, 9)  # (not left running after the test)
+    assert not survived, "the decoding worker outlived its killed evaluate.py"

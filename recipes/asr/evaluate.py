@@ -328,6 +328,9 @@ def _evaluate_lattices(run_dir, data_dir, features, decoder, dev, dev_cuts, mode
 
 
 def _worker_init() -> None:
+    from local.atomic import die_with_parent
+
+    die_with_parent()  # a killed evaluate.py's decoding workers stop with it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
 
