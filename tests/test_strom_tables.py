@@ -18,7 +18,7 @@ def test_tables_on_the_tiny_corpus(tiny_aligned, tmp_path, monkeypatch):
     argv = ["--data-dir", str(tiny_aligned), "--exp-dir", str(tmp_path), "--taus", "0.001", "0.05",
             "--epochs", "1", "--sizes", "2x16", "3x32", "--size-steps", "3", "--size-tau", "0.01",
             "--train-args", "--config conf/tiny.yaml --num_threads 1",
-            "--eval-args", "--acoustic-scales 0.1 --beam 8 --max-active 1000 --jobs 1"]  # fmt: skip
+            "--eval-args", "--acoustic-scales 0.1 --beam 8 --jobs 1"]  # fmt: skip
     # as in a process that launched ranks before (e.g. after fork-launched tests): not inherited by the runs
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
