@@ -37,8 +37,9 @@ LATTICE_BEAM = 6.0  # Kaldi's decode.sh default
 # The search beam of the lattice decoding: the recipe's best-path beam, not Kaldi's decode.sh 13. On corpus
 # version 4 (the main job's four runs decoded again, nothing else changed) beam 13 gains 5 % of test's errors
 # (6.37 -> 6.05 %, every run; dev 7.18 -> 6.90 %) for twice the lattices' time (a whole run's decoding: 1.80
-# times, farm-bench): about 1.5 minutes more in the main job, which would then pass 30 minutes
-# (docs/experiments/dnn_beams.md). A lattice beam of 8 gave the same WER as 6 in 1.3 times the time.
+# times, farm-bench): 1.5-2 minutes more in a main job of 27.5-29 minutes, too little margin for the 30
+# minutes it keeps on the slower hours (docs/experiments/dnn_beams.md). A lattice beam of 8 gave the same
+# WER as 6 in 1.3 times the time.
 # evaluate.py --beam 13 (or run.sh's profile=kaldi) for Kaldi's setting.
 LATTICE_SEARCH_BEAM = 10.0
 # The scale the lattices are made at: inside the DNN's grid (local.constants), near where dev picks.
