@@ -668,8 +668,9 @@ def test_the_sat_schedule_option_reaches_the_sat_stage(monkeypatch, tmp_path):
     monkeypatch.setattr(sat, "train_sat", lambda data_dir, *a, **kw: calls.append(kw) or {})
     sizes = dict.fromkeys(prepare.GMM_SIZES, "auto")
     prepare._run_stage("sat", tmp_path, argparse.Namespace(seed=0, gmm_sizes=sizes, lda_mllt=False,
-                                                           sat_schedule="kaldi", search=Search()))
-    assert calls == [{"seed": 0, "search": Search(), "realign_iters": (10, 20, 30), "fmllr_iters": (2, 4, 6, 12)}]
+                                                           sat_schedule="kaldi", search=Search(), corpus="synthetic"))
+    assert calls == [{"seed": 0, "search": Search(), "corpus": "synthetic", "realign_iters": (10, 20, 30),
+                      "fmllr_iters": (2, 4, 6, 12)}]
 
 
 def test_mixing_up_is_kaldis_split_with_a_seeded_perturbation(trained):

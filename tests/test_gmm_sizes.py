@@ -40,16 +40,6 @@ def test_recorded_speech_takes_kaldis_small_recipes_sizes():
     assert resolve_sizes("tri", "auto", "auto", frames=3 * 360_000, corpus="timit")["leaves"] == 1800
 
 
-def test_a_data_dir_names_its_corpus(tmp_path):
-    import json as _json
-
-    from local.gmm.sizes import corpus_of
-
-    assert corpus_of(tmp_path) == "synthetic"
-    (tmp_path / "settings.json").write_text(_json.dumps({"corpus": "timit", "seed": 0}))
-    assert corpus_of(tmp_path) == "timit"
-
-
 def test_given_sizes_are_checked_and_auto_ones_recorded():
     sizes = resolve_sizes("tri", "auto", 4000, frames=36_000_000)
     assert sizes == {"leaves": 2500, "gaussians": 4000, "train_hours": 100.0, "auto": ["leaves"]}
@@ -76,12 +66,13 @@ def test_prepare_hands_its_seed_sizes_and_search_to_every_gmm_stage(monkeypatch,
         monkeypatch.setattr(module, fn, record(fn))
     args = argparse.Namespace(seed=7, gmm_sizes={"tri_leaves": 400, "tri_gauss": "auto", "sat_leaves": "auto",
                                                  "sat_gauss": 6000}, lda_mllt=False, sat_schedule="recipe",
-                              search=KALDI_SEARCH)
+                              search=KALDI_SEARCH, corpus="timit")
     for stage in ("mono", "tri", "sat", "align"):
         prepare._run_stage(stage, tmp_path, args)
     assert all(kwargs["seed"] == 7 for _, kwargs in calls.values()) and len(calls) == 4
     assert calls["train_tri"][0] == (400, "auto") and calls["train_sat"][0] == ("auto", 6000)
     assert [calls[fn][1]["search"] for fn in ("train_mono", "train_tri", "train_sat")] == [KALDI_SEARCH] * 3
+    assert calls["train_tri"][1]["corpus"] == calls["train_sat"][1]["corpus"] == "timit"  # (auto sizes' rule)
 
 
 def test_the_size_options_parse_auto_or_a_positive_number(monkeypatch):

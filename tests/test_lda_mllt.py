@@ -148,11 +148,13 @@ def test_the_flag_trains_lda_mllt_in_the_tri_stage_and_sat_on_it(monkeypatch, tm
     sizes = {**dict.fromkeys(prepare.GMM_SIZES, "auto"), "lda_mllt_leaves": 500}
     search = Search(13.0, 7000)
     for flag in (False, True):
-        args = argparse.Namespace(seed=3, gmm_sizes=sizes, lda_mllt=flag, sat_schedule="recipe", search=search)
+        args = argparse.Namespace(seed=3, gmm_sizes=sizes, lda_mllt=flag, sat_schedule="recipe", search=search,
+                                  corpus="synthetic")
         prepare._run_stage("tri", tmp_path, args)
         prepare._run_stage("sat", tmp_path, args)
-    assert len(calls["train_tri"]) == 2 and calls["train_lda_mllt"] == [((500, "auto"), {"seed": 3, "search": search})]
-    recipe = {"seed": 3, "search": search, "realign_iters": (10, 25), "fmllr_iters": (20,)}
+    assert len(calls["train_tri"]) == 2 and calls["train_lda_mllt"] == [
+        ((500, "auto"), {"seed": 3, "search": search, "corpus": "synthetic"})]
+    recipe = {"seed": 3, "search": search, "corpus": "synthetic", "realign_iters": (10, 25), "fmllr_iters": (20,)}
     assert [kw for _, kw in calls["train_sat"]] == [recipe, {**recipe, "speaker_independent": "lda_mllt"}]
 
 

@@ -148,12 +148,12 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
 
         sizes = args.gmm_sizes
         line = _summary(train_tri(data_dir, sizes["tri_leaves"], sizes["tri_gauss"], seed=args.seed,
-                                  search=args.search))
+                                  search=args.search, corpus=args.corpus))
         if args.lda_mllt:
             from local.gmm.lda_mllt import train_lda_mllt
 
             lda = train_lda_mllt(data_dir, sizes["lda_mllt_leaves"], sizes["lda_mllt_gauss"], seed=args.seed,
-                                 search=args.search)
+                                 search=args.search, corpus=args.corpus)
             line += "; lda_mllt: " + _summary(lda)
         return line
     if name == "sat":
@@ -163,7 +163,7 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
         from local.gmm.sat import SAT_SCHEDULES
 
         return _summary(train_sat(data_dir, sizes["sat_leaves"], sizes["sat_gauss"], seed=args.seed,
-                                  search=args.search, **SAT_SCHEDULES[args.sat_schedule],
+                                  search=args.search, corpus=args.corpus, **SAT_SCHEDULES[args.sat_schedule],
                                   **({"speaker_independent": "lda_mllt"} if args.lda_mllt else {})))
     if name == "align":
         from local.gmm.align import align

@@ -257,6 +257,7 @@ def train_lda_mllt(
     scales: tuple[float, ...] | None = None,
     search: Search = RECIPE_SEARCH,
     seed: int = 0,
+    corpus: str = "synthetic",
 ) -> dict:
     """Train the LDA+MLLT triphone system from ``exp/tri`` and decode dev/test.
 
@@ -276,6 +277,8 @@ def train_lda_mllt(
         search: the dev and test decodings' beam and most active states (``local.graph.decode.Search``;
             ``prepare.py --beam``, ``--max-active``).
         seed: seed of the mixing up's perturbations (``common.split_by_count``).
+        corpus: ``prepare.py --corpus``, for ``auto`` sizes (``local.gmm.sizes.auto_sizes``: the synthetic
+            corpus's rule, or recorded speech's).
 
     Returns:
         a summary: leaves, pdfs, Gaussians, the sizes asked (``sizes``), final log-likelihood (in the
@@ -294,7 +297,7 @@ def train_lda_mllt(
         train_iterations,
     )
     from local.gmm.sat import silence_tids
-    from local.gmm.sizes import corpus_of, resolve_sizes
+    from local.gmm.sizes import resolve_sizes
     from local.gmm.tri import build_triphone_system
     from local.graph.lang import cut_words
 
@@ -318,7 +321,7 @@ def train_lda_mllt(
              100 * sum(lda_info["eigenvalues"][:dim]) / sum(lda_info["eigenvalues"]))
 
     frames = sum(len(mfcc[u]) for u in tri_alis)
-    sizes = resolve_sizes("lda_mllt", num_leaves, total_gauss, frames, corpus_of(data_dir))
+    sizes = resolve_sizes("lda_mllt", num_leaves, total_gauss, frames, corpus)
     log.info("lda_mllt: %d leaves, %d Gaussians at most (%.2f h of training speech)", sizes["leaves"],
              sizes["gaussians"], sizes["train_hours"])
     system, tree_summary = build_triphone_system(tri, tri_alis, utts.feats, lang, sizes["leaves"], shared_roots=True)

@@ -51,7 +51,7 @@ from local.gmm.common import (
     train_iterations,
 )
 from local.gmm.decode import DECODE_JOBS, PenaltyGraphs, timed
-from local.gmm.sizes import corpus_of, resolve_sizes
+from local.gmm.sizes import resolve_sizes
 from local.gmm.transforms import (
     FmllrStats,
     accumulate_fmllr_stats,
@@ -168,6 +168,7 @@ def train_sat(
     decode: bool = True,
     scales: tuple[float, ...] = SAT_ACOUSTIC_SCALES,
     seed: int = 0,
+    corpus: str = "synthetic",
     speaker_independent: str = "tri",
     search: Search = RECIPE_SEARCH,
 ) -> dict:
@@ -186,6 +187,8 @@ def train_sat(
         decode: decode dev and test (``decode_sat``).
         scales: the acoustic-scale grid dev is searched on (bracketed, extended past an edge: ``pick_scale``).
         seed: seed of the mixing up's perturbations (``common.split_by_count``).
+        corpus: ``prepare.py --corpus``, for ``auto`` sizes (``local.gmm.sizes.auto_sizes``: the synthetic
+            corpus's rule, or recorded speech's).
         speaker_independent: the system SAT starts from, on whose features it trains: ``"tri"`` (Δ + ΔΔ)
             or ``"lda_mllt"`` (``prepare.py --lda-mllt``).
         search: the decodings' beam and most active states (``prepare.py --beam``, ``--max-active``).
@@ -209,7 +212,7 @@ def train_sat(
     trans = speaker_transforms(si, raw, si_alis, speakers, lang.sil_id, SILENCE_WEIGHT_TRAIN)
     utts.feats.update(transformed(raw, speakers, trans))
     frames = sum(len(raw[u]) for u in si_alis)
-    sizes = resolve_sizes("sat", num_leaves, total_gauss, frames, corpus_of(data_dir))
+    sizes = resolve_sizes("sat", num_leaves, total_gauss, frames, corpus)
     log.info("sat: %d leaves, %d Gaussians at most (%.2f h of training speech)", sizes["leaves"],
              sizes["gaussians"], sizes["train_hours"])
     system, tree_summary = build_triphone_system(si, si_alis, utts.feats, lang, sizes["leaves"], shared_roots=True)

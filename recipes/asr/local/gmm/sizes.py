@@ -26,9 +26,6 @@ corpus's sizes. Leaves are rounded to 50, Gaussians to 500.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 
 FRAMES_PER_HOUR = 360_000  # 10 ms frames
@@ -80,8 +77,3 @@ def resolve_sizes(system: str, num_leaves: int | str, total_gauss: int | str, fr
     return {**sizes, "train_hours": round(hours, 3),
             "auto": [n for n, v in (("leaves", num_leaves), ("gaussians", total_gauss)) if v == "auto"]}
 
-
-def corpus_of(data_dir: Path | str) -> str:
-    """The corpus a data dir was built from (``settings.json``'s ``corpus``; absent: the synthetic one)."""
-    path = Path(data_dir) / "settings.json"
-    return json.loads(path.read_text()).get("corpus", "synthetic") if path.exists() else "synthetic"

@@ -32,7 +32,7 @@ from local.gmm.common import (
     single_gaussian_am,
     train_iterations,
 )
-from local.gmm.sizes import corpus_of, resolve_sizes
+from local.gmm.sizes import resolve_sizes
 from local.gmm.tree import build_tree
 from local.gmm.tree_stats import TidTables, accumulate_tree_stats
 from local.graph.decode import RECIPE_SEARCH, Search
@@ -85,6 +85,7 @@ def train_tri(
     scales: tuple[float, ...] | None = None,
     search: Search = RECIPE_SEARCH,
     seed: int = 0,
+    corpus: str = "synthetic",
 ) -> dict:
     """Train the triphone system from ``exp/mono`` and decode dev/test.
 
@@ -114,6 +115,8 @@ def train_tri(
         min_count: fewest frames on each side of a tree split.
         decode: decode dev and test (``exp/tri/decode_*``).
         seed: seed of the mixing up's perturbations (``common.split_by_count``).
+        corpus: ``prepare.py --corpus``, for ``auto`` sizes (``local.gmm.sizes.auto_sizes``: the synthetic
+            corpus's rule, or recorded speech's).
 
     Returns:
         a summary: leaves, pdfs, Gaussians, the sizes asked (``sizes``), final log-likelihood,
@@ -124,7 +127,7 @@ def train_tri(
     utts = load_utterances(data_dir, "train", clean_only=not augmented)
     mono, mono_alis = GmmSystem.load_run(data_dir / "exp" / "mono", utts.feats)
     frames = sum(len(utts.feats[u]) for u in mono_alis)
-    sizes = resolve_sizes("tri", num_leaves, total_gauss, frames, corpus_of(data_dir))
+    sizes = resolve_sizes("tri", num_leaves, total_gauss, frames, corpus)
     log.info("tri: %d leaves, %d Gaussians at most (%.2f h of training speech)", sizes["leaves"],
              sizes["gaussians"], sizes["train_hours"])
     system, tree_summary = build_triphone_system(
