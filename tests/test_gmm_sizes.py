@@ -12,14 +12,14 @@ from local.gmm.sizes import auto_sizes, resolve_sizes
 
 def test_auto_sizes_keep_the_default_corpus_and_reach_kaldis_sizes():
     default_hours = 843_400 / 360_000  # the default corpus's training frames
-    assert auto_sizes("tri", default_hours) == (150, 2000) and auto_sizes("sat", default_hours) == (500, 4000)
+    assert auto_sizes("tri", default_hours) == (150, 2000) and auto_sizes("sat", default_hours) == (300, 2500)
     assert auto_sizes("tri", 0.05) == (150, 2000)  # smaller corpora keep the default corpus's sizes
     for system in ("tri", "sat"):
         assert auto_sizes(system, 15) == auto_sizes(system, 100) == (2500, 15000)
         assert auto_sizes(system, 460) == (4200, 40000) and auto_sizes(system, 5000) == (7000, 150000)
         sizes = [auto_sizes(system, h) for h in (2.34, 5, 10, 15, 100, 200, 460, 960)]
         assert sizes == sorted(sizes) and len(set(sizes)) == 7  # growing with the data
-    assert auto_sizes("tri", 10) == (1350, 9500) and auto_sizes("sat", 10) == (1750, 11000)
+    assert auto_sizes("tri", 10) == (1350, 9500) and auto_sizes("sat", 10) == (1550, 10000)
     # LDA+MLLT: the triphone system's sizes (Kaldi's recipes: the same or somewhat more than tri1)
     assert all(auto_sizes("lda_mllt", h) == auto_sizes("tri", h) for h in (0.05, 2.34, 10, 100, 960))
 
@@ -36,7 +36,7 @@ def test_recorded_speech_takes_kaldis_small_recipes_sizes():
     assert auto_sizes("tri", 5.0, "mini_librispeech") == (2000, 10000)
     assert auto_sizes("sat", 5.0, "mini_librispeech") == auto_sizes("lda_mllt", 5.0, "kaldi") == (2500, 15000)
     assert auto_sizes("tri", 1.0, "kaldi") == (600, 3000)  # RM's speech per leaf and per Gaussian
-    assert auto_sizes("tri", 0.01, "yesno") == (150, 2000) and auto_sizes("sat", 0.01, "kaldi") == (500, 4000)
+    assert auto_sizes("tri", 0.01, "yesno") == (150, 2000) and auto_sizes("sat", 0.01, "kaldi") == (300, 2500)
     assert resolve_sizes("tri", "auto", "auto", frames=3 * 360_000, corpus="timit")["leaves"] == 1800
 
 
@@ -45,7 +45,7 @@ def test_given_sizes_are_checked_and_auto_ones_recorded():
     assert sizes == {"leaves": 2500, "gaussians": 4000, "train_hours": 100.0, "auto": ["leaves"]}
     with pytest.raises(ValueError, match=r"tri leaves=-3; .*--tri-leaves"):
         resolve_sizes("tri", -3, "auto", frames=1000)
-    with pytest.raises(ValueError, match=r"100 Gaussians for 500 leaves.*--sat-gauss"):
+    with pytest.raises(ValueError, match=r"100 Gaussians for 300 leaves.*--sat-gauss"):
         resolve_sizes("sat", "auto", 100, frames=1000)
     with pytest.raises(ValueError, match="use 'tri', 'lda_mllt' or 'sat'"):
         auto_sizes("mono", 1.0)

@@ -177,8 +177,8 @@ def train_sat(
     Args:
         data_dir: the recipe's data directory (tri stage done).
         num_leaves: most tree leaves, or ``"auto"``: fixed before training from the hours of
-            training speech (``local.gmm.sizes``: Kaldi's recipes' sizes, and 500 leaves / 4,000
-            Gaussians on the default corpus, chosen on dev).
+            training speech (``local.gmm.sizes``: Kaldi's recipes' sizes, and 300 leaves / 2,500
+            Gaussians on the default corpus, chosen on the DNNs' dev WER).
         total_gauss: Gaussians at the end of mixture growth, or ``"auto"``.
         num_iters: training passes.
         realign_iters: passes that start with a re-alignment.
