@@ -7,11 +7,9 @@ end's sizes outside them:
 
 - the default corpus (2.34 h of TTS speech): ``tri`` 150 leaves / 2,000 Gaussians, chosen on dev
   (version 4: 18.40 / 17.72 / 18.09 % at 1,500 / 2,000 / 3,000; 150 leaves from a held-out-voice
-  validation, ``tri.train_tri``); ``sat`` 300 / 2,500, chosen on dev: its tree is also the DNN's output
-  layer, and on version 4 the DNNs on its alignments made 6.63 % dev WER against 6.96 % and 7.14 % on
-  those of 150 / 1,500 and 500 / 4,000 (means of the baseline and ``gtc``, seeds 0 and 1), where the SAT
-  system's own dev WER prefers 500 / 4,000 by a margin it cannot resolve (8.92 / 8.40 / 8.27 / 8.58 % at
-  150 / 1,500, 300 / 2,500, 500 / 4,000 and 800 / 6,000; the page ``docs/experiments/sat_sizes.md``); ``lda_mllt`` the
+  validation, ``tri.train_tri``); ``sat`` 300 / 2,500, chosen on the DNNs' dev WER, since its tree is
+  their output layer (version 4: 6.63 % against 6.96 % and 7.14 % on the trees of 150 / 1,500 and
+  500 / 4,000, the page ``docs/experiments/sat_sizes.md``); ``lda_mllt`` the
   triphone system's 150 / 2,000, not tuned on this corpus: Kaldi's recipes give the
   LDA+MLLT system the Δ + ΔΔ system's sizes (RM: 1,800 / 9,000 both) or somewhat more (WSJ si84 and
   LibriSpeech: 2,500 / 15,000 against 2,000 / 10,000), and the points below already give it that;
