@@ -134,6 +134,21 @@ def test_run_sh_decodes_with_jemalloc_preloaded_unless_told(tmp_path):
     assert f"decoding with jemalloc ({lib})" in outs[0].stdout
     assert "glibc's malloc (jemalloc=none)" in outs[2].stdout
     assert "jemalloc not found at" in outs[3].stderr and "apt-get install libjemalloc2" in outs[3].stderr
+    # not given: ldconfig's. A stand-in ldconfig names it first in a list longer than a pipe holds, so that a
+    # reader that left early would end ldconfig on SIGPIPE (and pipefail the job, as a loaded machine once did)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ldconfig").write_text(
+        f"#!/bin/sh\necho '\tlibjemalloc.so.2 (libc6,x86-64) => {lib}'\n"
+        "i=0; while [ $i -lt 4000 ]; do echo '\tlibfoo.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libfoo.so.1'; "
+        "i=$((i+1)); done\n")
+    (bin_dir / "ldconfig").chmod(0o755)
+    found = subprocess.run(["bash", str(ROOT / "recipes" / "asr" / "run.sh")],
+                           env={**env, "PATH": f"{bin_dir}:{env['PATH']}"}, capture_output=True, text=True,
+                           check=False, cwd=tmp_path)
+    assert found.returncode == 0, found.stderr
+    assert f"== decoding with jemalloc ({lib})" in found.stdout
+    assert (tmp_path / "calls").read_text().split()[-1] == f"[{lib}]"
 
 
 def test_run_sh_profile_kaldi_asks_every_stage_for_kaldi_s_settings_in_its_own_dirs(tmp_path):

@@ -112,7 +112,8 @@ if run 11; then
   sweep=""; [ "$test_sweep" = 1 ] && sweep=--test-sweep  # test also at every scale: fixed-scale tables
   # The lattice decoder spends about a third of its time in malloc and free: with jemalloc preloaded the decoding
   # takes 0.75 times as long, with the same lattices (docs/experiments/dnn_epochs_beams.md). jemalloc=none: glibc's.
-  jemalloc=${jemalloc:-$(ldconfig -p 2>/dev/null | awk '/libjemalloc\.so\.2 /{print $NF; exit}')}
+  # (awk reads ldconfig's whole list: leaving early would end ldconfig on SIGPIPE, and pipefail the job)
+  jemalloc=${jemalloc:-$(ldconfig -p 2>/dev/null | awk '/libjemalloc\.so\.2 / && !p {p = $NF} END {print p}')}
   preload=${LD_PRELOAD:-}
   if [ "$jemalloc" = none ]; then
     echo "== decoding with glibc's malloc (jemalloc=none)"
