@@ -152,7 +152,7 @@ def test_run_sh_decodes_with_jemalloc_preloaded_unless_told(tmp_path):
 
 
 def test_run_sh_profile_kaldi_asks_every_stage_for_kaldi_s_settings_in_its_own_dirs(tmp_path):
-    """profile=kaldi: prepare.py gets LDA+MLLT and the GMM beams, evaluate.py the DNN beam, and the data and
+    """profile=kaldi: prepare.py gets LDA+MLLT and the GMM beams, evaluate.py its defaults, and the data and
     runs go to their own dirs (a stand-in python records the command lines); another profile is refused."""
     import os
 
@@ -176,7 +176,7 @@ def test_run_sh_profile_kaldi_asks_every_stage_for_kaldi_s_settings_in_its_own_d
     assert prep.endswith("--lda-mllt --beam 13 --max-active 7000 --num-jobs 1")
     assert all("--data.data_dir data/synthetic-default-kaldi --exp_dir exp/dnn-kaldi " in c for c in (base, gtc))
     assert evaluate.startswith(f"recipes/asr/evaluate.py --runs {runs / 'baseline'} --out {runs / 'compare'}")
-    assert evaluate.endswith("--skip-decoded --beam 13")
+    assert evaluate.endswith("--skip-decoded")  # the DNN lattices' default beam is Kaldi's 13
     bad = subprocess.run(["bash", str(ROOT / "recipes" / "asr" / "run.sh")], env={**env, "profile": "fast"},
                          capture_output=True, text=True, check=False, cwd=tmp_path)
     assert bad.returncode == 2 and "profile=fast: use default or kaldi" in bad.stderr

@@ -344,7 +344,7 @@ def decode_settings(search: str, beam: float | None, max_active: int | None, sca
     it: the search, its beam (``None``: that search's default), the most active states (best-path search
     only: the lattice decoder has no such limit), the acoustic scales and (lattice search) the penalties
     dev starts from."""
-    if beam is None:  # (local/graph/lattice.py says why the lattice search's default is not Kaldi's 13)
+    if beam is None:  # (local/graph/lattice.py: the lattice search's default and how it was chosen)
         beam = LATTICE_SEARCH_BEAM if search == "lattice" else BEAM
     out = {"search": search, "beam": float(beam), "acoustic_scales": sorted(map(float, set(scales)))}
     if search == "lattice":
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
                         "ARPA file over the graph's words; results.json keeps the first pass's WERs beside")
     p.add_argument("--beam", type=float, default=None,
                    help=f"decoding beam (default: {LATTICE_SEARCH_BEAM:g} with --search lattice, {BEAM:g} with "
-                        "--search best-path; Kaldi's decode.sh uses 13, measured in local/graph/lattice.py)")
+                        "--search best-path; Kaldi's decode.sh uses 13; chosen in local/graph/lattice.py)")
     p.add_argument("--max-active", type=int, default=None,
                    help=f"most active decoder states per frame, --search best-path only (default {MAX_ACTIVE}; the "
                         "lattice decoder has no such limit)")

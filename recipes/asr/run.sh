@@ -28,9 +28,10 @@
 #                                                  # device computes bfloat16 natively, local/dnn/precision.py)
 #   profile=kaldi bash recipes/asr/run.sh          # Kaldi's settings where the default departs from them for time:
 #                                                  # LDA+MLLT before SAT, GMM decodings at beam 13 with 7,000 active
-#                                                  # states, DNN lattices at beam 13 (prepare_args="--lda-mllt --beam 13
-#                                                  # --max-active 7000", evaluate_args="--beam 13"); data in
+#                                                  # states (prepare_args="--lda-mllt --beam 13 --max-active 7000"; the
+#                                                  # DNN lattices are at Kaldi's beam 13 by default); data in
 #                                                  # <data>-kaldi, runs in exp/dnn-kaldi; 43.5 minutes with 10 epochs
+#                                                  # and glibc's malloc
 #
 # Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 11 decodes
 # the runs not decoded yet (dev at each acoustic scale, test at the one dev picks; with test_sweep=1
@@ -48,8 +49,7 @@ evaluate_args=${evaluate_args:-}
 profile=${profile:-default}
 case "$profile" in
   default) suffix="" ;;
-  kaldi) suffix=-kaldi; prepare_args="--lda-mllt --beam 13 --max-active 7000 $prepare_args"
-         evaluate_args="--beam 13 $evaluate_args" ;;
+  kaldi) suffix=-kaldi; prepare_args="--lda-mllt --beam 13 --max-active 7000 $prepare_args" ;;
   *) echo "run.sh: profile=$profile: use default or kaldi (LDA+MLLT and Kaldi's decoding beams)" >&2; exit 2 ;;
 esac
 case "$corpus" in

@@ -34,14 +34,13 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LATTICE_BEAM = 6.0  # Kaldi's decode.sh default
-# The search beam of the lattice decoding: 12, one below Kaldi's decode.sh 13, chosen on dev within the main
-# job's 30 minutes. On corpus version 4's four DNN runs (seeds 0 and 1, baseline and gtc, 8 epochs; the same
-# models decoded at each beam) the mean dev WER is 6.62 / 6.42 / 6.35 % at beams 10 / 12 / 13, and the four
-# runs' decoding took 5:13 / 8:57 minutes at beams 10 / 12 (2 processes). In a whole main job beam 13 made the
-# decoding stage 6:09 against 2:42 at 10, which left no margin under 30 minutes
-# (docs/experiments/dnn_epochs_beams.md). A lattice beam of 8 gave the same WER as 6 in 1.3 times the time.
-# evaluate.py --beam 13 (or run.sh's profile=kaldi) for Kaldi's setting.
-LATTICE_SEARCH_BEAM = 12.0
+# The search beam of the lattice decoding: 13, Kaldi's decode.sh default. On corpus version 4's four DNN runs
+# (seeds 0 and 1, baseline and gtc, 8 epochs; the same models decoded at each beam) the mean dev WER is
+# 6.62 / 6.42 / 6.35 % at beams 10 / 12 / 13 (docs/experiments/dnn_epochs_beams.md). With glibc's malloc beam 13
+# made the main job's decoding stage 6:09 and left no margin under 30 minutes; run.sh decodes with jemalloc
+# preloaded, which makes the stage 0.68 times as long (3:21 against 4:57 for two runs, paired), and beam 13
+# fits. A lattice beam of 8 gave the same WER as 6 in 1.3 times the time.
+LATTICE_SEARCH_BEAM = 13.0
 # The scale the lattices are made at: inside the DNN's grid (local.constants), near where dev picks.
 LATTICE_ACOUSTIC_SCALE = 0.125
 # Lattices searched together (batch_best_paths): enough to share each pass over a generation of states,
