@@ -111,7 +111,8 @@ if run 11; then
   echo "== stage 11: decode dev/test, compare ${#runs[@]} runs -> $exp/compare"
   sweep=""; [ "$test_sweep" = 1 ] && sweep=--test-sweep  # test also at every scale: fixed-scale tables
   # The lattice decoder spends about a third of its time in malloc and free: with jemalloc preloaded the decoding
-  # takes 0.75 times as long, with the same lattices (docs/experiments/dnn_epochs_beams.md). jemalloc=none: glibc's.
+  # stage takes 0.68 times as long (paired, two runs at beam 13), with the same lattices
+  # (docs/experiments/dnn_epochs_beams.md). jemalloc=none: glibc's.
   # (awk reads ldconfig's whole list: leaving early would end ldconfig on SIGPIPE, and pipefail the job)
   jemalloc=${jemalloc:-$(ldconfig -p 2>/dev/null | awk '/libjemalloc\.so\.2 / && !p {p = $NF} END {print p}')}
   preload=${LD_PRELOAD:-}
@@ -120,7 +121,7 @@ if run 11; then
   elif [ -n "$jemalloc" ] && [ -f "$jemalloc" ]; then
     echo "== decoding with jemalloc ($jemalloc)"; preload=$jemalloc${preload:+:$preload}
   else
-    echo "== jemalloc not found${jemalloc:+ at $jemalloc}: decoding with glibc's malloc, about 1.3 times as long" \
+    echo "== jemalloc not found${jemalloc:+ at $jemalloc}: decoding with glibc's malloc, about 1.5 times as long" \
       "(apt-get install libjemalloc2, or run setup.sh)" >&2
   fi
   # shellcheck disable=SC2086  # evaluate_args: several options, split on spaces
