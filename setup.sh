@@ -9,8 +9,7 @@ APT_PACKAGES="espeak-ng flite festival festvox-kallpc16k festvox-kdlpc16k festvo
 # festvox-us1/2/3 (festival's MBROLA voices, dev's festival speakers) are in Debian's contrib component and
 # pull their diphone databases (mbrola-us1/2/3) from non-free: both are enabled when the sources lack them.
 VOICES_LIST=/etc/apt/sources.list.d/gtc-lightning-voices.list
-# jemalloc: run.sh's lattice decoding (stage 11) runs with it, in 0.68 times the wall time of glibc's malloc
-# (paired, two runs at beam 13)
+# jemalloc: the allocator run.sh preloads for the lattice decoding (stage 11; run.sh says why)
 DECODE_PACKAGES="libjemalloc2"
 missing=$(for p in $APT_PACKAGES $DECODE_PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
 if [ -n "$missing" ]; then
