@@ -1,10 +1,12 @@
 """Decoding of dev and test with a GMM system: the classic first baselines of a Kaldi recipe.
 
-No binding gives a GMM lattice fast enough (``kaldi-decoder``'s ``LatticeSimpleDecoder`` has no limit on
-active states: on the default corpus's dev set, lattices of the triphone system at Kaldi's scale
-0.0833 took 51 s on one core, against 6-13 s per scale for ``FasterDecoder`` in 2 processes, and
-rescoring them to the scale dev picks lost 0.9 points of dev WER), so dev is decoded again per point
-of the sweep, Kaldi's scoring by decoding: the acoustic scale (1 / LM weight) from
+No binding gives a GMM lattice fast enough: ``kaldi-hmm-gmm``'s lattice decoders return only the best path,
+and ``kaldi-decoder``'s ``LatticeSimpleDecoder`` has no limit on active states. On the default corpus's dev set
+(version 4's triphone system, 2 processes, jemalloc preloaded), its lattices at Kaldi's beam 13 and scale
+0.0833 took 66.7 s, and rescored to the scale dev picks gave 17.64 % (Kaldi's search decoding at that scale,
+0.0667: 17.43 %); at beam 10 they took 25.3 s at 0.0833 (18.21 %) and 44.4 s at 0.0667 (17.76 %), where the
+whole sweep below took 44 s for its 4 decodings (17.72 %), and test then costs about twice dev. So dev is
+decoded again per point of the sweep, Kaldi's scoring by decoding: the acoustic scale (1 / LM weight) from
 ``GMM_ACOUSTIC_SCALES`` at no penalty, by a bracketing search that stops one scale past dev's best and
 extends the grid past an edge that holds it (``pick_scale``); then, at that scale, the word insertion
 penalties of Kaldi's ``score.sh`` (``WORD_INSERTION_PENALTIES``) in order while each is better
