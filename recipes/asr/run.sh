@@ -30,8 +30,8 @@
 #                                                  # LDA+MLLT before SAT, GMM decodings at beam 13 with 7,000 active
 #                                                  # states (prepare_args="--lda-mllt --beam 13 --max-active 7000"; the
 #                                                  # DNN lattices are at Kaldi's beam 13 by default); data in
-#                                                  # <data>-kaldi, runs in exp/dnn-kaldi; 43.5 minutes with 10 epochs
-#                                                  # and glibc's malloc
+#                                                  # <data>-kaldi, runs in exp/dnn-kaldi; 34 min 40 s from a fresh
+#                                                  # clone (the default: 26 min 23 s), the DNNs level (RESULTS.md)
 #
 # Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 11 decodes
 # the runs not decoded yet (dev at each acoustic scale, test at the one dev picks; with test_sweep=1
