@@ -50,6 +50,24 @@ from local.graph.lattice import LATTICE_SEARCH_BEAM
 log = logging.getLogger("evaluate")
 
 
+def allocator_note(environ: dict | None = None, find_library=None) -> str | None:
+    """What to say when the lattices would be decoded with glibc's malloc: ``None`` when jemalloc is
+    preloaded (``LD_PRELOAD``, as ``run.sh`` does), else how to preload it or which Debian package has it.
+    The lattice decoder spends about a third of its time in malloc and free (``run.sh``'s stage 11)."""
+    import ctypes.util
+    import os
+
+    environ = os.environ if environ is None else environ
+    if "jemalloc" in environ.get("LD_PRELOAD", ""):
+        return None
+    lib = (find_library or ctypes.util.find_library)("jemalloc")
+    if lib:
+        return (f"decoding lattices with glibc's malloc: LD_PRELOAD={lib} before the command (as run.sh does) "
+                "decodes the same lattices in about 0.68 times the wall time")
+    return ("decoding lattices with glibc's malloc: jemalloc (Debian's libjemalloc2, which setup.sh installs), "
+            "preloaded with LD_PRELOAD=libjemalloc.so.2, decodes the same lattices in about 0.68 times the wall time")
+
+
 def load_checkpoint(path: Path | str) -> tuple[AcousticModel, int, str]:
     """The model in eval mode on CPU, the context width and the front end it was trained with
     (``fbank`` for checkpoints older than the front-end choice)."""
@@ -560,6 +578,8 @@ def main(argv: list[str] | None = None) -> None:
     args = [(r, Path(a.data_dir) if a.data_dir else None, tuple(a.acoustic_scales), a.beam,
              a.max_active if a.max_active is not None else MAX_ACTIVE,
              a.test_sweep, a.search, tuple(a.penalties), a.rescore_lm) for r in todo]
+    if todo and a.search == "lattice" and (note := allocator_note()):
+        log.info(note)
     if a.jobs > 1 and len(todo) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
