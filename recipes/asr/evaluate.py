@@ -61,11 +61,9 @@ def allocator_note(environ: dict | None = None, find_library=None) -> str | None
     if "jemalloc" in environ.get("LD_PRELOAD", ""):
         return None
     lib = (find_library or ctypes.util.find_library)("jemalloc")
-    if lib:
-        return (f"decoding lattices with glibc's malloc: LD_PRELOAD={lib} before the command (as run.sh does) "
-                "decodes the same lattices in about 0.68 times the wall time")
-    return ("decoding lattices with glibc's malloc: jemalloc (Debian's libjemalloc2, which setup.sh installs), "
-            "preloaded with LD_PRELOAD=libjemalloc.so.2, decodes the same lattices in about 0.68 times the wall time")
+    install = "" if lib else " (Debian's libjemalloc2, which setup.sh installs)"
+    return (f"decoding lattices with glibc's malloc: LD_PRELOAD={lib or 'libjemalloc.so.2'} before the command"
+            f"{install}, as run.sh does, decodes the same lattices in about 0.68 times the wall time")
 
 
 def load_checkpoint(path: Path | str) -> tuple[AcousticModel, int, str]:
