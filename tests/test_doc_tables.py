@@ -58,14 +58,18 @@ def test_recipe_results_add_up():
 
 
 def test_recipe_results_show_the_lda_mllt_system_and_the_search_when_a_build_has_them(tmp_path):
-    """A build with ``--lda-mllt`` and a recorded search: the LDA+MLLT row between tri and SAT, and the search
-    under the GMM table; the section of each profile is rewritten between its own markers."""
+    """A build with LDA+MLLT (the default) or without (``--no-lda-mllt``), and a recorded search: the LDA+MLLT
+    row between tri and SAT or none, and the search under the GMM table; the section of each profile is
+    rewritten between its own markers."""
     import copy
 
     results = doc_tables._load("recipe_results", ROOT / "recipes" / "asr" / "local" / "results.py")
     snap = json.loads(results.SNAPSHOT.read_text())
+    assert "lda_mllt" in snap["gmm"]  # the default builds LDA+MLLT before SAT
     plain = results.render(snap)
-    assert "lda_mllt" not in plain
+    without = copy.deepcopy(snap)
+    del without["gmm"]["lda_mllt"]
+    assert "| lda_mllt |" in plain and "lda_mllt" not in results.render(without)
     # the current build recorded the recipe's search in every system; a build from before the field shows no line
     assert "Every GMM decoding searched with beam 10 and at most 3,000 active states" in plain
     unrecorded = copy.deepcopy(snap)

@@ -26,8 +26,10 @@ def test_searches_and_bad_input(tiny_aligned, tmp_path):
     assert gmm_search.search_at("scaled", 0.0833).beam == pytest.approx(13.0, abs=1e-3)
     with pytest.raises(ValueError, match="search 'wide'"):
         gmm_search.search_at("wide", 0.1)
+    built = tmp_path / "data"  # a data dir built with --no-lda-mllt: no exp/lda_mllt
+    (built / "exp" / "tri").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="run the lda_mllt stage first"):
-        gmm_search.sweep(tiny_aligned, "lda_mllt", "dev", [0.1], ["recipe"], tmp_path)
+        gmm_search.sweep(built, "lda_mllt", "dev", [0.1], ["recipe"], tmp_path)
     with pytest.raises(SystemExit):
         gmm_search.main(["--data-dir", str(tiny_aligned), "--system", "mono", "--scales", "-0.1", "--out",
                          str(tmp_path)])

@@ -81,7 +81,7 @@ def test_the_size_options_parse_auto_or_a_positive_number(monkeypatch):
     prepare.main(["--tri-leaves", "800", "--sat-gauss", "auto"])
     assert seen["gmm_sizes"] == {"tri_leaves": 800, "tri_gauss": "auto", "lda_mllt_leaves": "auto",
                                  "lda_mllt_gauss": "auto", "sat_leaves": "auto", "sat_gauss": "auto"}
-    assert seen["lda_mllt"] is False
+    assert seen["lda_mllt"] is None  # left out: the data dir's record, else on (prepare.resolve_lda_mllt)
     for bad in ("0", "-5", "many"):
         with pytest.raises(SystemExit):
             prepare.main(["--sat-leaves", bad])
@@ -103,6 +103,7 @@ def test_later_stages_take_the_corpus_settings_recorded_at_stage_0_and_refuse_ot
     prepare.main(["--data-dir", str(data_dir), "--stage", "3", "--stop-stage", "3"])  # no corpus options
     (name, args), = runs
     assert name == "mono" and (args.corpus, args.corpus_dir, args.seed) == ("kaldi", "/corpora/mine", 2)
+    settings["lda_mllt"] = True  # (nothing of the GMM stages built yet: the default is recorded)
     assert json.loads((data_dir / "settings.json").read_text()) == settings
     for given, match in (({"seed": 0}, r"--seed 2 \(settings.json\), and this run gives --seed 0"),
                          ({"corpus": "synthetic"}, r"--corpus kaldi .* gives --corpus synthetic.*--stage 0 --force"),

@@ -162,7 +162,9 @@ def test_the_flag_is_recorded_and_a_data_dir_built_the_other_way_is_refused(tmp_
     seen = {}
     monkeypatch.setattr(prepare, "prepare", lambda *args, **kwargs: seen.update(kwargs))
     prepare.main(["--lda-mllt", "--lda-mllt-gauss", "3000"])
-    assert seen["lda_mllt"] and seen["gmm_sizes"]["lda_mllt_gauss"] == 3000
+    assert seen["lda_mllt"] is True and seen["gmm_sizes"]["lda_mllt_gauss"] == 3000
+    prepare.main(["--no-lda-mllt"])
+    assert seen["lda_mllt"] is False
     monkeypatch.undo()
 
     data_dir = tmp_path / "data"
@@ -170,13 +172,37 @@ def test_the_flag_is_recorded_and_a_data_dir_built_the_other_way_is_refused(tmp_
     settings = {"corpus": "synthetic", "corpus_dir": None, "size": "tiny", "seed": 0}
     (data_dir / "settings.json").write_text(json.dumps(settings))
     (data_dir / ".done" / "sat").write_text("done\n")
-    with pytest.raises(SystemExit, match=r"built without --lda-mllt.*--stage 4 --force"):
+    with pytest.raises(SystemExit, match=r"built without LDA\+MLLT.*--stage 4 --force.*or run with --no-lda-mllt"):
         prepare.prepare(data_dir=data_dir, size="tiny", stage=5, stop_stage=5, lda_mllt=True)
     assert json.loads((data_dir / "settings.json").read_text()) == settings  # nothing written
     prepare.check_lda_mllt(data_dir, settings, True, stage=4, force=True)  # a rebuild from tri may change it
     prepare.check_lda_mllt(data_dir, settings, False, stage=5, force=False)  # the same setting continues
-    with pytest.raises(SystemExit, match="built with --lda-mllt"):
+    with pytest.raises(SystemExit, match=r"built with LDA\+MLLT.*or run with --lda-mllt"):
         prepare.check_lda_mllt(data_dir, {**settings, "lda_mllt": True}, False, stage=6, force=True)
+
+
+def test_lda_mllt_is_on_by_default_and_left_out_takes_the_data_dirs_record(tmp_path, caplog):
+    """Left out: a new data dir (or one rebuilt from stage 0) gets LDA+MLLT; a recorded setting is kept;
+    a data dir of an earlier recipe (no ``lda_mllt`` in settings.json) keeps its built GMM stages without
+    it, and the log says how to rebuild them."""
+    data_dir = tmp_path / "data"
+    (data_dir / ".done").mkdir(parents=True)
+    old = {"corpus": "synthetic", "corpus_dir": None, "size": "tiny", "seed": 0}
+    assert prepare.resolve_lda_mllt(data_dir, None, None, stage=0, force=False) is True
+    assert prepare.resolve_lda_mllt(data_dir, old, None, stage=5, force=False) is True  # nothing built yet
+    for stage in prepare.STAGES:  # every stage done: prepare() only checks and records
+        (data_dir / ".done" / stage).write_text("done\n")
+    for recorded in (True, False):
+        assert prepare.resolve_lda_mllt(data_dir, {**old, "lda_mllt": recorded}, None, 6, False) is recorded
+    assert prepare.resolve_lda_mllt(data_dir, {**old, "lda_mllt": False}, True, 6, False) is True  # given wins
+    assert prepare.resolve_lda_mllt(data_dir, old, None, stage=4, force=True) is True  # tri rebuilt
+    with caplog.at_level("WARNING", logger="prepare"):
+        assert prepare.resolve_lda_mllt(data_dir, old, None, stage=6, force=False) is False
+    assert "were built without LDA+MLLT" in caplog.text and "--lda-mllt --stage 4 --force" in caplog.text
+
+    (data_dir / "settings.json").write_text(json.dumps(old))
+    prepare.prepare(data_dir=data_dir, stage=8, stop_stage=8)  # an earlier recipe's data dir continues as built
+    assert json.loads((data_dir / "settings.json").read_text()) == {**old, "lda_mllt": False}
 
 
 def test_the_gmm_search_is_recorded_taken_when_left_out_and_refused_when_it_differs(tmp_path, monkeypatch):
@@ -201,7 +227,7 @@ def test_the_gmm_search_is_recorded_taken_when_left_out_and_refused_when_it_diff
     kaldi = {**settings, "gmm_search": KALDI_SEARCH.record()}
     (data_dir / "settings.json").write_text(json.dumps(kaldi))
     prepare.prepare(data_dir=data_dir, stage=8, stop_stage=8)  # left out: the recorded search is taken, kept
-    assert json.loads((data_dir / "settings.json").read_text()) == kaldi
+    assert json.loads((data_dir / "settings.json").read_text()) == {**kaldi, "lda_mllt": False}  # (built without)
     with pytest.raises(SystemExit, match=r"decoded with --beam 13 --max-active 7000.*not --beam 10 --max-active 7000"):
         prepare.prepare(data_dir=data_dir, stage=8, stop_stage=8, beam=10)
     with pytest.raises(SystemExit, match="--stage 3 --force"):  # a rebuild from a later stage is not enough

@@ -7,9 +7,9 @@ Stages (each skipped when it has already completed; ``--stage`` / ``--stop-stage
   1  features  40-bin fbank (DNN) + 13 MFCC (GMM), CMVN statistics
   2  lang      CMUdict lexicon, phones/words, HMM topology, L.fst, n-gram LM -> G.fst
   3  mono      monophone GMM-HMM: flat start, Viterbi training; decode dev/test
-  4  tri       triphone GMM-HMM on a phonetic decision tree; decode dev/test. With --lda-mllt, then the
-               LDA+MLLT triphone system from its alignments (exp/lda_mllt), decoded too: the same
-               stage, so the numbering stays; SAT, align and adapt then work on its 40-dim features
+  4  tri       triphone GMM-HMM on a phonetic decision tree (Δ + ΔΔ), then the LDA+MLLT triphone
+               system from its alignments (exp/lda_mllt; not with --no-lda-mllt); decode both on
+               dev/test. SAT, align and adapt work on the LDA+MLLT system's 40-dim features
   5  sat       speaker-adaptive triphone GMM-HMM (per-speaker fMLLR); decode dev/test with fMLLR
   6  align     DNN targets: fMLLR alignments with the SAT system (align_fmllr.sh), pdf priors,
                agreement with TTS gold timings
@@ -22,9 +22,11 @@ These are the recipe's stages 0-8 in run.sh too (its 9-11 train the baseline and
 
 Stage 0 records the corpus options (--corpus, --corpus-dir, --size, --seed, --train-parts) in
 ``<data-dir>/settings.json``; later runs on that data dir take them from there when left out, and refuse
-a value that differs (rebuild from stage 0 with --force, or use another --data-dir). --lda-mllt (off by
-default) is recorded there too: a data dir whose GMM stages were built one way is refused the other way
-until they are rebuilt (``--stage 4 --force``). So are --beam and --max-active, the GMM decodings' search
+a value that differs (rebuild from stage 0 with --force, or use another --data-dir). LDA+MLLT before SAT
+(on by default, as in Kaldi's recipes; --no-lda-mllt: SAT on the Δ + ΔΔ system) is recorded there too: left
+out, the recorded setting is taken (a data dir built by an earlier recipe, whose settings.json has no such
+entry, was built without it); given, a data dir whose GMM stages were built the other way is refused until
+they are rebuilt (``--stage 4 --force``). So are --beam and --max-active, the GMM decodings' search
 (default 10 and 3,000; Kaldi's 13 and 7,000): left out, the recorded ones are taken; others are refused
 until the decoding stages are rebuilt (``--stage 3 --force``).
 
@@ -83,9 +85,9 @@ STAGE_OUTPUTS = {
 # version of the recipe) runs again, and the stages after it with it
 STAGE_REQUIRES = {"adapt": ["adapt/fbank_sat_trans.pkl"]}
 # the GMM sizes that prepare.py sets (--tri-leaves ...): tree leaves and total Gaussians of tri, lda_mllt
-# (with --lda-mllt) and sat
+# (not with --no-lda-mllt) and sat
 GMM_SIZES = ("tri_leaves", "tri_gauss", "lda_mllt_leaves", "lda_mllt_gauss", "sat_leaves", "sat_gauss")
-# the stages a data dir built with or without --lda-mllt holds that the flag changes
+# the stages a data dir built with or without LDA+MLLT holds that the setting changes
 LDA_MLLT_STAGES = ("tri", "sat", "align", "adapt", "report")
 # the stages whose output the GMM decodings' search (--beam, --max-active) changes: the decodings, the
 # DNN's dev and test fbank transforms made from SAT's (adapt), the report
@@ -219,21 +221,49 @@ def _without_flag(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if k not in ("lda_mllt", "gmm_search")}
 
 
+def _built_with_lda_mllt(data_dir: Path, stage: int, force: bool) -> list[str]:
+    """The stages of ``data_dir`` that the LDA+MLLT setting changes and this run keeps (done, and not
+    rebuilt from the tri stage)."""
+    if force and stage <= STAGES.index("tri"):
+        return []
+    return [name for name in LDA_MLLT_STAGES if _marker(data_dir, name).exists()]
+
+
+def resolve_lda_mllt(data_dir: Path, recorded: dict | None, lda_mllt: bool | None, stage: int,
+                     force: bool) -> bool:
+    """``--lda-mllt`` / ``--no-lda-mllt``; left out (None): the data dir's recorded setting, else on (the
+    default). A data dir built by an earlier recipe, whose ``settings.json`` has no ``lda_mllt`` entry, was
+    built without it: its built GMM stages keep that (said in the log), a rebuild from the tri stage gets
+    the default."""
+    if lda_mllt is not None:
+        return lda_mllt
+    if recorded is not None and "lda_mllt" in recorded:
+        return bool(recorded["lda_mllt"])
+    built = [] if recorded is None else _built_with_lda_mllt(data_dir, stage, force)
+    if built:
+        log.warning("%s: stages %s were built without LDA+MLLT, by a recipe whose default that was "
+                    "(settings.json had no lda_mllt entry; it now records this); they are kept so. --lda-mllt "
+                    "--stage %d --force rebuilds them with it, the default now",
+                    data_dir, ", ".join(built), STAGES.index("tri"))
+        return False
+    return True
+
+
 def check_lda_mllt(data_dir: Path, recorded: dict | None, lda_mllt: bool, stage: int, force: bool) -> None:
-    """Refuse to continue a data dir whose GMM stages (tri on) were built with the other ``--lda-mllt``
-    setting (``settings.json``, absent: off), unless this run rebuilds them from the tri stage
-    (``--stage`` at most 4 with ``--force``)."""
+    """Refuse to continue a data dir whose GMM stages (tri on) were built with the other LDA+MLLT setting
+    (``settings.json``; no entry: without, by an earlier recipe), unless this run rebuilds them from the
+    tri stage (``--stage`` at most 4 with ``--force``)."""
     was = bool((recorded or {}).get("lda_mllt", False))
     if was == lda_mllt:
         return
-    built = [name for name in LDA_MLLT_STAGES if _marker(data_dir, name).exists()]
-    if not built or (force and stage <= STAGES.index("tri")):
+    built = _built_with_lda_mllt(data_dir, stage, force)
+    if not built:
         return
-    flag = "with" if was else "without"
+    flag = "--lda-mllt" if was else "--no-lda-mllt"
     raise SystemExit(
-        f"{data_dir}'s stages {', '.join(built)} were built {flag} --lda-mllt (settings.json); to change that, "
-        f"rebuild them from the tri stage: add --stage {STAGES.index('tri')} --force (or use another --data-dir, "
-        f"or run {flag} --lda-mllt)"
+        f"{data_dir}'s stages {', '.join(built)} were built {'with' if was else 'without'} LDA+MLLT "
+        f"(settings.json); to change that, rebuild them from the tri stage: add --stage {STAGES.index('tri')} "
+        f"--force (or use another --data-dir, or run with {flag})"
     )
 
 
@@ -311,7 +341,7 @@ def prepare(
     lm_text: str | Path | None = None,
     oov: str = "drop",
     gmm_sizes: dict[str, int | str] | None = None,
-    lda_mllt: bool = False,
+    lda_mllt: bool | None = None,
     sat_schedule: str = "kaldi",
     beam: float | None = None,
     max_active: int | None = None,
@@ -322,10 +352,11 @@ def prepare(
     ``oov`` reach stage 2 (``local/graph/lexicon.py``). ``gmm_sizes``: any of ``GMM_SIZES`` (the
     triphone, LDA+MLLT and SAT systems' leaves and Gaussians), each a number or ``"auto"`` (the default:
     from the hours of training speech, ``local.gmm.sizes``). ``lda_mllt``: train the LDA+MLLT system in
-    the tri stage and build SAT, align and adapt on its features (recorded in ``settings.json``;
-    ``check_lda_mllt``). ``sat_schedule``: the SAT stage's passes of re-alignment and fMLLR re-estimation,
-    ``"kaldi"`` (the default) or ``"recipe"`` (``local.gmm.sat.SAT_SCHEDULES``). ``beam``, ``max_active``: the
-    GMM systems' dev and test decodings' search (``local.graph.decode.Search``; None: the one recorded in
+    the tri stage and build SAT, align and adapt on its features (None: the one recorded in
+    ``settings.json``, else True; recorded there; ``resolve_lda_mllt``, ``check_lda_mllt``).
+    ``sat_schedule``: the SAT stage's passes of re-alignment and fMLLR re-estimation, ``"kaldi"`` (the
+    default) or ``"recipe"`` (``local.gmm.sat.SAT_SCHEDULES``). ``beam``, ``max_active``: the GMM systems'
+    dev and test decodings' search (``local.graph.decode.Search``; None: the one recorded in
     ``settings.json``, else the recipe's 10 and 3,000), recorded there when not the recipe's; one that differs
     from the recorded search is refused unless the decoding stages are rebuilt (``check_gmm_search``).
 
@@ -359,6 +390,7 @@ def prepare(
     was = recorded_search(recorded)  # left out: the data dir's search, else the recipe's
     search = Search(float(beam) if beam is not None else was.beam,
                     max_active if max_active is not None else was.max_active)
+    lda_mllt = resolve_lda_mllt(data_dir, None if stage == 0 and force else recorded, lda_mllt, stage, force)
     data_dir.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs,
                               train_parts=train_parts, lexicon=lexicon, lm_text=lm_text, oov=oov,
@@ -381,8 +413,7 @@ def prepare(
     check_gmm_search(data_dir, recorded, search, stage, force)
     # Later stages build on what stage 0 made: its record stays as written then (an older corpus version too).
     record = _without_flag(wanted if rebuild else recorded)
-    if lda_mllt:  # (only when given: the settings of a data dir built without it stay as they were)
-        record["lda_mllt"] = True
+    record["lda_mllt"] = lda_mllt
     if search != Search():  # (likewise: only when not the recipe's)
         record["gmm_search"] = search.record()
     write_text(settings, json.dumps(record))
@@ -431,9 +462,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the synthetic corpus and of the GMM and adaptation stages (mono, tri, sat, align, "
                         "adapt: its UBM); default: the data dir's settings.json, else 0")
-    p.add_argument("--lda-mllt", action="store_true",
+    p.add_argument("--lda-mllt", action=argparse.BooleanOptionalAction, default=None,
                    help="train an LDA+MLLT triphone system in the tri stage (exp/lda_mllt) and build SAT, align and "
-                        "adapt on its features (default: off, SAT on the Δ + ΔΔ triphone system)")
+                        "adapt on its features (default: the data dir's settings.json, else on; --no-lda-mllt: SAT "
+                        "on the Δ + ΔΔ triphone system)")
     p.add_argument("--sat-schedule", default="kaldi", choices=["kaldi", "recipe"],
                    help="the SAT stage's passes of fMLLR re-estimation and re-alignment: kaldi (the default, "
                         "train_sat.sh's: fMLLR at 2, 4, 6, 12, realign at 10, 20, 30) or recipe (the recipe's "

@@ -19,7 +19,7 @@
 #   corpus=kaldi corpus_dir=/path/to/kaldi_data prepare_args="--lexicon lexicon.txt --oov g2p" bash recipes/asr/run.sh
 #                                                  # corpus: synthetic (default), mini_librispeech, librispeech, timit,
 #                                                  # yesno, kaldi; prepare_args: more prepare.py options (--train-parts,
-#                                                  # --lexicon, --lm-text, --oov, --num-jobs, --lda-mllt, --sat-schedule recipe)
+#                                                  # --lexicon, --lm-text, --oov, --num-jobs, --no-lda-mllt, --sat-schedule recipe)
 #   test_sweep=1 stage=11 bash recipes/asr/run.sh  # also test at every acoustic scale (fixed-scale tables)
 #   evaluate_args="--rescore-lm 4" stage=11 bash recipes/asr/run.sh
 #                                                  # more evaluate.py options (here: lattices rescored with a 4-gram)
@@ -27,11 +27,12 @@
 #   precision=32-true bash recipes/asr/run.sh      # train in float32 (default: bf16-mixed where the
 #                                                  # device computes bfloat16 natively, local/dnn/precision.py)
 #   profile=kaldi bash recipes/asr/run.sh          # Kaldi's settings where the default departs from them for time:
-#                                                  # LDA+MLLT before SAT, GMM decodings at beam 13 with 7,000 active
-#                                                  # states (prepare_args="--lda-mllt --beam 13 --max-active 7000"; the
-#                                                  # DNN lattices are at Kaldi's beam 13 by default); data in
-#                                                  # <data>-kaldi, runs in exp/dnn-kaldi; 34 min 40 s from a fresh
-#                                                  # clone (the default: 26 min 23 s), the DNNs level (RESULTS.md)
+#                                                  # GMM decodings at beam 13 with 7,000 active states
+#                                                  # (prepare_args="--lda-mllt --beam 13 --max-active 7000"; LDA+MLLT
+#                                                  # before SAT and the DNN lattices at Kaldi's beam 13 are in the
+#                                                  # default too); data in <data>-kaldi, runs in exp/dnn-kaldi; 34 min
+#                                                  # 40 s from a fresh clone (the default: 27 min 51 s), the DNNs
+#                                                  # level (RESULTS.md)
 #
 # Seed 0 goes to $exp/{baseline,gtc}, seed N > 0 to $exp/seedN/{baseline,gtc}; stage 11 decodes
 # the runs not decoded yet (dev at each acoustic scale, test at the one dev picks; with test_sweep=1
@@ -50,7 +51,7 @@ profile=${profile:-default}
 case "$profile" in
   default) suffix="" ;;
   kaldi) suffix=-kaldi; prepare_args="--lda-mllt --beam 13 --max-active 7000 $prepare_args" ;;
-  *) echo "run.sh: profile=$profile: use default or kaldi (LDA+MLLT and Kaldi's decoding beams)" >&2; exit 2 ;;
+  *) echo "run.sh: profile=$profile: use default or kaldi (Kaldi's GMM decoding beams)" >&2; exit 2 ;;
 esac
 case "$corpus" in
   synthetic) data=${data:-data/synthetic-default$suffix}; corpus_args=() ;;

@@ -18,7 +18,7 @@ from local.drops import load_drops
 
 log = logging.getLogger(__name__)
 
-GMM_SYSTEMS = ("mono", "tri", "lda_mllt", "sat")  # lda_mllt: only built with prepare.py --lda-mllt
+GMM_SYSTEMS = ("mono", "tri", "lda_mllt", "sat")  # lda_mllt: not built with prepare.py --no-lda-mllt
 
 
 def _read_json(path: Path):

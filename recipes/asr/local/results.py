@@ -12,7 +12,7 @@ Two steps, so that the numbers in RESULTS.md always come from a file in the repo
 
 ``--collect`` reads the data dir's ``report.json`` (splits; the GMM systems' dev and test WER with
 insertions, deletions, substitutions, the acoustic scale and penalty dev picked and the decoder's
-search), ``exp/{mono,tri,lda_mllt,sat}/summary.json`` (decoding time; lda_mllt with ``--lda-mllt``),
+search), ``exp/{mono,tri,lda_mllt,sat}/summary.json`` (decoding time; lda_mllt unless built with ``--no-lda-mllt``),
 and the DNN comparison ``<exp>/compare/comparison.json`` with every compared run's
 ``decode/results.json`` (its WER counts, acoustic scale and decoding time). Nothing else is written
 into RESULTS.json, and the section renders only what it holds: a field no file records is shown as
@@ -42,7 +42,7 @@ END = "<!-- recipe-results: end -->"
 GMM = {
     "mono": "monophone GMM (stage 3)",
     "tri": "triphone GMM (stage 4)",
-    "lda_mllt": "LDA+MLLT triphone GMM (stage 4, prepare.py --lda-mllt)",
+    "lda_mllt": "LDA+MLLT triphone GMM (stage 4)",
     "sat": "SAT triphone GMM, fMLLR (stage 5)",
 }
 
@@ -74,7 +74,7 @@ def collect(exp: Path, data: Path) -> dict:
     report = _json(data / "report.json")
     gmm = {}
     for name in GMM:
-        if f"{name}_dev" not in report["gmm_wer"]:  # (lda_mllt: only with --lda-mllt)
+        if f"{name}_dev" not in report["gmm_wer"]:  # (lda_mllt: not with --no-lda-mllt)
             continue
         summary_path = data / "exp" / name / "summary.json"
         gmm[name] = {

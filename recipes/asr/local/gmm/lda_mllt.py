@@ -1,4 +1,4 @@
-"""Stage 4 with ``prepare.py --lda-mllt``: the LDA+MLLT triphone system (Kaldi's
+"""Stage 4 (not with ``prepare.py --no-lda-mllt``): the LDA+MLLT triphone system (Kaldi's
 ``steps/train_lda_mllt.sh``), trained after the Δ + ΔΔ triphone system (``tri``) from its
 alignments, then decoded like it. The SAT stage then adapts on its features.
 

@@ -7,8 +7,8 @@ voices out: every speaker gets an affine feature transform (fMLLR,
 ``local.gmm.transforms``), and the tree and Gaussians are trained on the transformed features.
 
 1. Per-speaker fMLLR of the training data from the speaker-independent triphone system
-   (``exp/tri``, or with ``prepare.py --lda-mllt`` the LDA+MLLT system ``exp/lda_mllt``, whose
-   40-dim features then carry the whole stage, as ``train_sat.sh`` on top of ``train_lda_mllt.sh``)
+   (``prepare.py``'s default, the LDA+MLLT system ``exp/lda_mllt``, whose 40-dim features then carry
+   the whole stage, as ``train_sat.sh`` on top of ``train_lda_mllt.sh``; with ``--no-lda-mllt``, ``exp/tri``)
    and its alignments; silence frames get weight 0 (``train_sat.sh``).
 2. A new tree and one Gaussian per leaf on the transformed features; alignments converted.
 3. ``num_iters`` Viterbi passes, re-aligning and re-estimating the transforms with the SAT model
@@ -190,7 +190,7 @@ def train_sat(
         corpus: ``prepare.py --corpus``, for ``auto`` sizes (``local.gmm.sizes.auto_sizes``: the synthetic
             corpus's rule, or recorded speech's).
         speaker_independent: the system SAT starts from, on whose features it trains: ``"tri"`` (Δ + ΔΔ)
-            or ``"lda_mllt"`` (``prepare.py --lda-mllt``).
+            or ``"lda_mllt"`` (what ``prepare.py`` passes unless given ``--no-lda-mllt``).
         search: the decodings' beam and most active states (``prepare.py --beam``, ``--max-active``).
 
     Returns:
