@@ -12,8 +12,8 @@ Two steps, so that the numbers in RESULTS.md always come from a file in the repo
 
 ``--collect`` reads the data dir's ``report.json`` (splits; the GMM systems' dev and test WER with
 insertions, deletions, substitutions, the acoustic scale and penalty dev picked and the decoder's
-search), ``exp/{mono,tri,lda_mllt,sat}/summary.json`` (decoding time; lda_mllt unless built with ``--no-lda-mllt``),
-and the DNN comparison ``<exp>/compare/comparison.json`` with every compared run's
+search), ``exp/{mono,tri,lda_mllt,sat}/summary.json`` (decoding time; no lda_mllt in a build with
+``--no-lda-mllt``), and the DNN comparison ``<exp>/compare/comparison.json`` with every compared run's
 ``decode/results.json`` (its WER counts, acoustic scale and decoding time). Nothing else is written
 into RESULTS.json, and the section renders only what it holds: a field no file records is shown as
 "not recorded".

@@ -14,10 +14,11 @@ Three front ends (``FEATURES``), all speaker-normalised; the DNN splices 17 of t
   SAT GMM on the way, ``add_speakers``). Stays in the fbank domain; on the default corpus it
   brought the DNN from 14.5 % to 8.6 % test WER (README).
 - ``mfcc_fmllr``: Kaldi nnet1's classic input, the SAT GMM's own features: 13 MFCC with speaker
-  CMVN, Δ, ΔΔ (39 dims; spliced and LDA+MLLT-projected, 40 dims, unless built with ``prepare.py --no-lda-mllt``), through the speaker's fMLLR transform of the SAT system (training and
-  dev speakers: from ``align_fmllr``, ``ali/trans_{split}.pkl``; test speakers: from the SAT
-  system's fMLLR decoding, ``exp/sat/decode_test/trans.pkl``). For comparison only: it needs
-  a GMM decoding pass before the DNN can run.
+  CMVN, spliced and LDA+MLLT-projected (40 dims; with ``prepare.py --no-lda-mllt`` Δ, ΔΔ, 39 dims),
+  through the speaker's fMLLR transform of the SAT system (training and dev speakers: from
+  ``align_fmllr``, ``ali/trans_{split}.pkl``; test speakers: from the SAT system's fMLLR decoding,
+  ``exp/sat/decode_test/trans.pkl``). For comparison only: it needs a GMM decoding pass before the
+  DNN can run.
 
 Speakers are ``features.gmm_cmvn_key`` (augmented copies apart) for both transforms.
 """
