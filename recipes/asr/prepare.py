@@ -232,14 +232,14 @@ def _built_with_lda_mllt(data_dir: Path, stage: int, force: bool) -> list[str]:
 def resolve_lda_mllt(data_dir: Path, recorded: dict | None, lda_mllt: bool | None, stage: int,
                      force: bool) -> bool:
     """``--lda-mllt`` / ``--no-lda-mllt``; left out (None): the data dir's recorded setting, else on (the
-    default). A data dir built by an earlier recipe, whose ``settings.json`` has no ``lda_mllt`` entry, was
-    built without it: its built GMM stages keep that (said in the log), a rebuild from the tri stage gets
-    the default."""
+    default; like the GMM search, a recorded setting holds for a rebuild too). A data dir built by an earlier
+    recipe, whose ``settings.json`` has no ``lda_mllt`` entry, was built without it: its built GMM stages
+    keep that (said in the log), a rebuild from the tri stage gets the default."""
     if lda_mllt is not None:
         return lda_mllt
     if recorded is not None and "lda_mllt" in recorded:
         return bool(recorded["lda_mllt"])
-    built = [] if recorded is None else _built_with_lda_mllt(data_dir, stage, force)
+    built = _built_with_lda_mllt(data_dir, stage, force)
     if built:
         log.warning("%s: stages %s were built without LDA+MLLT, by a recipe whose default that was "
                     "(settings.json had no lda_mllt entry; it now records this); they are kept so. --lda-mllt "
@@ -390,7 +390,7 @@ def prepare(
     was = recorded_search(recorded)  # left out: the data dir's search, else the recipe's
     search = Search(float(beam) if beam is not None else was.beam,
                     max_active if max_active is not None else was.max_active)
-    lda_mllt = resolve_lda_mllt(data_dir, None if stage == 0 and force else recorded, lda_mllt, stage, force)
+    lda_mllt = resolve_lda_mllt(data_dir, recorded, lda_mllt, stage, force)
     data_dir.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs,
                               train_parts=train_parts, lexicon=lexicon, lm_text=lm_text, oov=oov,
