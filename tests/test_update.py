@@ -224,3 +224,18 @@ def test_a_fixed_tau_far_below_the_optimizers_steps_is_named(tmp_path):
     _, ranks = fit(tmp_path, model=AdamMLP(), max_epochs=1, compress="update", tau=0.01)
     warned = [w for w in ranks[0]["warnings"] if "sent more bytes than a bf16 all-reduce" in w]
     assert len(warned) == 1 and "tau=0.01" in warned[0] and "tau='auto'" in warned[0]
+
+
+def test_a_non_finite_gradient_during_the_dense_warmup_skips_the_step_everywhere(tmp_path):
+    """A NaN on one rank in a dense warm-up step: DDP's mean is NaN on every rank, so every rank skips
+    the step (no gradients: the optimizer leaves its state alone) and training goes on finite."""
+    _, ranks = fit(tmp_path, model_kwargs={"momentum": 0.9, "nan_on": (1, 1, 1)}, warmup_steps=3, **UPDATE)
+    for rank in ranks:
+        recs = rank["records"]
+        assert recs[1]["stats"]["last"]["mode"] == "warmup" and recs[1]["stats"]["last"]["skipped"]
+        assert torch.equal(recs[1]["params"], recs[0]["params"]), "the warm-up step with a NaN moved the model"
+        assert all(torch.isfinite(rec["params"]).all() for rec in recs)
+        assert not any(rec["stats"]["last"]["skipped"] for rec in recs[2:]), "steps after the NaN were skipped"
+        assert recs[-1]["stats"]["last"]["mode"] == "sparse"
+    assert torch.equal(ranks[0]["records"][-1]["params"], ranks[1]["records"][-1]["params"])
+    assert any("non-finite gradient in the averaged dense gradient at optimizer step 2" in w for w in ranks[0]["warnings"])

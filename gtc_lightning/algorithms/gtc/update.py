@@ -264,7 +264,9 @@ def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, f
 
 def warmup(state: GTCState) -> StepStats:
     """A dense warm-up step's statistics (DDP's all-reduce averaged the gradients in the hook; every
-    rank's optimizer stepped on the mean, so the parameters agree without an exchange)."""
+    rank's optimizer steps on the mean, so the parameters agree without an exchange). They are left
+    for :meth:`GTCState.finish_step`, which the strategy calls next: it checks the mean gradient (the
+    same on every rank) and skips the step everywhere when it is non-finite."""
     state.step += 1
     numel, world = sum(state.numels), state.world_size
     dense = allreduce_bytes(numel, world)
@@ -273,7 +275,6 @@ def warmup(state: GTCState) -> StepStats:
         words_all=0, bytes_sent=dense, bytes_received=dense, compress_s=0.0, exchange_s=0.0, decompress_s=0.0,
     )  # fmt: skip
     state._record(stats)
-    state._last_consumed = True
     return stats
 
 
