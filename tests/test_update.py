@@ -44,10 +44,12 @@ class Mode(L.Callback):
 
 def check_conservation(ranks, directions, lr, atol=1e-5, dtype=torch.float64):
     """Per step: the ranks' residual growth plus W times the applied step over lr equals the sum of the
-    directions their optimizers wanted (update / lr); replicas bit-identical; returns the steps."""
+    directions their optimizers wanted (update / lr); replicas bit-identical; returns the steps.
+    ``lr``: one rate, or a list with each step's."""
     params = ranks[0]["start"]["params"].to(dtype)
     residuals = [rank["start"]["residual"].to(dtype) for rank in ranks]
-    for t, wanted in enumerate(directions):
+    rates = lr if isinstance(lr, list) else [lr] * len(directions)
+    for t, (wanted, lr) in enumerate(zip(directions, rates, strict=True)):
         recs = [rank["records"][t] for rank in ranks]
         for rec in recs[1:]:
             assert torch.equal(rec["params"], recs[0]["params"]), f"replicas differ after step {t + 1}"
@@ -117,7 +119,8 @@ def test_resume_restores_every_ranks_own_optimizer_state(tmp_path):
     assert "exp_avg" in shard["optimizers"][0]["state"][0]
     _, resumed = fit(tmp_path / "resumed", model=AdamMLP(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), **UPDATE)
     for rank in range(WORLD):
-        for a, b in zip(resumed[rank]["records"], full[rank]["records"][4:]):
+        assert len(resumed[rank]["records"]) == len(full[rank]["records"]) - 4 == 4, "the resumed fit's steps"
+        for a, b in zip(resumed[rank]["records"], full[rank]["records"][4:], strict=True):
             assert torch.equal(a["params"], b["params"]) and torch.equal(a["residual"], b["residual"])
 
 
@@ -239,3 +242,20 @@ def test_a_non_finite_gradient_during_the_dense_warmup_skips_the_step_everywhere
         assert recs[-1]["stats"]["last"]["mode"] == "sparse"
     assert torch.equal(ranks[0]["records"][-1]["params"], ranks[1]["records"][-1]["params"])
     assert any("non-finite gradient in the averaged dense gradient at optimizer step 2" in w for w in ranks[0]["warnings"])
+
+
+class RateInClosure(L.Callback):
+    """Sets each step's learning rate in ``on_before_optimizer_step`` (inside the closure, after the
+    backward pass), as a schedule written as a callback or module hook may."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for group in optimizer.param_groups:
+            group["lr"] = LR * (1 + 0.5 * trainer.global_step)
+
+
+def test_a_rate_set_inside_the_closure_is_the_rate_gtc_divides_by(tmp_path):
+    _, ranks = fit(tmp_path, model_kwargs={"momentum": 0.0, "lr": LR}, **UPDATE,
+                   trainer_kwargs={"callbacks": [RateInClosure()]})  # fmt: skip
+    steps = len(ranks[0]["records"])
+    directions = [[rank["records"][t]["local_grad"] for rank in ranks] for t in range(steps)]
+    assert check_conservation(ranks, directions, [LR * (1 + 0.5 * t) for t in range(steps)]) == 8

@@ -456,10 +456,11 @@ class GTCStrategy(DDPStrategy):
                 skipped = update_mode.check_finite(state, params, scaler)
             return result
 
-        lrs = update_mode.learning_rates(optimizer)
         output = super().optimizer_step(optimizer, closure_then_check, model, **kwargs)
         if not warmup and not skipped:
-            update_mode.exchange(state, params, lrs)
+            # The rates the step used: read after it, since the closure may set them (a callback's or the
+            # module's on_before_optimizer_step runs inside it).
+            update_mode.exchange(state, params, update_mode.learning_rates(optimizer))
         self._maybe_check_replicas()
         return output
 

@@ -153,7 +153,8 @@ def check_finite(state: GTCState, params: list[torch.nn.Parameter], loss_scaler:
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> dict[int, float]:
-    """``id(parameter) -> learning rate`` of its group, read before the step uses them."""
+    """``id(parameter) -> learning rate`` of its group: read after the optimizer's step, the rates it
+    used (a rate set inside the closure, e.g. in ``on_before_optimizer_step``, is one of them)."""
     return {id(p): float(group["lr"]) for group in optimizer.param_groups for p in group["params"]}
 
 
