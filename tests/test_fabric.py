@@ -4,6 +4,7 @@ residuals."""
 
 from __future__ import annotations
 
+import copy
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -189,3 +190,185 @@ def test_fabric_clip_gradients_is_refused_with_the_fix(tmp_path):
         GTCFabricStrategy(gradient_clip_val=1.0, gradient_clip_algorithm="l1")
     with pytest.raises(ValueError, match="gradient_clip_val"):
         GTCFabricStrategy(gradient_clip_val=-1.0)
+
+
+# ---- compress="update" (the default through "auto" for one optimizer) ----------------------------
+
+UPDATE = {"tau": "auto", "target_density": 0.05}
+
+
+def _launch(tmp_path: Path, fn, *args, plugins: list | None = None, **options) -> list:
+    strategy = GTCFabricStrategy(start_method="fork", timeout=timedelta(seconds=60), **options)
+    L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, plugins=plugins).launch(fn, tmp_path, *args)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _rows(fabric: L.Fabric, step: int) -> slice:
+    return slice((step * WORLD + fabric.global_rank) * 8, (step * WORLD + fabric.global_rank + 1) * 8)
+
+
+def _flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in params]).clone()
+
+
+def _amp_train(fabric: L.Fabric, out: Path, fabric_clip: bool) -> None:
+    model = make_model()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    scaler = fabric.strategy.precision.scaler
+    x, y = dataset().tensors
+    records = [{"params": _flat(model.parameters()), "scale": float(scaler.get_scale())}]
+    for step in range(4):
+        loss = torch.nn.functional.cross_entropy(model(x[_rows(fabric, step)]), y[_rows(fabric, step)])
+        if step == 1 and fabric.global_rank == 1:
+            loss = loss * float("nan")
+        fabric.backward(loss)
+        if fabric_clip:  # Fabric's own clipping, allowed in the update mode (each rank's own gradient)
+            fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        records.append({"params": _flat(model.parameters()), "scale": float(scaler.get_scale()),
+                        "stats": fabric.strategy.gtc_stats, "compress": fabric.strategy.gtc_state.compress})
+    torch.save(records, out / f"rank{fabric.global_rank}.pt")
+
+
+@pytest.mark.parametrize(("warmup_steps", "fabric_clip"), [(0, False), (0, True), (2, False)])
+def test_update_mode_fp16_with_clipping_skips_an_overflow_on_every_rank(tmp_path, warmup_steps, fabric_clip):
+    """fp16 with AMP's GradScaler and clipping (the strategy's, or fabric.clip_gradients): rank 1's
+    loss is NaN at the second step. Every rank's scaler must see the overflow (the finiteness
+    decision, over all ranks, comes before unscaling and clipping): the step is skipped everywhere,
+    both scales halve together, and the replicas stay finite and bit-identical."""
+    from lightning.fabric.plugins import MixedPrecision
+
+    init = 2.0**16
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init))]
+    clip = {} if fabric_clip else {"gradient_clip_val": 0.5}
+    ranks = _launch(tmp_path, _amp_train, fabric_clip, plugins=plugins, warmup_steps=warmup_steps, **clip,
+                    **UPDATE)
+    for rank in ranks:
+        assert rank[-1]["compress"] == "update"
+        assert [rec["scale"] for rec in rank] == [init, init, init / 2, init / 2, init / 2]
+        assert torch.equal(rank[2]["params"], rank[1]["params"]), "the overflow step moved nothing"
+        assert not torch.equal(rank[3]["params"], rank[2]["params"])
+    for t in range(5):
+        assert torch.isfinite(ranks[0][t]["params"]).all()
+        assert torch.equal(ranks[0][t]["params"], ranks[1][t]["params"]), f"replicas differ after step {t}"
+    assert ranks[0][-1]["stats"]["total"]["overflows"] == 1
+
+
+LR_A, LR_B = 0.5, 0.2
+
+
+def _two_optimizers_train(fabric: L.Fabric, out: Path, how: str) -> None:
+    """Two plain SGD optimizers over disjoint halves of the model (first layer, last layer)."""
+    model = make_model()
+    opt_a = torch.optim.SGD(model[0].parameters(), lr=LR_A)
+    opt_b = torch.optim.SGD(model[2].parameters(), lr=LR_B)
+    if how == "setup":
+        model, opt_a, opt_b = fabric.setup(model, opt_a, opt_b)
+    elif how == "setup_optimizers":
+        model = fabric.setup_module(model)
+        opt_a, opt_b = fabric.setup_optimizers(opt_a, opt_b)
+    else:  # one by one, the second after a step: refused in the update mode
+        model, opt_a = fabric.setup(model, opt_a)
+    state = fabric.strategy.gtc_state
+    params = list(model.parameters())
+    local: dict[int, torch.Tensor] = {}
+    for i, p in enumerate(params):
+        p.register_hook(lambda g, i=i: local.__setitem__(i, g.detach().clone()))
+    x, y = dataset().tensors
+    records = [{"params": _flat(params), "residual": state.residual_vector().clone()}]
+    for step in range(STEPS):
+        rows = _rows(fabric, step)
+        fabric.backward(torch.nn.functional.cross_entropy(model(x[rows]), y[rows]))
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        records.append({"params": _flat(params), "residual": state.residual_vector().clone(),
+                        "local_grad": torch.cat([local[i].reshape(-1) for i in range(len(params))]),
+                        "compress": state.compress, "stats": fabric.strategy.gtc_stats})
+        if how == "late" and step == 0:
+            opt_b = fabric.setup_optimizers(opt_b)
+    torch.save(records, out / f"rank{fabric.global_rank}.pt")
+
+
+@pytest.mark.parametrize("how", ["setup", "setup_optimizers"])
+def test_auto_with_two_optimizers_compresses_the_gradient_and_both_move(tmp_path, how):
+    """compress='auto' with two optimizers (over the first and the last layer) takes Strom's gradient
+    mode, as the Trainer's auto does: one exchange a step, and each half moves by its own rate times
+    the decoded mean gradient, on both ranks alike."""
+    ranks = _launch(tmp_path, _two_optimizers_train, how, tau=TAU)
+    split = sum(p.numel() for p in make_model()[0].parameters())
+    params, residuals = ranks[0][0]["params"], [rank[0]["residual"] for rank in ranks]
+    for t in range(1, STEPS + 1):
+        recs = [rank[t] for rank in ranks]
+        assert recs[0]["compress"] == "gradient"
+        assert recs[0]["stats"]["step"] == t, "one exchange a step"
+        update, new, _ = expected_sparse_step(residuals, [rec["local_grad"] for rec in recs], TAU)
+        params = torch.cat([params[:split] - LR_A * update[:split], params[split:] - LR_B * update[split:]])
+        for r, rec in enumerate(recs):
+            assert torch.equal(rec["params"], recs[0]["params"]), f"replicas differ at step {t}"
+            assert torch.equal(rec["residual"], new[r]), f"rank {r}, step {t}"
+        assert torch.allclose(recs[0]["params"], params, rtol=0, atol=1e-6)
+        residuals = new
+    moved = ranks[0][-1]["params"] != ranks[0][0]["params"]
+    assert moved[:split].any() and moved[split:].any(), "both halves move"
+
+
+def test_update_with_two_optimizers_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(Exception, match=r"compress='update'.*2 optimizers.*compress='gradient' \(or 'auto'"):
+        _launch(tmp_path, _two_optimizers_train, "setup", tau=TAU, compress="update")
+
+
+def test_a_second_optimizer_after_an_update_step_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(Exception, match=r"compress='update'.*before the first step.*compress='gradient'"):
+        _launch(tmp_path, _two_optimizers_train, "late", tau=TAU)
+
+
+def _adamw_train(fabric: L.Fabric, out: Path, steps: int, save: str | None, load: str | None) -> None:
+    torch.manual_seed(0)
+    model = make_model()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state = fabric.strategy.gtc_state
+    first = 0
+    if load:
+        fabric.load(load, {"model": model, "optimizer": optimizer})
+        first = state.step
+    loaded = copy.deepcopy(optimizer.state_dict())  # state_dict() holds the live tensors
+    x, y = dataset().tensors
+    records = []
+    for step in range(first, first + steps):
+        rows = _rows(fabric, step % 4)
+        fabric.backward(torch.nn.functional.cross_entropy(model(x[rows]), y[rows]))
+        optimizer.step()
+        optimizer.zero_grad()
+        records.append({"params": _flat(model.parameters()), "residual": state.residual_vector().clone()})
+    if save:
+        fabric.save(save, {"model": model, "optimizer": optimizer})
+    torch.save({"records": records, "compress": state.compress, "optimizer": optimizer.state_dict(),
+                "loaded": loaded}, out / f"rank{fabric.global_rank}.pt")  # fmt: skip
+
+
+def _moments(optimizer_state: dict) -> list[torch.Tensor]:
+    return [s[key] for _, s in sorted(optimizer_state["state"].items()) for key in ("exp_avg", "exp_avg_sq")]
+
+
+def test_update_mode_resume_restores_every_ranks_own_optimizer_state(tmp_path):
+    """AdamW in the update mode: each rank's moments are its own. Resumed from fabric.save after 4
+    steps, every rank gets back the moments it saved (not rank 0's, which the checkpoint file holds),
+    and the run continues bit for bit as the uninterrupted one."""
+    ckpt = str(tmp_path / "fabric.ckpt")
+    for name in ("full", "part", "resumed"):
+        (tmp_path / name).mkdir()
+    full = _launch(tmp_path / "full", _adamw_train, 8, None, None, **UPDATE)
+    part = _launch(tmp_path / "part", _adamw_train, 4, ckpt, None, **UPDATE)
+    resumed = _launch(tmp_path / "resumed", _adamw_train, 4, None, ckpt, **UPDATE)
+    assert full[0]["compress"] == "update"
+    saved = [_moments(rank["optimizer"]) for rank in part]
+    assert not all(torch.equal(a, b) for a, b in zip(*saved)), "the ranks' moments differ (else: no proof)"
+    for r in range(WORLD):
+        loaded = _moments(resumed[r]["loaded"])
+        assert all(torch.equal(a, b) for a, b in zip(loaded, saved[r])), f"rank {r} got back other moments"
+        for t, (a, b) in enumerate(zip(part[r]["records"] + resumed[r]["records"], full[r]["records"])):
+            assert torch.equal(a["params"], b["params"]), f"rank {r}, step {t + 1}"
+            assert torch.equal(a["residual"], b["residual"]), f"rank {r}, step {t + 1}"

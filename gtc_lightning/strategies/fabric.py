@@ -19,13 +19,24 @@ does)::
         optimizer.zero_grad()
     print(fabric.strategy.gtc_stats["total"]["ratio_bf16"])
 
+What is compressed (``compress``, as for the Trainer's ``GTCStrategy``): with one optimizer set up
+by Fabric, ``"auto"`` compresses the step that each rank's optimizer makes on its own gradient
+(:mod:`~gtc_lightning.algorithms.gtc.update`; ``fabric.backward`` leaves the local gradient and
+``optimizer.step()`` exchanges); with several, Strom's gradient (exchanged in ``fabric.backward``).
+Set up every optimizer before the first step (``fabric.setup(model, opt_a, opt_b)`` or
+``fabric.setup_optimizers(opt_a, opt_b)``): a second optimizer after steps in the update mode is
+refused, and so is a second one with ``compress="update"``.
+
 One module per strategy (set up one model; use the Lightning Trainer's ``GTCStrategy`` or several
-Fabric instances for more). Gradient clipping must act before compression, during
-``fabric.backward``: give it to the strategy, ``GTCFabricStrategy(gradient_clip_val=1.0,
-gradient_clip_algorithm="norm" | "value")``, which clips each rank's local gradient before it
-enters the residual (as the Trainer's ``GTCStrategy`` does with the Trainer's clipping);
-``fabric.clip_gradients`` after ``backward`` would only see the decoded update and is refused
-with that advice. The one-step-stale exchange is an option of the Lightning strategy only.
+Fabric instances for more). Gradient clipping acts on each rank's local gradient: give it to the
+strategy, ``GTCFabricStrategy(gradient_clip_val=1.0, gradient_clip_algorithm="norm" | "value")``,
+which clips it before it enters the residual (as the Trainer's ``GTCStrategy`` does with the
+Trainer's clipping). In the gradient mode ``fabric.clip_gradients`` after ``backward`` would only
+see the decoded update and is refused with that advice; in the update mode it clips the local
+gradient, as under DDP. In the update mode a non-finite gradient on any rank is found (one flag per
+rank, all-reduced) before anything unscales or clips: the step is skipped on every rank, and under
+an fp16 ``GradScaler`` every rank's scaler records the overflow, so the loss scales stay equal. The
+one-step-stale exchange is an option of the Lightning strategy only.
 """
 
 from __future__ import annotations
@@ -59,8 +70,10 @@ class GTCFabricStrategy(DDPStrategy):
         tau: as for :class:`gtc_lightning.GTCStrategy`, and so are ``warmup_steps``,
             ``max_consecutive_skips``, ``dense_fallback``, ``exchange``, ``backend``,
             ``restore_residuals``, ``coding``, ``target_density``, ``busy_wait``, ``compress``
-            (``compress="auto"`` decides when ``fabric.setup`` is given the optimizer; with
-            ``"update"`` every rank's optimizer state goes into its shard of ``fabric.save``).
+            (``compress="auto"`` decides as Fabric sets up the optimizers: ``"update"`` for one,
+            ``"gradient"`` for several; ``"update"`` takes one optimizer and refuses a second; with
+            ``"update"`` every rank's optimizer state goes into its shard of ``fabric.save`` and
+            ``fabric.load`` gives each rank its own back).
         gradient_clip_val, gradient_clip_algorithm: clip each rank's local gradient before it enters
             the residual, by its norm over the whole module (as ``clip_grad_norm_``) or by value;
             the decoded update is not clipped again. None: no clipping.
@@ -128,7 +141,9 @@ class GTCFabricStrategy(DDPStrategy):
             "busy_wait": busy_wait,
         }
         self._compress = compress
+        self._optimizers: list[Optimizer] = []  # set up by Fabric: compress="auto" decides by their number
         self._update_params: list[torch.nn.Parameter] = []
+        self._decided: tuple[bool, bool] | None = None  # compress="update": this step's (warmup, skipped)
         self._restore_residuals = bool(restore_residuals)
         self._gtc_state: GTCState | None = None
         self._module: Module | None = None
@@ -175,19 +190,48 @@ class GTCFabricStrategy(DDPStrategy):
         if self._ddp_kwargs.get("find_unused_parameters") or self._ddp_kwargs.get("static_graph"):
             state.track_usage(module.parameters())
         self._module = module
-        if self._compress != "auto":
-            state.compress = self._compress
+        self._resolve_compress(len(self._optimizers))
         self._update_params = [p for _, p in module.named_parameters() if p.requires_grad]
         ddp.register_comm_hook(state, gtc_hook)
         return ddp
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        # compress="auto": the optimizer's step (as GTCStrategy), once fabric.setup is given it.
-        state = self._gtc_state
-        if state is not None and self._compress == "auto":
-            state.compress = "update"
+        # fabric.setup(model, *optimizers) and fabric.setup_optimizers(*optimizers) both come here, once
+        # per optimizer, before or after the module.
+        known = any(optimizer is other for other in self._optimizers)
+        self._resolve_compress(len(self._optimizers) + (not known))  # raises before anything changed
+        if not known:
+            self._optimizers.append(optimizer)
         return super().setup_optimizer(optimizer)
+
+    def _resolve_compress(self, count: int) -> None:
+        """What the residuals hold, from ``compress`` and ``count``, the optimizers set up: ``"auto"``
+        takes the optimizer's step for one optimizer (as ``GTCStrategy``) and Strom's gradient for several
+        (the update mode compresses one optimizer's step: a second one's would be emitted and decoded
+        during the first's step and never applied). Before any optimizer it stays at the gradient."""
+        if self._compress == "update" and count > 1:
+            raise ValueError(
+                f"GTCFabricStrategy(compress='update') compresses the step of one optimizer; {count} "
+                "optimizers were set up. Use compress='gradient' (or 'auto', which picks it for several "
+                "optimizers), or one optimizer"
+            )
+        state = self._gtc_state
+        if state is None:
+            return
+        if self._compress == "auto":
+            mode = "update" if count == 1 else "gradient"
+        else:
+            mode = self._compress
+        if mode != state.compress and state.compress == "update" and state.step > 0:
+            raise ValueError(
+                f"GTCFabricStrategy(compress='auto') picked compress='update' for one optimizer, and "
+                f"{state.step} optimizer step(s) ran in it (or were restored from a checkpoint); {count} "
+                "optimizers take compress='gradient', whose residuals hold gradients, not optimizer steps. "
+                "Set up every optimizer before the first step (fabric.setup(model, opt_a, opt_b) or "
+                "fabric.setup_optimizers(opt_a, opt_b)), or use GTCFabricStrategy(compress='gradient')"
+            )
+        state.compress = mode
 
     def _refuse_clipping(self, what: str) -> None:
         raise ValueError(
@@ -207,12 +251,16 @@ class GTCFabricStrategy(DDPStrategy):
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         if self._gtc_state is not None and self._gtc_state.compress == "update":  # local gradients: as DDP
+            if self._decide_step()[1]:  # skipped on every rank: nothing to clip (AMP's scaler sees the NaN)
+                return torch.tensor(float("nan"), device=self.root_device)
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         self._refuse_clipping(f"max_norm={max_norm}")
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
         if self._gtc_state is not None and self._gtc_state.compress == "update":  # local gradients: as DDP
+            if self._decide_step()[1]:
+                return None
             return super().clip_gradients_value(module, optimizer, clip_val)
         self._refuse_clipping(f"clip_val={clip_val}")
 
@@ -230,35 +278,54 @@ class GTCFabricStrategy(DDPStrategy):
             state.grad_scale = float(scaler.get_scale())
         return output
 
-    def _update_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """``compress="update"`` (:mod:`gtc_lightning.algorithms.gtc.update`): fabric.backward left each rank's own
-        gradient; the rank's optimizer steps on it and the step it made is compressed and exchanged."""
+    def _decide_step(self) -> tuple[bool, bool]:
+        """``compress="update"``: whether this step is a dense warm-up step, and whether it is skipped on
+        every rank (a non-finite gradient on some rank). Decided once per step, after backward and before
+        anything unscales or clips the gradients (the strategy's clipping, ``fabric.clip_gradients``): a
+        skipped step leaves NaN gradients under AMP's loss scaler, so that every rank's scaler records the
+        overflow when it unscales them. Unscaling first would let a rank whose own gradient was finite
+        record none and step on the NaN, and the ranks' loss scales would part."""
+        if self._decided is not None:
+            return self._decided
         state, params = self._gtc_state, self._update_params
         assert state is not None and self._module is not None
         state.check_unknown_gradients(self._module.named_parameters())
-        scaler = self._grad_scaler() is not None
-        if self._clip is not None:  # each rank's own gradient, before its optimizer steps on it
-            if scaler:
-                self._grad_scaler().unscale_(optimizer)
+        loss_scaler = self._grad_scaler() is not None
+        warmup = state.step < state.warmup_steps
+        if warmup:  # DDP averaged the gradients: every rank steps on the mean
+            update_mode.warmup(state)
+            state._last_consumed = False  # so that finish_step judges the averaged gradient
+            stats = state.finish_step(params, loss_scaler=loss_scaler)
+            skipped = stats is not None and stats.skipped
+        else:
+            update_mode.begin(state, params)
+            skipped = update_mode.check_finite(state, params, loss_scaler)
+        self._decided = (warmup, skipped)
+        return self._decided
+
+    def _update_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """``compress="update"`` (:mod:`gtc_lightning.algorithms.gtc.update`): fabric.backward left each
+        rank's own gradient; the step is skipped everywhere or not (:meth:`_decide_step`), then the
+        gradient is clipped, the rank's optimizer steps on it and the step it made is compressed and
+        exchanged."""
+        state, params = self._gtc_state, self._update_params
+        assert state is not None
+        warmup, skipped = self._decide_step()
+        self._decided = None  # the next step decides anew
+        scaler = self._grad_scaler()
+        if self._clip is not None and not skipped:  # each rank's own gradient, before its optimizer steps
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             grads = [p for p in params if p.grad is not None]
             if self._clip[0] == "norm":
                 torch.nn.utils.clip_grad_norm_(grads, self._clip[1])
             else:
                 torch.nn.utils.clip_grad_value_(grads, self._clip[1])
-        if state.step < state.warmup_steps:  # DDP averaged the gradients: every rank steps on the mean
-            update_mode.warmup(state)
-            state._last_consumed = False
-            state.finish_step(params, loss_scaler=scaler)
-            output = super().optimizer_step(optimizer, **kwargs)
-        else:
-            update_mode.begin(state, params)
-            skipped = update_mode.check_finite(state, params, scaler)
-            lrs = update_mode.learning_rates(optimizer)
-            output = super().optimizer_step(optimizer, **kwargs)
-            if not skipped:
-                update_mode.exchange(state, params, lrs)
-        if scaler:
-            state.grad_scale = float(self._grad_scaler().get_scale())
+        output = super().optimizer_step(optimizer, **kwargs)
+        if not warmup and not skipped:  # with the rates the step used (read after it)
+            update_mode.exchange(state, params, update_mode.learning_rates(optimizer))
+        if scaler is not None:
+            state.grad_scale = float(scaler.get_scale())
         return output
 
     @override
