@@ -169,6 +169,7 @@ class GTCState:
         self._applied: list[tuple[int, torch.Tensor]] = []  # (offset, bucket buffer) of the last decode
         # compress="update": the parameters before the step, then the message, then the mean update.
         self._scratch: torch.Tensor | None = None
+        self._sample_generator: torch.Generator | None = None  # draws the per-rank threshold's sample
 
     def bind(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
         """(Re)build the parameter -> name map, e.g. after unpickling the state."""

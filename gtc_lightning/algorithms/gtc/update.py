@@ -45,10 +45,11 @@ import math
 import time
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from gtc_lightning.algorithms.common import all_finite, allreduce_bytes, finish
+from gtc_lightning.algorithms.common import allreduce_bytes, finish
 from gtc_lightning.algorithms.gtc.config import FALLBACK_ENTER, WORD_BYTES, f32
 from gtc_lightning.algorithms.gtc.decode import decode_coded
 from gtc_lightning.algorithms.gtc.exchange import send_coded, send_header, send_words
@@ -58,30 +59,79 @@ from gtc_lightning.ops import torch_ops
 from gtc_lightning.ops.rice import rice_encode
 from gtc_lightning.ops.torch_ops import INDEX_MASK
 
-SAMPLE = 1 << 16  # residual elements the per-rank threshold is estimated from (a strided sample)
-_HEADER = 3  # int64 values per rank: words, message bytes, tau (float64 bits)
+SAMPLE = 1 << 16  # residual elements the per-rank threshold is estimated from (a stratified random sample)
+_HEADER = 4  # int64 values per rank: words, message bytes, tau (float64 bits), non-finite residual elements
 
 
-def rank_tau(residual: torch.Tensor, density: float) -> float:
-    """This rank's threshold: the ``1 - density`` quantile of ``|residual|``, from a strided sample
-    of at most about :data:`SAMPLE` elements (all of them for smaller models).
+def _sample(residual: torch.Tensor, ranges: list[tuple[int, int]], generator: torch.Generator | None) -> torch.Tensor:
+    """``|residual|`` over ``ranges``: every element when they hold at most :data:`SAMPLE`, else one
+    element drawn at random from each window of ``ceil(total / SAMPLE)`` (a stratified sample: a fixed
+    stride would alias with the layout, e.g. take the same columns of every weight matrix)."""
+    lengths = [end - start for start, end in ranges]
+    total = sum(lengths)
+    if total <= SAMPLE:
+        parts = [residual[start:end] for start, end in ranges]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).abs()
+    stride = -(-total // SAMPLE)
+    windows = total // stride
+    device = residual.device
+    position = torch.arange(windows, device=device) * stride
+    position += torch.randint(stride, (windows,), device=device, generator=generator)
+    if len(ranges) > 1 or ranges[0][0]:  # positions among the ranges' elements -> flat indices
+        ends = torch.tensor(lengths, device=device).cumsum(0)
+        which = torch.searchsorted(ends, position, right=True)
+        shift = torch.tensor([start for start, _ in ranges], device=device) - (ends - torch.tensor(lengths, device=device))
+        position += shift[which]
+    return residual[position].abs()
+
+
+def rank_tau(
+    residual: torch.Tensor,
+    density: float,
+    ranges: list[tuple[int, int]] | None = None,
+    generator: torch.Generator | None = None,
+) -> float:
+    """This rank's threshold: just below the ``1 - density`` quantile of ``|residual|`` over ``ranges``,
+    estimated from a stratified random sample of about :data:`SAMPLE` elements (all of them for smaller
+    models), so that every element at the quantile and above is sent (``|r| > tau``), ties included.
+
+    Where that quantile is 0 (fewer than ``density`` of the elements are non-zero: say an embedding of
+    which few rows moved), the ``density * n``-th largest non-zero ``|r|`` over all the elements sets it
+    instead: the non-zero elements are sent rather than nothing.
 
     Args:
         residual: ``[n]`` float32.
         density: words per element to aim for, in (0, 1).
+        ranges: ``(start, end)`` flat ranges of the elements to send from, ascending; None: all.
+        generator: draws the sample (seeded by the caller: the same step gives the same sample).
 
     Returns:
-        tau, as a float32 value (0.0 when the quantile is 0: nothing worth sending).
+        tau, as a float32 value; 0.0 when every element is 0 (nothing to send); NaN or Inf when the
+        sample met a non-finite element.
     """
-    n = residual.numel()
-    if not n:
+    ranges = [(0, residual.numel())] if ranges is None else [(a, b) for a, b in ranges if b > a]
+    total = sum(end - start for start, end in ranges)
+    if not total:
         return 0.0
-    sample = residual[:: max(1, n // SAMPLE)].abs()
+    sample = _sample(residual, ranges, generator)
     k = min(sample.numel(), max(1, math.ceil((1.0 - density) * sample.numel())))
     top = sample.numel() - k + 1  # the k-th smallest is the top-th largest
     if top < k:  # the same element; a small top-k is about 4x faster than kthvalue on CPU
-        return float(torch.topk(sample.float(), top, sorted=False).values.min().to(torch.float32))
-    return float(torch.kthvalue(sample.float(), k).values.to(torch.float32))
+        quantile = torch.topk(sample, top, sorted=False).values.min()
+    else:
+        quantile = torch.kthvalue(sample, k).values
+    value = float(quantile)
+    if value == 0.0:  # mostly zeros: the largest non-zero elements, found over all of them
+        values = torch.cat([residual[start:end] for start, end in ranges]).abs() if len(ranges) > 1 else (
+            residual[ranges[0][0] : ranges[0][1]].abs())  # fmt: skip
+        nonzero = values[values > 0]
+        if not nonzero.numel():
+            return 0.0
+        want = max(1, math.ceil(density * total))
+        value = float(nonzero.min() if nonzero.numel() <= want else torch.topk(nonzero, want, sorted=False).values.min())
+    if not math.isfinite(value):
+        return value
+    return float(np.nextafter(np.float32(value), np.float32(0.0)))
 
 
 def layout(state: GTCState, params: list[torch.nn.Parameter]) -> None:
@@ -123,19 +173,30 @@ def check_finite(state: GTCState, params: list[torch.nn.Parameter], loss_scaler:
     """Step 2: whether some rank's local gradient is non-finite; if so the step is skipped on every
     rank (``GTCState.finish_step`` applies it: no gradients, or NaN ones for an AMP loss scaler).
 
+    One flag per rank from one reduction on the device (the sum of every gradient: a NaN or Inf
+    element makes it non-finite), all-reduced: the host waits once, for the flags, not once per
+    parameter. Only where a sum is non-finite do the flagged ranks look element by element (a sum of
+    finite values that overflowed is no reason to skip) and exchange what they found.
+
     Returns:
         True when the step is skipped.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    bad = torch.tensor([0 if all(all_finite(g) for g in grads) else 1], dtype=torch.int64)
-    world = state.world_size
-    if world > 1:
-        flags = torch.zeros(world, dtype=torch.int64, device=params[0].device if params else "cpu")
-        flags[state.rank] = bad.to(flags.device)
-        finish(dist.all_reduce(flags, group=state.process_group, async_op=True), state.busy)
-        bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
-    else:
-        bad_ranks = [0] if bool(bad) else []
+    device = params[0].device if params else torch.device("cpu")
+    world, rank = state.world_size, state.rank
+
+    def gather(flag: torch.Tensor | bool) -> list[int]:
+        flags = torch.zeros(world, dtype=torch.int64, device=device)
+        flags[rank] = flag
+        if world > 1:
+            finish(dist.all_reduce(flags, group=state.process_group, async_op=True), state.busy)
+        return flags.tolist()
+
+    total = torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum() if grads else torch.zeros((), device=device)
+    flagged = gather(~torch.isfinite(total))
+    if any(flagged):
+        flagged = gather(bool(flagged[rank]) and not all(bool(torch.isfinite(g).all()) for g in grads))
+    bad_ranks = [r for r, flag in enumerate(flagged) if flag]
     if not bad_ranks:
         state.totals["consecutive_skips"] = 0
         return False
@@ -158,15 +219,34 @@ def learning_rates(optimizer: torch.optim.Optimizer) -> dict[int, float]:
     return {id(p): float(group["lr"]) for group in optimizer.param_groups for p in group["params"]}
 
 
+def _sampler(state: GTCState, device: torch.device) -> torch.Generator:
+    """The generator of the threshold's sample, seeded from the step and the rank: the same sample
+    for the same step, so a resumed run continues bit for bit."""
+    generator = state._sample_generator
+    if generator is None or generator.device != device:
+        generator = state._sample_generator = torch.Generator(device=device)
+    return generator.manual_seed(state.step * 1_000_003 + state.rank)
+
+
 def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, float]) -> StepStats:
     """Steps 4-7, after the rank's optimizer stepped: compress the step it made, exchange, apply the
-    decoded mean on every rank."""
+    decoded mean on every rank.
+
+    A parameter the optimizer did not move (in none of its groups, or in a group at learning rate 0,
+    as when frozen that way) sends nothing: its residual, the steps still pending for it, is kept
+    whole until its rate is above 0 again.
+
+    Raises:
+        RuntimeError: on every rank alike, when some rank's optimizer made a non-finite step from
+            finite gradients (it is named); the exchange stops before any word is sent.
+    """
     world, rank = state.world_size, state.rank
     state.step += 1
     start = time.perf_counter()
     residual, scratch = state._residual, state._scratch
     numel = residual.numel()
     moved = []  # (parameter, its residual slice, its scratch slice, lr) of the parameters stepped
+    ranges: list = []  # their flat [start, end) ranges
     with torch.no_grad():
         for p, kept, r in zip(params, _views(scratch, state, params), _views(residual, state, params)):
             lr = lrs.get(id(p))
@@ -178,37 +258,53 @@ def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, f
             r.add_(step, alpha=1.0 / lr)
             p.copy_(kept)
             moved.append((p, r, kept, lr))
+            first, n = state._slots[state._name_of[id(p)]]
+            ranges.append([first, first + n])
+        ranges = _merged(ranges)
 
-        # 5. This rank's threshold and words; the scratch buffer holds the message now.
+        # 5. This rank's threshold and words (from the moved parameters' elements, in ascending order);
+        # the scratch buffer holds the message now.
         if state.target_density is not None:
-            tau32 = rank_tau(residual, state.target_density)
+            tau32 = rank_tau(residual, state.target_density, ranges, _sampler(state, residual.device))
         else:
             tau32 = state.tau32  # a fixed tau, in units of the optimizer's direction
         message = scratch.view(torch.int32)
         cursor = torch.zeros(1, dtype=torch.int64, device=residual.device)
         bad = torch.zeros(1, dtype=torch.int32, device=residual.device)
-        if tau32 > 0.0:
-            torch_ops.emit_(residual, tau32, message, cursor, bad, 0)
-        if int(bad):
-            raise RuntimeError(
-                f"GTC (compress='update'): the optimizer made a non-finite step on rank {rank} at optimizer step "
-                f"{state.step} from finite gradients; check its hyper-parameters (eps, learning rate)"
-            )
-        own = int(cursor)
+        if not math.isfinite(tau32):
+            bad += 1  # the sample met a NaN/Inf
+        elif tau32 > 0.0:
+            for first, end in ranges:  # a NaN/Inf element is counted in bad
+                torch_ops.emit_(residual[first:end], tau32, message, cursor, bad, first)
+        else:
+            bad += sum(int((~torch.isfinite(residual[first:end])).sum()) for first, end in ranges)
+        own, nonfinite = int(cursor), int(bad)
+        if nonfinite:
+            own = 0  # nothing is sent: every rank raises after the header
         compress_s = time.perf_counter() - start
 
-        # 6. Header [words, bytes, tau] and words.
+        # 6. Header [words, bytes, tau, non-finite] and words.
         start = time.perf_counter()
-        if state.coding == "rice":
+        if state.coding == "rice" and not nonfinite:
             state._coded = rice_encode(message[:own])
             size = state._coded.numel()
         else:
             size = own * WORD_BYTES
         tau_bits = torch.tensor([tau32], dtype=torch.float64).view(torch.int64)
-        header = torch.cat([torch.tensor([own, size], dtype=torch.int64), tau_bits]).to(residual.device)
+        header = torch.cat([torch.tensor([own, size], dtype=torch.int64), tau_bits,
+                            torch.tensor([nonfinite], dtype=torch.int64)]).to(residual.device)  # fmt: skip
         headers = send_header(state, header).view(world, _HEADER).cpu()
         counts, sizes = headers[:, 0].tolist(), headers[:, 1].tolist()
         taus = headers[:, 2].contiguous().view(torch.float64).tolist()
+        bad_ranks = [r for r, count in enumerate(headers[:, 3].tolist()) if count]
+        if bad_ranks:
+            raise RuntimeError(
+                f"GTC (compress='update'): at optimizer step {state.step} the optimizer made a non-finite step "
+                f"from finite gradients on rank(s) {bad_ranks} ({'this rank: ' if rank in bad_ranks else ''}"
+                f"{nonfinite if rank in bad_ranks else 'no'} non-finite residual elements here). Every rank stops "
+                "here, before a word is sent. Check the optimizer's hyper-parameters: an eps that underflows in "
+                "16-bit precision (use 'bf16-mixed' or '16-mixed', or a larger eps), a learning rate too large"
+            )
         if state.coding == "rice":
             data, width, sent, received, _ = send_coded(state, sizes)
             words, lengths = decode_coded(data, sizes, width, own=(rank, message[:own])), None
@@ -245,13 +341,22 @@ def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, f
     )  # fmt: skip
     if state.target_density is not None:
         state.tau, state.tau32 = tau32, tau32
-    elif stats.share > FALLBACK_ENTER and not state._warned_fallback and rank == 0:
+    if stats.share > FALLBACK_ENTER and not state._warned_fallback and rank == 0:
         state._warned_fallback = True
+        if state.target_density is None:
+            why = (
+                f"at the fixed tau={tau32:g}. In this mode tau is in units of the optimizer's step over its learning "
+                "rate (Adam's: about 1 a step): use tau='auto' with a target_density (the default), or a larger tau"
+            )
+        else:
+            why = (
+                f"against a target_density of {state.target_density:g}: many elements were tied at a rank's threshold "
+                "and every one of them was sent (an optimizer whose steps are all alike, such as a sign-based one, "
+                "does that). It trains as sent; a dense strategy may cost less"
+            )
         warnings.warn(
             f"GTC (compress='update'): at optimizer step {state.step} the words of up to {max(counts)} of {numel} "
-            f"elements (density {max(counts) / max(numel, 1):.2%}) sent more bytes than a bf16 all-reduce, at the "
-            f"fixed tau={tau32:g}. In this mode tau is in units of the optimizer's step over its learning rate "
-            "(Adam's: about 1 a step): use tau='auto' with a target_density (the default), or a larger tau",
+            f"elements (density {max(counts) / max(numel, 1):.2%}) sent more bytes than a bf16 all-reduce, {why}",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -277,6 +382,17 @@ def warmup(state: GTCState) -> StepStats:
     )  # fmt: skip
     state._record(stats)
     return stats
+
+
+def _merged(ranges: list[list[int]]) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges sorted, adjacent ones joined (one range when every parameter moved)."""
+    out: list[list[int]] = []
+    for first, end in sorted(ranges):
+        if out and out[-1][1] == first:
+            out[-1][1] = end
+        else:
+            out.append([first, end])
+    return [(first, end) for first, end in out]
 
 
 def _rank_words(words: torch.Tensor, lengths: list[int] | None, counts: list[int]) -> list[torch.Tensor]:
