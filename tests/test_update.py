@@ -405,3 +405,27 @@ def test_a_group_at_rate_zero_keeps_its_pending_steps(tmp_path):
             assert torch.equal(recs[t]["params"][second], recs[t - 1]["params"][second])
         assert recs[1]["residual"][second].abs().sum() > 0, "something was pending when the group froze"
         assert not torch.equal(recs[5]["params"][second], recs[4]["params"][second]), "it moves again after"
+
+
+class OptimizerAtStart(L.Callback):
+    """Writes this rank's optimizer state as training starts (after a resume restored it)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        torch.save(trainer.optimizers[0].state_dict(), self.out / f"optimizer{trainer.global_rank}.pt")
+
+
+def test_restore_residuals_false_still_restores_every_ranks_optimizer(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit(tmp_path / "part", model=AdamMLP(), max_epochs=1, **UPDATE,
+        trainer_kwargs={"enable_checkpointing": True, "callbacks": [checkpoint]})  # fmt: skip
+    fit(tmp_path / "resumed", model=AdamMLP(), max_epochs=2, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
+        restore_residuals=False, **UPDATE, trainer_kwargs={"callbacks": [OptimizerAtStart(tmp_path)]})  # fmt: skip
+    saved = [torch.load(tmp_path / "ckpt" / "last.ckpt.gtc" / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert not torch.equal(saved[0]["optimizers"][0]["state"][0]["exp_avg"], saved[1]["optimizers"][0]["state"][0]["exp_avg"])
+    for rank in range(WORLD):
+        restored = torch.load(tmp_path / f"optimizer{rank}.pt", weights_only=False)["state"][0]["exp_avg"]
+        assert torch.equal(restored, saved[rank]["optimizers"][0]["state"][0]["exp_avg"]), f"rank {rank}'s moments"
+    assert torch.load(tmp_path / "resumed" / "rank1.pt", weights_only=False)["start"]["residual"].abs().sum() == 0

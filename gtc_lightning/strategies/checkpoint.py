@@ -133,7 +133,8 @@ def restore(
         rank, world_size: this rank and the resumed run's world size.
         checkpoint_io: reads the shards.
         device: where the residuals live.
-        residuals: False restarts the residuals from zero (counters are still restored).
+        residuals: False restarts the residuals from zero (counters are still restored, and so are
+            this rank's optimizer states where its shard is there).
         hint: how to turn residual restoring off, for the missing-shard error.
 
     Returns:
@@ -146,7 +147,18 @@ def restore(
     state.load_counters(saved)
     if not residuals:
         log.info("GTC: residuals restart from zero at step %d (not restored)", state.step)
-        return None
+        if saved["world_size"] != world_size or "residuals" in saved:
+            return None
+        where = shard_path(checkpoint_path, rank)
+        if not get_filesystem(where).exists(where):
+            log.warning(
+                "GTC: rank %d's shard %s is missing; with compress='update' this rank's optimizer takes the "
+                "checkpoint's state (rank 0's) instead of its own",
+                rank,
+                where,
+            )
+            return None
+        return checkpoint_io.load_checkpoint(where).get("optimizers")
     if saved["names"] != state.param_names or saved["numels"] != state.numels:
         rank_zero_warn("GTC: the checkpoint's parameters differ from the model's; residuals restart from zero")
         return None

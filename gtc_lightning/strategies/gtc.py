@@ -115,7 +115,9 @@ class GTCStrategy(DDPStrategy):
         restore_residuals: restore the residuals of a resumed checkpoint (every rank reads its own
             shard; the shards of a linked ``last.ckpt``, ``ModelCheckpoint(save_last="link")``, are
             found beside the link's target). ``False`` restarts them from zero: the pending update,
-            with ``stale=True`` the update in flight too, is lost.
+            with ``stale=True`` the update in flight too, is lost. Either way, with ``compress="update"``
+            every rank's own optimizer state comes back from its shard where the shard is there (at
+            another world size every rank takes the checkpoint's, rank 0's).
         stale: one-step-stale GTC (also registered as ``"gtc_stale"``): each step's word exchange
             runs while the next step computes and its update is applied one step late; the replicas
             stay bit-identical. The first compressed step applies nothing, and the last step's
