@@ -477,10 +477,21 @@ class GTCState:
         if stats.mode == "sparse":
             self._silent = self._silent + 1 if stats.words_all == 0 else 0
             if self._silent == SILENT_STEPS and self.rank == 0:
+                if self.compress == "update" and stats.tau == 0.0:
+                    why = (
+                        "the optimizer's steps were all zero. With parameters stored in bf16/fp16 (bf16-true, "
+                        "16-true) a step below half a unit in the last place of a weight is rounded away by the "
+                        "optimizer itself, as under DDP: train in mixed precision (fp32 weights), or use a larger "
+                        "learning rate"
+                    )
+                else:
+                    why = (
+                        "every gradient stays below tau in the residuals and nothing reaches the optimizer. Use "
+                        "tau='auto' with a target_density (the default), or a smaller tau"
+                    )
                 warnings.warn(
                     f"GTC: no rank sent a word for {SILENT_STEPS} optimizer steps in a row (up to step {stats.step}, "
-                    f"tau={stats.tau:g}, density 0): every gradient stays below tau in the residuals and nothing "
-                    "reaches the optimizer. Use tau='auto' with a target_density (the default), or a smaller tau",
+                    f"tau={stats.tau:g}, density 0): {why}",
                     RuntimeWarning,
                     stacklevel=3,
                 )
