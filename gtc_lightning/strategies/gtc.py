@@ -90,8 +90,9 @@ class GTCStrategy(DDPStrategy):
             or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests).
         target_density: the words each rank sends per element and step (density), for automatic
             tau; None with ``tau="auto"``: 1e-2. With ``compress="update"`` each rank's threshold is
-            the ``1 - target_density`` quantile of its residual, every step (the density is met
-            exactly); with ``"gradient"`` one tau for all ranks moves after every step towards it
+            just below the ``1 - target_density`` quantile of its residual, every step, estimated from
+            a stratified random sample (the density is met within the sample's error; more where many
+            elements tie at the quantile, all of which are sent); with ``"gradient"`` one tau for all ranks moves after every step towards it
             (:mod:`gtc_lightning.algorithms.gtc.auto_tau`), starting where the first step's gradients put it, or at
             a given numeric ``tau``. Lower density, more compression, slower progress per step.
         compress: what the residuals hold. ``"update"``: each rank's optimizer steps on its own

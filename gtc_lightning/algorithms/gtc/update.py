@@ -19,12 +19,15 @@ GTC compresses the step it made. Per optimizer step and rank:
 4. The step it made, divided by its learning rate (the optimizer's direction: Adam's
    ``m / (sqrt(v) + eps)`` plus weight decay, momentum SGD's velocity), is added to the residual,
    and the parameters go back to the kept copy, exactly.
-5. Threshold: ``tau_r``, this rank's, is the ``1 - target_density`` quantile of ``|residual|``
-   (estimated from a strided sample of :data:`SAMPLE` elements), so that each rank sends about
-   ``target_density * n`` words every step whatever the scale of its optimizer's steps: no gradient
-   scale is presumed, and the warm-up and decay of the learning rate do not move the density. Words
-   ``index | sign << 31`` for ``|r| > tau_r``; ``±tau_r`` subtracted (in place).
-6. One header exchange ``[words, bytes, tau_r]`` and one word exchange, as in the gradient mode
+5. Threshold: ``tau_r``, this rank's, is just below the ``1 - target_density`` quantile of
+   ``|residual|`` (estimated from a stratified random sample of :data:`SAMPLE` elements, seeded by
+   step and rank), so that each rank sends about ``target_density * n`` words every step whatever
+   the scale of its optimizer's steps: no gradient scale is presumed, and the warm-up and decay of
+   the learning rate do not move the density. Elements tied at the quantile are all sent; a
+   residual that is mostly zero sends its largest non-zero elements. Words ``index | sign << 31``
+   for ``|r| > tau_r``, over the parameters the optimizer moved (a group at learning rate 0 keeps
+   its residual); ``±tau_r`` subtracted (in place).
+6. One header exchange ``[words, bytes, tau_r, non-finite]`` and one word exchange, as in the gradient mode
    (all-to-all on gloo, all-gather on NCCL; ``coding="rice"`` Golomb-Rice codes the messages).
 7. Decode, rank by rank in rank order: ``±tau_r / W`` at each word of rank ``r`` into the scratch
    buffer (no index twice within a rank, a fixed order across ranks: bit-identical on every rank,
