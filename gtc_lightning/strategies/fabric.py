@@ -294,7 +294,6 @@ class GTCFabricStrategy(DDPStrategy):
         warmup = state.step < state.warmup_steps
         if warmup:  # DDP averaged the gradients: every rank steps on the mean
             update_mode.warmup(state)
-            state._last_consumed = False  # so that finish_step judges the averaged gradient
             stats = state.finish_step(params, loss_scaler=loss_scaler)
             skipped = stats is not None and stats.skipped
         else:
