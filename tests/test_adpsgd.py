@@ -1,10 +1,11 @@
 """AD-PSGD (``ADPSGDStrategy``, ``"adpsgd"``) on 2 and 4 forked CPU ranks.
 
 The exchange itself is tested on plain tensors over gloo (no Lightning): after a pair's exchange both
-ranks hold the mean of what they sent, bit for bit; an exchange slower than the steps makes the
-active rank block at ``max_staleness``. Through the Trainer: a rank that sleeps every step does not
-slow the others down between synchronisation points; validation and the end of fit see the
-consensus model; a resume restores every rank's state as the checkpoint's drain left it.
+ranks hold the mean of what they sent, bit for bit; an exchange slower than the steps makes both of
+its ranks block at ``max_staleness``. Through the Trainer: the passive rank answers while its copy to
+the host waits for the step; a rank that sleeps every step does not slow the others down between
+synchronisation points; validation and the end of fit see the consensus model; a resume restores
+every rank's state as the checkpoint's drain left it; a fit after an exception exchanges again.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import csv
 import math
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -199,23 +201,24 @@ def test_coded_exchanges_keep_the_sum_share_each_pairs_reference_and_reach_conse
 
 
 def _slow_link(rank: int, out_dir: Path, max_staleness: int, steps: int) -> dict:
-    """The passive rank answers each exchange 0.15 s late (a slow link); the active rank's steps take
-    0.01 s, the passive rank's 0.06 s. Records every step boundary's staleness."""
+    """The passive rank's side of every exchange takes 0.15 s on the wire, after it read the model it
+    sends (a slow link); the active rank's steps take 0.01 s, the passive rank's 0.03 s, so that an
+    exchange spans about 5 of its steps. Records every step boundary's staleness."""
     group = _init(rank)
     if rank % 2:
-        serve = ADPSGDState._serve
+        wait = ADPSGDState._wait
 
-        def late(self, *args):
+        def slow(self, works):
             time.sleep(0.15)
-            serve(self, *args)
+            wait(self, works)
 
-        ADPSGDState._serve = late
+        ADPSGDState._wait = slow
     params = [torch.full((4,), float(rank))]
     state = ADPSGDState(group, max_staleness=max_staleness)
     state.start(params)
     seen = []
     for _ in range(steps):
-        time.sleep(0.06 if rank % 2 else 0.01)
+        time.sleep(0.03 if rank % 2 else 0.01)
         with torch.no_grad():
             params[0].add_(1.0)  # a local step
         state.after_step(params, [])
@@ -224,7 +227,7 @@ def _slow_link(rank: int, out_dir: Path, max_staleness: int, steps: int) -> dict
     return {"seen": seen, "totals": state.stats()["total"]}
 
 
-def test_the_active_rank_blocks_when_its_exchange_reaches_max_staleness(tmp_path):
+def test_both_ranks_of_an_exchange_block_when_it_reaches_max_staleness(tmp_path):
     out = run_ranks(tmp_path, _slow_link, devices=2, timeout=60, max_staleness=3, steps=12)
     active = out[0]
     staleness = [s["staleness"] for s in active["seen"] if s["applied"]]
@@ -232,11 +235,65 @@ def test_the_active_rank_blocks_when_its_exchange_reaches_max_staleness(tmp_path
     assert active["totals"]["staleness_max"] == 3
     assert active["totals"]["blocked_s"] > 0.05
     assert sum(s["applied"] for s in active["seen"]) >= 2  # it went on exchanging
+    # The passive rank too: its answer spans ~5 of its steps, but it applies no mean older than 3.
     passive = [s["staleness"] for s in out[1]["seen"] if s["applied"]]
-    assert passive and max(passive) <= 1  # the passive rank applies each mean at its next boundary
+    assert passive and max(passive) <= 3 and out[1]["totals"]["staleness_max"] <= 3, passive
+    assert out[1]["totals"]["blocked_s"] > 0.05  # it waited for the exchange at the bound
 
 
 # ---- through the Trainer ------------------------------------------------------------------------
+
+
+def _copy_waits_for_the_step(rank: int, out_dir: Path, steps: int, collective: bool) -> dict:
+    """One rank of a fit whose every step runs a collective when ``collective`` (the all-reduce of
+    ``self.log(..., sync_dist=True)``; ``strategy.reduce`` here) and whose copies of the parameters to the host behave
+    as on a GPU: the host queues the step and goes on; a copy waits for the step's kernels, the queued
+    collective among them (run inside the copy here), and takes 50 ms. ``max_staleness=1``: the active
+    rank waits for every exchange at its next step boundary, before its copy."""
+    world = 2
+    pending: list[torch.Tensor] = []
+
+    class Collective(TinyMLP):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if collective:
+                pending.append(loss.detach())  # queued with the step: the next host copy waits for it
+            return loss
+
+    copy = ADPSGDState._flat
+
+    def device_copy(self, params):
+        while pending:
+            trainer.strategy.reduce(pending.pop(0), reduce_op="mean")
+        time.sleep(0.05)
+        return copy(self, params)
+
+    ADPSGDState._flat = device_copy
+    strategy = ADPSGDStrategy(max_staleness=1, timeout=timedelta(seconds=10))  # a hang fails in 10 s
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir,
+    )  # fmt: skip
+    trainer.fit(Collective(samples=world * steps * BATCH, momentum=0.0))
+    return {"global_step": trainer.global_step, "totals": strategy.adpsgd_state.stats()["total"]}
+
+
+@pytest.mark.parametrize("collective", [True, False], ids=["collective", "none"])
+def test_the_passive_answers_while_its_host_copy_waits_for_the_step(tmp_path, collective):
+    """The passive rank's copies to and from the host run outside the lock its thread takes, so the
+    thread answers while a copy waits. With a collective in every step the ranks would otherwise wait
+    on each other in a cycle (the passive rank's copy for the active rank's collective, the active
+    rank for its exchange, the exchange for the lock): both hung at step 3 until the timeout. Without
+    one, the active rank would wait for the passive rank's copies (0.42 s over the 8 steps; 0.006 s
+    with the copies outside the lock)."""
+    steps = 8
+    out = run_ranks(tmp_path, _copy_waits_for_the_step, devices=2, timeout=60, steps=steps, collective=collective)
+    assert [rank["global_step"] for rank in out] == [steps, steps]
+    active = out[0]["totals"]
+    assert active["applied"] >= steps - 1  # max_staleness=1: each exchange lands by the next boundary
+    assert active["blocked_s"] < 0.02 * steps, active["blocked_s"]  # the exchange itself: ~1 ms
+
+
 
 
 def test_stats_are_logged_and_validation_sees_the_average_of_the_drained_ranks(tmp_path):
@@ -387,6 +444,46 @@ def test_consensus_at_the_end_and_a_bit_exact_resume(tmp_path, world, compress):
             words = math.ceil(0.1 * rank["numel"]) + 1
             for totals in rank["totals"]:
                 assert totals["applied"] >= 1 and totals["bytes_sent"] == totals["applied"] * words * 4
+
+
+def _fit_after_an_exception(rank: int, out_dir: Path, compress: str) -> dict:
+    """One rank of: a fit whose training step raises at step 3 on every rank, then ``fit`` again on the
+    same Trainer and model (a script that catches the error and goes on)."""
+    world, steps = 2, 4
+
+    class FailsOnce(TinyMLP):
+        failed = False
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 2 and not self.failed:
+                self.failed = True
+                raise RuntimeError("a failing step")
+            return super().training_step(batch, batch_idx)
+
+    strategy = ADPSGDStrategy(compress=compress, density=0.1, timeout=timedelta(seconds=10))  # a hang fails in 10 s
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir,
+    )  # fmt: skip
+    model = FailsOnce(samples=world * steps * BATCH, momentum=0.0)
+    with pytest.raises(RuntimeError, match="a failing step"):
+        trainer.fit(model)
+    applied = strategy.adpsgd_state.stats()["total"]["applied"]
+    trainer.fit(model)
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"applied": [applied, strategy.adpsgd_state.stats()["total"]["applied"]], "final": final,
+            "running": strategy.adpsgd_state.running}  # fmt: skip
+
+
+@pytest.mark.parametrize("compress", ["none", "gtc"])
+def test_a_fit_after_an_exception_exchanges_on_a_thread_of_its_own(tmp_path, compress):
+    """The exception leaves the passive rank's thread blocked in the first fit's group; the second
+    fit starts one of its own (and, coded, every rank sets its references): it exchanges and ends on
+    the consensus."""
+    out = run_ranks(tmp_path, _fit_after_an_exception, devices=2, timeout=60, compress=compress)
+    for rank in out:
+        assert rank["applied"][1] > rank["applied"][0], rank["applied"]  # the second fit's exchanges landed
+        assert not rank["running"] and torch.equal(rank["final"], out[0]["final"])
 
 
 def test_warmup_steps_are_dense_and_identical_then_the_ranks_step_alone(tmp_path):

@@ -14,8 +14,9 @@ Per rank, between two global synchronisation points:
 3. Pair averaging in the background, after each local step: even ranks start an exchange with an
    odd peer from a fixed schedule (``peering``), odd ranks answer whoever asks; the mean of the two
    models is applied at the next step boundary on top of the steps taken since. A rank whose
-   exchange is ``max_staleness`` steps old waits for it; a slow rank delays only the exchanges with
-   it (a slow odd rank not even those: its communication thread answers at once).
+   exchange is ``max_staleness`` steps old waits for it (either side of it: the staleness of every
+   mean is at most ``max_staleness``); a slow rank delays only the exchanges with it (a slow odd rank
+   not even those: its communication thread answers at once, also while a step computes on a GPU).
 
 The global synchronisation points are the ends of the training epochs, validation, test and
 predict loops, checkpoints and the end of fit: there every rank finishes its exchanges
@@ -76,8 +77,9 @@ class ADPSGDStrategy(DPSGDStrategy):
     with one peer after each, in the background (asynchronous D-PSGD).
 
     Args:
-        max_staleness: local steps an even rank's exchange may stay in flight before the rank waits
-            for it (>= 1; odd ranks apply each mean one step after the model they sent).
+        max_staleness: local steps an exchange may stay in flight before the rank waits for it, on
+            the even rank that started it and on the odd rank that answers it (>= 1; an odd rank
+            applies a mean at the earliest one step after the model it sent).
         peering: ``"ring"``: each even rank alternates between its right and left ring neighbours
             (needs an even number of ranks; Zhang et al.'s pairing); ``"random"``: each even rank draws
             an odd peer per exchange from a hash of ``seed``, its rank and the exchange's number.
@@ -86,7 +88,8 @@ class ADPSGDStrategy(DPSGDStrategy):
         compress: ``"none"``: each exchange sends the whole model; ``"gtc"``: after each pair's first
             exchange following a synchronisation point, Strom's threshold words of the difference
             from a reference the pair shares (``density`` of the parameters, one reference per peer in
-            host memory; :mod:`gtc_lightning.algorithms.averaging.adpsgd`), for slow links.
+            host memory: 1 or 2 with the ring, up to W/2 with ``peering="random"``;
+            :mod:`gtc_lightning.algorithms.averaging.adpsgd`), for slow links.
         density: the share of the parameters a coded exchange sends (``compress="gtc"``).
         average_eval: evaluation loops see the mean of all ranks' parameters (as for ``dpsgd``).
         average_at_end: at the end of fit every rank's parameters become the mean over the ranks.
@@ -185,7 +188,7 @@ class ADPSGDStrategy(DPSGDStrategy):
             self._continue_own_model()
             no_sigterm_broadcast(trainer)
             state = self._state
-            if isinstance(state, ADPSGDState) and state.compress == "gtc" and not state.running:
+            if isinstance(state, ADPSGDState) and state.compress == "gtc":  # (no thread runs yet, on any rank)
                 state.measure_spread(self._params)  # (a collective: every edge's reference, the ranks' mean)
 
     @override
@@ -284,7 +287,7 @@ class ADPSGDStrategy(DPSGDStrategy):
     @override
     def teardown(self) -> None:
         state = self._state
-        idle = not (isinstance(state, ADPSGDState) and state.running)
+        idle = not (isinstance(state, ADPSGDState) and self._comm_group is not None and state.uses(self._comm_group))
         if self._comm_group is not None and dist.is_initialized() and idle:
             dist.destroy_process_group(self._comm_group)
         self._comm_group = None

@@ -20,21 +20,29 @@ with one peer, without a global barrier:
 * A passive rank's communication thread waits for requests from any active rank. For each it sends
   the newest model its training loop published (moved by the means of the exchanges since) while the
   active rank's arrives, and keeps the mean; a slow passive rank answers at the speed of its
-  network, not of its compute.
+  network, not of its compute. The training loop holds the lock it shares with the thread only for
+  CPU arithmetic and pointer swaps: the copies between the device and host memory (which on a GPU
+  wait for the step's kernels, and for any collective the step queued) run outside it, so that the
+  thread answers while the step computes.
 * A mean is applied by the training loop at its next step boundary (:meth:`ADPSGDState.after_step`) as
   ``x <- m + (x - s)``: the local steps taken since ``s`` was sent are kept on top of the average.
   When none were taken the rank holds exactly ``m``. The sum of the ranks' models is kept (up to
   rounding): each pair's exchange moves the two by opposite amounts.
 * Staleness: the local steps between the model a rank sent and the step boundary that applies the
-  mean. A passive rank applies its means one step after the model it sent (staleness 1, the best the
-  seed reports for overlapped communication); an active rank's exchange may stay in flight for
-  several of its steps (a slow link or a busy peer), and when it reaches ``max_staleness`` the rank
-  blocks until it lands. Each rank starts a new exchange once the last one landed.
+  mean. It is at most ``max_staleness`` on every rank (Lian et al.'s bound T holds for every worker).
+  An exchange may stay in flight for several steps (a slow link or a busy peer); an active rank whose
+  exchange reached ``max_staleness`` steps blocks at its step boundary until it lands, and so does a
+  passive rank whose thread is still serving a request with a model that old. When an exchange takes
+  less than a step a passive rank applies each mean one step after the model it sent (staleness 1,
+  the best the seed reports for overlapped communication). An active rank starts a new exchange once
+  the last one landed.
 
 A global synchronisation point (an epoch end, validation, a checkpoint, the end of fit) calls
 :meth:`ADPSGDState.drain` on every rank: an active rank waits for its exchange and tells every
 passive rank that it stops; a passive rank serves until every active rank stopped. Then every mean
-is applied, nothing is in flight, and collectives on the default group may run.
+is applied, nothing is in flight, and collectives on the default group may run. After an exception
+:meth:`ADPSGDState.abandon` lets the thread go: the means in flight are dropped, and a thread left
+blocked in the exchange's group (until the group's timeout) touches nothing of a later fit.
 
 The exchange runs on a gloo process group of its own (CPU tensors; on GPUs the flat copies go
 through host memory, as Zhang et al. average on the CPU), used by one thread of each process at a time.
@@ -50,9 +58,11 @@ Both sides then move by half the difference of what was sent, ``x_a += (q_p - q_
 ``x_p += (q_a - q_p) / 2`` (opposite amounts: the sum is kept), and both add the mean of what was
 sent to the reference, ``r += (q_a + q_p) / 2``, computed identically on the two sides. What a rank
 did not send stays in its residual ``x - r`` for the next exchange on that edge (error feedback).
-Were every entry sent exactly, this is the dense mean. Each rank keeps one reference per edge (a
-model's worth of host memory per peer: 1 at 2 ranks, 2 with the ring schedule). The references are
-set anew at every synchronisation point: nothing of them goes into a checkpoint.
+Were every entry sent exactly, this is the dense mean. Each rank keeps one reference per peer it
+exchanged with since the last synchronisation point (a model's worth of host memory each: 1 at 2
+ranks, 2 with the ring schedule; with ``peering="random"`` an active rank may reach every passive
+rank, W/2 references, and a passive rank every active one). The references are set anew at every
+synchronisation point: nothing of them goes into a checkpoint.
 """
 
 from __future__ import annotations
@@ -148,8 +158,10 @@ def schedule_peer(rank: int, world: int, exchange: int, peering: str = "ring", s
     """The passive peer of active ``rank``'s ``exchange``-th exchange (from 0).
 
     ``"ring"``: the right neighbour on even exchanges, the left one on odd ones (the one other rank
-    when ``world == 2``): at any round of exchanges the pairs are disjoint. ``"random"``: a passive
-    rank drawn from a hash of (``seed``, ``rank``, ``exchange``)."""
+    when ``world == 2``): the active ranks' ``n``-th exchanges form disjoint pairs. The ranks reach
+    their ``n``-th exchange at different times, though (there is no lockstep), so a passive rank may
+    be asked by two active ranks at once; it answers them in turn. ``"random"``: a passive rank drawn
+    from a hash of (``seed``, ``rank``, ``exchange``)."""
     if rank % 2:
         raise ValueError(f"rank {rank} is passive: only even ranks start exchanges")
     if peering == "ring":
@@ -174,6 +186,18 @@ class Landed:
     delta: torch.Tensor | None = None
 
 
+class _Run:
+    """What one run of the communication thread (from :meth:`ADPSGDState.start` to the drain) works
+    with: the group, the queues, and the flag :meth:`ADPSGDState.abandon` sets. A thread that an
+    exception left behind keeps its own and writes nothing of a later run's."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.jobs: queue.Queue = queue.Queue()  # active: (sent, step, peer) or None to stop
+        self.arrived: queue.Queue = queue.Queue()  # active: Landed, or an exception
+        self.abandoned = False
+
+
 class ADPSGDState(AveragingState):
     """State of AD-PSGD on this rank: its role, the exchange schedule, the communication thread and
     what it brought, and the statistics of :class:`AveragingState` plus the staleness.
@@ -181,8 +205,8 @@ class ADPSGDState(AveragingState):
     Args:
         comm_group: a gloo process group over all ranks (``dist.new_group(backend="gloo")``), used
             only by the exchange.
-        max_staleness: local steps an active rank's exchange may stay in flight; at that many the
-            rank blocks until it lands (>= 1).
+        max_staleness: local steps an exchange may stay in flight, on either side of it: at that many
+            the rank blocks at its step boundary until it lands (>= 1).
         peering: ``"ring"`` or ``"random"`` (:func:`schedule_peer`).
         seed: the ``"random"`` schedule's seed.
         warmup_steps: optimizer steps of dense gradient all-reduce before the exchanges start.
@@ -218,14 +242,16 @@ class ADPSGDState(AveragingState):
         self.actives, self.passives = actives(world), passives(world)
         # The internal state.
         self.exchanges = 0  # exchanges this (active) rank started: the schedule's position
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the training loop's and the thread's: CPU arithmetic and swaps only
+        self._changed = threading.Condition(self._lock)  # passive: a serve landed (or the thread failed)
         self._thread: threading.Thread | None = None
-        self._jobs: queue.Queue = queue.Queue()  # active: (sent, step, peer) or None to stop
-        self._arrived: queue.Queue = queue.Queue()  # active: Landed, or an exception
+        self._run: _Run | None = None  # the thread's group and queues
+        self._left: list[tuple[threading.Thread, dist.ProcessGroup]] = []  # threads abandon() left, their group
         self._in_flight: tuple[int, int] | None = None  # active: (step sent, peer)
         self._landed: list[Landed] = []  # passive: the means the thread kept, not applied yet
         self._view: torch.Tensor | None = None  # passive: the newest model (published, or a mean since)
         self._view_step = 0
+        self._serving: int | None = None  # passive: the step of the view the thread is sending now
         self._error: BaseException | None = None
         self._blocked_s = 0.0  # this step's wait for the staleness bound
         self._refs: dict[int, torch.Tensor] = {}  # compress="gtc": each edge's reference, by peer (thread only)
@@ -246,6 +272,14 @@ class ADPSGDState(AveragingState):
         """Whether the communication thread runs (since the first step after the last sync point)."""
         return self._thread is not None
 
+    def uses(self, group: dist.ProcessGroup) -> bool:
+        """Whether a thread of this state may still call into ``group`` (the running one, or one that
+        :meth:`abandon` left blocked in it): the group must not be destroyed under it."""
+        if self._thread is not None and self._run is not None and self._run.group is group:
+            return True
+        self._left = [(thread, g) for thread, g in self._left if thread.is_alive()]
+        return any(g is group for _, g in self._left)
+
     # ---- the training loop's side ----------------------------------------------------------------
 
     def start(self, params: list[torch.Tensor]) -> None:
@@ -254,18 +288,19 @@ class ADPSGDState(AveragingState):
         if self._thread is not None:
             return
         self._error = None
+        self._run = run = _Run(self.comm_group)
         if self.active:
             target = self._active_loop
         else:
-            self._view, self._view_step = self._flat(params), self.step
+            self._view, self._view_step, self._serving = self._flat(params), self.step, None
             target = self._passive_loop
-        self._thread = threading.Thread(target=target, name=f"adpsgd-rank{self.rank}", daemon=True)
+        self._thread = threading.Thread(target=target, args=(run,), name=f"adpsgd-rank{self.rank}", daemon=True)
         self._thread.start()
 
     @override
     def after_step(self, params: list[torch.Tensor], optimizers: list[Optimizer]) -> SyncStats:
         """The step boundary: apply the means that landed, and on an active rank start the next
-        exchange, blocking first when the one in flight reached ``max_staleness``."""
+        exchange; on either side block first when the exchange in flight reached ``max_staleness``."""
         if not self.averaging:
             return super().after_step(params, optimizers)  # a dense warmup step
         started = time.perf_counter()
@@ -278,34 +313,54 @@ class ADPSGDState(AveragingState):
             if self._in_flight is not None and self.step - self._in_flight[0] >= self.max_staleness:
                 landed += self._collect(params, block=True)
             if self._in_flight is None and self._thread is not None:
+                assert self._run is not None
                 peer = schedule_peer(self.rank, len(self.actives) + len(self.passives), self.exchanges,
                                      self.peering, self.seed)  # fmt: skip
                 self.exchanges += 1
                 self._in_flight = (self.step, peer)
-                self._jobs.put((self._flat(params), self.step, peer))
+                self._run.jobs.put((self._flat(params), self.step, peer))
         else:
-            with self._lock:
-                landed, self._landed = self._landed, []
-                self._apply(params, landed)
-                self._view, self._view_step = self._flat(params), self.step
+            landed = self._publish(params)
         stats = self._count(params, landed, time.perf_counter() - started)
         self._record(stats)
         return stats
+
+    def _publish(self, params: list[torch.Tensor]) -> list[Landed]:
+        """Passive: apply the means that landed and publish the result as the model the thread sends.
+        The copies from and to the device run outside the lock (on a GPU the first waits for the
+        step's kernels): the thread serves meanwhile, from the model published at the last boundary."""
+        x = self._flat(params)
+        with self._changed:
+            if self._serving is not None and self.step - self._serving >= self.max_staleness:
+                waited = time.perf_counter()
+                while self._serving is not None and self.step - self._serving >= self.max_staleness:
+                    if self._error is not None or self._thread is None or not self._thread.is_alive():
+                        break
+                    self._changed.wait(timeout=1.0)
+                self._blocked_s += time.perf_counter() - waited
+            landed, self._landed = self._landed, []
+            x = self._moved(x, landed)
+            self._view, self._view_step = x, self.step
+        self._raise_error()
+        if landed:
+            unflatten_(x, params)
+        return landed
 
     def drain(self, params: list[torch.Tensor]) -> bool:
         """A global synchronisation point, on every rank: finish the exchanges, stop the thread and
         apply every mean. Returns whether anything ran (``False``: it was stopped already)."""
         if self._thread is None:
             return False
+        assert self._run is not None
         landed: list[Landed] = []
         if self.active:
             if self._in_flight is not None:
                 landed += self._collect(params, block=True)
-            self._jobs.put(None)
+            self._run.jobs.put(None)
             self._thread.join()
             self._raise_error()
             header = torch.tensor([STOP, self.step, self.rank, DENSE], dtype=torch.int64)
-            works = [dist.isend(header, peer, group=self.comm_group, tag=HEADER_TAG) for peer in self.passives]
+            works = [dist.isend(header, peer, group=self._run.group, tag=HEADER_TAG) for peer in self.passives]
             for work in works:
                 work.wait()
         else:
@@ -313,9 +368,9 @@ class ADPSGDState(AveragingState):
             self._raise_error()
             with self._lock:
                 landed, self._landed = self._landed, []
-                self._apply(params, landed)
                 self._view = None
-        self._thread = None
+            self._apply(params, landed)
+        self._thread = self._run = None
         self._forget_references()
         for item in landed:  # (the step counter stays: staleness counts the steps since each was sent)
             self._note(item)
@@ -330,37 +385,52 @@ class ADPSGDState(AveragingState):
 
     def abandon(self) -> None:
         """After an exception in the training loop: let the thread go without waiting for it (an
-        active rank's stops after its exchange; a passive rank's stays blocked until the group's
-        timeout, a daemon thread that does not keep the process alive)."""
-        if self._thread is not None and self.active:
-            self._jobs.put(None)
-            self._thread = None  # (a passive rank's stays: `running`, so that its group is not destroyed under it)
+        active rank's stops after its exchange; a passive rank's stays blocked in the group until its
+        timeout, a daemon thread that does not keep the process alive). The means in flight are
+        dropped; a later fit starts a thread of its own, on its own group, and the one left here
+        writes nothing of it."""
+        run, thread = self._run, self._thread
+        if run is not None:
+            with self._changed:
+                run.abandoned = True
+                self._landed, self._view, self._serving = [], None, None
+                self._changed.notify_all()
+            run.jobs.put(None)
+            if thread is not None and thread.is_alive():
+                self._left.append((thread, run.group))
+        self._thread = self._run = None
         self._in_flight = None
+        self._refs = {}
 
     def _flat(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """A flat host copy of ``params`` (on a GPU: it waits for the kernels queued before it)."""
         return flatten(params).cpu()
 
-    def _apply(self, params: list[torch.Tensor], landed: list[Landed]) -> None:
+    @staticmethod
+    def _moved(x: torch.Tensor, landed: list[Landed]) -> torch.Tensor:
         """``x <- m + (x - s)`` for each landed mean in turn (exactly ``m`` when ``x`` is still ``s``);
-        ``x <- x + delta`` for a coded exchange's move."""
-        if not landed:
-            return
-        x = self._flat(params)
+        ``x <- x + delta`` for a coded exchange's move. New tensors: ``x`` is not written."""
         for item in landed:
             x = x + item.delta if item.delta is not None else item.mean + (x - item.sent)
-        unflatten_(x, params)
+        return x
+
+    def _apply(self, params: list[torch.Tensor], landed: list[Landed]) -> None:
+        """The landed means (:meth:`_moved`) applied to ``params``."""
+        if landed:
+            unflatten_(self._moved(self._flat(params), landed), params)
 
     def _collect(self, params: list[torch.Tensor], block: bool) -> list[Landed]:
         """Active: the exchange in flight, applied if it landed (waited for when ``block``)."""
         if self._in_flight is None:
             return []
+        assert self._run is not None
         try:
             if block:
                 waited = time.perf_counter()
-                item = self._arrived.get()
+                item = self._run.arrived.get()
                 self._blocked_s += time.perf_counter() - waited
             else:
-                item = self._arrived.get_nowait()
+                item = self._run.arrived.get_nowait()
         except queue.Empty:
             return []
         self._in_flight = None
@@ -404,68 +474,81 @@ class ADPSGDState(AveragingState):
 
     # ---- the communication thread ------------------------------------------------------------------
 
-    def _active_loop(self) -> None:
+    def _active_loop(self, run: _Run) -> None:
         while True:
-            job = self._jobs.get()
+            job = run.jobs.get()
             if job is None:
                 return
             sent, step, peer = job
             try:
-                self._arrived.put(self._exchange(sent, step, peer))
+                run.arrived.put(self._exchange(run, sent, step, peer))
             except BaseException as error:  # noqa: BLE001  (the training loop raises it)
-                self._arrived.put(error)
+                run.arrived.put(error)
                 return
 
-    def _exchange(self, sent: torch.Tensor, step: int, peer: int) -> Landed:
+    def _wait(self, works: list) -> None:
+        """Wait for an exchange's sends and receives (both directions at once)."""
+        for work in works:
+            work.wait()
+
+    def _exchange(self, run: _Run, sent: torch.Tensor, step: int, peer: int) -> Landed:
         started = time.perf_counter()
-        group = self.comm_group
+        group = run.group
         ref = self._refs.get(peer)
         payload = sent if ref is None else encode_largest(sent - ref, coded_words(sent.numel(), self.density))
         header = torch.tensor([REQUEST, step, self.rank, DENSE if ref is None else CODED], dtype=torch.int64)
         reply_header, reply = torch.empty(HEADER_WORDS, dtype=torch.int64), torch.empty_like(payload)
-        works = [  # the receives posted before the sends, as for dpsgd's neighbour exchange
+        self._wait([  # the receives posted before the sends, as for dpsgd's neighbour exchange
             dist.irecv(reply_header, peer, group=group, tag=REPLY_HEADER_TAG),
             dist.irecv(reply, peer, group=group, tag=REPLY_TAG),
             dist.isend(header, peer, group=group, tag=HEADER_TAG),
             dist.isend(payload, peer, group=group, tag=MODEL_TAG),
-        ]
-        for work in works:
-            work.wait()
+        ])  # fmt: skip
         size, peer_step = payload.numel() * payload.element_size(), int(reply_header[1])
         if ref is not None:
             mine, theirs = decode_largest(payload, sent.numel()), decode_largest(reply, sent.numel())
-            self._refs[peer] = ref + (mine + theirs) * 0.5
+            with self._lock:
+                if not run.abandoned:
+                    self._refs[peer] = ref + (mine + theirs) * 0.5
             delta = (theirs - mine) * 0.5
             return Landed(None, sent, step, peer, peer_step, time.perf_counter() - started, size, delta)
         mean = (sent + reply).mul_(0.5)
         if self.compress == "gtc":
-            self._refs[peer] = mean  # (never written in place)
+            with self._lock:
+                if not run.abandoned:
+                    self._refs[peer] = mean  # (never written in place)
         return Landed(mean, sent, step, peer, peer_step, time.perf_counter() - started, size)
 
-    def _passive_loop(self) -> None:
+    def _passive_loop(self, run: _Run) -> None:
         try:
             stopped = 0
             header = torch.empty(HEADER_WORDS, dtype=torch.int64)
             while stopped < len(self.actives):
-                src = dist.recv(header, None, group=self.comm_group, tag=HEADER_TAG)
+                src = dist.recv(header, None, group=run.group, tag=HEADER_TAG)
                 kind, peer_step, _, payload = header.tolist()
                 if kind == STOP:
                     stopped += 1
                     continue
-                self._serve(src, peer_step, payload == CODED)
+                self._serve(run, src, peer_step, payload == CODED)
         except BaseException as error:  # noqa: BLE001  (the training loop raises it)
-            self._error = error
+            with self._changed:
+                if not run.abandoned:
+                    self._error, self._serving = error, None
+                    self._changed.notify_all()
 
-    def _serve(self, src: int, peer_step: int, coded: bool = False) -> None:
+    def _serve(self, run: _Run, src: int, peer_step: int, coded: bool = False) -> None:
         """One request: the newest model (or its coded residual) goes back while the peer's arrives
         (both directions at once), then the mean (or the move) is kept. Should the training loop
         publish a newer model meanwhile, the model the next request gets is that one moved by the mean:
         ``m + (newer - sent)``."""
         started = time.perf_counter()
         with self._lock:
+            if run.abandoned:
+                return
             sent, sent_step = self._view, self._view_step
+            ref = self._refs.get(src)
+            self._serving = sent_step
         assert sent is not None
-        ref = self._refs.get(src)
         if coded and ref is None:
             raise RuntimeError(
                 f"adpsgd: rank {src} sent a coded exchange, but rank {self.rank} holds no reference for their pair "
@@ -474,30 +557,32 @@ class ADPSGDState(AveragingState):
         payload = encode_largest(sent - ref, coded_words(sent.numel(), self.density)) if coded else sent
         incoming = torch.empty_like(payload)
         reply_header = torch.tensor([REQUEST, sent_step, self.rank, CODED if coded else DENSE], dtype=torch.int64)
-        works = [
-            dist.irecv(incoming, src, group=self.comm_group, tag=MODEL_TAG),
-            dist.isend(reply_header, src, group=self.comm_group, tag=REPLY_HEADER_TAG),
-            dist.isend(payload, src, group=self.comm_group, tag=REPLY_TAG),
-        ]
-        for work in works:
-            work.wait()
+        self._wait([
+            dist.irecv(incoming, src, group=run.group, tag=MODEL_TAG),
+            dist.isend(reply_header, src, group=run.group, tag=REPLY_HEADER_TAG),
+            dist.isend(payload, src, group=run.group, tag=REPLY_TAG),
+        ])  # fmt: skip
         size = payload.numel() * payload.element_size()
         if coded:
             theirs, mine = decode_largest(incoming, sent.numel()), decode_largest(payload, sent.numel())
-            self._refs[src] = ref + (theirs + mine) * 0.5
-            delta = (theirs - mine) * 0.5
-            with self._lock:
+            ref, delta = ref + (theirs + mine) * 0.5, (theirs - mine) * 0.5
+            landed = Landed(None, sent, sent_step, src, peer_step, time.perf_counter() - started, size, delta)
+        else:
+            mean = (incoming + sent).mul_(0.5)
+            ref, delta = mean, None  # (the reference: never written in place)
+            landed = Landed(mean, sent, sent_step, src, peer_step, time.perf_counter() - started, size)
+        with self._changed:  # atomic with the training loop's step boundary
+            if run.abandoned:
+                return
+            if coded or self.compress == "gtc":
+                self._refs[src] = ref
+            if delta is not None:
                 self._view = self._view + delta
-                self._landed.append(
-                    Landed(None, sent, sent_step, src, peer_step, time.perf_counter() - started, size, delta)
-                )
-            return
-        mean = (incoming + sent).mul_(0.5)
-        if self.compress == "gtc":
-            self._refs[src] = mean  # (never written in place)
-        with self._lock:  # atomic with the training loop's step boundary
-            self._view = mean if self._view is sent else mean + (self._view - sent)
-            self._landed.append(Landed(mean, sent, sent_step, src, peer_step, time.perf_counter() - started, size))
+            else:
+                self._view = mean if self._view is sent else mean + (self._view - sent)
+            self._landed.append(landed)
+            self._serving = None
+            self._changed.notify_all()
 
     # ---- the collectives of the synchronisation points -------------------------------------------------
 
@@ -544,8 +629,8 @@ class ADPSGDState(AveragingState):
     def __getstate__(self) -> dict:
         """As :class:`AveragingState`'s, without the thread, its queues and lock, and the group."""
         state = {**self.__dict__, "process_group": None, "spread": None, "comm_group": None}
-        state.update(_lock=None, _thread=None, _jobs=None, _arrived=None, _landed=[], _view=None, _in_flight=None,
-                     _refs={})
+        state.update(_lock=None, _changed=None, _thread=None, _run=None, _left=[], _landed=[], _view=None,
+                     _in_flight=None, _serving=None, _refs={})
         return state
 
     @override
