@@ -20,7 +20,7 @@ from _strategy_helpers import (
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from gtc_lightning import BMUFGTCStrategy, BMUFStrategy
-from gtc_lightning.algorithms.averaging.bmuf import block_update_, group_ranks
+from gtc_lightning.algorithms.averaging.bmuf import BMUFState, block_update_, group_ranks
 from gtc_lightning.algorithms.common import allreduce_bytes
 
 K = 3  # block syncs after steps 3 and 6 of 8 (2 epochs x 4 batches per rank)
@@ -54,6 +54,18 @@ def test_block_update_by_hand():
     assert run_blocks([0, -2], 0.5, 0.5, nesterov=False) == [(0.5, -0.5, 0.5), (-1.0, -1.5, -1.0)]
     # η = 0, ζ = 1 is model averaging: the next block starts from the mean.
     assert [start for *_, start in run_blocks([0.25, -2], 0.0, 1.0, nesterov=True)] == [0.25, -2]
+
+
+def test_w_and_delta_loaded_on_the_cpu_move_to_the_device_of_the_mean_at_the_first_block():
+    """A shard gives W and Δ as Lightning's checkpoint IO loads them, on the CPU; after a resume on a
+    GPU the first block's mean is on the GPU ("meta" stands in for it here): W and Δ move there."""
+    state = BMUFState(period=2, block_momentum=0.5, world_size=2)
+    state.load_state_dict({"step": 4, "totals": {}, "global_params": torch.ones(3), "delta": torch.zeros(3)})
+    start = state.update(torch.zeros(3, device="meta"))
+    assert state.global_params.device.type == state.delta.device.type == start.device.type == "meta"
+    state = BMUFState(period=2, block_momentum=0.5, nesterov=False, world_size=2)  # on the CPU: as by hand
+    state.load_state_dict({"step": 4, "totals": {}, "global_params": torch.ones(1), "delta": torch.zeros(1)})
+    assert float(state.update(torch.zeros(1))) == 0.0 and float(state.delta) == -1.0
 
 
 def test_diloco_outer_nesterov_step_is_bmuf_with_nesterov_block_momentum_by_hand():

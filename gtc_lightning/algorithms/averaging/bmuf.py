@@ -116,6 +116,8 @@ class BMUFState(AveragingState):
         assert self.global_params is not None and self.delta is not None, (
             "begin() sets W before the first block"
         )
+        if self.global_params.device != mean.device:  # loaded from a shard: on the CPU
+            self.global_params, self.delta = self.global_params.to(mean.device), self.delta.to(mean.device)
         return block_update_(
             self.global_params, self.delta, mean.to(self.global_params.dtype),
             self.block_momentum, self.block_lr, self.nesterov,
@@ -127,6 +129,8 @@ class BMUFState(AveragingState):
 
     @override
     def load_state_dict(self, saved: dict) -> None:
+        """W and Δ as saved, where the checkpoint IO put them (Lightning's maps a shard to the CPU);
+        the first block moves them to the model's device, where the mean is."""
         super().load_state_dict(saved)
         if "global_params" in saved:
             self.global_params, self.delta = saved["global_params"], saved["delta"]
