@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -298,3 +299,106 @@ def _initial_dnn():
     from gtc_lightning.tools.bench_step import make_dnn
 
     return make_dnn((3, 256, 50), lr=0.5)
+
+
+# ---- the averaging family on the GPU: adpsgd's host copies, BMUF's resume ----------------------
+
+
+def _averaging_main(rank: int, world: int, port: int, out: str, mode: str, accelerator: str = "gpu") -> None:
+    """One rank of two sharing cuda:0 over gloo (``accelerator="cpu"`` runs the same on the CPU).
+
+    ``adpsgd``: 12 steps, ``max_staleness=1``, each with 50 ms of GPU work (``torch.cuda._sleep``)
+    that the host copies at the step boundary wait for; ``adpsgd_collective``: the same with a
+    ``self.log(..., sync_dist=True)`` in every step, before that work. ``bmuf``: ``period=2``, a checkpoint at step 3, then a new Trainer that
+    resumes from it to step 8 (its first block, at step 4, mixes the shard's W and Δ with the mean).
+    """
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), LOCAL_RANK="0",
+                      WORLD_SIZE=str(world), GLOBAL_RANK=str(rank))  # fmt: skip
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gtc_lightning import ADPSGDStrategy, BMUFStrategy
+    from gtc_lightning.tools.bench_step import make_dnn
+
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own frames
+    data = DataLoader(TensorDataset(torch.randn(12 * 64, 17 * 40, generator=g),
+                                    torch.randint(0, 50, (12 * 64,), generator=g)), batch_size=64)  # fmt: skip
+    kwargs = {"accelerator": accelerator, "devices": 1, "num_nodes": world, "logger": False,
+              "enable_progress_bar": False, "enable_model_summary": False, "use_distributed_sampler": False,
+              "default_root_dir": out}  # fmt: skip
+    model = make_dnn((3, 256, 50), lr=0.5)
+    record: dict = {}
+    if mode.startswith("adpsgd"):
+        step = model.training_step
+
+        def training_step(batch, batch_idx):
+            loss = step(batch, batch_idx)
+            if mode == "adpsgd_collective":
+                model.log("loss", loss, sync_dist=True)  # a collective in every step
+            if torch.cuda.is_available():
+                torch.cuda._sleep(100_000_000)  # ~50 ms of GPU work, queued after the collective
+            return loss
+
+        model.training_step = training_step
+        strategy = ADPSGDStrategy(max_staleness=1, process_group_backend="gloo", timeout=timedelta(seconds=60))
+        trainer = L.Trainer(strategy=strategy, max_steps=12, enable_checkpointing=False, **kwargs)
+        trainer.fit(model, data)
+        record["totals"] = strategy.adpsgd_state.stats()["total"]
+    else:
+        checkpoint = ModelCheckpoint(dirpath=Path(out) / "ckpt", every_n_train_steps=3, save_top_k=-1)
+        first = L.Trainer(strategy=BMUFStrategy(period=2, process_group_backend="gloo"), max_steps=3,
+                          callbacks=[checkpoint], **kwargs)  # fmt: skip
+        first.fit(model, data)
+        strategy = BMUFStrategy(period=2, process_group_backend="gloo")
+        second = L.Trainer(strategy=strategy, max_steps=8, enable_checkpointing=False, **kwargs)
+        model = make_dnn((3, 256, 50), lr=0.5)
+        second.fit(model, data, ckpt_path=str(Path(out) / "ckpt" / "epoch=0-step=3.ckpt"))
+        state = strategy.averaging_state
+        record.update(global_step=second.global_step, syncs=state.stats()["total"]["syncs"],
+                      w_device=str(state.global_params.device), delta_device=str(state.delta.device))  # fmt: skip
+    record["params"] = torch.cat([p.detach().float().cpu().reshape(-1) for p in model.parameters()])
+    torch.save(record, Path(out) / f"rank{rank}.pt")
+
+
+def _launch_averaging(tmp_path: Path, mode: str, accelerator: str = "gpu") -> list[dict]:
+    from gtc_lightning.tools.bench_step import free_port
+
+    out = tmp_path / mode
+    out.mkdir()
+    port = free_port()
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    code = "import sys, test_cuda; a = sys.argv[1:]; test_cuda._averaging_main(int(a[0]), 2, int(a[1]), *a[2:])"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(r), str(port), str(out), mode, accelerator],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("mode", ["adpsgd", "adpsgd_collective"])
+def test_adpsgd_passive_answers_while_its_host_copy_waits_for_the_gpu(tmp_path, mode):
+    """The passive rank's host copy at each step boundary waits for the step's 50 ms of GPU work; its
+    thread answers meanwhile (the copy runs outside the lock), so the active rank, which waits for
+    every exchange at its next boundary, is not held up by the copies (behind them: up to 50 ms a
+    step); with a collective in every step the ranks finish too."""
+    runs = _launch_averaging(tmp_path, mode)
+    active = runs[0]["totals"]
+    assert active["steps"] == 12 and active["applied"] >= 11, active
+    assert active["blocked_s"] < 0.02 * 12, active
+    assert torch.equal(bits(runs[0]["params"]), bits(runs[1]["params"]))  # the consensus at the end
+
+
+def test_bmuf_resumes_on_cuda_with_w_and_delta_on_the_gpu(tmp_path):
+    """A resume loads W and Δ from the shard on the CPU; the first block moves them to the GPU."""
+    runs = _launch_averaging(tmp_path, "bmuf")
+    for rec in runs:
+        assert rec["global_step"] == 8 and rec["syncs"] >= 2, rec
+        assert rec["w_device"] == rec["delta_device"] == "cuda:0", rec
+    assert torch.equal(bits(runs[0]["params"]), bits(runs[1]["params"]))  # step 8 ends a block
