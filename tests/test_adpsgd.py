@@ -567,6 +567,54 @@ def test_a_fit_after_an_exception_exchanges_on_a_thread_of_its_own(tmp_path, com
         assert not rank["running"] and torch.equal(rank["final"], out[0]["final"])
 
 
+def _resume_from_shards_of_different_steps(rank: int, out_dir: Path) -> list[str]:
+    """One rank of: a fit of 4 steps with a checkpoint at the last; rank 1 sets its shard's step to 5,
+    as a SIGTERM to every rank leaves it when rank 1 stopped a batch later (its model one step further);
+    then a resume. Returns what this rank logged as warnings."""
+    import logging
+
+    world = 2
+
+    def trainer(callbacks: list) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu", devices=world, strategy=ADPSGDStrategy(timeout=TIMEOUT), max_epochs=1, logger=False,
+            enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=out_dir,
+        )  # fmt: skip
+
+    samples = world * 4 * BATCH
+    trainer([ModelCheckpoint(dirpath=out_dir / "ckpt", every_n_train_steps=4, save_top_k=-1)]).fit(
+        TinyMLP(samples=samples)
+    )
+    ckpt = out_dir / "ckpt" / "epoch=0-step=4.ckpt"
+    if rank == 1:
+        shard_path = f"{ckpt}.adpsgd/rank1.pt"
+        shard = torch.load(shard_path, weights_only=False)
+        shard["averaging"]["step"] = 5
+        torch.save(shard, shard_path)
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    logger = logging.getLogger("gtc_lightning.strategies.adpsgd")
+    logger.addHandler(handler := Keep(level=logging.WARNING))
+    try:
+        trainer([]).fit(TinyMLP(samples=samples), ckpt_path=str(ckpt))
+    finally:
+        logger.removeHandler(handler)
+    return warnings
+
+
+def test_a_resume_from_shards_of_different_steps_says_what_follows(tmp_path):
+    out = run_ranks(tmp_path, _resume_from_shards_of_different_steps, devices=2, timeout=60)
+    assert not [w for w in out[0] if "shard is at step" in w]
+    (said,) = [w for w in out[1] if "shard is at step" in w]
+    assert "rank 1's shard is at step 5, the checkpoint (rank 0's" in said and "at step 4" in said, said
+    assert "repeats 1 batch(es)" in said and "stays 1 apart" in said, said
+
+
 def test_warmup_steps_are_dense_and_identical_then_the_ranks_step_alone(tmp_path):
     _, ranks = fit(tmp_path, strategy=ADPSGDStrategy, warmup_steps=2, max_epochs=1, model_kwargs=SGD)
     for t in range(2):  # DDP's all-reduce: the same averaged gradient on both ranks

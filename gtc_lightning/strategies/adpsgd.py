@@ -27,14 +27,24 @@ with every rank on that average (``average_at_end``), the checkpoint holds the a
 ``<checkpoint>.adpsgd/rank<r>.pt`` every rank's own parameters, optimizer state and schedule
 position (:class:`~gtc_lightning.strategies.averaging.RankShards`), taken after the drain: a resume
 restores each rank's state bit for bit. What happens after it depends, as in the uninterrupted run,
-on which exchange lands at which step: the runs are not reproducible step for step.
+on which exchange lands at which step: the runs are not reproducible step for step. Only the
+trainable parameters are averaged: buffers (BatchNorm's running statistics) stay each rank's own,
+DDP broadcasting none after the warmup, so after fit the ranks' buffers differ and the checkpoint
+holds the averaged parameters with rank 0's buffers (a 16-32-4 MLP with ``BatchNorm1d``, 2 ranks, 8
+steps: ``running_mean`` differed by up to 0.14 and ``running_var`` by 0.47 between the ranks).
 
 Each rank runs the same number of batches per epoch (Lightning's sampler), so the fast ranks wait
 for a slow one at the next synchronisation point: between two of them they run at their own pace.
 Nothing else synchronises them: DDP runs no collective after the warmup, and the Trainer's
 broadcast of rank 0's SIGTERM flag before every batch is skipped (:func:`no_sigterm_broadcast`;
-each rank still stops on a SIGTERM of its own). A ``self.log(..., sync_dist=True)`` in
-``training_step`` is a collective per step, and makes every rank wait for the slowest again.
+each rank still stops on a SIGTERM of its own). So a SIGTERM to every rank stops each at the end of
+the batch it is in, not at the same step: a checkpoint saved then (``OnExceptionCheckpoint``) holds
+shards of different steps (6 and 7 in one such run) while the Trainer resumes from rank 0's progress,
+and a rank whose shard is ahead repeats its batches of that gap and keeps its step counter ahead (the
+resume logs a warning). Checkpoints that ``ModelCheckpoint`` saves are taken at the same step on
+every rank. A ``self.log(..., sync_dist=True)`` in ``training_step`` is a collective per step, and
+makes every rank wait for the slowest again (the exchanges go on: a passive rank's copies to and from
+the device run outside the lock its communication thread takes).
 """
 
 from __future__ import annotations
@@ -231,6 +241,21 @@ class ADPSGDStrategy(DPSGDStrategy):
         output = super(DPSGDStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
         self._sync_gradients()
         return output
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)  # (LocalStepsMixin's: this rank's shard)
+        entry, state = checkpoint.get(self.name), self._state
+        if isinstance(entry, dict) and isinstance(state, ADPSGDState) and state.step != entry.get("step", state.step):
+            gap = state.step - int(entry["step"])
+            log.warning(
+                "%s: rank %d's shard is at step %d, the checkpoint (rank 0's, whose progress the Trainer resumes) at "
+                "step %d: the ranks stopped at different steps (each rank stops on its own SIGTERM). This rank %s %d "
+                "batch(es) of the epoch and its step counter stays %d apart. Resume from a checkpoint that "
+                "ModelCheckpoint saved (every rank at the same step), or with restore_shards=False",
+                self.name, self.global_rank, state.step, int(entry["step"]), "repeats" if gap > 0 else "skips",
+                abs(gap), gap,
+            )  # fmt: skip
 
     @override
     def _unfrozen_diverges(self) -> str | None:
