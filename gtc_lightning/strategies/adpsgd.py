@@ -131,8 +131,8 @@ class ADPSGDStrategy(DPSGDStrategy):
     ) -> None:
         check_int(
             "max_staleness", max_staleness, 1,
-            "local steps an exchange may stay in flight; the odd ranks apply each mean one step after the model "
-            "they sent, so 0 cannot be kept: use dpsgd for the synchronous form",
+            "local steps an exchange may stay in flight; the odd ranks apply each mean at the earliest one step "
+            "after the model they sent, so 0 cannot be kept: use dpsgd for the synchronous form",
         )  # fmt: skip
         if peering not in PEERINGS:
             raise ValueError(f"Expect peering in {PEERINGS} (the schedule of each even rank's peers), got {peering!r}")
