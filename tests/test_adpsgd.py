@@ -35,7 +35,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from gtc_lightning import ADPSGDStrategy
 from gtc_lightning.algorithms.averaging import coded_exchange
-from gtc_lightning.algorithms.averaging.adpsgd import ADPSGDState, check_world, schedule_peer
+from gtc_lightning.algorithms.averaging.adpsgd import ADPSGDState
+from gtc_lightning.algorithms.averaging.pairing import check_world, schedule_peer
 
 SGD = {"momentum": 0.0}
 

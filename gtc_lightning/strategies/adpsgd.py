@@ -62,8 +62,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from gtc_lightning.algorithms.averaging.adpsgd import PEERINGS, ADPSGDState, check_compression, check_world
+from gtc_lightning.algorithms.averaging.adpsgd import ADPSGDState, check_compression
 from gtc_lightning.algorithms.averaging.model_averaging import local_hook
+from gtc_lightning.algorithms.averaging.pairing import PEERINGS, check_world
 from gtc_lightning.algorithms.common import check_int
 from gtc_lightning.strategies.averaging import LocalStepsMixin
 from gtc_lightning.strategies.common import add_callback

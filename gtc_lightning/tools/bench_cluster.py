@@ -398,7 +398,7 @@ def replay(plan: dict, segments: dict, facts: dict) -> dict:
 def pair_peer(rank: int, world: int, step: int) -> int:
     """``adpsgd``'s peer at ``step`` on the ring schedule, as every rank sees it: an even rank's
     right neighbour on even steps and left one on odd steps; an odd rank's the even rank that picks it."""
-    from gtc_lightning.algorithms.averaging.adpsgd import schedule_peer
+    from gtc_lightning.algorithms.averaging.pairing import schedule_peer
 
     if rank % 2 == 0:
         return schedule_peer(rank, world, step)

@@ -9,7 +9,7 @@ with one peer, without a global barrier:
 * The ranks are split in two: even ranks are *active*, odd ranks *passive*. Only an active rank
   starts an exchange, and only with a passive one, so that no two ranks wait for each other in a
   cycle (the communication graph is bipartite: deadlock-free). The peer of an active rank's n-th
-  exchange comes from a fixed schedule (:func:`schedule_peer`): ``"ring"`` alternates between its
+  exchange comes from a fixed schedule (:func:`~gtc_lightning.algorithms.averaging.pairing.schedule_peer`): ``"ring"`` alternates between its
   right and left ring neighbours as Zhang et al. do, ``"random"`` draws a passive rank from a seeded
   hash of (seed, rank, n). The schedule keeps no state but the exchange counter, which a
   checkpoint keeps.
@@ -87,45 +87,17 @@ from gtc_lightning.algorithms.averaging.model_averaging import (
     flatten,
     unflatten_,
 )
+from gtc_lightning.algorithms.averaging.pairing import actives, check_world, passives, schedule_peer
 from gtc_lightning.algorithms.common import allreduce_bytes, check_int
 
 log = logging.getLogger(__name__)
 
-PEERINGS = ("ring", "random")
 COMPRESSIONS = ("none", "gtc")
 REQUEST, STOP = 1, 0  # the header's first word
 DENSE, CODED = 0, 1  # the header's last word: what the payload is
 HEADER_TAG, MODEL_TAG, REPLY_HEADER_TAG, REPLY_TAG = 11, 12, 13, 14
 HEADER_WORDS = 4  # [kind, the sender's step, the sender's rank, DENSE or CODED]
 ADPSGD_TOTALS = ("applied", "staleness_sum", "staleness_max", "lag_sum", "blocked_s")
-
-
-def actives(world: int) -> list[int]:
-    """The ranks that start exchanges: the even ones."""
-    return list(range(0, world, 2))
-
-
-def passives(world: int) -> list[int]:
-    """The ranks that answer them: the odd ones."""
-    return list(range(1, world, 2))
-
-
-def check_world(world: int, peering: str) -> None:
-    """At least 2 ranks; the ring pairing needs an even number (on an odd ring two even ranks are
-    neighbours, and neither would answer the other)."""
-    if peering not in PEERINGS:
-        raise ValueError(f"Expect peering in {PEERINGS}, got {peering!r}")
-    if world < 2:
-        raise ValueError(
-            f"adpsgd averages each rank with a peer, so it needs at least 2 ranks; got {world}. "
-            "Train with more devices (or num_nodes), or with a single-device strategy"
-        )
-    if peering == "ring" and world % 2:
-        raise ValueError(
-            f"adpsgd with peering='ring' pairs each even rank with its odd ring neighbours, which needs an even "
-            f"number of ranks; got {world}. Use an even number of ranks, or peering='random' (each even rank draws "
-            "an odd peer)"
-        )
 
 
 def check_compression(compress: str, density: float) -> None:
@@ -140,34 +112,6 @@ def check_compression(compress: str, density: float) -> None:
             f"adpsgd: density={density!r} must be a number in (0, 1]: the share of the parameters a coded "
             "exchange sends (e.g. 0.01)"
         )
-
-
-def _mix(*words: int) -> int:
-    """splitmix64 over the words: a stateless, seeded hash (the schedule needs no saved generator)."""
-    x = 0x9E3779B97F4A7C15
-    for w in words:
-        x = (x ^ (w & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
-        x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
-    return x
-
-
-def schedule_peer(rank: int, world: int, exchange: int, peering: str = "ring", seed: int = 0) -> int:
-    """The passive peer of active ``rank``'s ``exchange``-th exchange (from 0).
-
-    ``"ring"``: the right neighbour on even exchanges, the left one on odd ones (the one other rank
-    when ``world == 2``): the active ranks' ``n``-th exchanges form disjoint pairs. The ranks reach
-    their ``n``-th exchange at different times, though (there is no lockstep), so a passive rank may
-    be asked by two active ranks at once; it answers them in turn. ``"random"``: a passive rank drawn
-    from a hash of (``seed``, ``rank``, ``exchange``)."""
-    if rank % 2:
-        raise ValueError(f"rank {rank} is passive: only even ranks start exchanges")
-    if peering == "ring":
-        return (rank + 1) % world if exchange % 2 == 0 else (rank - 1) % world
-    choices = passives(world)
-    return choices[_mix(seed, rank, exchange) % len(choices)]
 
 
 @dataclass
@@ -207,7 +151,7 @@ class ADPSGDState(AveragingState):
             only by the exchange.
         max_staleness: local steps an exchange may stay in flight, on either side of it: at that many
             the rank blocks at its step boundary until it lands (>= 1).
-        peering: ``"ring"`` or ``"random"`` (:func:`schedule_peer`).
+        peering: ``"ring"`` or ``"random"`` (:func:`~gtc_lightning.algorithms.averaging.pairing.schedule_peer`).
         seed: the ``"random"`` schedule's seed.
         warmup_steps: optimizer steps of dense gradient all-reduce before the exchanges start.
         compress: ``"none"`` (whole models) or ``"gtc"`` (coded exchanges, see the module's text).
