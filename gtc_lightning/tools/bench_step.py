@@ -13,8 +13,9 @@ every ``gtc_*`` here but ``gtc_update``, not GTCStrategy's defaults; its exchang
 ``gtc_update`` (GTCStrategy's defaults as of 2026-11-28, asked for explicitly: each rank's optimizer steps
 on its own gradient and GTC compresses the step it made, a per-rank tau at density 1e-2, Golomb-Rice
 coded; ``gtc_update_blocking``: the same with ``busy_wait=False``, every collective waited for by
-blocking instead of polling), ``powersgd_r1`` / ``powersgd_r4`` (torch's PowerSGD hook at rank 1 and 4, built as the model
-suite builds them; the bytes of every all-reduce the hook issues are counted), ``gtc_rice``
+blocking instead of polling; ``gtc_update_twopass``: the same through the update mode's reference
+passes, ``update.ONE_PASS = False``: the fold and the emission one after the other, a dense decode),
+``powersgd_r1`` / ``powersgd_r4`` (torch's PowerSGD hook at rank 1 and 4, built as the model suite builds them; the bytes of every all-reduce the hook issues are counted), ``gtc_rice``
 (the same, Golomb-Rice coded), ``gtc_alltoall`` / ``gtc_allgather`` (the two word exchanges, uneven
 messages or padded to the longest), ``gtc_stale`` (one-step-stale GTC: the word exchange overlaps the next
 step), ``gtc_ddpbuckets`` (GTC in DDP's default 25 MB buckets, one threshold pass each, instead of
@@ -48,7 +49,7 @@ from pathlib import Path
 
 STRATEGIES = (
     "ddp", "ddp_bf16", "gtc", "gtc_alltoall", "gtc_allgather", "gtc_rice", "gtc_stale", "gtc_ddpbuckets", "gtc_update",
-    "gtc_update_blocking", "powersgd_r1", "powersgd_r4", "dpsgd", "nocomm",
+    "gtc_update_blocking", "gtc_update_twopass", "powersgd_r1", "powersgd_r4", "dpsgd", "nocomm",
 )
 # gtc_update: GTCStrategy()'s defaults since 2026-11-28 01:12 UTC (hook.DEFAULT_DENSITY 1e-2; 3e-3 before),
 # pinned so that its rows keep their meaning if the defaults move again
@@ -213,6 +214,8 @@ def make_strategy(name: str, tau: float, exchange: str):
         return GTCStrategy(exchange=exchange, **GTC_UPDATE)
     if name == "gtc_update_blocking":  # the same, each collective waited for by blocking, as before busy_wait
         return GTCStrategy(exchange=exchange, busy_wait=False, **GTC_UPDATE)
+    if name == "gtc_update_twopass":  # the same through the reference passes (_segment sets update.ONE_PASS)
+        return GTCStrategy(exchange=exchange, **GTC_UPDATE)
     # Every GTC variant is Strom's gradient mode at the fixed ``tau`` in 32-bit words (gtc_rice: Golomb-Rice
     # coded), what the published timings measured, whatever GTCStrategy's defaults (automatic tau, Rice
     # coding, the update mode). These three go only where the strategy has them, so that the same command
@@ -273,6 +276,12 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
 
     clock = Clock()
     strategy = strategy or make_strategy(strategy_name, args.tau, args.exchange)
+    try:  # the update mode's one-pass step, or its reference passes (gtc_update_twopass)
+        from gtc_lightning.algorithms.gtc import update as update_mode
+
+        update_mode.ONE_PASS = strategy_name != "gtc_update_twopass"
+    except ImportError:  # an older package timed for a before/after comparison
+        pass
     # PowerSGD's all-reduces, recorded before the clock and the callbacks read a step's totals
     meters = [powersgd_meter()] if isinstance(strategy, PowerSGDStrategy) else []
     trainer = L.Trainer(

@@ -21,18 +21,20 @@ GTC compresses the step it made. Per optimizer step and rank:
    and the parameters go back to the kept copy, exactly.
 5. Threshold: ``tau_r``, this rank's, is just below the ``1 - target_density`` quantile of
    ``|residual|`` (estimated from a stratified random sample of :data:`SAMPLE` elements in runs of
-   16 neighbours, seeded by step and rank), so that each rank sends about ``target_density * n`` words every step whatever
-   the scale of its optimizer's steps: no gradient scale is presumed, and the warm-up and decay of
-   the learning rate do not move the density. Elements tied at the quantile are all sent; a
-   residual that is mostly zero sends its largest non-zero elements. Words ``index | sign << 31``
-   for ``|r| > tau_r``, over the parameters the optimizer moved (a group at learning rate 0 keeps
-   its residual); ``±tau_r`` subtracted (in place).
+   16 neighbours, seeded by step and rank), so that each rank sends about ``target_density * n``
+   words every step whatever the scale of its optimizer's steps: no gradient scale is presumed, and
+   the warm-up and decay of the learning rate do not move the density. Elements tied at the quantile
+   are all sent; a residual that is mostly zero sends its largest non-zero elements. Words
+   ``index | sign << 31`` for ``|r| > tau_r``, over the parameters the optimizer moved (a group at
+   learning rate 0 keeps its residual); ``±tau_r`` subtracted (in place). Steps 4 and 5 are one pass
+   over each parameter (:func:`~gtc_lightning.ops.update_ops.fold_emit_`): the sample's elements are
+   folded first, alone, to know ``tau_r``.
 6. One header exchange ``[words, bytes, tau_r, non-finite]`` and one word exchange, as in the gradient mode
    (all-to-all on gloo, all-gather on NCCL; ``coding="rice"`` Golomb-Rice codes the messages).
 7. Decode, rank by rank in rank order: ``±tau_r / W`` at each word of rank ``r`` into the scratch
    buffer (no index twice within a rank, a fixed order across ranks: bit-identical on every rank,
-   on CPU and GPU), then every parameter moves by ``-lr * scratch``: replicas stay bit-identical
-   without a broadcast. Parameters in bf16/fp16 feed what their rounding took off back into every
+   on CPU and GPU), then every parameter moves by ``-lr * scratch``, at its words' elements alone
+   for large float32 ones: replicas stay bit-identical without a broadcast. Parameters in bf16/fp16 feed what their rounding took off back into every
    rank's residual. What the rank's own optimizer rounded away in step 3 is not seen: with weights
    stored in bf16 (``bf16-true``) a step below half a unit in the last place moves nothing, under DDP
    as here (200 AdamW steps at lr 1e-4 on bf16 weights in [0.5, 1.5): no element moved, with or
