@@ -6,7 +6,8 @@ the CPU tests). On a GPU machine::
     TRITON_INTERPRET=0 python -m pytest tests/test_cuda.py
 
 Every kernel runs on CUDA tensors and is compared bit for bit with the torch reference on CPU,
-on the adversarial cases of the CPU tests (``test_ops``, ``test_step_ops``, ``test_rice``).
+on the adversarial cases of the CPU tests (``test_ops``, ``test_step_ops``, ``test_update_kernels``,
+``test_rice``).
 Then real Lightning training on the GPU: one rank over NCCL, and two ranks sharing the one GPU
 over gloo (NCCL refuses two ranks on one device), each with the Triton and the torch backend.
 """
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from gtc_lightning.ops import compress, decompress, torch_ops
+from gtc_lightning.ops import compress, decompress, torch_ops, update_ops
 from gtc_lightning.ops import triton_kernels as tk
 from gtc_lightning.ops.reference import compress_reference, decompress_reference
 from gtc_lightning.ops.rice import rice_decode, rice_encode
@@ -37,6 +38,7 @@ pytestmark = pytest.mark.skipif(
 import test_ops  # (the CPU tests' adversarial cases)
 import test_rice
 import test_step_ops
+import test_update_kernels
 
 CUDA = torch.device("cuda")
 TESTS = Path(__file__).resolve().parent
@@ -153,6 +155,58 @@ def test_decode_on_cuda_matches_reference_and_clears_counts(padded):
     tk.decode_(words.to(CUDA), lengths, counts, [(0, outs[0]), (70_000, outs[1])], scale)
     assert torch.equal(bits(torch.cat(outs).cpu()), bits(reference))
     assert not counts.any()
+
+
+# ---- the update mode's fold and emission -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "block"), [(10_000_000, None), (1_000_003, 64)], ids=["10M", "1M-small-blocks"])
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nan-inf"])
+def test_fold_emit_on_cuda_matches_the_reference(n, block, nonfinite):
+    """The fused kernel against ``update_ops``' two passes on CPU: ties at tau, an offset, the message
+    over the kept copy (words, parameter, residual, the whole buffer; NaN compared as NaN: the GPU's
+    is canonical)."""
+    case = test_update_kernels.make_case(n, seed=11, nonfinite=nonfinite)
+    kw = {"offset": 1000, "base": 1000, "cursor0": 1000}
+    want = test_update_kernels.run(test_update_kernels.reference, *case, **kw)
+    got = test_update_kernels.run(tk.fold_emit_, *case, device=CUDA, **kw, **({} if block is None else {"block": block}))
+    test_update_kernels.assert_same(got, want)
+    assert want[4] == (3 if nonfinite else 0) and got[3].numel() > n // 200
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_ops_fold_emit_runs_the_twin_on_cuda(dtype, monkeypatch):
+    """``update_ops.fold_emit_`` sends CUDA tensors to the Triton twin (bf16: torch's fold on the device,
+    then the emission kernel), with the reference's results."""
+    param, kept, residual = test_update_kernels.make_case(1_000_003, seed=12)
+    param = param.to(dtype)
+    kept = param.float() + 0.01 if dtype != torch.float32 else kept
+    calls = []
+    twin = tk.fold_emit_
+    monkeypatch.setattr(tk, "fold_emit_", lambda *a, **kw: calls.append(1) or twin(*a, **kw))
+    want = test_update_kernels.run(test_update_kernels.reference, param, kept, residual, 7)
+    got = test_update_kernels.run(update_ops.fold_emit_, param, kept, residual, 7, device=CUDA)
+    assert calls == [1] and got[0].dtype == dtype
+    test_update_kernels.assert_same(got, want)
+
+
+def test_update_mode_step_on_cuda_is_the_cpu_step():
+    """Three update-mode steps of one rank (the Triton twin folding and emitting on the GPU) against the
+    same on CPU: words and tau equal, parameters and residual equal to the bit."""
+    (gpu, used), (cpu, _) = test_update_kernels.update_steps(CUDA), test_update_kernels.update_steps("cpu")
+    assert used == 3 * 4
+    for t, (a, b) in enumerate(zip(gpu, cpu, strict=True)):
+        assert a[0] == b[0] > 0 and a[1] == b[1], f"step {t + 1}: words or tau"
+        assert torch.equal(bits(a[2]), bits(b[2])), f"step {t + 1}: parameters"
+        assert torch.equal(bits(a[3]), bits(b[3])), f"step {t + 1}: residual"
+
+
+def test_bench_fold_on_cuda_is_bit_identical():
+    from gtc_lightning.tools import bench
+
+    rows = bench.bench_fold(2_000_000, 0.01, CUDA, 1, bench.fold_backends_for(CUDA))
+    assert [r["backend"] for r in rows] == ["copy (roofline)", "torch reference", "triton"]
+    assert rows[2]["identical"] is True and 0.008 < rows[2]["density"] < 0.012
 
 
 # ---- Golomb-Rice bit packing -------------------------------------------------------------------
@@ -272,7 +326,8 @@ def test_strategy_trains_on_cuda_with_triton_like_torch(tmp_path, world, exchang
 def test_update_mode_trains_on_cuda_with_identical_replicas(tmp_path, world, coding):
     """GTCStrategy's defaults for AdamW (the update mode, a per-rank tau from a sampled quantile) on
     CUDA: every step sparse, the replicas bit-identical, and the same parameters with either
-    backend (the update mode's passes are torch calls on the device either way)."""
+    backend (the fold and emission run ``update_ops.fold_emit_``'s Triton twin on CUDA either way;
+    the rest of the step is torch calls on the device)."""
     auto_runs = _launch(tmp_path, world, "auto", "auto", coding, mode="update")
     torch_runs = _launch(tmp_path, world, "torch", "auto", coding, mode="update")
     for rec in auto_runs:

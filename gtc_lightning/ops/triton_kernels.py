@@ -1,5 +1,7 @@
 """Triton backend (CUDA tensors; CPU under ``TRITON_INTERPRET=1``): the public ``compress`` /
-``decompress`` and the DDP hook's step primitives ``threshold_``, ``apply_words_``, ``decode_``.
+``decompress``, the DDP hook's step primitives ``threshold_``, ``emit_``, ``apply_words_``, ``decode_``,
+and the update mode's ``fold_emit_``.
+Long file: every Triton twin of the step primitives in one module, the one ``step_ops`` hands out.
 
 Bit-identical to ``reference.py`` and ``torch_ops.py``: the same float32 operations in the same
 order (``r = residual + grad``; ``r > tau``; ``r - tau``), words in ascending index order,
@@ -27,6 +29,12 @@ element and clears ``counts`` in the same pass. Public ``decompress``: zero the 
 into its int32 view, then ``_gather_counts_kernel`` / ``_scatter_values_kernel`` touch only the
 words' elements (4n + ~36m bytes).
 
+Update mode (``fold_emit_``, twin of ``update_ops.fold_emit_``): ``_fold_emit_kernel`` is the threshold
+kernel with the gradient replaced by the optimizer's step over its rate, ``t = kept - param``,
+``t = t * inv``, ``residual = residual + t``, each rounded to float32 (``FP_OPTIONS``: no FMA), and
+``param = kept`` stored back: read param, kept and residual, write param and residual (20n), the
+words as above. Its ``FOLD=False`` form is ``emit_`` on a residual that already holds the step.
+
 Threads: the interpreter is not thread-safe; the hook runs every kernel on the thread that calls
 it (never in ``Future.then`` callbacks).
 """
@@ -38,6 +46,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from gtc_lightning.ops import torch_ops, update_ops
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Elements (or words) per program and warps on CUDA. Not tuned on a GPU yet (the benchmark's
@@ -138,6 +148,47 @@ def _gather_words_kernel(
     keep = lanes < count
     w = tl.load(scratch_ptr + pid * BLOCK + lanes, mask=keep)
     tl.store(message_ptr + start + lanes, w, mask=keep)
+
+
+@triton.jit
+def _fold_emit_kernel(
+    param_ptr,  # *fp32 [n]: the parameter after its optimizer's step; receives kept (FOLD)
+    kept_ptr,  # *fp32 [n]: the parameter before the step, only read (FOLD)
+    residual_ptr,  # *fp32 [n]: residual, updated in place (+ the step over lr, then -+tau at the words)
+    scratch_ptr,  # *i32 [n]: block b writes its words, in order, from scratch[b * BLOCK]
+    block_counts_ptr,  # *i32 [n_blocks]: number of words of each block
+    bad_ptr,  # *i32 [1]: increased by the number of NaN/Inf elements of the new residual
+    n,  # number of elements
+    offset,  # index of element 0 in the words' index space
+    inv,  # fp32 1 / lr rounded to float32 (FOLD)
+    tau,  # fp32 threshold, > 0
+    limit,  # i32 bits of tau: |r| > tau iff (bits of r & 0x7fffffff) > limit, NaN/Inf above it
+    BLOCK: tl.constexpr,  # elements per program
+    FOLD: tl.constexpr,  # False: emit alone, on a residual that already holds the step
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    active = offs < n
+    r = tl.load(residual_ptr + offs, mask=active, other=0.0)
+    if FOLD:
+        k = tl.load(kept_ptr + offs, mask=active, other=0.0)
+        t = k - tl.load(param_ptr + offs, mask=active, other=0.0)
+        t = t * inv  # three roundings, as update_ops: the launch's FP_OPTIONS forbid an FMA here
+        r = r + t
+        tl.store(param_ptr + offs, k, mask=active)
+    # On the bits, as torch_ops.emit_: NaN is a word too (the caller skips the step on a count in bad).
+    bits = r.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    emit = active & (bits > limit)
+    minus = emit & (r < 0)
+    e = emit.to(tl.int32)
+    rank = tl.cumsum(e, axis=0) - e  # exclusive scan: position among the block's words
+    word = ((offs + offset) | (minus.to(tl.int64) << 31)).to(tl.int32)  # index | sign bit, as int32
+    tl.store(scratch_ptr + pid * BLOCK + rank, word, mask=emit)
+    r = tl.where(minus, r + tau, tl.where(emit, r - tau, r))
+    tl.store(residual_ptr + offs, r, mask=active)
+    tl.store(block_counts_ptr + pid, tl.sum(e, axis=0))
+    nonfinite = tl.sum((emit & (bits >= 0x7F800000)).to(tl.int32), axis=0)
+    tl.atomic_add(bad_ptr, nonfinite, mask=nonfinite > 0, sem="relaxed")
 
 
 @triton.jit
@@ -418,6 +469,91 @@ def threshold_(
     cursor += block_ends[-1:]
 
 
+def emit_(
+    out: torch.Tensor,
+    tau32: float,
+    message: torch.Tensor,
+    cursor: torch.Tensor,
+    bad: torch.Tensor,
+    offset: int = 0,
+    block: int = COMPRESS_BLOCK,
+) -> None:
+    """Triton twin of ``torch_ops.emit_`` (a contiguous float32 ``out``; anything else goes to it)."""
+    check_runnable(out)
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        torch_ops.emit_(out, tau32, message, cursor, bad, offset)
+        return
+    _fold_emit(out, out, out, 1.0, tau32, message, cursor, bad, offset, block, fold=False)
+
+
+def fold_emit_(
+    param: torch.Tensor,
+    kept: torch.Tensor,
+    residual: torch.Tensor,
+    lr: float,
+    tau32: float,
+    message: torch.Tensor,
+    cursor: torch.Tensor,
+    bad: torch.Tensor,
+    offset: int = 0,
+    block: int = COMPRESS_BLOCK,
+) -> None:
+    """Triton twin of ``update_ops.fold_emit_``: ``residual += (kept - param) / lr``, ``param = kept``,
+    then the words of ``|residual| > tau32`` to ``message[cursor:]`` (ascending ``(offset + i) | sign <<
+    31``), ``±tau32`` subtracted there, NaN/Inf counted in ``bad``; no host sync.
+
+    A contiguous float32 parameter takes one fused pass. Any other (bf16/fp16 weights, a strided
+    layout) is folded by ``update_ops.fold_`` in torch on the device, then emitted by the ``FOLD=False``
+    kernel: the same words, residual and parameter as the reference, in one more pass.
+
+    Args:
+        param: the parameter after its optimizer's step (``n`` elements).
+        kept: ``[n]`` float32, contiguous, the parameter before the step; ``message`` may share its memory.
+        residual: ``[n]`` float32, contiguous, updated in place.
+        lr: the step's learning rate (> 0).
+        tau32, message, cursor, bad, offset: as ``threshold_``.
+        block: elements per program (a power of two >= 16).
+    """
+    check_runnable(param)
+    _check_vector("kept", kept, torch.float32)
+    _check_vector("residual", residual, torch.float32)
+    if not param.numel() == kept.numel() == residual.numel():
+        raise ValueError(
+            f"param has {param.numel()} elements, kept {kept.numel()} and residual {residual.numel()}; "
+            "they must match (the kept copy and the residual are the parameter's slices of the flat buffers)"
+        )
+    if param.dtype != torch.float32 or not param.is_contiguous():
+        update_ops.fold_(param, kept, residual, lr)
+        emit_(residual, tau32, message, cursor, bad, offset, block)
+        return
+    inv = update_ops.inverse_rate(lr)
+    _fold_emit(param.detach().view(-1), kept, residual, inv, tau32, message, cursor, bad, offset, block, fold=True)
+
+
+def _fold_emit(param, kept, residual, inv, tau32, message, cursor, bad, offset, block, fold) -> None:
+    """Launches the fold (or emission) pass, then the gather of its words into ``message``.
+
+    ``message`` may be ``kept``'s memory: the gather is a later launch on the same stream, so it
+    starts after every program of the fold has read its ``kept``; the fold writes its words only
+    to the scratch buffer.
+    """
+    _check_block(block)
+    n = residual.numel()
+    if n == 0:
+        return
+    n_blocks = triton.cdiv(n, block)
+    scratch = torch.empty(n, dtype=torch.int32, device=residual.device)
+    block_counts = torch.empty(n_blocks, dtype=torch.int32, device=residual.device)
+    launch = {"BLOCK": block, "num_warps": compress_warps(block), **FP_OPTIONS}
+    _fold_emit_kernel[(n_blocks,)](
+        param, kept, residual, scratch, block_counts, bad, n, offset, inv, tau32, torch_ops.tau_bits(tau32),
+        FOLD=fold, **launch,
+    )  # fmt: skip
+    block_ends = torch.cumsum(block_counts, 0)
+    _gather_words_kernel[(n_blocks,)](scratch, block_counts, block_ends, message, cursor, **launch)
+    cursor += block_ends[-1:]
+
+
 COUNTS_DTYPE = torch.int32  # vote counts for the integer atomics
 
 
@@ -497,6 +633,24 @@ KERNELS = {
         },
         "compress",
         {},
+    ),
+    "fold_emit": (
+        _fold_emit_kernel,
+        {
+            "param_ptr": "*fp32",
+            "kept_ptr": "*fp32",
+            "residual_ptr": "*fp32",
+            "scratch_ptr": "*i32",
+            "block_counts_ptr": "*i32",
+            "bad_ptr": "*i32",
+            "n": "i32",
+            "offset": "i32",
+            "inv": "fp32",
+            "tau": "fp32",
+            "limit": "i32",
+        },
+        "compress",
+        {"FOLD": True},
     ),
     "apply_words": (
         _apply_words_kernel,

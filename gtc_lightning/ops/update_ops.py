@@ -7,7 +7,8 @@ threshold. :func:`fold_` and :func:`~gtc_lightning.ops.torch_ops.emit_` do it in
 temporaries stay in the CPU's cache, with the same words, residual and parameter to the bit.
 :func:`fold_at` gives the folded residual at a sample of elements before any of it is written, so
 that the threshold is known before the one pass. :func:`apply_words_` moves a parameter by the
-decoded update at the words' elements only.
+decoded update at the words' elements only. On CUDA, :func:`fold_emit_` runs its Triton twin
+(``triton_kernels.fold_emit_``).
 
 The arithmetic of the fold is fixed so that every form gives the same bits: ``t = kept - param``,
 ``t = t * f32(1 / lr)``, ``residual = residual + t``, each rounded to float32 (no fused multiply-add).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gtc_lightning.ops import step_ops, torch_ops
 from gtc_lightning.ops.torch_ops import ABS_MASK, INF_BITS, SIGN_BIT, emit_, tau_bits
 
 FOLD_CHUNK = 1 << 16  # elements per chunk of the one-pass fold: its temporaries (~200 kB) stay in L2
@@ -92,6 +94,7 @@ def fold_emit_(
     cursor: torch.Tensor,
     bad: torch.Tensor,
     offset: int = 0,
+    backend: str = "auto",
 ) -> None:
     """:func:`fold_` then :func:`~gtc_lightning.ops.torch_ops.emit_` at ``tau32``: the words of
     ``|residual| > tau`` go to ``message[cursor:]`` as ``(offset + i) | sign << 31``, ``±tau`` is
@@ -101,8 +104,15 @@ def fold_emit_(
     a chunk's words land below the chunk's end, and each chunk reads its ``kept`` before they do.
 
     On a contiguous float32 CPU parameter this is one pass of chunks through NumPy (:data:`FOLD_CHUNK`
-    elements each); elsewhere the two passes of the reference.
+    elements each); elsewhere the two passes of the reference. CUDA tensors go to the Triton twin
+    (``triton_kernels.fold_emit_``: one kernel, the words gathered on the device, no host sync), as
+    :func:`~gtc_lightning.ops.step_ops` picks: ``backend`` ``"auto"`` (Triton on CUDA), ``"torch"``
+    (this module's passes on any device) or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``).
     """
+    ops = step_ops(param.device, backend)
+    if ops is not torch_ops:
+        ops.fold_emit_(param, kept, residual, lr, tau32, message, cursor, bad, offset)
+        return
     fused = (
         param.device.type == "cpu"
         and param.dtype == kept.dtype == residual.dtype == torch.float32

@@ -1,7 +1,7 @@
 """Throughput of ``compress`` / ``decompress``: Triton kernels vs the torch reference, one run.
 
     python -m gtc_lightning.tools.bench                       # sizes 1M,14.6M,100M at 0.5 % density
-    python -m gtc_lightning.tools.bench --device cpu --sizes 1M --repeats 3
+    python -m gtc_lightning.tools.bench --device cpu --sizes 1M --repeats 3 --fold
     python -m gtc_lightning.tools.bench --compile-only        # compile every kernel for sm_90, no GPU needed
 
 Bytes counted (n elements, m words): compress 12n + 4m (read grad, read and write the
@@ -12,6 +12,12 @@ Triton passes move 16n + 12m bytes in all (see ``ops/triton_kernels.py``), so 75
 is their ceiling. Each timed call starts from the same residual; decompress decodes one
 message. On CPU only the reference runs: the Triton
 interpreter is a correctness tool, not a benchmark.
+
+The update mode's ``fold_emit_`` (on CUDA by default, ``--fold`` on CPU): fold the optimizer's step
+into the residual, put the parameter back and emit the words, 20n + 4m bytes (read param, kept and
+residual, write param and residual, the words), against a device copy that moves the same 20n bytes;
+the reference's two passes (``fold_`` then ``emit_``) beside it, and on CUDA the Triton kernel (on CPU
+the NumPy one pass), each checked bit for bit against the reference.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from gtc_lightning.ops import compress_torch
+from gtc_lightning.ops import compress_torch, torch_ops, update_ops
 from gtc_lightning.ops.reference import decompress_reference
 
 SUFFIXES = {"K": 1e3, "M": 1e6, "G": 1e9}
@@ -190,6 +196,81 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
+FOLD_LR = 0.01  # the fold's learning rate: the step over it is of the residual's scale
+
+
+def fold_reference(param, kept, residual, lr, tau32, message, cursor, bad, offset=0) -> None:
+    """``update_ops``' two passes on any device: ``fold_`` then ``torch_ops.emit_``."""
+    update_ops.fold_(param, kept, residual, lr)
+    torch_ops.emit_(residual, tau32, message, cursor, bad, offset)
+
+
+def fold_backends_for(device: torch.device) -> dict[str, Callable]:
+    """The update mode's fold and emission: the two-pass reference, then the one pass of the device
+    (NumPy's on CPU, the Triton kernel on CUDA); name -> a function with ``fold_emit_``'s arguments."""
+    if device.type == "cuda":
+        from gtc_lightning.ops.triton_kernels import fold_emit_
+
+        return {"torch reference": fold_reference, "triton": fold_emit_}
+    return {"torch reference": fold_reference, "numpy one pass": update_ops.fold_emit_}
+
+
+def bench_fold(n: int, density: float, device: torch.device, repeats: int, backends: dict) -> list[dict]:
+    """Rows for the update mode's ``fold_emit_`` at ``n`` elements: a copy of the same bytes, then each
+    backend (the reference first); every other row says whether its parameter, residual, words and
+    non-finite count are the reference's to the bit. Each timed call starts from the same parameter
+    and residual; the message is a buffer of its own (the kept copy stays as it was)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    kept = torch.randn(n, generator=gen, device=device)
+    param0 = kept - FOLD_LR * torch.randn(n, generator=gen, device=device)
+    residual0 = torch.randn(n, generator=gen, device=device)
+    sample = torch.randint(n, (min(n, 1 << 20),), generator=gen, device=device)
+    folded = residual0[sample] + (kept[sample] - param0[sample]) * update_ops.inverse_rate(FOLD_LR)
+    tau32 = float(torch.tensor(torch.quantile(folded.abs(), 1 - density).item(), dtype=torch.float32))
+    src = torch.empty(n * 5 // 2, device=device)  # 10n bytes read and 10n written: the fold's 20n
+    dst = torch.empty_like(src)
+    copy_s = median_seconds(lambda: dst.copy_(src), lambda: None, repeats, device)
+    rows = [{"n": n, "backend": "copy (roofline)", "fold_s": copy_s, "fold_gbs": 20 * n / copy_s / 1e9}]
+    param, residual = torch.empty_like(param0), torch.empty_like(residual0)
+    message = torch.empty(n, dtype=torch.int32, device=device)
+    cursor = torch.zeros(1, dtype=torch.int64, device=device)
+    bad = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def reset() -> None:
+        param.copy_(param0)
+        residual.copy_(residual0)
+        cursor.zero_()
+        bad.zero_()
+
+    results = {}
+    for name, fold in backends.items():
+        run = lambda fold=fold: fold(param, kept, residual, FOLD_LR, tau32, message, cursor, bad, 0)
+        seconds = median_seconds(run, reset, repeats, device)
+        reset()
+        run()
+        m = int(cursor)
+        results[name] = [bits(param).cpu(), bits(residual).cpu(), message[:m].cpu(), bad.cpu()]
+        rows.append({"n": n, "backend": name, "density": m / n, "fold_s": seconds, "fold_gbs": (20 * n + 4 * m) / seconds / 1e9})
+    want = results["torch reference"]
+    for row in rows[2:]:
+        row["identical"] = all(torch.equal(a, b) for a, b in zip(results[row["backend"]], want))
+    return rows
+
+
+def format_fold_table(rows: list[dict]) -> str:
+    """Markdown table of ``bench_fold`` rows; ratios against the copy and the reference of one size."""
+    lines = ["| n | fold_emit_ | words/elem | ms | GB/s | % of copy | speed-up | bit-identical |", "|" + "---|" * 8]
+    by_key = {(r["n"], r["backend"]): r for r in rows}
+    for r in rows:
+        copy, ref = by_key[(r["n"], "copy (roofline)")], by_key.get((r["n"], "torch reference"))
+        cells = [f"{r['n']:,}", r["backend"], f"{r['density']:.4%}" if "density" in r else "–"]
+        cells += [f"{r['fold_s'] * 1e3:.3f}", f"{r['fold_gbs']:.1f}", f"{r['fold_gbs'] / copy['fold_gbs']:.0%}"]
+        cells.append(f"{ref['fold_s'] / r['fold_s']:.1f}×" if "density" in r and ref not in (None, r) else "–")
+        cells.append({True: "yes", False: "NO"}.get(r.get("identical"), "–"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     """Markdown table; ratios are against the copy and the reference of the same size."""
     head = (
@@ -303,6 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--rice", action="store_true", help="also time Golomb-Rice encode/decode of the message")
+    parser.add_argument("--fold", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the update mode's fold_emit_ (default: on CUDA only)")  # fmt: skip
     parser.add_argument("--json", default="", help="also write the rows to this JSON file")
     parser.add_argument("--compile-only", action="store_true", help="compile the kernels for --arch and stop")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability for --compile-only")
@@ -335,21 +418,29 @@ def main(argv: list[str] | None = None) -> None:
         f"target density {density:.3%}; bytes counted: compress 12n+4m, decompress 4n+4m, copy 8n "
         f"(n elements, m words); median of {args.repeats} calls; speed-up = reference time / time"
     )
-    rows, rice_rows = [], []
+    fold = device.type == "cuda" if args.fold is None else args.fold
+    if fold:
+        print("update mode's fold_emit_: bytes counted 20n+4m, against a copy of 20n bytes")
+    rows, rice_rows, fold_rows = [], [], []
     for n in sizes:
         rows += bench_size(n, density, device, args.repeats, backends_for(device, blocks))
         if args.rice:
             rice_rows += bench_rice(n, density, device, args.repeats)
+        if fold:
+            fold_rows += bench_fold(n, density, device, args.repeats, fold_backends_for(device))
         print(f"n={n:,}: done", flush=True)
     print(format_table(rows))
     if rice_rows:
         print()
         print(format_rice_table(rice_rows))
+    if fold_rows:
+        print()
+        print(format_fold_table(fold_rows))
     if args.json:
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         Path(args.json).write_text(json.dumps({
             "device": device_name, "torch": torch.__version__, "density": density, "repeats": args.repeats,
-            "rows": rows, "rice": rice_rows,
+            "rows": rows, "rice": rice_rows, "fold": fold_rows,
         }, indent=1))  # fmt: skip
 
 
