@@ -7,8 +7,6 @@ compiled on a GPU."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
@@ -190,8 +188,8 @@ def test_mismatched_buffers_are_refused_with_their_sizes():
 
 
 def update_steps(device: torch.device | str, backend: str = "auto", steps: int = 3) -> tuple[list[tuple], int]:
-    """``steps`` update-mode steps of one rank (a 1-rank gloo group) on ``device``, ``update_ops.fold_emit_``
-    run with ``backend``: a layer above one threshold sample and the sparse update's size, two below.
+    """``steps`` update-mode steps of one rank (a 1-rank gloo group) on ``device``, with GTC's ``backend``
+    (``update_ops.fold_emit_`` runs through it): a layer above one threshold sample and the sparse update's size, two below.
 
     The threshold's sample is drawn by a CPU generator with the step's seed on every device (a CUDA
     generator draws other numbers: the sample, and so tau, would differ); on CPU that is the sample
@@ -217,14 +215,14 @@ def update_steps(device: torch.device | str, backend: str = "auto", steps: int =
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(update_mode, "sample_positions", cpu_sample)
-        mp.setattr(update_ops, "fold_emit_", functools.partial(update_ops.fold_emit_, backend=backend))
         mp.setattr(tk, "fold_emit_", counted)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(512, 300), torch.nn.Tanh(), torch.nn.Linear(300, 10)).to(device)
         params = list(model.parameters())
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            state = GTCState(None, model.named_parameters(), tau="auto", target_density=0.01, compress="update")
+            state = GTCState(None, model.named_parameters(), tau="auto", target_density=0.01, compress="update",
+                             backend=backend)  # fmt: skip
             g = torch.Generator().manual_seed(1)
             out = []
             for _ in range(steps):

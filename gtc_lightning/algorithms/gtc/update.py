@@ -64,7 +64,7 @@ from gtc_lightning.algorithms.gtc.decode import decode_coded
 from gtc_lightning.algorithms.gtc.exchange import send_coded, send_header, send_words
 from gtc_lightning.algorithms.gtc.state import GTCState
 from gtc_lightning.algorithms.gtc.stats import StepStats
-from gtc_lightning.ops import torch_ops, update_ops
+from gtc_lightning.ops import step_ops, update_ops
 from gtc_lightning.ops.rice import rice_encode
 from gtc_lightning.ops.torch_ops import INDEX_MASK
 
@@ -409,7 +409,7 @@ def _fold_and_emit(
     if tau32 > 0.0 and ONE_PASS:
         for m in moved:
             update_ops.fold_emit_(m.param, m.views(scratch), m.views(residual), m.lr, tau32, message, cursor, bad,
-                                  m.offset)  # fmt: skip
+                                  m.offset, backend=state.backend)  # fmt: skip
         return tau32
     for m in moved:
         update_ops.fold_(m.param, m.views(scratch), m.views(residual), m.lr)
@@ -419,7 +419,7 @@ def _fold_and_emit(
         bad += 1  # the sample met a NaN/Inf
     elif tau32 > 0.0:
         for first, end in ranges:  # a NaN/Inf element is counted in bad
-            torch_ops.emit_(residual[first:end], tau32, message, cursor, bad, first)
+            step_ops(residual.device, state.backend).emit_(residual[first:end], tau32, message, cursor, bad, first)
     else:
         bad += sum(int((~torch.isfinite(residual[first:end])).sum()) for first, end in ranges)
     return tau32
