@@ -297,8 +297,7 @@ class GTCFabricStrategy(DDPStrategy):
             stats = state.finish_step(params, loss_scaler=loss_scaler)
             skipped = stats is not None and stats.skipped
         else:
-            update_mode.begin(state, params)
-            skipped = update_mode.check_finite(state, params, loss_scaler)
+            skipped = update_mode.check_finite(state, params, loss_scaler, keep=True)  # (and keeps the parameters)
         self._decided = (warmup, skipped)
         return self._decided
 

@@ -444,8 +444,6 @@ class GTCStrategy(DDPStrategy):
         scaler = self._grad_scaler() is not None
         warmup = state.step < state.warmup_steps
         skipped = False
-        if not warmup:
-            update_mode.begin(state, params)
 
         def closure_then_check() -> Any:
             nonlocal skipped
@@ -456,7 +454,7 @@ class GTCStrategy(DDPStrategy):
                 stats = state.finish_step(params, loss_scaler=scaler)
                 skipped = stats is not None and stats.skipped
             else:
-                skipped = update_mode.check_finite(state, params, scaler)
+                skipped = update_mode.check_finite(state, params, scaler, keep=True)  # (and keeps the parameters)
             return result
 
         output = super().optimizer_step(optimizer, closure_then_check, model, **kwargs)

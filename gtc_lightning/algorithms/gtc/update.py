@@ -199,7 +199,7 @@ def begin(state: GTCState, params: list[torch.nn.Parameter]) -> None:
             view.copy_(p)
 
 
-def check_finite(state: GTCState, params: list[torch.nn.Parameter], loss_scaler: bool) -> bool:
+def check_finite(state: GTCState, params: list[torch.nn.Parameter], loss_scaler: bool, keep: bool = False) -> bool:
     """Step 2: whether some rank's local gradient is non-finite; if so the step is skipped on every
     rank (``GTCState.finish_step`` applies it: no gradients, or NaN ones for an AMP loss scaler).
 
@@ -208,6 +208,10 @@ def check_finite(state: GTCState, params: list[torch.nn.Parameter], loss_scaler:
     parameter. Only where a sum is non-finite do the flagged ranks look element by element (a sum of
     finite values that overflowed is no reason to skip) and exchange what they found.
 
+    Args:
+        keep: also step 1, :func:`begin`, while the flags are on their way (after the backward pass the
+            parameters are what they were before it): the copy hides the all-reduce's latency.
+
     Returns:
         True when the step is skipped.
     """
@@ -215,15 +219,17 @@ def check_finite(state: GTCState, params: list[torch.nn.Parameter], loss_scaler:
     device = params[0].device if params else torch.device("cpu")
     world, rank = state.world_size, state.rank
 
-    def gather(flag: torch.Tensor | bool) -> list[int]:
+    def gather(flag: torch.Tensor | bool, meanwhile=None) -> list[int]:
         flags = torch.zeros(world, dtype=torch.int64, device=device)
         flags[rank] = flag
-        if world > 1:
-            finish(dist.all_reduce(flags, group=state.process_group, async_op=True), state.busy)
+        work = dist.all_reduce(flags, group=state.process_group, async_op=True) if world > 1 else None
+        if meanwhile is not None:
+            meanwhile()
+        finish(work, state.busy)
         return flags.tolist()
 
     total = torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum() if grads else torch.zeros((), device=device)
-    flagged = gather(~torch.isfinite(total))
+    flagged = gather(~torch.isfinite(total), (lambda: begin(state, params)) if keep else None)
     if any(flagged):
         flagged = gather(bool(flagged[rank]) and not all(bool(torch.isfinite(g).all()) for g in grads))
     bad_ranks = [r for r, flag in enumerate(flagged) if flag]
