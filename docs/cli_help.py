@@ -23,7 +23,9 @@ RECIPE = [
     ("recipes/asr/train.py", "python recipes/asr/train.py", ["recipes/asr/train.py"]),
     ("recipes/asr/evaluate.py", "python recipes/asr/evaluate.py", ["recipes/asr/evaluate.py"]),
 ]
-TOOLS = ["bench", "bench_step", "bench_exchange", "bench_cluster", "cluster", "faults", "soak", "scaling", "model_suite"]
+TOOLS = [
+    "bench", "bench_step", "bench_exchange", "bench_cluster", "cluster", "faults", "soak", "scaling", "model_suite", "gpu_checks",
+]
 COMMANDS = RECIPE + [
     (f"gtc_lightning.tools.{t}", f"python -m gtc_lightning.tools.{t}", ["-m", f"gtc_lightning.tools.{t}"]) for t in TOOLS
 ]

@@ -15,8 +15,9 @@ on its own gradient and GTC compresses the step it made, a per-rank tau at densi
 coded; ``gtc_update_blocking``: the same with ``busy_wait=False``, every collective waited for by
 blocking instead of polling; ``gtc_update_twopass``: the same through the update mode's reference
 passes, ``update.ONE_PASS = False``: the fold and the emission one after the other, a dense decode),
-``powersgd_r1`` / ``powersgd_r4`` (torch's PowerSGD hook at rank 1 and 4, built as the model suite builds them; the bytes of every all-reduce the hook issues are counted), ``gtc_rice``
-(the same, Golomb-Rice coded), ``gtc_alltoall`` / ``gtc_allgather`` (the two word exchanges, uneven
+``powersgd_r1`` / ``powersgd_r4`` (torch's PowerSGD hook at rank 1 and 4, built as the model suite
+builds them; the bytes of every all-reduce the hook issues are counted), ``gtc_rice`` (the same,
+Golomb-Rice coded), ``gtc_alltoall`` / ``gtc_allgather`` (the two word exchanges, uneven
 messages or padded to the longest), ``gtc_stale`` (one-step-stale GTC: the word exchange overlaps the next
 step), ``gtc_ddpbuckets`` (GTC in DDP's default 25 MB buckets, one threshold pass each, instead of
 GTCStrategy's default single bucket), ``dpsgd`` (ring-neighbour parameter averaging, overlapping the
