@@ -29,9 +29,8 @@ A fixed ``tau`` works best near 15x the per-rank gradient RMS (measured on the r
 The package is laid out in layers (docs/architecture.md): :mod:`gtc_lightning.ops` (kernels and
 their torch twins), :mod:`gtc_lightning.algorithms` (GTC and the averaging family, torch only),
 :mod:`gtc_lightning.strategies` (the Lightning and Fabric strategies) and :mod:`gtc_lightning.tools`
-(benchmarks, the cluster emulator, simulations: never imported by a training run). The modules of
-0.1.0 at the top (``gtc_lightning.hook``, ``gtc_lightning.strategy``, ...) are aliases of their new
-homes that warn, for one release.
+(benchmarks, the cluster emulator, simulations: never imported by a training run). The module paths
+of 0.1.0 at the top were removed in 0.3.0 (CHANGELOG.md maps each to its new home).
 """
 
 import logging

@@ -1,4 +1,4 @@
-"""The scaling model's formulas against cases computed by hand (gtc_lightning/scaling.py)."""
+"""The scaling model's formulas against cases computed by hand (gtc_lightning/tools/scaling.py)."""
 
 import math
 

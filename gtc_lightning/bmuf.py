@@ -1,9 +1,0 @@
-"""Moved to :mod:`gtc_lightning.strategies.bmuf` in 0.2.0; this alias warns and goes in 0.3.0."""
-
-from gtc_lightning._moved import alias
-
-__getattr__, __dir__ = alias(
-    __name__,
-    "gtc_lightning.strategies.bmuf",
-    "gtc_lightning.algorithms.averaging.bmuf",
-)
