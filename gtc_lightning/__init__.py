@@ -71,7 +71,7 @@ __all__ = [
     "gtc_hook",
     "parameter_checksums",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # Show the configuration line and restore messages at INFO, the way Lightning's own logger does,
 # unless the application configured logging itself.
