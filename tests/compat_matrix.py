@@ -117,6 +117,19 @@ STRATEGIES: dict[str, Strategy] = {
     ),
 }
 
+# How the tables name a strategy where its key alone would mislead: `strategy="gtc"` is the update mode
+# (the defaults), so the column of Strom's gradient mode says which it is.
+LABELS = {
+    "gtc": '`gtc`, `compress="gradient"` (Strom\'s, fixed τ)',
+    "gtc_update": "`gtc` (the defaults: update mode)",
+}
+
+
+def label(name: str) -> str:
+    """The column (or row) title of a strategy in the rendered tables."""
+    return LABELS.get(name, f"`{name}`")
+
+
 _UNUSED = "Lightning's unused-parameter error, pointing at `strategy='{}_find_unused_parameters_true'`"
 
 # feature id -> (what the README calls it, {strategy: outcome}); test_compat.py has one runner per id.
@@ -588,10 +601,10 @@ def render_table(short: bool = False) -> str:
             refusals = [
                 title for title, outcomes in MATRIX.values() if not outcomes[name].works and outcomes[names[0]].works
             ]
-            lines.append(f"| `{name}` | " + ("; ".join(refusals) if refusals else "nothing") + " |")
+            lines.append(f"| {label(name)} | " + ("; ".join(refusals) if refusals else "nothing") + " |")
         return "\n".join(lines)
     lines = [
-        "| Lightning feature | " + " | ".join(f"`{name}`" for name in names) + " |",
+        "| Lightning feature | " + " | ".join(label(name) for name in names) + " |",
         "|---|" + "---|" * len(names),
     ]
     for title, outcomes in MATRIX.values():
