@@ -44,7 +44,9 @@ if [ -n "$missing" ]; then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-# torch first, pinned: the CPU wheel here; on a GPU machine keep the torch that is installed.
+# torch first, pinned (GTC_TORCH_VERSION). From PyPI on Linux that is the CUDA build; the CI's hosts
+# find a local CPU wheel first. A torch that already imports in .venv is kept: for the CPU build elsewhere
+# install it first (pip install torch --index-url https://download.pytorch.org/whl/cpu), as on a GPU machine.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${GTC_TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e ".[asr,dev]"
 echo "setup.sh: ready (.venv: $(.venv/bin/python -c 'import torch, lightning; print("torch", torch.__version__, "lightning", lightning.__version__)'))"

@@ -78,10 +78,13 @@ class GTCStrategy(DDPStrategy):
         max_consecutive_skips: raise ``RuntimeError`` after this many consecutive steps skipped
             for a non-finite gradient; ``None`` never raises. (With an AMP loss scaler its
             overflows are the scaler's business and never count.)
-        dense_fallback: on a step where the sparse exchange would send more bytes than a dense
-            fp32 all-reduce (tau too small, a dense outlier gradient, many ranks), all-reduce every
-            rank's residual + gradient instead and restart the residuals from zero; back to sparse
-            once it would send less than half. Counted as ``dense_steps``, warned about once.
+        dense_fallback: in the gradient mode, on a step where the sparse exchange would send more
+            bytes than a dense bf16 ring all-reduce, half of fp32's (tau too small, a dense outlier
+            gradient, many ranks), all-reduce every rank's residual + gradient instead and restart
+            the residuals from zero; back to sparse once it would send less than a quarter of fp32's
+            (:data:`~gtc_lightning.algorithms.gtc.config.FALLBACK_ENTER`, ``FALLBACK_EXIT``). Counted
+            as ``dense_steps``, warned about once. The update mode sends what it emits and warns once
+            where that is more than the fallback's threshold.
         exchange: ``"alltoall"`` (each rank's words as they are), ``"allgather"`` (padded to the
             longest message) or ``"auto"`` (all-to-all on gloo, where it was measured faster;
             all-gather on NCCL). The step's header (word counts) goes the same way: by all-to-all

@@ -1,7 +1,7 @@
 """Model suite: GTC against DDP, a bf16 all-reduce and PowerSGD on models Lightning users train.
 Long file: the runs, their measures, the report and its plots of one command (models: suite_models.py).
 
-    python -m gtc_lightning.tools.model_suite            # 4 models x 7 methods x 3 seeds x 2, 4 ranks
+    python -m gtc_lightning.tools.model_suite            # 4 models x 8 methods x 3 seeds x 2, 4 ranks
     python -m gtc_lightning.tools.model_suite --quick    # CI smoke test: 2 models, 1 seed, 2 ranks
     python -m gtc_lightning.tools.model_suite --models cnn gru --methods ddp gtc --world-sizes 2 --seeds 0
 
