@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -372,3 +373,17 @@ def test_update_mode_resume_restores_every_ranks_own_optimizer_state(tmp_path):
         for t, (a, b) in enumerate(zip(part[r]["records"] + resumed[r]["records"], full[r]["records"])):
             assert torch.equal(a["params"], b["params"]), f"rank {r}, step {t + 1}"
             assert torch.equal(a["residual"], b["residual"]), f"rank {r}, step {t + 1}"
+
+
+def test_two_adam_optimizers_in_the_gradient_mode_are_warned_about():
+    from gtc_lightning import GTCFabricStrategy
+
+    model = torch.nn.Linear(4, 4)
+    for compress, expected in (("auto", 1), ("gradient", 0)):
+        strategy = GTCFabricStrategy(compress=compress)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            strategy.setup_optimizer(torch.optim.Adam([model.weight]))
+            strategy.setup_optimizer(torch.optim.AdamW([model.bias]))
+        said = [w for w in caught if "take Strom's gradient mode" in str(w.message)]
+        assert len(said) == expected and (not said or "Adam, AdamW" in str(said[0].message))

@@ -429,3 +429,34 @@ def test_restore_residuals_false_still_restores_every_ranks_optimizer(tmp_path):
         restored = torch.load(tmp_path / f"optimizer{rank}.pt", weights_only=False)["state"][0]["exp_avg"]
         assert torch.equal(restored, saved[rank]["optimizers"][0]["state"][0]["exp_avg"]), f"rank {rank}'s moments"
     assert torch.load(tmp_path / "resumed" / "rank1.pt", weights_only=False)["start"]["residual"].abs().sum() == 0
+
+
+class TwoAdams(TinyMLP):
+    """Manual optimization with two Adam optimizers, one per layer (a GAN's pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        for optimizer in self.optimizers():
+            self.toggle_optimizer(optimizer)
+            loss = self.loss(batch)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+            self.untoggle_optimizer(optimizer)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net[0].parameters(), lr=1e-2), torch.optim.Adam(self.net[2].parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("compress", ["auto", "gradient"])
+def test_several_adam_optimizers_taking_the_gradient_mode_are_warned_about_unless_asked_for(tmp_path, compress):
+    _, ranks = fit(tmp_path, model=TwoAdams(), max_epochs=1, tau="auto", compress=compress,
+                   find_unused_parameters=True)  # fmt: skip
+    warned = [w for w in ranks[0]["warnings"] if "take Strom's gradient mode" in w]
+    assert len(warned) == (1 if compress == "auto" else 0)
+    if warned:
+        assert "Adam, Adam" in warned[0] and "compress='gradient'" in warned[0]

@@ -4,7 +4,9 @@ callback added once, before the checkpoint callbacks."""
 
 from typing import Any
 
+import torch
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.utilities.exceptions import _augment_message
@@ -72,3 +74,26 @@ def add_callback(trainer: Trainer, callback: Callback) -> None:
         (i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks)
     )
     trainer.callbacks.insert(where, callback)
+
+
+def adaptive_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` scales each element by its own running second moment (Adam, AdamW, Adamax,
+    NAdam, RAdam, Adagrad, RMSprop, Adadelta, and their subclasses), where Strom's gradient mode loses."""
+    kinds = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+             torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta)  # fmt: skip
+    return isinstance(optimizer, kinds)
+
+BUCKET_CAP_MB = 1024  # GTCStrategy's default DDP bucket cap: one bucket for models up to 256 M weights
+
+
+def warn_gradient_mode_for_adaptive(who: str, optimizers: list) -> None:
+    """``compress="auto"`` took Strom's gradient mode for several optimizers: say so where one of them
+    is adaptive (:func:`adaptive_optimizer`), since that costs accuracy."""
+    adaptive = [type(o).__name__ for o in optimizers if adaptive_optimizer(o)]
+    if adaptive:
+        rank_zero_warn(
+            f"{who}: {len(optimizers)} optimizers take Strom's gradient mode, and {', '.join(adaptive)} rescale "
+            "each element's sparse votes by their own second moments, which costs accuracy (the update mode, "
+            "which compresses what the optimizer applies, takes one optimizer). Use one optimizer with parameter "
+            "groups where you can, or set compress='gradient' to say you chose this"
+        )

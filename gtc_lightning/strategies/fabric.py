@@ -61,6 +61,7 @@ from gtc_lightning.algorithms.gtc.config import check_options, sparse_gradient_p
 from gtc_lightning.algorithms.gtc.hook import gtc_hook
 from gtc_lightning.algorithms.gtc.state import GTCState
 from gtc_lightning.strategies import checkpoint
+from gtc_lightning.strategies.common import warn_gradient_mode_for_adaptive
 
 
 class GTCFabricStrategy(DDPStrategy):
@@ -203,6 +204,8 @@ class GTCFabricStrategy(DDPStrategy):
         self._resolve_compress(len(self._optimizers) + (not known))  # raises before anything changed
         if not known:
             self._optimizers.append(optimizer)
+            if self._compress == "auto" and len(self._optimizers) == 2:
+                warn_gradient_mode_for_adaptive("GTCFabricStrategy", self._optimizers)
         return super().setup_optimizer(optimizer)
 
     def _resolve_compress(self, count: int) -> None:

@@ -46,6 +46,7 @@ from gtc_lightning.strategies.common import (
     drop_hook_args,
     hint_unused_parameters,
     register_names,
+    warn_gradient_mode_for_adaptive,
 )
 from gtc_lightning.strategies.loggers import GTCStatsLogger
 
@@ -334,9 +335,13 @@ class GTCStrategy(DDPStrategy):
             )
         state.compress = mode
         self._update_params = [p for _, p in self.lightning_module.named_parameters() if p.requires_grad]
-        what = "each rank's optimizer step" if mode == "update" else "the gradient"
+        auto, many = self._compress == "auto", f"{len(self.optimizers)} optimizers"
+        why = "compress='auto' with " + ("one optimizer" if mode == "update" else "stale=True" if self._stale else many)
+        if auto and mode == "gradient" and not self._stale:
+            warn_gradient_mode_for_adaptive("GTC", self.optimizers)
         if self.global_rank == 0:
-            log.info("GTC compresses %s (%s)", what, ", ".join(type(o).__name__ for o in self.optimizers))
+            log.info("GTC compresses %s (%s): %s", "each rank's optimizer step" if mode == "update" else "the gradient",
+                     ", ".join(type(o).__name__ for o in self.optimizers), why if auto else "as asked")  # fmt: skip
 
     def _gate_clipping(self) -> None:
         """Lightning calls ``configure_gradient_clipping`` after the closure, on what the optimizer is
