@@ -558,6 +558,16 @@ def test_readme_quotes_the_current_build():
         assert float(wer.split()[0]) in rendered, f"the README's WER {wer} is not RESULTS.json's (the current build)"
 
 
+def test_readme_profile_kaldi_sentence_is_the_data():
+    """"every GMM system better on dev, the DNNs level": profile=kaldi's build against the current default."""
+    cur, kal = results(), results("RESULTS-kaldi.json")
+    assert all(kal["gmm"][n]["dev"]["wer"] < cur["gmm"][n]["dev"]["wer"] for n in cur["gmm"])
+    for split in ("dev", "test"):  # the four DNN runs' mean WER within a tenth of a point (RESULTS.md pairs them)
+        means = [statistics.fmean(d[split]["wer"] for d in snap["decodes"].values()) for snap in (cur, kal)]
+        assert abs(means[0] - means[1]) < 0.1, (split, means)
+    assert "every GMM system better on dev, the DNNs level" in prose(README)
+
+
 def test_recipe_readme_quotes_the_current_build():
     """Every WER pair and time in the recipe README's prose is the current build's (RESULTS.json, RESULTS-kaldi.json,
     the current section of RESULTS.md)."""
