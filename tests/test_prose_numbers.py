@@ -590,6 +590,11 @@ def test_docstrings_say_what_the_code_does():
     assert "bf16 ring all-reduce, half of fp32's" in doc and "less than a quarter of fp32's" in doc, doc
 
 
+def test_readme_names_the_version():
+    version = re.search(r'^version = "([^"]+)"', _source("pyproject.toml"), flags=re.MULTILINE).group(1)
+    assert f"Version {version} " in README.read_text(), f"the README's Status names another version than {version}"
+
+
 @pytest.mark.parametrize("text, expected", [
     ("at +5.1 % held-out loss, 169× fewer, 2 ranks, 3 seeds", ["+5.1 %", "169×"]),
     ("torch 2.13.0, Python 3.11, 2026-11-30, density 1e-2, stages 0-11", []),
