@@ -25,6 +25,7 @@ RECIPE = [
 ]
 TOOLS = [
     "bench", "bench_step", "bench_exchange", "bench_cluster", "cluster", "faults", "soak", "scaling", "model_suite", "gpu_checks",
+    "compare",
 ]
 COMMANDS = RECIPE + [
     (f"gtc_lightning.tools.{t}", f"python -m gtc_lightning.tools.{t}", ["-m", f"gtc_lightning.tools.{t}"]) for t in TOOLS
@@ -37,8 +38,8 @@ when a command's options differ from this page). `train.py` is a LightningCLI: b
 options it takes every `Trainer` argument (`--trainer.*`), the model's (`--model.*`) and the data's
 (`--data.*`), and `--config FILE.yaml` (the configs are in `conf/`); `--strategy NAME` is its
 shortcut for a strategy of the family. The recipe's stages are described in `recipes/asr/README.md`.
-`gtc-scaling` and `gtc-model-suite` are the console scripts of `gtc_lightning.tools.scaling` and
-`gtc_lightning.tools.model_suite`.
+`gtc-scaling`, `gtc-model-suite` and `gtc-compare` are the console scripts of
+`gtc_lightning.tools.scaling`, `gtc_lightning.tools.model_suite` and `gtc_lightning.tools.compare`.
 """
 
 
