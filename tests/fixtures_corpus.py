@@ -4,23 +4,35 @@
 seconds) and returns its data dir (``manifests/{train,dev,test}_cuts.jsonl.gz``, ``audio/``).
 Later stages copy it (or write beside it under their own sub-directory) rather than
 rebuilding it. The layout builders write real-corpus directory layouts from its audio.
+
+The recipe's packages (Lhotse, soundfile) are imported where used, so that the library's tests load
+this file without them; ``tiny_corpus`` is skipped, naming the missing ones, where the Debian TTS engines that
+synthesise the corpus are missing (``bash setup.sh`` installs them).
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-import soundfile as sf
-from lhotse import CutSet
+
+if TYPE_CHECKING:
+    from lhotse import CutSet
 
 TINY_SEED = 0
+TTS_ENGINES = ("espeak-ng", "flite", "festival", "sox")  # the programs local/data/tts.py runs
 
 
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> Path:
     """Data dir of the tiny synthetic corpus (built once per session, seed 0)."""
+    missing = [engine for engine in TTS_ENGINES if shutil.which(engine) is None]
+    if missing:
+        pytest.skip(f"the recipe's synthetic corpus needs the Debian TTS engines, missing here: {', '.join(missing)} "
+                    "(bash setup.sh installs them)")  # fmt: skip
     from local.data.corpus_synthetic import prepare_synthetic
 
     data_dir = tmp_path_factory.mktemp("tiny_corpus")
@@ -29,6 +41,8 @@ def tiny_corpus(tmp_path_factory) -> Path:
 
 
 def load_split(data_dir: Path, split: str) -> CutSet:
+    from lhotse import CutSet
+
     return CutSet.from_file(Path(data_dir) / "manifests" / f"{split}_cuts.jsonl.gz")
 
 
@@ -46,6 +60,8 @@ def write_librispeech(
     """Lay utterances out like LibriSpeech: ``<part>/<spk>/<chapter>/<spk>-<chapter>-<nnnn>.flac``
     plus ``<spk>-<chapter>.trans.txt``. ``parts`` maps part name → speaker ids; utterances
     are dealt round-robin over all (part, speaker) pairs. Returns the utterance ids."""
+    import soundfile as sf
+
     slots = [(part, spk) for part, spks in parts.items() for spk in spks]
     ids, lines = [], {}
     for k, (audio, text) in enumerate(utts):
@@ -65,6 +81,8 @@ def write_librispeech(
 def write_timit(root: Path, speakers: dict[str, list[str]], utts: list[tuple[np.ndarray, str]]) -> list[str]:
     """Lay utterances out like TIMIT: ``data/<TRAIN|TEST>/DR1/<SPK>/<SENT>.WAV`` with ``.TXT``
     (``0 <end> text``), ``.WRD`` and ``.PHN`` (sample ranges). Returns ``<SPK>-<SENT>`` ids."""
+    import soundfile as sf
+
     slots = [(part, spk) for part, spks in speakers.items() for spk in spks]
     ids = []
     for k, (audio, text) in enumerate(utts):
@@ -89,6 +107,8 @@ def write_kaldi_dir(
     d: Path, utts: list[tuple[np.ndarray, str]], prefix: str, n_speakers: int = 3
 ) -> list[str]:
     """A Kaldi data dir: ``wav.scp`` (paths relative to ``d``), ``text``, ``utt2spk``. Returns utt ids."""
+    import soundfile as sf
+
     (d / "wav").mkdir(parents=True, exist_ok=True)
     ids = []
     scp, text, u2s = [], [], []
