@@ -1,11 +1,15 @@
 """Pages of the docs site that must follow the code: docs/reference/cli.md shows the ``--help`` of
 every command line, each section with the options its command has now, no more and no fewer
-(``python docs/cli_help.py`` rewrites the page); docs/reference/api.md documents every name of
+(``python docs/cli_help.py`` rewrites the page; the recipe's scripts only where its packages are); docs/reference/api.md documents every name of
 ``gtc_lightning.__all__``."""
 
 import importlib.util
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
+from conftest import MISSING_RECIPE_PACKAGES, without_the_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("cli_help", ROOT / "docs" / "cli_help.py")
@@ -13,15 +17,27 @@ cli_help = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cli_help)
 
 
-def test_cli_page_has_every_command_with_its_options():
+def check_commands(commands: list[tuple[str, str, list[str]]]) -> None:
     sections = cli_help.page_sections(cli_help.PAGE.read_text())
     assert list(sections) == [title for title, _, _ in cli_help.COMMANDS], "regenerate: python docs/cli_help.py"
-    for title, text in cli_help.helps().items():
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        texts = list(pool.map(cli_help.capture, [argv for _, _, argv in commands]))
+    for (title, _, _), text in zip(commands, texts):
         now, shown = cli_help.options(text), cli_help.options(sections[title])
         assert now == shown, (
             f"{title}: options added {sorted(now - shown)}, gone {sorted(shown - now)}; "
             "regenerate: python docs/cli_help.py"
         )
+
+
+def test_cli_page_has_every_tool_with_its_options():
+    check_commands([command for command in cli_help.COMMANDS if command not in cli_help.RECIPE])
+
+
+def test_cli_page_has_every_recipe_script_with_its_options():
+    if MISSING_RECIPE_PACKAGES:  # the library's tests alone (conftest.py)
+        pytest.skip(without_the_recipe(MISSING_RECIPE_PACKAGES[0]))
+    check_commands(cli_help.RECIPE)
 
 
 def test_api_page_documents_every_public_name():
