@@ -1,11 +1,13 @@
 """The library's tests run without the recipe (``pip install -e ".[dev]"``, no ``setup.sh``): a recipe test
 is then skipped with the reason, not an error (conftest.py). Checked here by hiding the recipe's packages
 from a pytest run in a subprocess (``sys.modules[name] = None`` makes ``import name`` fail as if it were
-not installed), and by holding conftest's list of them to pyproject's ``[asr]`` extra."""
+not installed), and by holding conftest's list of them to pyproject's ``[asr]`` extra. What both suites take
+(time, memory, disk) is docs/guide/installation.md's table, rendered here from docs/benchmarks/test_suite.json."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import re
 import subprocess
 import sys
@@ -50,3 +52,60 @@ def test_without_the_recipe_its_tests_are_skipped_with_the_reason():
     # the fixture's reason: Lhotse, or the TTS engines first where those are missing too
     assert "bash setup.sh" in fixture and ("needs the recipe's packages" in fixture or "TTS engines" in fixture)
     assert re.search(r"\b\d+ passed, 2 skipped in ", out) and " failed" not in out and " error" not in out, out
+
+
+# --- what the tests take: docs/guide/installation.md's table, rendered from the measurement ---------------
+
+SUITE = ROOT / "docs" / "benchmarks" / "test_suite.json"
+INSTALLATION = ROOT / "docs" / "guide" / "installation.md"
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+def _size(kib: float) -> str:
+    """One decimal in GB from 1 GB up, tens of MB below (sizes in KiB, as du -sk and time -v give them)."""
+    gb = kib * 1024 / 1e9
+    return f"{gb:.1f} GB" if gb >= 1 else f"{round(kib * 1024 / 1e7) * 10:,} MB"
+
+
+def suite_table(data: dict) -> list[str]:
+    """The table of installation.md's section on the tests, as its lines."""
+    full, lib = data["suites"]["full"], data["suites"]["library"]
+
+    def tests(s: dict) -> str:
+        why = f"{s['skipped_cuda']:,} CUDA tests, {s['skipped_recipe']:,} of the recipe's" if s["skipped_recipe"] else "the CUDA tests"
+        return f"{s['passed']:,} passed, {s['skipped']:,} skipped ({why})"
+
+    def venv(s: dict) -> str:
+        return f"{_size(s['venv_kb'])} (torch {_size(s['torch_kb'])}, Triton {_size(s['triton_kb'])})"
+
+    assert all(s["skipped"] == s["skipped_cuda"] + s["skipped_recipe"] and s["failed"] == 0 for s in (full, lib))
+    return [
+        "| | everything, as CI runs it (`bash setup.sh`) | the library's tests alone (`[dev]`) |",
+        "|---|---|---|",
+        f"| tests | {tests(full)} | {tests(lib)} |",
+        f"| wall time on 2 cores | {_duration(full['wall_s'])} | {_duration(lib['wall_s'])} |",
+        f"| memory: the largest process's peak RSS | {_size(full['max_rss_kb'])} | {_size(lib['max_rss_kb'])} |",
+        f"| disk: the virtualenv | {venv(full)} | {venv(lib)} |",
+        f"| disk: the tests' temporary files | {_size(full['tmp_kb'])} | {_size(lib['tmp_kb'])} |",
+        f"| disk: Debian packages | {_size(full['debian_kb'])} (the TTS engines and voices, jemalloc) | none |",
+    ]
+
+
+@pytest.mark.parametrize("kib, text", [(2370008, "2.4 GB"), (1160796, "1.2 GB"), (259540, "270 MB"), (42000, "40 MB")])
+def test_sizes_are_rounded_as_the_page_says(kib, text):
+    assert _size(kib) == text
+
+
+def test_the_installation_page_states_the_measured_suites():
+    data = json.loads(SUITE.read_text())
+    page = INSTALLATION.read_text()
+    lines = suite_table(data)
+    missing = [line for line in lines if line not in page.splitlines()]
+    assert not missing, "docs/guide/installation.md's table, as docs/benchmarks/test_suite.json renders it:\n" + "\n".join(
+        lines
+    )
+    assert f"Measured on {data['measured']}" in page
