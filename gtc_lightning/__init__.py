@@ -6,7 +6,8 @@ also as ``..._find_unused_parameters_true`` / ``_false`` (as Lightning names its
 The other strategies of the family are registered the same way: ``"ma"`` (periodic model
 averaging, :mod:`gtc_lightning.strategies.averaging`), ``"bmuf"`` and ``"bmuf_gtc"``
 (:mod:`gtc_lightning.strategies.bmuf`), ``"dpsgd"``, ``"adpsgd"``, and the dense baselines ``"ddp_bf16"`` and
-``"ddp_powersgd"``; Fabric's registry gets ``"gtc"`` too.
+``"ddp_powersgd"``, and ``"gtc_hsdp"`` (FSDP2 within a node, GTC across nodes,
+:mod:`gtc_lightning.strategies.hsdp`); Fabric's registry gets ``"gtc"`` too.
 Processes started by re-running the script import the package again through the script itself,
 so they know the names too. Use it in a Lightning project like this::
 
@@ -49,6 +50,7 @@ from gtc_lightning.strategies.bmuf import BMUFGTCStrategy, BMUFStrategy
 from gtc_lightning.strategies.dpsgd import DPSGDStrategy
 from gtc_lightning.strategies.fabric import GTCFabricStrategy, register_trainer_only_names
 from gtc_lightning.strategies.gtc import GTCStrategy
+from gtc_lightning.strategies.hsdp import GTCHSDPStrategy
 
 __all__ = [
     "ADPSGDState",
@@ -61,6 +63,7 @@ __all__ = [
     "DPSGDState",
     "DPSGDStrategy",
     "GTCFabricStrategy",
+    "GTCHSDPStrategy",
     "GTCState",
     "GTCStrategy",
     "ModelAveragingStrategy",
@@ -83,6 +86,8 @@ if not logging.getLogger().hasHandlers() and not _logger.handlers:
 
 if "gtc" not in StrategyRegistry:
     GTCStrategy.register_strategies(StrategyRegistry)
+if "gtc_hsdp" not in StrategyRegistry:
+    GTCHSDPStrategy.register_strategies(StrategyRegistry)
 if "ddp_bf16" not in StrategyRegistry:
     BF16AllReduceStrategy.register_strategies(StrategyRegistry)
 if "ddp_powersgd" not in StrategyRegistry:

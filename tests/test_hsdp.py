@@ -1,0 +1,224 @@
+"""GTCHSDPStrategy ("gtc_hsdp"): FSDP2 on the shard dimension, GTC across the replicate dimension, on 4
+forked CPU ranks over gloo, a 2 x 2 mesh (ranks 0, 1 hold shards 0, 1 of replica 0; ranks 2, 3 of
+replica 1). Each rank writes what it saw to ``rank{r}.pt``; the tests compare the ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from _strategy_helpers import TIMEOUT, keep_master_port  # noqa: F401  (autouse fixture)
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+import gtc_lightning  # noqa: F401  (registers "gtc_hsdp")
+from gtc_lightning.strategies.hsdp import GTCHSDPStrategy
+
+FEATURES, HIDDEN, CLASSES = 16, 24, 4
+SAMPLES, BATCH = 128, 8  # 4 ranks x 4 batches of 8 per epoch
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(SAMPLES, FEATURES, generator=g)
+    teacher = torch.randn(FEATURES, CLASSES, generator=g)
+    return TensorDataset(x, (x @ teacher).argmax(dim=1))
+
+
+class ShardedMLP(L.LightningModule):
+    """16 -> 24 -> 24 -> 4 MLP, each hidden block its own FSDP2 module, the head in the root's.
+
+    Args:
+        out_dir: where each rank writes its record.
+        shard: how ``configure_model`` shards: ``"shard"`` (FSDP2 on the shard dimension, as GTC
+            wants), ``"native"`` (on the whole 2-D mesh: torch's own HSDP), ``"none"`` (not at all).
+        per_rank_data: each rank takes rows ``rank::world`` itself (for strategies whose sampler
+            splits the data otherwise).
+    """
+
+    def __init__(self, out_dir: Path, shard: str = "shard", per_rank_data: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(
+            [torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh()),
+             torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh())]
+        )  # fmt: skip
+        self.head = torch.nn.Linear(HIDDEN, CLASSES)
+        self.out_dir, self.shard, self.per_rank_data = Path(out_dir), shard, per_rank_data
+        self.records: list[dict] = []
+        self.calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def configure_model(self) -> None:
+        if self.shard == "none":
+            return
+        mesh = self.device_mesh if self.shard == "native" else self.device_mesh["shard"]
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+    def train_dataloader(self):
+        data = dataset()
+        if self.per_rank_data:
+            rows = list(range(self.global_rank, SAMPLES, self.trainer.world_size))
+            data = torch.utils.data.Subset(data, rows)
+        return DataLoader(data, batch_size=BATCH)
+
+    def on_train_start(self):
+        state = getattr(self.trainer.strategy, "gtc_state", None)
+        if state is None:
+            return
+        reduce = state.reduce
+
+        def recording(key, output):
+            before = output.detach().clone()
+            reduce(key, output)
+            slot = state.slots[key]
+            own = slot.words[torch.distributed.get_rank(state.replicate_group)] if slot.words else 0
+            self.calls.append((key, before, slot.message[:own].clone(), slot.tau))
+
+        state.reduce = recording
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        state = getattr(self.trainer.strategy, "gtc_state", None)
+        self.records.append({
+            "params": [p.to_local().detach().clone() if hasattr(p, "to_local") else p.detach().clone()
+                       for p in self.parameters()],
+            "residuals": {k: s.residual.clone() for k, s in state.slots.items()} if state else {},
+            "loss": float(outputs["loss"]),
+        })  # fmt: skip
+
+    def on_train_end(self):
+        state = getattr(self.trainer.strategy, "gtc_state", None)
+        out = {"records": self.records, "calls": self.calls, "stats": dict(state.totals) if state else {},
+               "nbytes": state.nbytes() if state else 0,
+               "shard_numel": sum(p.to_local().numel() for p in self.parameters())}  # fmt: skip
+        torch.save(out, self.out_dir / f"rank{self.global_rank}.pt")
+
+
+def run(out_dir: Path, strategy=None, max_steps: int = 6, ckpt_path: str | None = None, model=None,
+        checkpoint_at: int | None = None, **kwargs) -> list[dict]:  # fmt: skip
+    """Fit on 4 forked CPU ranks; the ranks' records, rank by rank."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if strategy is None:
+        kwargs.setdefault("tau", 0.01)
+        kwargs.setdefault("coding", "none")
+        strategy = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT, **kwargs)
+    callbacks = []
+    if checkpoint_at is not None:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out_dir / "ckpt", every_n_train_steps=checkpoint_at,
+                                                             save_top_k=-1))  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=max_steps, logger=False,
+        enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=not getattr(model, "per_rank_data", False),
+    )  # fmt: skip
+    trainer.fit(model or ShardedMLP(out_dir), ckpt_path=ckpt_path)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+def test_replicas_bit_identical_and_conservation(tmp_path):
+    ranks = run(tmp_path, max_steps=6, tau=0.01)
+    for shard in (0, 1):  # ranks shard and 2 + shard hold the same shard
+        a, b = ranks[shard], ranks[2 + shard]
+        for ra, rb in zip(a["records"], b["records"]):
+            for pa, pb in zip(ra["params"], rb["params"]):
+                assert torch.equal(pa, pb)
+    # The two shards of a replica differ, and training moved the parameters.
+    assert not torch.equal(ranks[0]["records"][-1]["params"][0], ranks[1]["records"][-1]["params"][0])
+    assert ranks[0]["stats"]["sparse"] == 6 * 3 and ranks[0]["stats"]["words"] > 0
+    # Conservation: per rank and module, the residual plus tau times the words sent is the gradient sum.
+    for rank in ranks:
+        for key, final in rank["records"][-1]["residuals"].items():
+            calls = [c for c in rank["calls"] if c[0] == key]
+            total = torch.stack([c[1] for c in calls]).double().sum(0)
+            sent = torch.zeros_like(total)
+            for _, _, words, tau in calls:
+                sign = torch.where(words < 0, 1.0, -1.0).double()  # the residual moved by -tau per + word
+                sent.index_add_(0, (words & 0x7FFFFFFF).long(), -sign * tau)
+            torch.testing.assert_close(final.double() + sent, total, atol=1e-5, rtol=0)
+
+
+def test_dense_warmup_equals_native_hsdp(tmp_path):
+    """The plumbing (FSDP2 on the shard dimension, the hook across replicas) against torch's own HSDP."""
+    ours = run(tmp_path / "gtc", max_steps=4, warmup_steps=4, model=ShardedMLP(tmp_path / "gtc", per_rank_data=True))
+    native = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, timeout=TIMEOUT)
+    native._configure_launcher = lambda: setattr(
+        native, "_launcher", L.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher(native, "fork")
+    )
+    model = ShardedMLP(tmp_path / "native", shard="native", per_rank_data=True)
+    theirs = run(tmp_path / "native", strategy=native, max_steps=4, model=model)
+    assert ours[0]["stats"]["dense"] == 4 * 3 and ours[0]["stats"]["sparse"] == 0
+    for a, b in zip(ours, theirs):
+        for ra, rb in zip(a["records"], b["records"]):
+            assert abs(ra["loss"] - rb["loss"]) < 1e-5
+            for pa, pb in zip(ra["params"], rb["params"]):
+                torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5)
+
+
+def test_checkpoint_resume_bit_exact_and_refused_at_another_mesh(tmp_path):
+    kwargs = {"tau": "auto", "coding": "rice"}
+    straight = run(tmp_path / "straight", max_steps=6, **kwargs)
+    run(tmp_path / "first", max_steps=3, checkpoint_at=3, **kwargs)
+    ckpt = next((tmp_path / "first" / "ckpt").glob("*.ckpt"))
+    assert ckpt.is_dir()  # a distributed checkpoint
+    resumed = run(tmp_path / "resumed", max_steps=6, ckpt_path=str(ckpt), **kwargs)
+    for a, b in zip(straight, resumed):
+        last_a, last_b = a["records"][-1], b["records"][-1]
+        for pa, pb in zip(last_a["params"], last_b["params"]):
+            assert torch.equal(pa, pb)
+        for key in last_a["residuals"]:
+            assert torch.equal(last_a["residuals"][key], last_b["residuals"][key])
+    # At a 4 x 1 mesh the residuals do not fit: refused, with the fix; restore_residuals=False resumes.
+    other = GTCHSDPStrategy(replicate_size=4, shard_size=1, start_method="fork", timeout=TIMEOUT, tau=0.01)
+    with pytest.raises(Exception, match="restore_residuals=False"):
+        run(tmp_path / "other", strategy=other, max_steps=4, ckpt_path=str(ckpt))
+    fresh = GTCHSDPStrategy(replicate_size=4, shard_size=1, start_method="fork", timeout=TIMEOUT, tau=0.01,
+                            restore_residuals=False)  # fmt: skip
+    ranks = run(tmp_path / "fresh", strategy=fresh, max_steps=4, ckpt_path=str(ckpt))
+    assert len(ranks[0]["records"]) == 1  # steps 4 of 4 after the checkpoint's 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"replicate_size": 1}, "replicate_size to be an int >= 2"),
+        ({"replicate_size": "auto", "shard_size": 3}, "does not divide the world size 4"),
+        ({"replicate_size": 2, "shard_size": 4}, "is not the world size 4"),
+        ({"replicate_size": "auto", "shard_size": 4}, "replicate_size is 1"),
+        ({"save_distributed_checkpoint": False}, "save_distributed_checkpoint=True"),
+    ],
+)
+def test_bad_meshes(tmp_path, kwargs, message):
+    with pytest.raises(Exception, match=message):
+        strategy = GTCHSDPStrategy(start_method="fork", timeout=TIMEOUT, **kwargs)
+        run(tmp_path, strategy=strategy, max_steps=1)
+
+
+@pytest.mark.parametrize(("shard", "message"), [("none", "no FSDP2 module"), ("native", "sharded on a mesh of shape")])
+def test_bad_models(tmp_path, shard, message):
+    with pytest.raises(Exception, match=message):
+        run(tmp_path, max_steps=1, model=ShardedMLP(tmp_path, shard=shard))
+
+
+def test_registered():
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["gtc_hsdp_fork"]["strategy"] is GTCHSDPStrategy
+    with pytest.raises(ValueError, match="Trainer strategy only"):
+        FABRIC.get("gtc_hsdp")
