@@ -41,6 +41,8 @@ Usage:
   python recipes/asr/prepare.py --corpus librispeech --corpus-dir /path/to/LibriSpeech \
       --train-parts train-clean-100 train-clean-360 --lm-text more_sentences.txt --oov g2p
   python recipes/asr/prepare.py --corpus kaldi --corpus-dir /path/to/data --lexicon lexicon.txt
+  python recipes/asr/prepare.py --corpus librispeech --corpus-dir /path/to/LibriSpeech \
+      --lm-arpa 3-gram.pruned.1e-7.arpa.gz                       # the first pass's LM: the user's ARPA
   python recipes/asr/prepare.py --stage 3 --stop-stage 5         # re-run the GMM stages only
 """
 
@@ -140,7 +142,8 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
     if name == "lang":
         from local.graph.lang import prepare_lang
 
-        return _summary(prepare_lang(data_dir, lexicon=args.lexicon, lm_text=args.lm_text, oov=args.oov))
+        return _summary(prepare_lang(data_dir, lexicon=args.lexicon, lm_text=args.lm_text, oov=args.oov,
+                                     tags=args.tags, unk_word=args.unk_word, lm_arpa=args.lm_arpa))
     if name == "mono":
         from local.gmm.mono import train_mono
 
@@ -339,17 +342,22 @@ def prepare(
     train_parts: list[str] | None = None,
     lexicon: str | Path | None = None,
     lm_text: str | Path | None = None,
-    oov: str = "drop",
+    oov: str | None = None,
     gmm_sizes: dict[str, int | str] | None = None,
     lda_mllt: bool | None = None,
     sat_schedule: str = "kaldi",
     beam: float | None = None,
     max_active: int | None = None,
+    tags: list[str] | None = None,
+    unk_word: str = "<UNK>",
+    lm_arpa: str | Path | None = None,
 ) -> Path:
     """Run stages ``stage..stop_stage``; return the data directory. Importable by train.py.
 
-    ``train_parts`` (LibriSpeech's training parts) reaches stage 0; ``lexicon``, ``lm_text`` and
-    ``oov`` reach stage 2 (``local/graph/lexicon.py``). ``gmm_sizes``: any of ``GMM_SIZES`` (the
+    ``train_parts`` (LibriSpeech's training parts) reaches stage 0; ``lexicon``, ``lm_text``, ``oov``
+    (None: ``unk`` for a real corpus, ``drop`` for the embedded one: ``local/graph/lexicon.py`` says why),
+    ``tags`` (``TAG=PHONE`` items, None: ``local.graph.tags.DEFAULT_TAGS``), ``unk_word`` and ``lm_arpa``
+    (the first pass's LM, ``local/graph/user_lm.py``) reach stage 2. ``gmm_sizes``: any of ``GMM_SIZES`` (the
     triphone, LDA+MLLT and SAT systems' leaves and Gaussians), each a number or ``"auto"`` (the default:
     from the hours of training speech, ``local.gmm.sizes``). ``lda_mllt``: train the LDA+MLLT system in
     the tri stage and build SAT, align and adapt on its features (None: the one recorded in
@@ -375,8 +383,16 @@ def prepare(
     train_parts = resolved["train_parts"]
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; choose one of {CORPORA}")
-    if oov not in ("drop", "g2p"):
-        raise ValueError(f"unknown --oov {oov!r}; choose drop or g2p")
+    from local.graph.tags import check_unk_word, parse_tags
+
+    oov = oov if oov is not None else "drop" if corpus == "synthetic" else "unk"
+    if oov not in ("drop", "unk", "g2p"):
+        raise ValueError(f"unknown --oov {oov!r}; choose drop, unk or g2p")
+    tag_map, unk_word = parse_tags(tags), check_unk_word(unk_word)
+    if lm_arpa is not None and not Path(lm_arpa).is_file():
+        raise ValueError(f"--lm-arpa {lm_arpa}: no such file; give an ARPA back-off LM (gzipped or not)")
+    if lm_arpa is not None and lm_text is not None:
+        raise ValueError("--lm-arpa replaces the recipe's LM, which --lm-text feeds: give one of them")
     if corpus == "synthetic" and (train_parts or corpus_dir):
         raise ValueError("--train-parts and --corpus-dir are for a real corpus (--corpus librispeech, kaldi, ...)")
     if sat_schedule not in ("recipe", "kaldi"):
@@ -394,6 +410,7 @@ def prepare(
     data_dir.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs,
                               train_parts=train_parts, lexicon=lexicon, lm_text=lm_text, oov=oov,
+                              tags=tag_map, unk_word=unk_word, lm_arpa=lm_arpa,
                               lda_mllt=lda_mllt, sat_schedule=sat_schedule, search=search)  # fmt: skip
     args.gmm_sizes = {**dict.fromkeys(GMM_SIZES, "auto"), **(gmm_sizes or {})}
     wanted = {"corpus": corpus, "corpus_dir": corpus_dir, "size": size, "seed": seed}
@@ -489,14 +506,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lexicon", default=None,
                    help="a Kaldi lexicon.txt (WORD PH1 PH2 ..., CMUdict's 39 phones) replacing or extending CMUdict")
     p.add_argument("--lm-text", default=None, help="more LM training text, one sentence per line (never the test set)")
-    p.add_argument("--oov", default="drop", choices=["drop", "g2p"],
-                   help="training words no lexicon knows: drop their utterances (counted) or g2p (flite's rules)")
+    p.add_argument("--oov", default=None, choices=["drop", "unk", "g2p"],
+                   help="training words no lexicon knows: drop their utterances (counted), unk (map them to "
+                        "--unk-word, pronounced SPN, as Kaldi does) or g2p (flite's rules); default unk for a real "
+                        "corpus, drop for the embedded one")
+    p.add_argument("--unk-word", default="<UNK>", help="the unknown word of --oov unk (a tag: not scored)")
+    p.add_argument("--tags", nargs="+", default=None, metavar="TAG=PHONE",
+                   help="the transcripts' noise tags and their silence-like phone, SPN (spoken noise) or NSN, "
+                        "replacing the default list: <UNK>=SPN <SPOKEN_NOISE>=SPN [vocalized-noise]=SPN "
+                        "[laughter]=SPN <NOISE>=NSN [noise]=NSN (tags are never scored)")
+    p.add_argument("--lm-arpa", default=None,
+                   help="the first pass's LM: an ARPA file (pruned or not, gzipped or not) instead of the recipe's "
+                        "trigram; its words no lexicon knows leave G, counted (or get flite's pronunciations with "
+                        "--oov g2p); not with --lm-text")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     prepare(a.corpus, a.corpus_dir, a.data_dir, a.size, a.stage, a.stop_stage, a.seed, a.num_jobs, a.force,
             a.train_parts, a.lexicon, a.lm_text, a.oov,
             gmm_sizes={name: getattr(a, name) for name in GMM_SIZES}, lda_mllt=a.lda_mllt,
-            sat_schedule=a.sat_schedule, beam=a.beam, max_active=a.max_active)  # fmt: skip
+            sat_schedule=a.sat_schedule, beam=a.beam, max_active=a.max_active, tags=a.tags,
+            unk_word=a.unk_word, lm_arpa=a.lm_arpa)  # fmt: skip
 
 
 if __name__ == "__main__":

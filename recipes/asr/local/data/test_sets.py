@@ -170,12 +170,12 @@ def load_kaldi_test_dir(data: Path) -> tuple[list, list, list[tuple[str, str, st
 def oov_stats(refs: dict[str, str], vocabulary: set[str]) -> dict:
     """Reference words (normalised as scored) outside ``vocabulary`` (the recognizer's words.txt):
     ``{"tokens", "words" (total reference words), "rate" (%), "utterances", "counts": {word: n}}``."""
-    from local.data.normalize import normalize_words
+    from local.data.normalize import scored_words
 
     counts: Counter = Counter()
     utts, total = 0, 0
     for text in refs.values():
-        words = normalize_words(text)
+        words = scored_words(text)  # (tags and <UNK> are not scored, so never OOV)
         total += len(words)
         oov = [w for w in words if w not in vocabulary]
         counts.update(oov)

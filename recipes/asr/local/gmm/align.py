@@ -148,7 +148,7 @@ def align_cuts(
     word_ids = {}
     for cut in cuts:
         words = cut_words(cut)
-        oov = sorted({w for w in words if w not in lang.words})
+        oov = sorted(set(lang.oov_words(words)))  # (none with an unknown word: --oov unk maps them)
         if oov or not words:
             drop(cut.id, "oov" if oov else "empty_transcript", " ".join(oov))
         else:
@@ -216,7 +216,7 @@ def align_fmllr(sat: GmmSystem, si: GmmSystem, lang, cuts, data_dir: Path | None
     raw = sat.features(cuts)
     speakers = {c.id: gmm_cmvn_key(c) for c in cuts}
     si_alis = align_cuts(si, lang, cuts, None, f"{split} (speaker-independent pass)", beam, retry_beam, raw, seed)
-    trans = speaker_transforms(sat, raw, convert_alignments(si_alis, si, sat), speakers, lang.sil_id,
+    trans = speaker_transforms(sat, raw, convert_alignments(si_alis, si, sat), speakers, lang.silence_ids,
                                SILENCE_WEIGHT_TRAIN)
     alis = align_cuts(sat, lang, cuts, data_dir, split, beam, retry_beam, transformed(raw, speakers, trans), seed)
     return alis, trans

@@ -307,7 +307,7 @@ def train_lda_mllt(
     mfcc = gmm_mfcc(cuts)
     tri, tri_alis = GmmSystem.load_run(data_dir / "exp" / "tri", mfcc)
 
-    tid2pdf, sil = tri.tid2pdf(), silence_tids(tri, lang.sil_id)
+    tid2pdf, sil = tri.tid2pdf(), silence_tids(tri, lang.silence_ids)
     lda_stats = LdaStats.zeros(tri.tm.num_pdfs, mfcc[cuts[0].id].shape[1] * (2 * SPLICE + 1))
     for utt, ali in tri_alis.items():
         accumulate_lda_stats(splice(mfcc[utt]), tid2pdf[ali], np.where(sil[ali], SILENCE_WEIGHT, 1.0), lda_stats)
@@ -334,7 +334,7 @@ def train_lda_mllt(
         nonlocal transform
         if it not in mllt_iters:
             return False
-        sys_sil, sys_pdf = silence_tids(system, lang.sil_id), system.tid2pdf()
+        sys_sil, sys_pdf = silence_tids(system, lang.silence_ids), system.tid2pdf()
         ids = list(current_alis)
         ali = np.concatenate([current_alis[u] for u in ids])
         stats = accumulate_mllt_stats(system.am, np.concatenate([utts.feats[u] for u in ids]), sys_pdf[ali],

@@ -31,6 +31,7 @@ import json
 import logging
 import pickle
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -111,10 +112,11 @@ def check_same_features(si: GmmSystem, system: GmmSystem, data_dir: Path | None)
                            f"recipes/asr/prepare.py --data-dir {where} --stage 5 --force")
 
 
-def silence_tids(system: GmmSystem, sil_id: int) -> np.ndarray:
-    """``[num_transition_ids + 1]`` bool: transition-id belongs to the silence phone (index 0 unused)."""
-    tm = system.tm
-    return np.array([False] + [tm.transition_id_to_phone(t) == sil_id for t in range(1, tm.num_transition_ids + 1)])
+def silence_tids(system: GmmSystem, sil_ids: int | Sequence[int]) -> np.ndarray:
+    """``[num_transition_ids + 1]`` bool: transition-id belongs to a silence phone (SIL, and SPN/NSN where the
+    lang has them: ``Lang.silence_ids``; index 0 unused)."""
+    tm, sil = system.tm, {sil_ids} if isinstance(sil_ids, int) else set(sil_ids)
+    return np.array([False] + [tm.transition_id_to_phone(t) in sil for t in range(1, tm.num_transition_ids + 1)])
 
 
 def speaker_transforms(
@@ -122,7 +124,7 @@ def speaker_transforms(
     feats: dict[str, np.ndarray],
     alis: dict[str, np.ndarray],
     speakers: dict[str, str],
-    sil_id: int,
+    sil_id: int | Sequence[int],
     silence_weight: float,
     current: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
@@ -209,7 +211,7 @@ def train_sat(
     raw = dict(utts.feats)
     speakers = {c.id: gmm_cmvn_key(c) for c in utts.cuts}
 
-    trans = speaker_transforms(si, raw, si_alis, speakers, lang.sil_id, SILENCE_WEIGHT_TRAIN)
+    trans = speaker_transforms(si, raw, si_alis, speakers, lang.silence_ids, SILENCE_WEIGHT_TRAIN)
     utts.feats.update(transformed(raw, speakers, trans))
     frames = sum(len(raw[u]) for u in si_alis)
     sizes = resolve_sizes("sat", num_leaves, total_gauss, frames, corpus)
@@ -227,7 +229,7 @@ def train_sat(
         nonlocal trans
         if it not in fmllr_iters:
             return False
-        trans = speaker_transforms(system, utts.feats, current_alis, speakers, lang.sil_id, SILENCE_WEIGHT_TRAIN, trans)
+        trans = speaker_transforms(system, utts.feats, current_alis, speakers, lang.silence_ids, SILENCE_WEIGHT_TRAIN, trans)
         utts.feats.update(transformed(raw, speakers, trans))
         return True
 
@@ -259,7 +261,7 @@ def train_sat(
     return summary
 
 
-def _second_transforms(hclg, system: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
+def _second_transforms(hclg, system: GmmSystem, utts: Utterances, speakers: dict, sil_id: int | Sequence[int],
                        first_trans: dict, scale: float, hclg_path: Path | None = None,
                        search: Search = RECIPE_SEARCH) -> dict:
     """The first adapted pass and the second fMLLR estimate from its best paths, composed onto
@@ -312,7 +314,7 @@ def _si_decode(si_hclg, si_graph: Path, si: GmmSystem, utts: Utterances, scale: 
     return hyps, alis
 
 
-def _first_transforms(system: GmmSystem, si: GmmSystem, utts: Utterances, speakers: dict, sil_id: int,
+def _first_transforms(system: GmmSystem, si: GmmSystem, utts: Utterances, speakers: dict, sil_id: int | Sequence[int],
                       si_alis: dict) -> dict:
     """Each speaker's first fMLLR transform for ``system`` from the first pass's best paths."""
     return speaker_transforms(system, utts.feats, convert_alignments(si_alis, si, system), speakers, sil_id,
@@ -363,11 +365,11 @@ def decode_new_set(data_dir: Path | str, cuts) -> tuple[dict, dict, dict]:
     si_graphs = PenaltyGraphs(kaldifst.StdVectorFst.read(str(si_graph)), si_graph, lang.id2word)
     (si_scale, si_penalty), (scale, penalty) = points["si"], points["sat"]
     _, si_alis = _si_decode(*si_graphs(si_penalty), si, utts, si_scale, searches["si"])
-    first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
+    first = _first_transforms(system, si, utts, speakers, lang.silence_ids, si_alis)
     graph = paths["sat"] / "graph" / "HCLG.fst"
     graphs = PenaltyGraphs(kaldifst.StdVectorFst.read(str(graph)), graph, lang.id2word)
     hclg, _ = graphs(0.0)
-    trans = _second_transforms(hclg, system, utts, speakers, lang.sil_id, first, si_scale, graph, searches["sat"])
+    trans = _second_transforms(hclg, system, utts, speakers, lang.silence_ids, first, si_scale, graph, searches["sat"])
     best_paths: dict = {}
     final_hclg, final_graph = graphs(penalty)
     hyps = _decode_final(final_hclg, system, transformed(utts.feats, speakers, trans), scale, final_graph, best_paths,
@@ -434,8 +436,8 @@ def decode_sat(data_dir: Path | str, system: GmmSystem, si: GmmSystem, lang,
             si_hyps, si_alis = _si_decode(*si_graphs(si_penalty), si, utts, si_scale, search)
             si_wer = score(refs, {u: words_to_text(w, lang.id2word) for u, w in si_hyps.items()}, out_dir,
                            point_name(f"{split}-si", si_scale, si_penalty))["wer"]
-        first = _first_transforms(system, si, utts, speakers, lang.sil_id, si_alis)
-        trans = _second_transforms(hclg, system, utts, speakers, lang.sil_id, first, si_scale, hclg_path, search)
+        first = _first_transforms(system, si, utts, speakers, lang.silence_ids, si_alis)
+        trans = _second_transforms(hclg, system, utts, speakers, lang.silence_ids, first, si_scale, hclg_path, search)
         final = transformed(utts.feats, speakers, trans)  # the final pass's features, every scale's
         loglikes = gmm_loglikes(system.am, final.items()) if split == "dev" else None
         by_point, paths_by_point = {}, {}

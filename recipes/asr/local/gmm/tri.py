@@ -59,7 +59,7 @@ def build_triphone_system(mono: GmmSystem, alis: dict[str, np.ndarray], feats: d
     result = build_tree(
         stats,
         questions=None,
-        silence_phones=[lang.sil_id],
+        silence_phones=lang.silence_ids,
         phones=lang.phone_ids,
         num_pdf_classes=topo.get_phone_to_num_pdf_classes(),
         num_leaves=num_leaves,

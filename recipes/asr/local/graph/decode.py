@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from local.constants import MAX_GRID_EXTENSIONS
-from local.data.normalize import normalize_words
+from local.data.normalize import scored_words
 from local.kaldi import kaldifst, khg
 
 log = logging.getLogger(__name__)
@@ -471,7 +471,8 @@ def score(refs: dict[str, str], hyps: dict[str, str], out_dir: Path | str, name:
     """WER with jiwer; writes ``recogs-{name}.txt`` and ``errs-{name}.txt`` (Kaldi/icefall style) and
     ``per_utt-{name}.json`` (``{utt: [errors, reference words]}``, for intervals: ``wer_stats``).
 
-    Both sides are normalised with ``local.data.normalize.normalize_words``. Reference words the system cannot
+    Both sides are normalised with ``local.data.normalize.scored_words``: tags (``[NOISE]``, ``<UNK>``) are left
+    out of both, as Kaldi's ``wer_output_filter`` and icefall do. Reference words the system cannot
     output (OOV) simply count as errors. An utterance missing from ``hyps`` counts as all deleted.
 
     Returns:
@@ -484,8 +485,8 @@ def score(refs: dict[str, str], hyps: dict[str, str], out_dir: Path | str, name:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = sorted(refs)
-    ref_words = [normalize_words(refs[i]) for i in ids]
-    hyp_words = [normalize_words(hyps.get(i, "")) for i in ids]
+    ref_words = [scored_words(refs[i]) for i in ids]
+    hyp_words = [scored_words(hyps.get(i, "")) for i in ids]
     counts = {"ins": 0, "del": 0, "sub": 0, "hits": 0}
     per_utt, sent_err, utt_counts = [], 0, {}
     for i, r, h in zip(ids, ref_words, hyp_words):

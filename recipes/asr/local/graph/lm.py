@@ -253,11 +253,13 @@ def compile_G(arpa_path, words_txt, G_path, timeout: float = 600.0) -> dict:
 def lm_sentences(data_dir: Path | str, lm_text: Path | str | None = None) -> list[list[str]]:
     """The distinct sentences the lang stage estimated ``lang/lm.arpa`` on: the kept training
     transcripts (``lang/train_ids.txt``) and the sentences of ``lm_text`` (default: the ``--lm-text``
-    the lang stage recorded in ``lang/summary.json``) whose words are all in ``lang/words.txt``."""
+    the lang stage recorded in ``lang/summary.json``) whose words are all in ``lang/words.txt``; with an
+    unknown word (``--oov unk``: ``lang/unk_word.txt``) the words outside it are mapped to that word, as the
+    lang stage did."""
     from lhotse import CutSet
 
     from local.data.normalize import normalize_words
-    from local.graph.lang import cut_words
+    from local.graph.lang import cut_words, map_unknown
 
     data_dir = Path(data_dir)
     lang = data_dir / "lang"
@@ -266,15 +268,16 @@ def lm_sentences(data_dir: Path | str, lm_text: Path | str | None = None) -> lis
             raise FileNotFoundError(f"{lang / need} is missing; run the lang stage: "
                                     f"python recipes/asr/prepare.py --data-dir {data_dir} --stage 2")
     kept = set(lang.joinpath("train_ids.txt").read_text().split())
+    words = {line.split()[0] for line in lang.joinpath("words.txt").read_text().splitlines() if line.strip()}
+    unk = lang.joinpath("unk_word.txt").read_text().strip() if lang.joinpath("unk_word.txt").exists() else None
     cuts = CutSet.from_file(data_dir / "manifests" / "train_cuts.jsonl.gz")
-    sentences = [cut_words(c) for c in cuts if c.id in kept]
+    sentences = [map_unknown(cut_words(c), words, unk) for c in cuts if c.id in kept]
     lm_text = lm_text or json.loads(lang.joinpath("summary.json").read_text()).get("lm_text")
     if lm_text:
         path = Path(lm_text)
         if not path.is_file():
             raise FileNotFoundError(f"LM text {path} (the lang stage's --lm-text) is gone; give it again")
-        words = {line.split()[0] for line in lang.joinpath("words.txt").read_text().splitlines() if line.strip()}
-        extra = (normalize_words(line) for line in path.read_text().splitlines())
+        extra = (map_unknown(normalize_words(line), words, unk) for line in path.read_text().splitlines())
         sentences += [w for w in extra if w and all(x in words for x in w)]
     return [list(s) for s in dict.fromkeys(tuple(s) for s in sentences)]
 
@@ -291,10 +294,13 @@ def make_rescore_lm(data_dir: Path | str, order: int, lm_text: Path | str | None
     path = lang / f"lm_{order}gram{suffix}.arpa"
     if path.exists():
         return path
-    vocab = ArpaLM(lang / "lm.arpa").vocab  # (sorted)
+    sentences = lm_sentences(data_dir, lm_text)
+    # the first pass's words (and, over a user's --lm-arpa, the training words it lacks): the rescoring LM
+    # must cover every word the graph can output
+    vocab = sorted(set(ArpaLM(lang / "lm.arpa").vocab) | {w for s in sentences for w in s})
     from local.atomic import atomic_path
 
     with atomic_path(path) as tmp:
-        stats = train_lm(lm_sentences(data_dir, lm_text), tmp, order=order, vocab=[w for w in vocab if w != EOS])
+        stats = train_lm(sentences, tmp, order=order, vocab=[w for w in vocab if w != EOS])
     log.info("rescoring LM: %s (%s)", path, stats)
     return path
