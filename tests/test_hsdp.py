@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import gtc_lightning  # noqa: F401  (registers "gtc_hsdp")
-from gtc_lightning.strategies.hsdp import GTCHSDPStrategy
+from gtc_lightning.strategies.hsdp import GTCHSDPStrategy, _ShardedResultsLauncher
 
 FEATURES, HIDDEN, CLASSES = 16, 24, 4
 SAMPLES, BATCH = 128, 8  # 4 ranks x 4 batches of 8 per epoch
@@ -37,9 +37,11 @@ class ShardedMLP(L.LightningModule):
             wants), ``"native"`` (on the whole 2-D mesh: torch's own HSDP), ``"none"`` (not at all).
         per_rank_data: each rank takes rows ``rank::world`` itself (for strategies whose sampler
             splits the data otherwise).
+        step_data: each rank's batch is a function of the global step and the rank alone, whatever
+            batches Lightning replays on a resume.
     """
 
-    def __init__(self, out_dir: Path, shard: str = "shard", per_rank_data: bool = False) -> None:
+    def __init__(self, out_dir: Path, shard: str = "shard", per_rank_data: bool = False, step_data: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.blocks = torch.nn.ModuleList(
@@ -47,7 +49,8 @@ class ShardedMLP(L.LightningModule):
              torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh())]
         )  # fmt: skip
         self.head = torch.nn.Linear(HIDDEN, CLASSES)
-        self.out_dir, self.shard, self.per_rank_data = Path(out_dir), shard, per_rank_data
+        self.out_dir, self.shard, self.per_rank_data = Path(out_dir), shard, per_rank_data or step_data
+        self.step_data = step_data
         self.records: list[dict] = []
         self.calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
 
@@ -66,6 +69,8 @@ class ShardedMLP(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.step_data:
+            x, y = dataset()[(torch.arange(BATCH) + (self.global_step * 4 + self.global_rank) * BATCH) % SAMPLES]
         return torch.nn.functional.cross_entropy(self(x), y)
 
     def configure_optimizers(self):
@@ -99,7 +104,7 @@ class ShardedMLP(L.LightningModule):
             "params": [p.to_local().detach().clone() if hasattr(p, "to_local") else p.detach().clone()
                        for p in self.parameters()],
             "residuals": {k: s.residual.clone() for k, s in state.slots.items()} if state else {},
-            "loss": float(outputs["loss"]),
+            "loss": float(outputs["loss"]), "batch": float(batch[0].sum()),
         })  # fmt: skip
 
     def on_train_end(self):
@@ -120,8 +125,8 @@ def run(out_dir: Path, strategy=None, max_steps: int = 6, ckpt_path: str | None 
         strategy = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT, **kwargs)
     callbacks = []
     if checkpoint_at is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out_dir / "ckpt", every_n_train_steps=checkpoint_at,
-                                                             save_top_k=-1))  # fmt: skip
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out_dir / "ckpt", every_n_epochs=checkpoint_at,
+                                                             save_on_train_epoch_end=True, save_top_k=-1))  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_steps=max_steps, logger=False,
         enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
@@ -157,9 +162,7 @@ def test_dense_warmup_equals_native_hsdp(tmp_path):
     """The plumbing (FSDP2 on the shard dimension, the hook across replicas) against torch's own HSDP."""
     ours = run(tmp_path / "gtc", max_steps=4, warmup_steps=4, model=ShardedMLP(tmp_path / "gtc", per_rank_data=True))
     native = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, timeout=TIMEOUT)
-    native._configure_launcher = lambda: setattr(
-        native, "_launcher", L.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher(native, "fork")
-    )
+    native._configure_launcher = lambda: setattr(native, "_launcher", _ShardedResultsLauncher(native, "fork"))
     model = ShardedMLP(tmp_path / "native", shard="native", per_rank_data=True)
     theirs = run(tmp_path / "native", strategy=native, max_steps=4, model=model)
     assert ours[0]["stats"]["dense"] == 4 * 3 and ours[0]["stats"]["sparse"] == 0
@@ -172,11 +175,13 @@ def test_dense_warmup_equals_native_hsdp(tmp_path):
 
 def test_checkpoint_resume_bit_exact_and_refused_at_another_mesh(tmp_path):
     kwargs = {"tau": "auto", "coding": "rice"}
-    straight = run(tmp_path / "straight", max_steps=6, **kwargs)
-    run(tmp_path / "first", max_steps=3, checkpoint_at=3, **kwargs)
+    straight = run(tmp_path / "straight", max_steps=8, model=ShardedMLP(tmp_path / "straight", step_data=True), **kwargs)
+    run(tmp_path / "first", max_steps=4, checkpoint_at=1, model=ShardedMLP(tmp_path / "first", step_data=True), **kwargs)
     ckpt = next((tmp_path / "first" / "ckpt").glob("*.ckpt"))
     assert ckpt.is_dir()  # a distributed checkpoint
-    resumed = run(tmp_path / "resumed", max_steps=6, ckpt_path=str(ckpt), **kwargs)
+    model = ShardedMLP(tmp_path / "resumed", step_data=True)
+    resumed = run(tmp_path / "resumed", max_steps=8, ckpt_path=str(ckpt), model=model, **kwargs)
+    assert len(resumed[0]["records"]) == 4
     for a, b in zip(straight, resumed):
         last_a, last_b = a["records"][-1], b["records"][-1]
         for pa, pb in zip(last_a["params"], last_b["params"]):
@@ -186,11 +191,11 @@ def test_checkpoint_resume_bit_exact_and_refused_at_another_mesh(tmp_path):
     # At a 4 x 1 mesh the residuals do not fit: refused, with the fix; restore_residuals=False resumes.
     other = GTCHSDPStrategy(replicate_size=4, shard_size=1, start_method="fork", timeout=TIMEOUT, tau=0.01)
     with pytest.raises(Exception, match="restore_residuals=False"):
-        run(tmp_path / "other", strategy=other, max_steps=4, ckpt_path=str(ckpt))
+        run(tmp_path / "other", strategy=other, max_steps=5, ckpt_path=str(ckpt))
     fresh = GTCHSDPStrategy(replicate_size=4, shard_size=1, start_method="fork", timeout=TIMEOUT, tau=0.01,
                             restore_residuals=False)  # fmt: skip
-    ranks = run(tmp_path / "fresh", strategy=fresh, max_steps=4, ckpt_path=str(ckpt))
-    assert len(ranks[0]["records"]) == 1  # steps 4 of 4 after the checkpoint's 3
+    ranks = run(tmp_path / "fresh", strategy=fresh, max_steps=5, ckpt_path=str(ckpt))
+    assert len(ranks[0]["records"]) == 1  # step 5 after the checkpoint's 4
 
 
 @pytest.mark.parametrize(
