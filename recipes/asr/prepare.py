@@ -383,10 +383,11 @@ def prepare(
     train_parts = resolved["train_parts"]
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; choose one of {CORPORA}")
+    from local.graph.lexicon import OOV_POLICIES, default_oov
     from local.graph.tags import check_unk_word, parse_tags
 
-    oov = oov if oov is not None else "drop" if corpus == "synthetic" else "unk"
-    if oov not in ("drop", "unk", "g2p"):
+    oov = oov if oov is not None else default_oov(corpus)
+    if oov not in OOV_POLICIES:
         raise ValueError(f"unknown --oov {oov!r}; choose drop, unk or g2p")
     tag_map, unk_word = parse_tags(tags), check_unk_word(unk_word)
     if lm_arpa is not None and not Path(lm_arpa).is_file():

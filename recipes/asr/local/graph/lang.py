@@ -412,17 +412,16 @@ def prepare_lang(
     (lang_dir / "oov.txt").write_text("".join(f"{w} {n}\n" for w, n in sorted(oov_words.items())))
     if oov_words:
         log.warning(
-            "lang: %s for %d words no lexicon knows (%d occurrences), e.g. %s; see %s (%s)",
-            f"{sum(1 for m in dropped.values() if m)} training utterances dropped" if unk is None else
-            f"training words mapped to {unk}", len(oov_words), sum(oov_words.values()),
-            ", ".join(sorted(oov_words, key=oov_words.get, reverse=True)[:5]), lang_dir / "oov.txt",
-            "bring a --lexicon or use --oov unk or g2p to keep them" if unk is None else "a --lexicon or --oov g2p "
-            "gives them pronunciations",
+            "lang: %d training words no lexicon knows (%d occurrences), e.g. %s, %s; see %s (%s)",
+            len(oov_words), sum(oov_words.values()), ", ".join(sorted(oov_words, key=oov_words.get, reverse=True)[:5]),
+            f"{sum(1 for m in dropped.values() if m)} utterances dropped" if unk is None else f"mapped to {unk}",
+            lang_dir / "oov.txt", "bring a --lexicon or use --oov unk or g2p to keep them" if unk is None else
+            "a --lexicon or --oov g2p gives them pronunciations",
         )  # fmt: skip
     sentences = [map_unknown(cut_words(c), cmu, unk) for c in kept]
     extra_kept = [s for s in (map_unknown(s, cmu, unk) for s in extra) if all(w in cmu for w in s)]
     vocab = {w for s in sentences + extra_kept for w in s} | ({unk} if unk else set())
-    tag_counts = Counter(w for s in sentences for w in s if is_tag(w))
+    tag_counts = {w: n for w, n in train_words.items() if is_tag(w) and w in cmu}  # as the transcripts have them
     summary.update(
         train_kept=len(kept), train_dropped_oov=len(dropped), train_oov_words=len(oov_words),
         train_oov_tokens=sum(oov_words.values()), train_tag_tokens=dict(sorted(tag_counts.items())),

@@ -33,6 +33,11 @@ from local.graph.tags import SILENCE_LIKE
 OOV_POLICIES = ("drop", "unk", "g2p")
 
 
+def default_oov(corpus: str) -> str:
+    """``--oov`` left out: ``drop`` for the embedded (synthetic) corpus, ``unk`` for a real one (module docstring)."""
+    return "drop" if corpus == "synthetic" else "unk"
+
+
 def read_user_lexicon(path: Path | str, phones: set[str]) -> dict[str, list[tuple[str, ...]]]:
     """``WORD -> [pronunciation, ...]`` from a Kaldi lexicon file.
 
