@@ -376,16 +376,14 @@ def test_kaldi_data_dir_single_and_split(tiny_corpus, tmp_path):
     utts = tiny_utterances(tiny_corpus, 12)
     single = tmp_path / "kaldi_single"
     ids = write_kaldi_dir(single, utts, "a", n_speakers=4)
-    # missing transcript and empty transcript
-    text = [line for line in (single / "text").read_text().splitlines() if not line.startswith(ids[0])]
-    text = [line.split()[0] if line.startswith(ids[1]) else line for line in text]
-    # and a transcript with no audio (no wav.scp entry): recorded, as every other drop
-    (single / "text").write_text("\n".join([*text, "aspk0_noaudio HELLO THERE"]) + "\n")
+    # an empty transcript and unreadable audio are dropped and recorded (a missing line is an error of
+    # the data dir's validation: tests/test_validate_data_dir.py)
+    text = [line.split()[0] if line.startswith(ids[1]) else line for line in (single / "text").read_text().splitlines()]
+    (single / "text").write_text("\n".join(text) + "\n")
     _corrupt(single / "wav" / f"{ids[2]}.wav")
     cuts = prepare_real("kaldi", single, tmp_path / "data")
     reasons = {d["id"]: d["reason"] for d in load_drops(tmp_path / "data")}
-    assert reasons == {ids[0]: "missing_transcript", ids[1]: "empty_transcript", ids[2]: "unreadable_audio",
-                       "aspk0_noaudio": "missing_audio"}
+    assert reasons == {ids[1]: "empty_transcript", ids[2]: "unreadable_audio"}
     # 4 speakers: one held out for test, one for dev, by sorted speaker id
     assert _speakers(cuts["test"]) == {"aspk3"} and _speakers(cuts["dev"]) == {"aspk2"}
     assert {c.id for cs in cuts.values() for c in cs} == set(ids) - set(reasons)
@@ -395,6 +393,8 @@ def test_kaldi_data_dir_single_and_split(tiny_corpus, tmp_path):
         write_kaldi_dir(split / s, utts[4 * k : 4 * k + 4], s[:2])
     # segments: two halves of one recording become two cuts
     rid = (split / "test" / "wav.scp").read_text().split()[0]
+    scp = (split / "test" / "wav.scp").read_text().splitlines()
+    (split / "test" / "wav.scp").write_text(scp[0] + "\n")  # Kaldi: every wav.scp recording has segments
     half = sf.info(str(split / "test" / "wav" / f"{rid}.wav")).duration / 2
     (split / "test" / "segments").write_text(f"{rid}-a {rid} 0 {half:.3f}\n{rid}-b {rid} {half:.3f} -1\n")
     (split / "test" / "text").write_text(f"{rid}-a FIRST HALF\n{rid}-b SECOND HALF\n")

@@ -7,7 +7,15 @@ import pytest
 import soundfile as sf
 from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 from lhotse.audio import AudioSource
-from local.data.features import add_deltas, apply_cmvn, compute_features, gmm_features
+from local.data.features import (
+    _stats,
+    add_deltas,
+    apply_cmvn,
+    compute_features,
+    gmm_features,
+    split_cmvn,
+    write_cmvn,
+)
 from local.drops import count_drops, load_drops
 
 SR = 16000
@@ -81,7 +89,8 @@ def test_cmvn_per_speaker(featdir):
     d, _, _ = featdir
     stats = json.loads((d / "features" / "cmvn.json").read_text())
     assert set(stats["speakers"]) == {"loud", "quiet"}
-    assert stats["speakers"]["loud"]["frames"] == 2 * (100 + 123)  # pooled over train and dev
+    assert stats["splits"]["train"]["loud"]["frames"] == stats["splits"]["dev"]["loud"]["frames"] == 100 + 123
+    assert stats["speakers"]["loud"] == stats["splits"]["train"]["loud"]  # its first split's, not pooled
     assert stats["global"]["frames"] == 100 + 123 + 73 + 50
     loud, quiet = (np.array(stats["speakers"][s]["mean"]) for s in ("loud", "quiet"))
     assert (loud - quiet).mean() > 3  # 28 dB gain difference shows up in the log-mel mean
@@ -95,6 +104,47 @@ def test_cmvn_per_speaker(featdir):
     assert not np.allclose(glob, normed)
     with pytest.raises(ValueError, match="dims"):
         apply_cmvn(both[:, :13], "loud", stats)
+
+
+def test_cmvn_per_split(tmp_path):
+    """A speaker in train and dev (prepare.py --allow-shared-speakers): each split's statistics come from
+    that split's frames only, and the front end normalises each split with its own."""
+    from local.dnn.front_end import FrontEnd
+
+    (tmp_path / "wav").mkdir()
+    cuts = {}
+    for split, gain in (("train", 0.5), ("dev", 0.01)):
+        sf.write(tmp_path / "wav" / f"{split}.wav", tone(1.0, 400, gain, 0), SR)
+        cuts[split] = cut_for(tmp_path / "wav" / f"{split}.wav", split, "shared")
+    (tmp_path / "manifests").mkdir()
+    for split, cut in cuts.items():
+        CutSet.from_cuts([cut]).to_file(tmp_path / "manifests" / f"{split}_cuts.jsonl.gz")
+    compute_features(tmp_path, splits=("train", "dev"))
+    stats = json.loads((tmp_path / "features" / "cmvn.json").read_text())
+    feats = {s: next(iter(CutSet.from_file(tmp_path / "features" / f"{s}_cuts.jsonl.gz"))) for s in cuts}
+    for split, cut in feats.items():
+        own = stats["splits"][split]["shared"]
+        assert own["frames"] == 100  # not the 200 of both splits pooled
+        np.testing.assert_allclose(own["mean"], cut.load_features().mean(0), rtol=1e-5, atol=1e-4)
+        normed = apply_cmvn(cut.load_features(), "shared", split_cmvn(stats, split))
+        np.testing.assert_allclose(normed.mean(0), 0, atol=1e-3)
+        (_, x), = FrontEnd(tmp_path, "fbank")([cut], split)
+        np.testing.assert_allclose(x, normed, rtol=1e-6)
+    # 34 dB apart: the pooled mean would leave each split's frames far from zero mean
+    assert np.mean(stats["splits"]["train"]["shared"]["mean"]) - np.mean(stats["splits"]["dev"]["shared"]["mean"]) > 3
+
+
+def test_cmvn_of_speakers_in_one_split_each_are_the_pooled_ones(tmp_path):
+    """With no speaker in two splits (the embedded corpus), the per-split statistics are bit for bit the
+    all-splits pooling the recipe used before: the default corpus's numbers do not move."""
+    rng = np.random.default_rng(0)
+    sums = {split: {f"{split}{k}": [int(n), rng.normal(size=40) * n, rng.random(40) * n * 50]
+                    for k, n in enumerate(rng.integers(50, 500, size=3))} for split in ("train", "dev", "test")}
+    got = write_cmvn(sums, tmp_path / "cmvn.json")
+    for split, table in sums.items():
+        for spk, (n, total, sq) in table.items():
+            pooled = _stats(0 + n, 0.0 + total, 0.0 + sq)  # the old accumulation, from [0, 0.0, 0.0]
+            assert got["splits"][split][spk] == pooled == got["speakers"][spk]
 
 
 def test_gmm_features(featdir):

@@ -14,9 +14,12 @@ TIMIT's two SA sentences are read by every speaker, train and test alike: Kaldi'
 leaves them out, and so does this one (each recorded as a drop, reason ``timit_sa``), so that
 their texts reach neither the LM nor the test set twice. A single Kaldi data dir with fewer than 3
 speakers cannot be split without a speaker in two splits: give ``train/ dev/ test/`` instead.
+Kaldi data dirs are validated and read with each recording's own sampling rate
+(``local.data.corpus_kaldi``). A speaker in two splits is refused for every corpus
+(``--allow-shared-speakers``: a warning).
 
 Bad input is found before Lhotse sees it (Lhotse's parsers stop at a corrupt file or an
-empty transcript line): the corpus is mirrored into a temporary tree of symlinks that
+empty transcript line): the corpus (but a Kaldi data dir) is mirrored into a temporary tree of symlinks that
 leaves out unreadable audio, empty audio and empty or missing transcripts, each recorded
 with :func:`local.drops.record_drop` (reasons ``unreadable_audio``, ``empty_audio``,
 ``empty_transcript``, ``missing_transcript``, ``missing_audio``). The recipes of
@@ -38,7 +41,9 @@ from lhotse.utils import fastcopy
 
 from local.atomic import atomic_path
 from local.constants import SPLITS
+from local.data.corpus_kaldi import kaldi_parts
 from local.data.normalize import normalize_text
+from local.data.validate import check_disjoint_speakers
 from local.drops import clear_drops, record_drop
 
 log = logging.getLogger(__name__)
@@ -300,144 +305,6 @@ def _yesno(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
     return out
 
 
-# ------------------------------------------------------------------------------ Kaldi data dir
-def _read_map(path: Path) -> dict[str, str]:
-    """Kaldi ``key rest-of-line`` file; a missing file is an empty map."""
-    out = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                key, _, rest = line.strip().partition(" ")
-                out[key] = rest.strip()
-    return out
-
-
-def _audio_path(src: str, data: Path) -> Path:
-    """A wav.scp path: absolute, else relative to the working directory (Kaldi's rule) if it
-    exists there, else relative to the data dir."""
-    p = Path(src)
-    return p if p.is_absolute() or p.exists() else data / src
-
-
-def _kaldi_split_units(data: Path) -> dict[str, str]:
-    """Utterance id → split, for a single data dir (rule in the module docstring)."""
-    utt2spk = _read_map(data / "utt2spk")
-    utts = sorted(_read_map(data / "segments") or _read_map(data / "wav.scp"))
-    speakers = sorted({utt2spk.get(u, u) for u in utts})
-    if len(speakers) < 3:
-        raise ValueError(
-            f"{data}: one Kaldi data dir with {len(speakers)} speaker(s) {speakers} (utt2spk) cannot be split into "
-            "train, dev and test without a speaker in two of them; give train/, dev/ and test/ data dirs "
-            "(subdirectories of --corpus-dir), or an utt2spk that names the speakers"
-        )
-    n = max(1, round(0.1 * len(speakers)))
-    test, dev = set(speakers[len(speakers) - n :]), set(speakers[len(speakers) - 2 * n : len(speakers) - n])
-    return {
-        u: ("test" if utt2spk.get(u, u) in test else "dev" if utt2spk.get(u, u) in dev else "train")
-        for u in utts
-    }
-
-
-def _mirror_kaldi(data: Path, out: Path, data_dir: Path, split_of) -> int:
-    """Copy a Kaldi data dir to ``out`` without bad entries; returns its sampling rate."""
-    wav_scp, text = _read_map(data / "wav.scp"), _read_map(data / "text")
-    segments = _read_map(data / "segments")
-    utt2spk = _read_map(data / "utt2spk")
-    rate, durations, bad_recs = 16000, {}, set()
-    for rid, src in wav_scp.items():
-        if src.endswith("|"):
-            continue  # a command: Lhotse runs it when the audio is loaded
-        reason, detail = check_audio(_audio_path(src, data))
-        if reason:
-            bad_recs.add(rid)
-            for uid in [u for u, seg in segments.items() if seg.split()[0] == rid] if segments else [rid]:
-                record_drop(data_dir, "corpus", split_of(uid), uid, reason, detail)
-            continue
-        info = sf.info(str(_audio_path(src, data)))
-        rate, durations[rid] = info.samplerate, info.frames / info.samplerate
-    utts = segments if segments else {r: r for r in wav_scp}
-    keep = []
-    for uid in utts:
-        rid = segments[uid].split()[0] if segments else uid
-        if rid in bad_recs:
-            continue
-        if rid not in wav_scp:
-            record_drop(
-                data_dir,
-                "corpus",
-                split_of(uid),
-                uid,
-                "missing_audio",
-                f"segments names recording {rid} absent from wav.scp",
-            )
-        elif uid not in text:
-            record_drop(
-                data_dir,
-                "corpus",
-                split_of(uid),
-                uid,
-                "missing_transcript",
-                f"{data / 'text'} has no line for it",
-            )
-        elif not normalize_text(text[uid]):
-            record_drop(data_dir, "corpus", split_of(uid), uid, "empty_transcript", str(data / "text"))
-        else:
-            keep.append(uid)
-    for uid in sorted(set(text) - set(utts)):  # a transcript with no audio: Kaldi's fix_data_dir.sh drops it too
-        record_drop(data_dir, "corpus", split_of(uid), uid, "missing_audio",
-                    f"{data / 'text'} has a line for it but {data / ('segments' if segments else 'wav.scp')} has none")
-    out.mkdir(parents=True, exist_ok=True)
-    recs = sorted({segments[u].split()[0] if segments else u for u in keep})
-
-    def write(name, mapping, keys):
-        (out / name).write_text("".join(f"{k} {mapping[k]}\n" for k in keys))
-
-    abs_scp = {
-        r: wav_scp[r] if wav_scp[r].endswith("|") else str(_audio_path(wav_scp[r], data).resolve())
-        for r in recs
-    }
-    write("wav.scp", abs_scp, recs)
-    if all(r in durations for r in recs):
-        write("reco2dur", durations, recs)
-    write("text", text, keep)
-    write("utt2spk", {u: utt2spk.get(u, u) for u in keep}, keep)
-    if segments:
-        write("segments", segments, keep)
-    return rate
-
-
-def _kaldi(corpus_dir: Path, shadow: Path, data_dir: Path) -> dict[str, list]:
-    from lhotse.kaldi import load_kaldi_data_dir
-
-    subdirs = {s: corpus_dir / s for s in SPLITS if (corpus_dir / s / "wav.scp").is_file()}
-    if subdirs:
-        missing = [s for s in SPLITS if s not in subdirs]
-        if missing:
-            raise FileNotFoundError(
-                f"{corpus_dir} has Kaldi data dirs for {sorted(subdirs)} but not {missing}; "
-                "give all of train/, dev/, test/ or a single data dir"
-            )
-        plan = {s: (d, lambda u, s=s: s) for s, d in subdirs.items()}
-    elif (corpus_dir / "wav.scp").is_file():
-        split_by_utt = _kaldi_split_units(corpus_dir)
-        plan = {"all": (corpus_dir, lambda u: split_by_utt.get(u, "train"))}
-    else:
-        raise FileNotFoundError(
-            f"{corpus_dir} has no wav.scp, nor train/ dev/ test/ subdirs with one; "
-            "point --corpus-dir at a Kaldi data dir"
-        )
-    out: dict[str, list] = {s: [] for s in SPLITS}
-    for name, (data, split_of) in plan.items():
-        rate = _mirror_kaldi(data, shadow / name, data_dir, split_of)
-        recs, sups, _ = load_kaldi_data_dir(shadow / name, sampling_rate=rate, num_jobs=1)
-        sups = sups if sups is not None else SupervisionSet()
-        for split in SPLITS:
-            part = sups.filter(lambda s, split=split, split_of=split_of: split_of(s.id) == split)
-            if len(part):
-                out[split].append({"recordings": recs, "supervisions": part})
-    return out
-
-
 # ------------------------------------------------------------------------------ common
 def _to_cuts(split: str, parts: list[dict], data_dir: Path) -> CutSet:
     """One MonoCut per supervision, texts normalised, audio paths pointed back at the corpus.
@@ -483,7 +350,8 @@ def _to_cuts(split: str, parts: list[dict], data_dir: Path) -> CutSet:
 
 
 def prepare_real(
-    corpus: str, corpus_dir: Path, data_dir: Path, train_parts: list[str] | None = None
+    corpus: str, corpus_dir: Path, data_dir: Path, train_parts: list[str] | None = None,
+    allow_shared_speakers: bool = False,
 ) -> dict[str, CutSet]:
     """Prepare a local corpus; writes ``<data_dir>/manifests/{train,dev,test}_cuts.jsonl.gz``.
 
@@ -492,6 +360,8 @@ def prepare_real(
         corpus_dir: the unpacked corpus (layouts in the module docstring).
         data_dir: output root.
         train_parts: LibriSpeech only: its training parts to use (default ``train-clean-100``).
+        allow_shared_speakers: a speaker in two splits is a warning, not an error
+            (``local.data.validate.check_disjoint_speakers``).
 
     Returns:
         ``{"train": CutSet, "dev": CutSet, "test": CutSet}`` of MonoCuts with one supervision each.
@@ -519,8 +389,10 @@ def prepare_real(
         elif corpus == "yesno":
             parts = _yesno(corpus_dir, shadow, data_dir)
         else:
-            parts = _kaldi(corpus_dir, shadow, data_dir)
+            parts = kaldi_parts(corpus_dir, data_dir)
         manifests = {split: _to_cuts(split, parts.get(split, []), data_dir) for split in SPLITS}
+    check_disjoint_speakers({s: {c.supervisions[0].speaker for c in cs} for s, cs in manifests.items()},
+                            allow_shared_speakers)
     out_dir = data_dir / "manifests"
     out_dir.mkdir(parents=True, exist_ok=True)
     for split, cs in manifests.items():

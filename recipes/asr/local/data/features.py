@@ -9,10 +9,14 @@ fbank and ``cut.mfcc`` = 13 MFCC as a temporal array, both stored with
 ``LilcomChunkyWriter``) and ``features/cmvn.json``::
 
     {"global": {"mean": [F], "std": [F], "frames": N},      # training frames
-     "speakers": {spk: {"mean": [F], "std": [F], "frames": N}}}  # every split
+     "splits": {split: {spk: {"mean": [F], "std": [F], "frames": N}}},  # each split's own frames
+     "speakers": {spk: {...}}}  # each speaker's first split's entry (train, dev, test order)
 
-Speaker statistics pool a speaker's frames over all splits (unsupervised, like Kaldi's
-per-speaker ``compute-cmvn-stats`` on each data dir); ``global`` covers the training split
+Speaker statistics are per split: a speaker's frames of that split only (unsupervised, like
+Kaldi's per-speaker ``compute-cmvn-stats`` on each data dir), so a speaker in two splits
+(``prepare.py --allow-shared-speakers``) is normalised in dev and test without its training
+frames. ``split_cmvn`` gives a split's table to ``apply_cmvn``. With no speaker in two splits
+(the embedded corpus), ``speakers`` holds the same numbers. ``global`` covers the training split
 and is used for cuts without a known speaker.
 """
 
@@ -220,26 +224,37 @@ def compute_features(data_dir: Path | str, splits=("train", "dev", "test"), num_
 
 
 def write_cmvn(sums_by_split: dict, path: Path) -> dict:
-    """Per-speaker (all splits) and global (train, else all) fbank mean/std -> ``path``."""
-    speakers = {}
-    for sums in sums_by_split.values():
-        for spk, (n, s, q) in sums.items():
-            acc = speakers.setdefault(spk, [0, 0.0, 0.0])
-            acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + s, acc[2] + q
+    """Per-speaker (per split) and global (train, else all) fbank mean/std -> ``path`` (the layout in
+    the module docstring)."""
+    splits = {split: {spk: _stats(*v) for spk, v in sums.items() if spk is not None}
+              for split, sums in sums_by_split.items()}
+    speakers: dict = {}
+    for table in splits.values():
+        for spk, st in table.items():
+            speakers.setdefault(spk, st)
     glob = sums_by_split.get("train") or {k: v for d in sums_by_split.values() for k, v in d.items()}
     n = sum(v[0] for v in glob.values())
     if n == 0:
         raise RuntimeError("no feature frames at all: every utterance was dropped (see dropped.jsonl)")
     stats = {
         "global": _stats(n, sum(v[1] for v in glob.values()), sum(v[2] for v in glob.values())),
-        "speakers": {spk: _stats(*v) for spk, v in speakers.items() if spk is not None},
+        "speakers": speakers,
+        "splits": splits,
     }
     write_json(path, stats, indent=None)
     return stats
 
 
+def split_cmvn(stats: dict, split: str) -> dict:
+    """The statistics ``apply_cmvn`` takes for the cuts of ``split``: its speakers' own (``stats["splits"]``);
+    for a set stage 1 did not see, or a ``cmvn.json`` written before per-split statistics, ``stats`` itself."""
+    table = stats.get("splits", {}).get(split)
+    return stats if table is None else {"global": stats["global"], "speakers": table}
+
+
 def apply_cmvn(feats: np.ndarray, speaker: str | None, stats: dict) -> np.ndarray:
-    """Mean/variance normalise ``feats`` ``[T, F]`` with the speaker's statistics (global if unknown)."""
+    """Mean/variance normalise ``feats`` ``[T, F]`` with the speaker's statistics (global if unknown);
+    ``stats`` of one split (``split_cmvn``)."""
     s = stats["speakers"].get(speaker) if speaker is not None else None
     s = s or stats["global"]
     mean, std = np.asarray(s["mean"], dtype=np.float32), np.asarray(s["std"], dtype=np.float32)

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from local.atomic import atomic_path
-from local.data.features import apply_cmvn, gmm_cmvn_key
+from local.data.features import apply_cmvn, gmm_cmvn_key, split_cmvn
 from local.gmm.transforms import FmllrStats, add_fmllr_stats, apply_affine, estimate_fmllr
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ def adapt(data_dir: Path | str, num_gauss: int = NUM_GAUSS, sat_rounds: int = 1,
             cuts[split] = CutSet.from_file(path) or []
         elif split == "train":
             raise RuntimeError(f"{path} is missing; run prepare.py --stage 1 first")
-    train = speaker_frames(cuts["train"], cmvn, max_frames=None)
+    train = speaker_frames(cuts["train"], split_cmvn(cmvn, "train"), max_frames=None)
     per_spk = max(UBM_FRAMES // max(len(train), 1), 1)
 
     def ubm_data(trans: dict | None) -> np.ndarray:
@@ -241,7 +241,8 @@ def adapt(data_dir: Path | str, num_gauss: int = NUM_GAUSS, sat_rounds: int = 1,
     info = {"num_gauss": num_gauss, "sat_rounds": sat_rounds, "rounds": rounds, "splits": {"train": summary}}
     for split in ("dev", "test"):
         if split in cuts:
-            split_trans, info["splits"][split] = estimate_transforms(ubm, speaker_frames(cuts[split], cmvn))
+            frames = speaker_frames(cuts[split], split_cmvn(cmvn, split))
+            split_trans, info["splits"][split] = estimate_transforms(ubm, frames)
             trans.update(split_trans)
             log.info("adapt: %s speakers: %s", split, info["splits"][split])
     ubm.save(out / "ubm.npz")
@@ -412,7 +413,7 @@ def adapt_sat(data_dir: Path | str, sat_rounds: int = 1) -> dict:
     num_pdfs = int(json.loads(_require(ali_dir / "info.json", fix).read_text())["num_pdfs"])
     train_cuts = CutSet.from_file(_require(ali_dir / "train_cuts.jsonl.gz", fix))
     train_alis = {c.id: np.asarray(c.load_custom("pdf_ali")) for c in train_cuts}
-    train = aligned_speaker_frames(train_cuts, train_alis, cmvn)
+    train = aligned_speaker_frames(train_cuts, train_alis, split_cmvn(cmvn, "train"))
 
     trans: dict[str, np.ndarray] = {}
     rounds = []
@@ -428,7 +429,8 @@ def adapt_sat(data_dir: Path | str, sat_rounds: int = 1) -> dict:
         if not path.exists():
             continue
         split_trans, info["splits"][split] = transforms_from_pdfs(model, CutSet.from_file(path),
-                                                                  sat_first_pass_pdfs(data_dir, split), cmvn)
+                                                                  sat_first_pass_pdfs(data_dir, split),
+                                                                  split_cmvn(cmvn, split))
         trans.update(split_trans)
         log.info("adapt (fbank_sat): %s speakers: %s", split, info["splits"][split])
     model.save(out / SAT_MODEL)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from local.data.features import apply_cmvn, gmm_cmvn_key
+from local.data.features import apply_cmvn, gmm_cmvn_key, split_cmvn
 from local.gmm.transforms import apply_affine
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,9 @@ class FrontEnd:
         """Speaker statistics of a new set (``evaluate.py --test-set``): its CMVN statistics
         (``cmvn``: ``{"speakers": {...}}`` of the set) and each speaker's transform, without
         transcripts: ``fbank_fmllr`` against the UBM from its own utterances; ``fbank_sat`` from
-        the best paths of the SAT GMM's fMLLR decoding of the set (``local.gmm.sat.decode_new_set``)."""
+        the best paths of the SAT GMM's fMLLR decoding of the set (``local.gmm.sat.decode_new_set``).
+        From then on every set is normalised with the merged per-speaker statistics (the new set's
+        own first), whatever its split's name."""
         if cmvn:
             self.cmvn = {"global": self.cmvn["global"], "speakers": {**self.cmvn["speakers"], **cmvn["speakers"]}}
         if self.kind == "fbank_fmllr":
@@ -150,9 +152,10 @@ class FrontEnd:
                 x = feats[cut.id]
                 yield cut, (apply_affine(trans[key], x) if key in trans else x)
             return
+        cmvn = split_cmvn(self.cmvn, split)  # the split's own speaker statistics
         for cut in cuts:
             speaker = cut.supervisions[0].speaker if cut.supervisions else None
-            x = np.asarray(apply_cmvn(cut.load_features(), speaker, self.cmvn), dtype=np.float32)
+            x = np.asarray(apply_cmvn(cut.load_features(), speaker, cmvn), dtype=np.float32)
             if self.kind in ("fbank_fmllr", "fbank_sat"):
                 key = gmm_cmvn_key(cut)
                 if key not in self.fbank_trans:
