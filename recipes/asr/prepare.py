@@ -132,7 +132,8 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
 
             if args.corpus_dir is None:
                 raise SystemExit(f"--corpus {args.corpus} needs --corpus-dir pointing at the corpus on disk")
-            cuts = prepare_real(args.corpus, Path(args.corpus_dir), data_dir, args.train_parts)
+            cuts = prepare_real(args.corpus, Path(args.corpus_dir), data_dir, args.train_parts,
+                                allow_shared_speakers=args.allow_shared_speakers)
         parts = [f"{s}: {len(c)} utts {sum(x.duration for x in c) / 3600:.2f} h" for s, c in cuts.items()]
         return "; ".join(parts)
     if name == "features":
@@ -351,10 +352,12 @@ def prepare(
     tags: list[str] | None = None,
     unk_word: str = "<UNK>",
     lm_arpa: str | Path | None = None,
+    allow_shared_speakers: bool = False,
 ) -> Path:
     """Run stages ``stage..stop_stage``; return the data directory. Importable by train.py.
 
-    ``train_parts`` (LibriSpeech's training parts) reaches stage 0; ``lexicon``, ``lm_text``, ``oov``
+    ``train_parts`` (LibriSpeech's training parts) and ``allow_shared_speakers`` (a speaker in two splits a
+    warning, not an error: ``local.data.validate``) reach stage 0; ``lexicon``, ``lm_text``, ``oov``
     (None: ``unk`` for a real corpus, ``drop`` for the embedded one: ``local/graph/lexicon.py`` says why),
     ``tags`` (``TAG=PHONE`` items, None: ``local.graph.tags.DEFAULT_TAGS``), ``unk_word`` and ``lm_arpa``
     (the first pass's LM, ``local/graph/user_lm.py``) reach stage 2. ``gmm_sizes``: any of ``GMM_SIZES`` (the
@@ -414,6 +417,7 @@ def prepare(
                               tags=tag_map, unk_word=unk_word, lm_arpa=lm_arpa,
                               lda_mllt=lda_mllt, sat_schedule=sat_schedule, search=search)  # fmt: skip
     args.gmm_sizes = {**dict.fromkeys(GMM_SIZES, "auto"), **(gmm_sizes or {})}
+    args.allow_shared_speakers = allow_shared_speakers
     wanted = {"corpus": corpus, "corpus_dir": corpus_dir, "size": size, "seed": seed}
     if train_parts:  # (only when given: data dirs prepared before these options stay valid)
         wanted["train_parts"] = list(train_parts)
@@ -504,6 +508,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="re-run the selected stages even if done")
     p.add_argument("--train-parts", nargs="+", default=None,
                    help="librispeech: its training parts (default train-clean-100; also train-clean-360, train-other-500)")
+    p.add_argument("--allow-shared-speakers", action="store_true",
+                   help="stage 0: go on, with a warning, when a speaker is in two of train/dev/test (refused otherwise: "
+                        "dev and test would score speakers the model was trained on); CMVN stays per split")
     p.add_argument("--lexicon", default=None,
                    help="a Kaldi lexicon.txt (WORD PH1 PH2 ..., CMUdict's 39 phones) replacing or extending CMUdict")
     p.add_argument("--lm-text", default=None, help="more LM training text, one sentence per line (never the test set)")
@@ -526,7 +533,7 @@ def main(argv: list[str] | None = None) -> None:
             a.train_parts, a.lexicon, a.lm_text, a.oov,
             gmm_sizes={name: getattr(a, name) for name in GMM_SIZES}, lda_mllt=a.lda_mllt,
             sat_schedule=a.sat_schedule, beam=a.beam, max_active=a.max_active, tags=a.tags,
-            unk_word=a.unk_word, lm_arpa=a.lm_arpa)  # fmt: skip
+            unk_word=a.unk_word, lm_arpa=a.lm_arpa, allow_shared_speakers=a.allow_shared_speakers)  # fmt: skip
 
 
 if __name__ == "__main__":
