@@ -1,6 +1,7 @@
 """Stage 1: frame counts, fbank/MFCC agreement, CMVN per speaker, deltas, bad audio."""
 
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from lhotse.audio import AudioSource
 from local.data.features import (
     _stats,
     add_deltas,
+    add_split_entries,
     apply_cmvn,
     compute_features,
     gmm_features,
@@ -130,6 +132,18 @@ def test_cmvn_per_split(tmp_path):
         np.testing.assert_allclose(normed.mean(0), 0, atol=1e-3)
         (_, x), = FrontEnd(tmp_path, "fbank")([cut], split)
         np.testing.assert_allclose(x, normed, rtol=1e-6)
+    # the adapt stage's speaker transforms: each split's own too (``add_split_entries``)
+    rng = np.random.default_rng(1)
+    trans: dict = {}
+    for split in cuts:
+        add_split_entries(trans, {"shared": rng.normal(size=(40, 41)).astype(np.float32)}, split)
+    assert set(trans) == {"shared", "dev/shared"}
+    (tmp_path / "adapt").mkdir()
+    (tmp_path / "adapt" / "fbank_sat_trans.pkl").write_bytes(pickle.dumps(trans))
+    for split, key in (("train", "shared"), ("dev", "dev/shared")):
+        normed = apply_cmvn(feats[split].load_features(), "shared", split_cmvn(stats, split))
+        (_, x), = FrontEnd(tmp_path, "fbank_sat")([feats[split]], split)
+        np.testing.assert_allclose(x, normed @ trans[key][:, :40].T + trans[key][:, 40], rtol=1e-4, atol=1e-4)
     # 34 dB apart: the pooled mean would leave each split's frames far from zero mean
     assert np.mean(stats["splits"]["train"]["shared"]["mean"]) - np.mean(stats["splits"]["dev"]["shared"]["mean"]) > 3
 
@@ -145,6 +159,11 @@ def test_cmvn_of_speakers_in_one_split_each_are_the_pooled_ones(tmp_path):
         for spk, (n, total, sq) in table.items():
             pooled = _stats(0 + n, 0.0 + total, 0.0 + sq)  # the old accumulation, from [0, 0.0, 0.0]
             assert got["splits"][split][spk] == pooled == got["speakers"][spk]
+    table, plain = {}, {}
+    for split, entries in sums.items():
+        add_split_entries(table, entries, split)
+        plain.update(entries)
+    assert table == plain
 
 
 def test_gmm_features(featdir):

@@ -252,6 +252,19 @@ def split_cmvn(stats: dict, split: str) -> dict:
     return stats if table is None else {"global": stats["global"], "speakers": table}
 
 
+def split_speaker_key(split: str, speaker: str) -> str:
+    """The key of a speaker-level table entry (the adapt stage's fbank transforms) of a dev or test
+    speaker whose name an earlier split has too (``prepare.py --allow-shared-speakers``)."""
+    return f"{split}/{speaker}"
+
+
+def add_split_entries(table: dict, entries: dict, split: str) -> None:
+    """Add ``split``'s ``{speaker: value}`` to ``table``, a speaker already there (from an earlier
+    split) under ``split_speaker_key``: each split keeps its own, and with no speaker in two splits the
+    table is what a plain ``update`` gives."""
+    table.update({(split_speaker_key(split, s) if s in table else s): v for s, v in entries.items()})
+
+
 def apply_cmvn(feats: np.ndarray, speaker: str | None, stats: dict) -> np.ndarray:
     """Mean/variance normalise ``feats`` ``[T, F]`` with the speaker's statistics (global if unknown);
     ``stats`` of one split (``split_cmvn``)."""

@@ -23,7 +23,9 @@ normalisation without leaving the fbank domain.
 5. Dev and test speakers: step 3 with the final UBM, from their own utterances.
 
 Writes ``adapt/ubm.npz`` (weights ``[M]``, means and variances ``[M, 40]``),
-``adapt/fbank_trans.pkl`` (``{speaker: W [40, 41]}`` of every split's speakers) and
+``adapt/fbank_trans.pkl`` (``{speaker: W [40, 41]}`` of every split's speakers; a dev or test
+speaker whose name an earlier split has too, with ``prepare.py --allow-shared-speakers``, under
+``features.split_speaker_key``: each split keeps its own transform) and
 ``adapt/info.json``.
 """
 
@@ -39,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from local.atomic import atomic_path
-from local.data.features import apply_cmvn, gmm_cmvn_key, split_cmvn
+from local.data.features import add_split_entries, apply_cmvn, gmm_cmvn_key, split_cmvn
 from local.gmm.transforms import FmllrStats, add_fmllr_stats, apply_affine, estimate_fmllr
 
 log = logging.getLogger(__name__)
@@ -243,7 +245,7 @@ def adapt(data_dir: Path | str, num_gauss: int = NUM_GAUSS, sat_rounds: int = 1,
         if split in cuts:
             frames = speaker_frames(cuts[split], split_cmvn(cmvn, split))
             split_trans, info["splits"][split] = estimate_transforms(ubm, frames)
-            trans.update(split_trans)
+            add_split_entries(trans, split_trans, split)
             log.info("adapt: %s speakers: %s", split, info["splits"][split])
     ubm.save(out / "ubm.npz")
     with open(out / "fbank_trans.pkl", "wb") as f:
@@ -431,7 +433,7 @@ def adapt_sat(data_dir: Path | str, sat_rounds: int = 1) -> dict:
         split_trans, info["splits"][split] = transforms_from_pdfs(model, CutSet.from_file(path),
                                                                   sat_first_pass_pdfs(data_dir, split),
                                                                   split_cmvn(cmvn, split))
-        trans.update(split_trans)
+        add_split_entries(trans, split_trans, split)
         log.info("adapt (fbank_sat): %s speakers: %s", split, info["splits"][split])
     model.save(out / SAT_MODEL)
     with atomic_path(out / SAT_TRANS) as tmp, open(tmp, "wb") as f:

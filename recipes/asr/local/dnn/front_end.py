@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from local.data.features import apply_cmvn, gmm_cmvn_key, split_cmvn
+from local.data.features import apply_cmvn, gmm_cmvn_key, split_cmvn, split_speaker_key
 from local.gmm.transforms import apply_affine
 
 log = logging.getLogger(__name__)
@@ -117,8 +117,8 @@ class FrontEnd:
         (``cmvn``: ``{"speakers": {...}}`` of the set) and each speaker's transform, without
         transcripts: ``fbank_fmllr`` against the UBM from its own utterances; ``fbank_sat`` from
         the best paths of the SAT GMM's fMLLR decoding of the set (``local.gmm.sat.decode_new_set``).
-        From then on every set is normalised with the merged per-speaker statistics (the new set's
-        own first), whatever its split's name."""
+        From then on every set is normalised with the merged per-speaker statistics and transforms (the
+        new set's own first), whatever its split's name."""
         if cmvn:
             self.cmvn = {"global": self.cmvn["global"], "speakers": {**self.cmvn["speakers"], **cmvn["speakers"]}}
         if self.kind == "fbank_fmllr":
@@ -127,16 +127,20 @@ class FrontEnd:
             ubm = DiagGmm.load(self.data_dir / "adapt" / "ubm.npz")
             trans, summary = estimate_transforms(ubm, speaker_frames(cuts, self.cmvn))
             log.info("fbank fMLLR of the new set's speakers: %s", summary)
-            self.fbank_trans.update(trans)
+            self._add_transforms(trans)
         elif self.kind == "fbank_sat":
             from local.dnn.adapt import new_set_transforms
 
             trans, summary = new_set_transforms(self.data_dir, cuts, self.cmvn)
             log.info("fbank transforms of the new set's speakers from its SAT GMM decoding: %s", summary)
-            self.fbank_trans.update(trans)
+            self._add_transforms(trans)
         elif self.kind == "mfcc_fmllr":
             raise ValueError("features='mfcc_fmllr' needs the SAT GMM's fMLLR decoding of a set first; "
                              "decode new sets with a fbank model (features fbank, fbank_fmllr or fbank_sat)")
+
+    def _add_transforms(self, trans: dict[str, np.ndarray]) -> None:
+        """A new set's speaker transforms, ahead of a recipe split's of the same speaker name."""
+        self.fbank_trans = {**{k: w for k, w in self.fbank_trans.items() if k.partition("/")[2] not in trans}, **trans}
 
     def __call__(self, cuts, split: str) -> Iterator[tuple[object, np.ndarray]]:
         """``(cut, frames [T, dim] float32)`` for every cut of ``cuts`` (all of one ``split``: the
@@ -158,9 +162,10 @@ class FrontEnd:
             x = np.asarray(apply_cmvn(cut.load_features(), speaker, cmvn), dtype=np.float32)
             if self.kind in ("fbank_fmllr", "fbank_sat"):
                 key = gmm_cmvn_key(cut)
-                if key not in self.fbank_trans:
+                W = self.fbank_trans.get(split_speaker_key(split, key), self.fbank_trans.get(key))
+                if W is None:
                     raise ValueError(f"no fbank transform for speaker {key!r} of cut {cut.id}; re-run the adapt "
                                      f"stage (python recipes/asr/prepare.py --data-dir {self.data_dir} --stage 7) "
                                      "or add the set's speakers with FrontEnd.add_speakers")
-                x = apply_affine(self.fbank_trans[key], x)
+                x = apply_affine(W, x)
             yield cut, x
