@@ -161,5 +161,5 @@ def check_disjoint_speakers(speakers: dict[str, set[str]], allow_shared: bool = 
     if not allow_shared:
         raise ValueError(f"{line}; give each speaker to one split (utt2spk), or pass --allow-shared-speakers "
                          "to go on with a warning")
-    log.warning("%s (--allow-shared-speakers); CMVN statistics stay per split", line)
+    log.warning("%s (--allow-shared-speakers); CMVN statistics and speaker transforms stay per split", line)
     return shared
