@@ -9,7 +9,6 @@ import soundfile as sf
 from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 from lhotse.audio import AudioSource
 from local.data.features import (
-    _stats,
     add_deltas,
     add_split_entries,
     apply_cmvn,
@@ -157,7 +156,9 @@ def test_cmvn_of_speakers_in_one_split_each_are_the_pooled_ones(tmp_path):
     got = write_cmvn(sums, tmp_path / "cmvn.json")
     for split, table in sums.items():
         for spk, (n, total, sq) in table.items():
-            pooled = _stats(0 + n, 0.0 + total, 0.0 + sq)  # the old accumulation, from [0, 0.0, 0.0]
+            n, total, sq = 0 + n, 0.0 + total, 0.0 + sq  # the old accumulation over splits, from [0, 0.0, 0.0]
+            mean = total / n
+            pooled = {"mean": mean.tolist(), "std": np.sqrt(np.maximum(sq / n - mean**2, 1e-10)).tolist(), "frames": n}
             assert got["splits"][split][spk] == pooled == got["speakers"][spk]
     table, plain = {}, {}
     for split, entries in sums.items():
