@@ -227,3 +227,58 @@ def test_registered():
     assert StrategyRegistry["gtc_hsdp_fork"]["strategy"] is GTCHSDPStrategy
     with pytest.raises(ValueError, match="Trainer strategy only"):
         FABRIC.get("gtc_hsdp")
+
+
+class AdamStepLR(ShardedMLP):
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.9),
+                                                   "interval": "step"}}  # fmt: skip
+
+
+class Frozen(ShardedMLP):
+    def __init__(self, out_dir):
+        super().__init__(out_dir)
+        self.blocks[0][0].weight.requires_grad_(False)
+
+
+# The matrix of docs/guide/hsdp.md: (model class, Trainer arguments, what the run must show).
+FEATURES_WORK = {
+    "adam_steplr": (AdamStepLR, {}),
+    "accumulate_grad_batches": (ShardedMLP, {"accumulate_grad_batches": 2}),
+    "bf16_mixed": (ShardedMLP, {"precision": "bf16-mixed"}),
+    "clip_norm": (ShardedMLP, {"gradient_clip_val": 0.1}),
+    "clip_value": (ShardedMLP, {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "frozen_layer": (Frozen, {}),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES_WORK))
+def test_lightning_features(tmp_path, feature):
+    cls, trainer_kwargs = FEATURES_WORK[feature]
+    strategy = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT, tau=0.01)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(cls(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    assert ranks[0]["stats"]["sparse"] > 0
+    for shard in (0, 1):
+        for ra, rb in zip(ranks[shard]["records"], ranks[2 + shard]["records"]):
+            assert all(torch.equal(pa, pb) for pa, pb in zip(ra["params"], rb["params"]))
+            assert torch.isfinite(torch.tensor(ra["loss"]))
+    moved = [not torch.equal(a, b) for a, b in zip(ranks[0]["records"][0]["params"], ranks[0]["records"][-1]["params"])]
+    assert any(moved)
+    if feature == "frozen_layer":
+        assert not moved[0]
+
+
+def test_fp16_loss_scaling_refused(tmp_path):
+    from lightning.pytorch.plugins import MixedPrecision
+
+    strategy = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT)
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=1, logger=False,
+                        plugins=[MixedPrecision("16-mixed", "cpu")], enable_progress_bar=False)  # fmt: skip
+    with pytest.raises(Exception, match="loss-scaled precision"):
+        trainer.fit(ShardedMLP(tmp_path))
