@@ -282,3 +282,25 @@ def test_fp16_loss_scaling_refused(tmp_path):
                         plugins=[MixedPrecision("16-mixed", "cpu")], enable_progress_bar=False)  # fmt: skip
     with pytest.raises(Exception, match="loss-scaled precision"):
         trainer.fit(ShardedMLP(tmp_path))
+
+
+class NaNOnRank2(ShardedMLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_rank == 2 and self.global_step == 1 else loss
+
+
+def test_non_finite_gradient_keeps_residuals(tmp_path):
+    """Rank 2's NaN reaches both shards of replica 1: every shard's mean is NaN on every replica (as a
+    dense all-reduce's), and every rank's residual holds its own gradient instead of sending it."""
+    ranks = run(tmp_path, max_steps=2, model=NaNOnRank2(tmp_path))
+    for rank in ranks:
+        assert rank["stats"]["skipped"] == 3 and rank["stats"]["sparse"] == 3
+        assert all(torch.isnan(p).all() for p in rank["records"][1]["params"])
+        for key, after in rank["records"][1]["residuals"].items():
+            before = rank["records"][0]["residuals"][key]
+            grad = [c[1] for c in rank["calls"] if c[0] == key][1]
+            if torch.isfinite(grad).all():
+                torch.testing.assert_close(after, before + grad, atol=1e-6, rtol=0)
+            else:
+                assert torch.equal(after, before)

@@ -149,7 +149,10 @@ class HSDPGTCState:
         elif slot.residual.numel() != output.numel():
             raise RuntimeError(
                 f"GTC (HSDP): the gradient shard of {key!r} has {output.numel()} elements, its residual "
-                f"{slot.residual.numel()}; the sharding changed during training"
+                f"{slot.residual.numel()}: a parameter of this FSDP module got no gradient in some backward pass "
+                "(FSDP2 then reduces a shorter shard), or the sharding changed. Every parameter of a module must "
+                "get a gradient in every step (as FSDP2 itself needs the same of every rank): freeze parameters "
+                "that go unused (requires_grad=False) before fit"
             )
         return slot
 
@@ -213,7 +216,6 @@ class HSDPGTCState:
             # gradient in its residual (its words are taken back) for a later step.
             if finite:
                 ops.apply_words_(slot.residual, words, -tau32)
-                slot.residual.sub_(output)
             output.fill_(float("nan"))
             self.totals["skipped"] += 1
             return
