@@ -304,3 +304,28 @@ def test_non_finite_gradient_keeps_residuals(tmp_path):
                 torch.testing.assert_close(after, before + grad, atol=1e-6, rtol=0)
             else:
                 assert torch.equal(after, before)
+
+
+class UsedFromStep1(ShardedMLP):
+    def __init__(self, out_dir):
+        super().__init__(out_dir)
+        self.extra = torch.nn.Linear(CLASSES, CLASSES)
+
+    def forward(self, x):
+        out = super().forward(x)
+        return self.extra(out) if self.global_step >= 1 else out
+
+
+@pytest.mark.parametrize(
+    ("model", "trainer_kwargs", "message"),
+    [
+        (ShardedMLP, {"precision": "bf16-true"}, "reduces float32 gradient shards"),
+        (UsedFromStep1, {}, "got no gradient in some backward pass"),
+    ],
+)
+def test_refused_at_the_first_gradient(tmp_path, model, trainer_kwargs, message):
+    strategy = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT, tau=0.01)
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)  # fmt: skip
+    with pytest.raises(Exception, match=message):
+        trainer.fit(model(tmp_path))
