@@ -6,7 +6,8 @@ engines, each split by its own voices (train: two espeak-ng voices and flite's k
 espeak-ng voice and flite's rms; test: another espeak-ng voice and flite's slt). Dev and test speak
 training sentences (as TIMIT's SX sentences are shared between speakers) so that the tiny system's
 vocabulary covers them; the LM also gets sentences no one speaks through ``--lm-text``, and one
-word comes from the user's ``--lexicon``. Each corpus goes through stages 0-8 (``prepare.py``),
+word comes from the user's ``--lexicon``; in the Kaldi data dirs a ``[noise]`` tag opens each voice's
+first sentence. Each corpus goes through stages 0-8 (``prepare.py``),
 one epoch of the DNN (``conf/tiny.yaml``) and decoding (``evaluate.py``), CI-sized.
 """
 
@@ -88,6 +89,8 @@ def _run_recipe(corpus: str, corpus_dir: Path, tmp_path: Path, **options) -> dic
 
 
 def test_kaldi_data_dirs_with_a_lexicon_and_lm_text_to_a_wer(spoken, tmp_path):
+    from local.data.normalize import normalize_words
+
     corpus = tmp_path / "kaldi"
     for split, rows in spoken.items():
         d = corpus / split
@@ -95,7 +98,8 @@ def test_kaldi_data_dirs_with_a_lexicon_and_lm_text_to_a_wer(spoken, tmp_path):
         for _, uid, audio, _ in rows:
             sf.write(str(d / "wav" / f"{uid}.wav"), audio, 16000)
         (d / "wav.scp").write_text("".join(f"{uid} wav/{uid}.wav\n" for _, uid, _, _ in rows))
-        (d / "text").write_text("".join(f"{uid} {text}\n" for _, uid, _, text in rows))
+        # a noise tag before each voice's first sentence (Kaldi data dirs of real corpora have them)
+        (d / "text").write_text("".join(f"{uid} {'[noise] ' * uid.endswith('-00')}{text}\n" for _, uid, _, text in rows))
         (d / "utt2spk").write_text("".join(f"{uid} {spk}\n" for spk, uid, _, _ in rows))
     (tmp_path / "lm.txt").write_text("".join(s + "\n" for s in LM_ONLY))
     (tmp_path / "lexicon.txt").write_text("CANOE K AH0 N UW1\n")
@@ -103,10 +107,15 @@ def test_kaldi_data_dirs_with_a_lexicon_and_lm_text_to_a_wer(spoken, tmp_path):
     lang = json.loads((tmp_path / "data" / "lang" / "summary.json").read_text())
     assert lang["lm_text_sentences"] == len(LM_ONLY) and lang["lm_text_test_sentences"] == 0
     assert lang["user_lexicon_words"] == 1 and lang["train_dropped_oov"] == 0
+    # the tag is a word of the non-spoken-noise phone, <UNK> one of spoken noise (--oov unk: a real corpus's
+    # default); both are trained like silence and left out of scoring
+    assert lang["oov_policy"] == "unk" and lang["train_tag_tokens"] == {"[NOISE]": len(_voices()["train"])}
+    assert lang["silence_phones"] == ["SIL", "SPN", "NSN"]
     assert (tmp_path / "data" / "lang" / "lexicon.txt").read_text().count("CANOE ") == 1
     assert "HUGE" in (tmp_path / "data" / "lang" / "words.txt").read_text()  # from the LM text alone
     test = results["test"]
     assert test["utterances"] == len(spoken["test"]) and 0 <= test["wer"] < 200
+    assert test["words"] == sum(len(normalize_words(text)) for _, _, _, text in spoken["test"])  # no [NOISE]
     report = json.loads((tmp_path / "data" / "report.json").read_text())
     assert report  # stage 8 summarised the build
 
