@@ -15,7 +15,8 @@ ring all-reduce's ``2 (R-1)/R * 4`` bytes per element of its padded shard and st
 GTC's own state per rank (bytes, and per element of the rank's shard), the model's state per rank
 (parameters, gradients and optimizer state, local shards), and the peak RSS.
 
-    python -m gtc_lightning.tools.bench_hsdp --seeds 0 1 2 --steps 200 --out docs/benchmarks/hsdp
+    python -m gtc_lightning.tools.bench_hsdp --seeds 0 1 2 --steps 200 --optimizers adamw sgd \\
+        --densities 0.01 0.04 --out docs/benchmarks/hsdp
 """
 
 from __future__ import annotations
@@ -178,33 +179,33 @@ def run(
 
 
 def report(results: list[dict]) -> str:
-    """A markdown table: per method, the mean over seeds (and each seed's held-out loss)."""
+    """A markdown table: per optimizer, method and target density, the mean over seeds (and each seed's
+    held-out loss), against plain HSDP with the same optimizer."""
     lines = [
-        "| method | optimizer | seeds | held-out loss (mean; per seed) | vs hsdp | bytes/rank/step across replicas "
-        "| fewer bytes than hsdp | step (ms, median) | GTC state/rank | B per shard element | model state/rank "
-        "| peak RSS/rank |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| optimizer | method | target density | seeds | held-out loss (mean; per seed) | vs hsdp "
+        "| bytes/rank/step across replicas | fewer bytes than hsdp | step (ms, median) | GTC state/rank "
+        "| B per shard element | model state/rank | peak RSS/rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for optimizer in sorted({r["optimizer"] for r in results}):
+    keys = sorted({(r["optimizer"], r["method"] != "hsdp", r.get("target_density") or 0.0) for r in results})
+    for optimizer, is_gtc, density in keys:
         base = [r for r in results if r["method"] == "hsdp" and r["optimizer"] == optimizer]
         base_loss = statistics.mean(r["heldout_loss"] for r in base) if base else None
         base_bytes = statistics.mean(r["bytes_sent_per_rank"] / r["steps"] for r in base) if base else None
-        for method in METHODS:
-            runs = [r for r in results if r["method"] == method and r["optimizer"] == optimizer]
-            if not runs:
-                continue
-            loss = statistics.mean(r["heldout_loss"] for r in runs)
-            per_step = statistics.mean(r["bytes_sent_per_rank"] / r["steps"] for r in runs)
-            vs = f"{100 * (loss / base_loss - 1):+.2f} %" if base_loss else "-"
-            seeds = ", ".join(f"{r['heldout_loss']:.4f}" for r in runs)
-            fewer = f"{base_bytes / per_step:.0f}x" if base_bytes and per_step else "-"
-            lines.append(
-                f"| {method} | {optimizer} | {len(runs)} | {loss:.4f}; "
-                f"{seeds} | {vs} | {per_step / 1e3:.1f} kB | {fewer} "
-                f"| {1e3 * statistics.mean(r['step_s_median'] for r in runs):.1f} "
-                f"| {runs[0]['gtc_state_bytes_per_rank'] / 1e3:.0f} kB | {runs[0]['gtc_state_bytes_per_shard_element']:.2f} "
-                f"| {runs[0]['model_state_bytes_per_rank'] / 1e3:.0f} kB | {runs[0]['peak_rss_bytes_per_rank'] / 2**20:.0f} MiB |"
-            )  # fmt: skip
+        runs = [r for r in results if r["optimizer"] == optimizer and (r["method"] != "hsdp") == is_gtc
+                and (r.get("target_density") or 0.0) == density]  # fmt: skip
+        loss = statistics.mean(r["heldout_loss"] for r in runs)
+        per_step = statistics.mean(r["bytes_sent_per_rank"] / r["steps"] for r in runs)
+        vs = f"{100 * (loss / base_loss - 1):+.2f} %" if base_loss and is_gtc else "-"
+        fewer = f"{base_bytes / per_step:.0f}x" if base_bytes and is_gtc else "-"
+        seeds = ", ".join(f"{r['heldout_loss']:.4f}" for r in runs)
+        shown = (f"{density:g}" if density else "1e-2 (default)") if is_gtc else "-"
+        lines.append(
+            f"| {optimizer} | {runs[0]['method']} | {shown} | {len(runs)} | {loss:.4f}; {seeds} | {vs} "
+            f"| {per_step / 1e3:.1f} kB | {fewer} | {1e3 * statistics.mean(r['step_s_median'] for r in runs):.1f} "
+            f"| {runs[0]['gtc_state_bytes_per_rank'] / 1e3:.0f} kB | {runs[0]['gtc_state_bytes_per_shard_element']:.2f} "
+            f"| {runs[0]['model_state_bytes_per_rank'] / 1e3:.0f} kB | {runs[0]['peak_rss_bytes_per_rank'] / 2**20:.0f} MiB |"
+        )  # fmt: skip
     return "\n".join(lines)
 
 
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--optimizers", nargs="+", default=["adamw"], choices=["adamw", "sgd"],
                         help="adamw: the suite's; sgd: momentum 0.9, 100x the rate, cosine")  # fmt: skip
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--density", type=float, default=None, help="gtc_hsdp's target_density (default 1e-2)")
+    parser.add_argument("--densities", type=float, nargs="+", default=[None],
+                        help="gtc_hsdp's target_density, one run per value (default: its default, 1e-2)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("hsdp_bench"), help="results.json, report.md, runs/")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -226,10 +228,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with quiet_lightning():
         for optimizer in args.optimizers:
             for seed in args.seeds:
-                for method in args.methods:
-                    result = run(method, seed, args.steps, args.replicas, args.shards, optimizer, args.out, args.density)
+                cells = [(m, d) for m in args.methods for d in (args.densities if m != "hsdp" else [None])]
+                for method, density in cells:
+                    result = run(method, seed, args.steps, args.replicas, args.shards, optimizer, args.out, density)
                     results.append(result)
-                    print(f"{method} {optimizer} seed {seed}: held-out {result['heldout_loss']:.4f}, "
+                    print(f"{method} {optimizer} density {density} seed {seed}: held-out {result['heldout_loss']:.4f}, "
                           f"{result['bytes_sent_per_rank'] / 1e6:.3f} MB/rank, {1e3 * result['step_s_median']:.1f} ms/step, "
                           f"{result['wall_s']:.0f} s", flush=True)  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
