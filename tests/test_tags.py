@@ -169,6 +169,16 @@ def test_lm_arpa_builds_G_with_the_lexicon_words(tmp_path, gz):
     assert {"BOOK", "MOUSE"} <= set(ArpaLM(make_rescore_lm(data, 2)).vocab)
 
 
+def test_lm_arpa_words_get_flite_pronunciations_with_g2p(tmp_path):
+    data = _data_dir(tmp_path)
+    path = tmp_path / "lm.arpa"
+    path.write_text(ARPA)
+    summary = prepare_lang(data, oov="g2p", lm_arpa=path)
+    lg = load_lang(data / "lang")
+    assert summary["lm_arpa_dropped_words"] == 0 and lg.lexicon["ZZQXV"] and "ZZQXV" in lg.words
+    assert ArpaLM(data / "lang" / "lm.arpa").prob[("SAW", "ZZQXV")] == -0.3
+
+
 def test_lm_arpa_errors(tmp_path):
     data = _data_dir(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"--lm-arpa .*nowhere.arpa: no such file; give a back-off"):
