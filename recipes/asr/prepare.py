@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="librispeech: its training parts (default train-clean-100; also train-clean-360, train-other-500)")
     p.add_argument("--allow-shared-speakers", action="store_true",
                    help="stage 0: go on, with a warning, when a speaker is in two of train/dev/test (refused otherwise: "
-                        "dev and test would score speakers the model was trained on); CMVN stays per split")
+                        "dev and test would score speakers the model was trained on); CMVN and speaker transforms stay per split")
     p.add_argument("--lexicon", default=None,
                    help="a Kaldi lexicon.txt (WORD PH1 PH2 ..., CMUdict's 39 phones) replacing or extending CMUdict")
     p.add_argument("--lm-text", default=None, help="more LM training text, one sentence per line (never the test set)")
