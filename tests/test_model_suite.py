@@ -221,3 +221,59 @@ def test_quick_suite_files(quick):
         assert f"| {method} |" in table
     for name in model_suite.QUICK_MODELS:
         assert (out / f"loss_vs_bytes_{name}.png").stat().st_size > 10_000
+
+
+# ---- the long profile: its models and steps, and a suite resumed across sessions -------------
+
+
+def test_long_profile_has_a_language_model_of_two_million_parameters():
+    assert set(model_suite.LONG_MODELS) >= set(model_suite.STANDARD_MODELS) | {"transformer_lm"}
+    assert min(model_suite.LONG_STEPS.values()) >= 2000
+    model = MODELS["transformer_lm"](train_size=2 * model_suite.batch_size("transformer_lm"), steps=10)
+    assert sum(p.numel() for p in model.parameters()) >= 2_000_000
+    opt = model.configure_optimizers()
+    assert isinstance(opt["optimizer"], torch.optim.AdamW)
+
+
+def _fake_record(model, method, world_size, seed, steps, evals, out_dir):
+    return {"model": model, "method": method, "world_size": world_size, "seed": seed, "steps": steps,
+            "numel": 10, "best_loss": 0.5, "initial_loss": 2.0, "final_loss": 1.0, "curve": [[0, 2.0], [steps, 1.0]],
+            "bytes_per_step": 80.0, "ratio_fp32": 1.0, "ratio_bf16": 0.5, "step_seconds": 0.01, "wall_s": 1.0,
+            "memory_bytes_per_param": 0.0, "replicas_identical": True}  # fmt: skip
+
+
+def test_resume_runs_only_the_missing_cells(tmp_path, monkeypatch):
+    """--resume keeps the records of earlier runs of the same cells and steps, and reruns failed
+    ones and those of another length."""
+    ran = []
+
+    def fake(*cell):
+        ran.append(cell[:4])
+        return _fake_record(*cell)
+
+    monkeypatch.setattr(model_suite, "run_cell", fake)
+    monkeypatch.setattr(model_suite, "plot_loss_vs_bytes", lambda results, out: [])
+    argv = ["--profile", "long", "--models", "gru", "--methods", "ddp", "gtc", "--seeds", "0", "1", "--out", str(tmp_path)]
+    first = model_suite.main(argv)
+    assert len(ran) == 4 and [(r["model"], r["seed"]) for r in first][:2] == [("gru", 0), ("gru", 0)]  # seed-major
+    records = json.loads((tmp_path / "results.json").read_text())
+    records[1] = {k: records[1][k] for k in ("model", "method", "world_size", "seed")} | {"error": "Boom"}
+    records[2]["steps"] = 200  # a run of the standard profile
+    (tmp_path / "results.json").write_text(json.dumps(records))
+    ran.clear()
+    second = model_suite.main([*argv, "--resume"])
+    assert ran == [("gru", "gtc", 4, 0), ("gru", "ddp", 4, 1)]
+    assert len(second) == 4 and all("error" not in r and r["steps"] == 2000 for r in second)
+    ran.clear()
+    model_suite.main(argv)  # without --resume everything runs again
+    assert len(ran) == 4
+
+
+def test_profile_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="--profile long"):
+        model_suite.main(["--models", "transformer_lm", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="choose one"):
+        model_suite.main(["--quick", "--profile", "long", "--out", str(tmp_path)])
+    (tmp_path / "results.json").write_text('{"not": "a list"}')
+    with pytest.raises(ValueError, match="drop --resume"):
+        model_suite.main(["--resume", "--models", "gru", "--methods", "ddp", "--out", str(tmp_path)])

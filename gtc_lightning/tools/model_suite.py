@@ -86,6 +86,12 @@ STEPS = {"transformer": 200, "cnn": 400, "gru": 200, "speech_dnn": 500}
 DEFAULT_METHODS = ["ddp", "ddp_bf16", "powersgd_r1", "powersgd_r4", "gtc", "gtc_3e-3", "gtc_3e-2", "gtc_strom_1e-2"]
 QUICK_STEPS = {"transformer": 20, "cnn": 20, "gru": 20, "speech_dnn": 40}
 QUICK_MODELS = ["gru", "speech_dnn"]
+STANDARD_MODELS = ["transformer", "cnn", "gru", "speech_dnn"]
+# The long profile: runs long enough for a sparse method to catch up (each element is sent tens of
+# times at density 1e-2), and a language model of >= 2 M parameters. Its runs are 4-10x the
+# standard's; it is meant to run on its own (with --resume across sessions), 4 ranks.
+LONG_STEPS = {"transformer": 2000, "cnn": 2000, "gru": 2000, "speech_dnn": 2000, "transformer_lm": 2000}
+LONG_MODELS = list(LONG_STEPS)
 TIMEOUT = timedelta(seconds=180)  # a hung collective fails the run instead of blocking for 30 min
 
 log = logging.getLogger(__name__)
@@ -558,6 +564,29 @@ def progress_line(record: dict) -> str:
     )
 
 
+def _cell(record: dict) -> tuple:
+    return (record["model"], record["method"], record["world_size"], record["seed"])
+
+
+def resumed(path: Path, cells: list[tuple], steps: dict[str, int]) -> list[dict]:
+    """The records of ``path`` (an earlier run's results.json) to keep: those of this invocation's
+    cells, without an error, run for the same number of steps. A missing file keeps nothing.
+
+    Raises:
+        ValueError: when ``path`` is not a list of run records (naming it and the fix).
+    """
+    if not path.is_file():
+        return []
+    try:
+        records = json.loads(path.read_text())
+        kept = [r for r in records if "error" not in r and _cell(r) in set(cells) and r["steps"] == steps[r["model"]]]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"--resume: {path} is not a model suite's results.json ({error}); move it away or drop --resume"
+        ) from None
+    return kept
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -568,8 +597,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"smoke test: models {QUICK_MODELS}, seed 0, 2 ranks, a tenth of the steps, 2 evaluations",
     )
+    add(
+        "--profile",
+        choices=["standard", "long"],
+        default="standard",
+        help=f"standard: models {STANDARD_MODELS} at {STEPS} steps; long: models {LONG_MODELS} at "
+        f"{LONG_STEPS} steps (hours on a 2-core machine: use --resume)",
+    )
     add("--out", type=Path, default=Path("model_suite"), help="where results.json/.md and the plots go")
-    add("--models", nargs="+", choices=list(MODELS), help="default: all (--quick: a fast two)")
+    add(
+        "--resume",
+        action="store_true",
+        help="keep the runs already in OUT/results.json (those without an error) and run the rest",
+    )
+    add("--models", nargs="+", choices=list(MODELS), help="default: the profile's (--quick: a fast two)")
     add("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS)
     add("--world-sizes", nargs="+", type=int, help="ranks per run (default 2 4; --quick: 2)")
     add("--seeds", nargs="+", type=int, help="default 0 1 2 (--quick: 0)")
@@ -587,22 +628,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
     args = build_parser().parse_args(argv)
-    models = args.models or (QUICK_MODELS if args.quick else list(MODELS))
-    worlds = args.world_sizes or ([2] if args.quick else [2, 4])
+    long = args.profile == "long"
+    if args.quick and long:
+        raise ValueError("--quick and --profile long: choose one (--quick is the CI smoke test of the standard profile)")
+    models = args.models or (QUICK_MODELS if args.quick else LONG_MODELS if long else STANDARD_MODELS)
+    worlds = args.world_sizes or ([2] if args.quick else [4] if long else [2, 4])
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
-    evals = args.evals or (2 if args.quick else 6)
-    steps = QUICK_STEPS if args.quick else STEPS
+    evals = args.evals or (2 if args.quick else 10 if long else 6)
+    steps = QUICK_STEPS if args.quick else LONG_STEPS if long else STEPS
     if min(worlds) < 2:
         raise ValueError(f"--world-sizes {worlds}: every run needs at least 2 ranks to exchange anything")
+    missing = [m for m in models if m not in steps]
+    if missing:
+        raise ValueError(f"--models {missing}: not in the {args.profile} profile; use --profile long")
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    cells = [(m, meth, w, s) for w in worlds for m in models for s in seeds for meth in args.methods]
+    # Seed by seed: a suite stopped part way has every method of the seeds it finished.
+    cells = [(m, meth, w, s) for w in worlds for s in seeds for m in models for meth in args.methods]
+    results: list[dict] = resumed(out / "results.json", cells, steps) if args.resume else []
+    done = {_cell(r) for r in results}
     shape = f"{len(models)} models x {len(args.methods)} methods x {len(seeds)} seeds x world sizes {worlds}"
-    print(f"model suite: {len(cells)} runs ({shape}) -> {out}", flush=True)
-    results: list[dict] = []
+    print(f"model suite ({args.profile}): {len(cells)} runs ({shape}), {len(done)} kept -> {out}", flush=True)
     start = time.perf_counter()
     with quiet_lightning():
         for i, cell in enumerate(cells, 1):
+            if cell in done:
+                continue
             try:
                 record = run_cell(*cell, steps[cell[0]], evals, out)
             except Exception as error:  # noqa: BLE001  (one failed cell must not lose the others)
