@@ -66,9 +66,10 @@ def audio_info(src: str, data: Path, where: str) -> tuple[object | None, str, st
     try:
         return sf.info(io.BytesIO(proc.stdout)), "command", cmd, "", ""
     except Exception as e:  # noqa: BLE001  (output without a header libsndfile knows)
+        why = str(e).rpartition(": ")[2] or type(e).__name__  # libsndfile's reason, without the stream's repr
         raise ValueError(
             f"{where}: its sampling rate cannot be read: `{cmd} |` wrote {len(proc.stdout)} bytes with no audio "
-            f"header ({e}); make the command write WAV to stdout (e.g. {WAV_COMMANDS})") from None
+            f"header ({why}); make the command write WAV to stdout (e.g. {WAV_COMMANDS})") from None
 
 
 def _describe(data: Path, line: int, rid: str, utts: list[str]) -> str:
