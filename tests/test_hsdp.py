@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import gtc_lightning  # noqa: F401  (registers "gtc_hsdp")
-from gtc_lightning.strategies.hsdp import GTCHSDPStrategy, _ShardedResultsLauncher
+from gtc_lightning.strategies.hsdp import GTCHSDPStrategy, ShardedResultsLauncher
 
 FEATURES, HIDDEN, CLASSES = 16, 24, 4
 SAMPLES, BATCH = 128, 8  # 4 ranks x 4 batches of 8 per epoch
@@ -162,7 +162,7 @@ def test_dense_warmup_equals_native_hsdp(tmp_path):
     """The plumbing (FSDP2 on the shard dimension, the hook across replicas) against torch's own HSDP."""
     ours = run(tmp_path / "gtc", max_steps=4, warmup_steps=4, model=ShardedMLP(tmp_path / "gtc", per_rank_data=True))
     native = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, timeout=TIMEOUT)
-    native._configure_launcher = lambda: setattr(native, "_launcher", _ShardedResultsLauncher(native, "fork"))
+    native._configure_launcher = lambda: setattr(native, "_launcher", ShardedResultsLauncher(native, "fork"))
     model = ShardedMLP(tmp_path / "native", shard="native", per_rank_data=True)
     theirs = run(tmp_path / "native", strategy=native, max_steps=4, model=model)
     assert ours[0]["stats"]["dense"] == 4 * 3 and ours[0]["stats"]["sparse"] == 0

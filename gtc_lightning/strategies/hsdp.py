@@ -140,7 +140,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         if self._start_method == "popen":
             super()._configure_launcher()
         else:
-            self._launcher = _ShardedResultsLauncher(self, start_method=self._start_method)
+            self._launcher = ShardedResultsLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -358,7 +358,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
             )
 
 
-class _ShardedResultsLauncher(_MultiProcessingLauncher):
+class ShardedResultsLauncher(_MultiProcessingLauncher):
     """Lightning's fork/spawn launcher, without handing rank 0's weights back to the main process: they
     are shards (DTensors), which the main process's unsharded module cannot take."""
 

@@ -35,7 +35,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
 from gtc_lightning.algorithms.common import allreduce_bytes
-from gtc_lightning.strategies.hsdp import GTCHSDPStrategy, _ShardedResultsLauncher
+from gtc_lightning.strategies.hsdp import GTCHSDPStrategy, ShardedResultsLauncher
 from gtc_lightning.tools.model_suite import TIMEOUT, quiet_lightning, restore_environment
 from gtc_lightning.tools.suite_models import TransformerLM, heldout_loss
 
@@ -76,7 +76,7 @@ class _NativeHSDP(ModelParallelStrategy):
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def _configure_launcher(self) -> None:
-        self._launcher = _ShardedResultsLauncher(self, start_method="fork")
+        self._launcher = ShardedResultsLauncher(self, start_method="fork")
 
 
 class HSDPProbe(L.Callback):
