@@ -6,7 +6,8 @@ also as ``..._find_unused_parameters_true`` / ``_false`` (as Lightning names its
 The other strategies of the family are registered the same way: ``"ma"`` (periodic model
 averaging, :mod:`gtc_lightning.strategies.averaging`), ``"bmuf"`` and ``"bmuf_gtc"``
 (:mod:`gtc_lightning.strategies.bmuf`), ``"dpsgd"``, ``"adpsgd"``, and the dense baselines ``"ddp_bf16"`` and
-``"ddp_powersgd"``, and ``"gtc_hsdp"`` (FSDP2 within a node, GTC across nodes,
+``"ddp_powersgd"``, ``"diloco"`` and ``"sparseloco"`` (DiLoCo's and SparseLoCo's block syncs,
+:mod:`gtc_lightning.strategies.sparseloco`), and ``"gtc_hsdp"`` (FSDP2 within a node, GTC across nodes,
 :mod:`gtc_lightning.strategies.hsdp`); Fabric's registry gets ``"gtc"`` too.
 Processes started by re-running the script import the package again through the script itself,
 so they know the names too. Use it in a Lightning project like this::
@@ -43,6 +44,7 @@ from gtc_lightning.algorithms.averaging import ADPSGDState, AveragingState, BMUF
 from gtc_lightning.algorithms.common import parameter_checksums
 from gtc_lightning.algorithms.gtc import GTCState, StepStats, gtc_hook
 from gtc_lightning.algorithms.hooks import bf16_allreduce_hook
+from gtc_lightning.algorithms.sparseloco import SparseLoCoState
 from gtc_lightning.strategies.adpsgd import ADPSGDStrategy
 from gtc_lightning.strategies.averaging import ModelAveragingStrategy
 from gtc_lightning.strategies.baselines import BF16AllReduceStrategy, PowerSGDStrategy
@@ -51,6 +53,7 @@ from gtc_lightning.strategies.dpsgd import DPSGDStrategy
 from gtc_lightning.strategies.fabric import GTCFabricStrategy, register_trainer_only_names
 from gtc_lightning.strategies.gtc import GTCStrategy
 from gtc_lightning.strategies.hsdp import GTCHSDPStrategy
+from gtc_lightning.strategies.sparseloco import SparseLoCoStrategy, register_diloco
 
 __all__ = [
     "ADPSGDState",
@@ -68,6 +71,8 @@ __all__ = [
     "GTCStrategy",
     "ModelAveragingStrategy",
     "PowerSGDStrategy",
+    "SparseLoCoState",
+    "SparseLoCoStrategy",
     "StepStats",
     "SyncStats",
     "bf16_allreduce_hook",
@@ -92,9 +97,13 @@ if "ddp_bf16" not in StrategyRegistry:
     BF16AllReduceStrategy.register_strategies(StrategyRegistry)
 if "ddp_powersgd" not in StrategyRegistry:
     PowerSGDStrategy.register_strategies(StrategyRegistry)
-for _cls in (ModelAveragingStrategy, BMUFStrategy, BMUFGTCStrategy, DPSGDStrategy, ADPSGDStrategy):
+for _cls in (
+    ModelAveragingStrategy, BMUFStrategy, BMUFGTCStrategy, DPSGDStrategy, ADPSGDStrategy, SparseLoCoStrategy,
+):  # fmt: skip
     if _cls.name not in StrategyRegistry:
         _cls.register_strategies(StrategyRegistry)
 if "gtc" not in FABRIC_STRATEGY_REGISTRY:  # Lightning Fabric has a registry of its own
     GTCFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+if "diloco" not in StrategyRegistry:
+    register_diloco(StrategyRegistry)
 register_trainer_only_names(FABRIC_STRATEGY_REGISTRY)  # ma, bmuf, ...: a clear error in Fabric

@@ -394,6 +394,8 @@ TRAINER_ONLY = {
     "ma": "model averaging runs in the Trainer's optimizer step",
     "bmuf": "BMUF runs in the Trainer's optimizer step",
     "bmuf_gtc": "BMUF-GTC runs in the Trainer's optimizer step",
+    "diloco": "DiLoCo's outer step (BMUF) runs in the Trainer's optimizer step",
+    "sparseloco": "SparseLoCo's compressed block sync runs in the Trainer's optimizer step",
     "dpsgd": "D-PSGD runs in the Trainer's optimizer step",
     "gtc_hsdp": "its replicate dimension's GTC is wired into the Trainer's FSDP2 set-up and checkpoints",
     "adpsgd": "AD-PSGD runs in the Trainer's optimizer step and its synchronisation points in the Trainer's hooks",
