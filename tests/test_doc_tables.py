@@ -104,6 +104,13 @@ def test_ci_runs_the_readme_test_command():
     assert command in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
+def test_the_readme_stays_short():
+    """The README is for users (what it is, install, quickstart, settings, what to expect, limits,
+    links): about 250 lines; measured results and logs live in the docs and RESULTS.md."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= 250, f"README.md has {lines} lines: move detail to docs/ (the guide or benchmarks) and link it"
+
+
 def test_links_resolve():
     """Every relative link of the README and the recipe's pages names a file of the repository."""
     broken = []
