@@ -117,6 +117,26 @@ def test_without_error_feedback_the_unsent_update_is_lost(tmp_path):
     assert not torch.allclose(moved, (owed[0] + owed[1]) / 2, rtol=0, atol=1e-3)
 
 
+def diverge_on_rank_1(rank, out_dir):
+    """Rank 1's model holds a NaN at the first sync."""
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    params = [torch.zeros(64)]
+    state = SparseLoCoState(period=1, block_momentum=0.0, density=0.1)
+    state.begin(params)
+    with torch.no_grad():
+        params[0].add_(0.1 * torch.arange(64.0))
+        if rank == 1:
+            params[0][5] = float("nan")
+    state.after_step(params, [])
+
+
+def test_a_nan_in_a_block_update_stops_every_rank_before_the_payload(tmp_path):
+    with pytest.raises(RuntimeError) as failure:
+        run_ranks(tmp_path, diverge_on_rank_1, timeout=60)
+    message = str(failure.value)
+    assert message.count("NaN or Inf on rank(s) [1]") == 2, message  # both ranks raise, neither hangs
+
+
 @pytest.mark.parametrize(
     "outer",
     [{"block_momentum": 0.0, "block_lr": 1.0}, {"block_momentum": 0.9, "block_lr": 0.7, "nesterov": True}],

@@ -67,7 +67,7 @@ class SparseLoCoStrategy(BMUFStrategy):
             below 1 forgets old unsent updates, as SparseLoCo's decayed accumulator.
         exchange: ``"auto"`` (all-to-all on gloo, a padded all-gather elsewhere), ``"alltoall"``, ``"allgather"``.
         busy_wait: poll the sync's collectives (``None``: on gloo when each rank has a core).
-        warmup_steps, optimizer_state, **kwargs: as for :class:`BMUFStrategy` (``scale_lr``,
+        warmup_steps, optimizer_state, kwargs: as for :class:`BMUFStrategy` (``scale_lr``,
             ``restore_shards``, DDP's arguments). ``optimizer_state="average"`` is refused: it all-reduces
             the moments densely. Every rank's checkpoint shard (``<checkpoint>.sparseloco/rank<r>.pt``)
             holds its model, optimizer state, W, Δ and its own residual.
