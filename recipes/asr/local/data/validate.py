@@ -44,7 +44,7 @@ def read_lines(path: Path) -> list[tuple[int, str, str]]:
         if len(fields) < least or (exact and len(fields) != exact):
             want = f"{exact}" if exact else f"at least {least}"
             raise ValueError(f"{path}:{n}: {len(fields)} fields in `{line}`, {path.name} wants {want}; "
-                             f"fix the line or remove it ({FIX_DIR})")
+                             "fix the line or remove it")
         out.append((n, fields[0], line.strip()[len(fields[0]):].strip()))
     return out
 
