@@ -9,6 +9,11 @@ vocabulary covers them; the LM also gets sentences no one speaks through ``--lm-
 word comes from the user's ``--lexicon``; in the Kaldi data dirs a ``[noise]`` tag opens each voice's
 first sentence. Each corpus goes through stages 0-8 (``prepare.py``),
 one epoch of the DNN (``conf/tiny.yaml``) and decoding (``evaluate.py``), CI-sized.
+
+The Kaldi data dir has what a real corpus's has: noise tags and ``<unk>`` in its transcripts, a
+recording at 8 kHz read through a pipe, a test split cut from longer recordings by a ``segments``
+file, a user lexicon with spoken-noise and non-spoken-noise entries, and the user's own ARPA as the
+first pass's LM.
 """
 
 from __future__ import annotations
@@ -88,35 +93,94 @@ def _run_recipe(corpus: str, corpus_dir: Path, tmp_path: Path, **options) -> dic
     return json.loads((tmp_path / "exp" / "baseline" / "decode" / "results.json").read_text())
 
 
-def test_kaldi_data_dirs_with_a_lexicon_and_lm_text_to_a_wer(spoken, tmp_path):
+def _write_kaldi_split(d: Path, rows: list, pipe_8k: str | None, segments: bool) -> None:
+    """A Kaldi data dir of ``rows``: each a WAV file, except ``pipe_8k``'s (the speaker's recordings
+    stored at 8 kHz and read through ``cat ... |``), or, with ``segments``, recordings of two
+    utterances each (with 0.3 s of silence around each), cut by a ``segments`` file. Transcripts:
+    ``[noise]`` before each voice's first sentence, ``<unk>`` after its second (a word the
+    transcriber could not make out), ``[cough]`` after its third."""
+    import numpy as np
+    import torch
+    from lhotse.augmentation.torchaudio import get_or_create_resampler
+
+    (d / "wav").mkdir(parents=True)
+    scp, seg = [], []
+    gap = np.zeros(int(0.3 * 16000), dtype=np.float32)
+    if segments:
+        by_speaker: dict[str, list] = {}
+        for row in rows:
+            by_speaker.setdefault(row[0], []).append(row)
+        for spk, utts in by_speaker.items():
+            for k in range(0, len(utts), 2):
+                rid, start, pieces = f"{spk}-rec{k // 2:02d}", 0.0, []
+                for _, uid, audio, _ in utts[k : k + 2]:
+                    pieces += [gap, audio.astype(np.float32)]
+                    start += len(gap) / 16000
+                    seg.append(f"{uid} {rid} {start:.2f} {start + len(audio) / 16000:.2f}\n")
+                    start += len(audio) / 16000
+                sf.write(str(d / "wav" / f"{rid}.wav"), np.concatenate([*pieces, gap]), 16000)
+                scp.append(f"{rid} wav/{rid}.wav\n")
+    else:
+        down = get_or_create_resampler(16000, 8000)
+        for spk, uid, audio, _ in rows:
+            if spk == pipe_8k:
+                path = d / "wav" / f"{uid}-8k.wav"
+                sf.write(str(path), down(torch.from_numpy(audio.astype(np.float32))[None])[0].numpy(), 8000)
+                scp.append(f"{uid} cat {path} |\n")
+            else:
+                sf.write(str(d / "wav" / f"{uid}.wav"), audio, 16000)
+                scp.append(f"{uid} wav/{uid}.wav\n")
+    marks = {"-00": "[noise] {}", "-01": "{} <unk>", "-02": "{} [cough]"}
+    text = [f"{uid} {marks.get(uid[-3:], '{}').format(t)}\n" for _, uid, _, t in rows]
+    (d / "wav.scp").write_text("".join(sorted(scp)))
+    (d / "text").write_text("".join(sorted(text)))
+    (d / "utt2spk").write_text("".join(sorted(f"{uid} {spk}\n" for spk, uid, _, _ in rows)))
+    if seg:
+        (d / "segments").write_text("".join(sorted(seg)))
+
+
+def test_kaldi_data_dir_of_a_real_corpus_to_a_wer(spoken, tmp_path):
+    """Tags and <unk> trained like silence and left out of scoring, an 8 kHz pipe resampled, a
+    segments file, a user lexicon with SPN/NSN entries and the user's ARPA, stage 0 to a WER."""
     from local.data.normalize import normalize_words
+    from local.graph.lm import train_lm
 
     corpus = tmp_path / "kaldi"
     for split, rows in spoken.items():
-        d = corpus / split
-        (d / "wav").mkdir(parents=True)
-        for _, uid, audio, _ in rows:
-            sf.write(str(d / "wav" / f"{uid}.wav"), audio, 16000)
-        (d / "wav.scp").write_text("".join(f"{uid} wav/{uid}.wav\n" for _, uid, _, _ in rows))
-        # a noise tag before each voice's first sentence (Kaldi data dirs of real corpora have them)
-        (d / "text").write_text("".join(f"{uid} {'[noise] ' * uid.endswith('-00')}{text}\n" for _, uid, _, text in rows))
-        (d / "utt2spk").write_text("".join(f"{uid} {spk}\n" for spk, uid, _, _ in rows))
-    (tmp_path / "lm.txt").write_text("".join(s + "\n" for s in LM_ONLY))
-    (tmp_path / "lexicon.txt").write_text("CANOE K AH0 N UW1\n")
-    results = _run_recipe("kaldi", corpus, tmp_path, lexicon=tmp_path / "lexicon.txt", lm_text=tmp_path / "lm.txt")
-    lang = json.loads((tmp_path / "data" / "lang" / "summary.json").read_text())
-    assert lang["lm_text_sentences"] == len(LM_ONLY) and lang["lm_text_test_sentences"] == 0
-    assert lang["user_lexicon_words"] == 1 and lang["train_dropped_oov"] == 0
-    # the tag is a word of the non-spoken-noise phone, <UNK> one of spoken noise (--oov unk: a real corpus's
-    # default); both are trained like silence and left out of scoring
-    assert lang["oov_policy"] == "unk" and lang["train_tag_tokens"] == {"[NOISE]": len(_voices()["train"])}
+        _write_kaldi_split(corpus / split, rows, pipe_8k="train1" if split == "train" else None,
+                           segments=split != "train")  # fmt: skip
+    (tmp_path / "lexicon.txt").write_text("CANOE K AH0 N UW1\n<unk> SPN\n[cough] NSN\n")
+    sentences = [normalize_words(t) for t in SPOKEN + LM_ONLY] + [["THE", "ZORBLAX", "SLID"]]
+    train_lm(sentences, tmp_path / "user.arpa", order=3)  # the user's LM: one word no lexicon has
+    results = _run_recipe("kaldi", corpus, tmp_path, lexicon=tmp_path / "lexicon.txt", lm_arpa=tmp_path / "user.arpa")
+    data = tmp_path / "data"
+    lang = json.loads((data / "lang" / "summary.json").read_text())
+    train_voices = len(_voices()["train"])
+    assert lang["user_lexicon_words"] == 1 and lang["user_lexicon_tags"] == 2 and lang["train_dropped_oov"] == 0
+    assert lang["oov_policy"] == "unk"
+    assert lang["train_tag_tokens"] == {"<UNK>": train_voices, "[COUGH]": train_voices, "[NOISE]": train_voices}
     assert lang["silence_phones"] == ["SIL", "SPN", "NSN"]
-    assert (tmp_path / "data" / "lang" / "lexicon.txt").read_text().count("CANOE ") == 1
-    assert "HUGE" in (tmp_path / "data" / "lang" / "words.txt").read_text()  # from the LM text alone
+    assert lang["lm_arpa_dropped_words"] == 1 and "ZORBLAX" in (data / "lang" / "lm_arpa_oov.txt").read_text()
+    words = (data / "lang" / "words.txt").read_text()
+    assert "HUGE" in words and "ZORBLAX" not in words  # from the ARPA alone / no pronunciation
+    # stage 0 declared the piped recordings at 8 kHz, stage 1 resampled them; segments cut the test recordings
+    from lhotse import load_manifest
+
+    declared = {c.id: c.sampling_rate for c in load_manifest(data / "manifests" / "train_cuts.jsonl.gz")}
+    eight = {uid for spk, uid, _, _ in spoken["train"] if spk == "train1"}
+    assert {u: r for u, r in declared.items() if r != 16000} == dict.fromkeys(eight, 8000)
+    featured = load_manifest(data / "features" / "train_cuts.jsonl.gz")
+    assert len(featured) == len(spoken["train"]) and {c.sampling_rate for c in featured} == {16000}
+    for split in ("dev", "test"):  # cut from recordings by segments: their MFCC and alignments start with them
+        cuts = load_manifest(data / "features" / f"{split}_cuts.jsonl.gz")
+        assert len(cuts) == len(spoken[split]) and all(c.start >= 0.3 for c in cuts)
+        assert all(c.load_custom("mfcc").shape[0] == c.features.num_frames for c in cuts)
+    aligned = load_manifest(data / "ali" / "dev_cuts.jsonl.gz")
+    assert len(aligned) and all(len(c.load_custom("pdf_ali")) == c.features.num_frames for c in aligned)
     test = results["test"]
     assert test["utterances"] == len(spoken["test"]) and 0 <= test["wer"] < 200
-    assert test["words"] == sum(len(normalize_words(text)) for _, _, _, text in spoken["test"])  # no [NOISE]
-    report = json.loads((tmp_path / "data" / "report.json").read_text())
+    assert test["words"] == sum(len(normalize_words(text)) for _, _, _, text in spoken["test"])  # no tags
+    report = json.loads((data / "report.json").read_text())
     assert report  # stage 8 summarised the build
 
 
@@ -134,5 +198,9 @@ def test_librispeech_tree_to_a_wer(spoken, tmp_path):
             lines.setdefault(d / f"{speaker}-7.trans.txt", []).append(f"{name} {text.upper()}")
         for path, ls in lines.items():
             path.write_text("".join(line + "\n" for line in ls))
-    results = _run_recipe("librispeech", corpus, tmp_path, oov="g2p")
+    (tmp_path / "lm.txt").write_text("".join(s + "\n" for s in LM_ONLY))
+    results = _run_recipe("librispeech", corpus, tmp_path, oov="g2p", lm_text=tmp_path / "lm.txt")
+    lang = json.loads((tmp_path / "data" / "lang" / "summary.json").read_text())
+    assert lang["lm_text_sentences"] == len(LM_ONLY) and lang["lm_text_test_sentences"] == 0
+    assert "HUGE" in (tmp_path / "data" / "lang" / "words.txt").read_text()  # from the LM text alone
     assert results["test"]["utterances"] == len(spoken["test"]) and 0 <= results["test"]["wer"] < 200

@@ -141,7 +141,7 @@ def _process_shard(cuts: list, storage_path: str) -> tuple[list, list, dict]:
                     "both extractors must use the same framing"
                 )
             cut = fastcopy(cut, features=_stored_features(fbank, feats, audio, cut, writer))
-            cut.mfcc = writer.store_array(cut.id, ceps, frame_shift=FRAME_SHIFT, temporal_dim=0)
+            cut.mfcc = writer.store_array(cut.id, ceps, frame_shift=FRAME_SHIFT, temporal_dim=0, start=cut.start)
             spk = cut.supervisions[0].speaker if cut.supervisions else None
             acc = sums.setdefault(spk, [0, np.zeros(feats.shape[1]), np.zeros(feats.shape[1])])
             acc[0] += feats.shape[0]

@@ -190,7 +190,7 @@ def write_pdf_alignments(cuts, pdf_alis: dict[str, np.ndarray], out_dir: Path, s
                     f"{cut.id}: {len(pdf)} alignment frames but {cut.features.num_frames} fbank frames; "
                     "the MFCC and fbank framings differ (both must use snip_edges=False)"
                 )
-            arr = writer.store_array(cut.id, pdf.astype(np.int32), frame_shift=FRAME_SHIFT, temporal_dim=0, start=0)
+            arr = writer.store_array(cut.id, pdf.astype(np.int32), frame_shift=FRAME_SHIFT, temporal_dim=0, start=cut.start)
             kept.append(cut.drop_alignments().with_custom("pdf_ali", arr))
             frames += len(pdf)
     with atomic_path(out_dir / f"{split}_cuts.jsonl.gz") as tmp:
