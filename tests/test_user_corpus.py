@@ -160,6 +160,7 @@ def test_kaldi_data_dir_of_a_real_corpus_to_a_wer(spoken, tmp_path):
     assert lang["oov_policy"] == "unk"
     assert lang["train_tag_tokens"] == {"<UNK>": train_voices, "[COUGH]": train_voices, "[NOISE]": train_voices}
     assert lang["silence_phones"] == ["SIL", "SPN", "NSN"]
+    assert lang["lm_arpa_train_words_missing"] == 0  # tags and <UNK> are not words the decoder must output
     assert lang["lm_arpa_dropped_words"] == 1 and "ZORBLAX" in (data / "lang" / "lm_arpa_oov.txt").read_text()
     words = (data / "lang" / "words.txt").read_text()
     assert "HUGE" in words and "ZORBLAX" not in words  # from the ARPA alone / no pronunciation

@@ -485,7 +485,7 @@ def _arpa_vocabulary(arpa: list[dict], lm_arpa, lexicon: dict, train_vocab: set[
         log.warning("lang: %d of the %d words of --lm-arpa %s are in no lexicon and leave G with their n-grams, "
                     "e.g. %s; see %s (a --lexicon or --oov g2p gives them pronunciations)", len(missing), len(words),
                     lm_arpa, ", ".join(missing[:5]), lang_dir / "lm_arpa_oov.txt")
-    absent = train_vocab - words
+    absent = {w for w in train_vocab - words if not is_tag(w)}  # tags and <UNK>: aligned with, never scored
     if absent:
         log.warning("lang: %d training words are not in --lm-arpa %s, so the decoder cannot output them, e.g. %s",
                     len(absent), lm_arpa, ", ".join(sorted(absent)[:5]))
