@@ -875,6 +875,15 @@ def test_sat_on_lda_mllt_features_decodes_and_aligns(lda_mllt):
     dev = list(CutSet.from_file(data_dir / "features" / "dev_cuts.jsonl.gz"))
     _, x = next(iter(front(dev, "dev")))
     assert front.dim == x.shape[1] == 40
+    # dev's transforms are test's kind (the SAT decoding's first pass), not the transcripts' (align stage's)
+    for split in ("dev", "test"):
+        with open(data_dir / "exp" / "sat" / f"decode_{split}" / "trans.pkl", "rb") as f:
+            decoded = pickle.load(f)
+        used = front.mfcc_transforms(split)
+        assert used.keys() == decoded.keys() and all(np.array_equal(used[k], decoded[k]) for k in used)
+    with open(data_dir / "ali" / "trans_dev.pkl", "rb") as f:
+        aligned = pickle.load(f)
+    assert any(not np.array_equal(aligned[k], front.mfcc_transforms("dev")[k]) for k in aligned)
 
 
 def test_a_new_set_is_decoded_at_the_sat_system_s_scale_and_penalty(trained, sat, tmp_path):

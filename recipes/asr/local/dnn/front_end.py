@@ -15,10 +15,11 @@ Three front ends (``FEATURES``), all speaker-normalised; the DNN splices 17 of t
   brought the DNN from 14.5 % to 8.6 % test WER (README).
 - ``mfcc_fmllr``: Kaldi nnet1's classic input, the SAT GMM's own features: 13 MFCC with speaker
   CMVN, spliced and LDA+MLLT-projected (40 dims; with ``prepare.py --no-lda-mllt`` Δ, ΔΔ, 39 dims),
-  through the speaker's fMLLR transform of the SAT system (training and dev speakers: from
-  ``align_fmllr``, ``ali/trans_{split}.pkl``; test speakers: from the SAT system's fMLLR decoding,
-  ``exp/sat/decode_test/trans.pkl``). For comparison only: it needs a GMM decoding pass before the
-  DNN can run.
+  through the speaker's fMLLR transform of the SAT system (training speakers: from ``align_fmllr``
+  on their transcripts, ``ali/trans_train.pkl``; dev and test speakers alike, without transcripts: from
+  the SAT system's fMLLR decoding, ``exp/sat/decode_{split}/trans.pkl``, so that what dev picks is
+  picked on the input test gets). For comparison only: it needs a GMM decoding pass before the DNN
+  can run.
 
 Speakers are ``features.gmm_cmvn_key`` (augmented copies apart) for both transforms.
 """
@@ -102,12 +103,12 @@ class FrontEnd:
 
     def mfcc_transforms(self, split: str) -> dict[str, np.ndarray]:
         """The SAT system's fMLLR transforms of a split's speakers (``mfcc_fmllr``)."""
-        fix = f"run the align stage (SAT alignments): python recipes/asr/prepare.py --data-dir {self.data_dir} --stage 6"
-        if split in ("train", "dev"):
-            return _load_pickle(self.data_dir / "ali" / f"trans_{split}.pkl", fix)
-        if split == "test":
-            return _load_pickle(self.data_dir / "exp" / "sat" / "decode_test" / "trans.pkl",
-                                f"decode test with the SAT system: python recipes/asr/prepare.py --data-dir "
+        if split == "train":  # from the transcripts, as Kaldi's SAT training estimates them
+            return _load_pickle(self.data_dir / "ali" / "trans_train.pkl", "run the align stage (SAT alignments): "
+                                f"python recipes/asr/prepare.py --data-dir {self.data_dir} --stage 6")
+        if split in ("dev", "test"):  # from the first-pass decoding, no transcripts: dev as test is
+            return _load_pickle(self.data_dir / "exp" / "sat" / f"decode_{split}" / "trans.pkl",
+                                f"decode {split} with the SAT system: python recipes/asr/prepare.py --data-dir "
                                 f"{self.data_dir} --stage 5 --force")
         raise ValueError(f"features='mfcc_fmllr' has speaker transforms for train, dev and test only, not {split!r}; "
                          "decode other sets with a fbank model")
