@@ -285,9 +285,13 @@ def test_fp16_loss_scaling_refused(tmp_path):
 
 
 class NaNOnRank2(ShardedMLP):
+    def __init__(self, out_dir, step: int = 1):
+        super().__init__(out_dir)
+        self.nan_step = step
+
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        return loss * float("nan") if self.global_rank == 2 and self.global_step == 1 else loss
+        return loss * float("nan") if self.global_rank == 2 and self.global_step == self.nan_step else loss
 
 
 def test_non_finite_gradient_keeps_residuals(tmp_path):
@@ -304,6 +308,14 @@ def test_non_finite_gradient_keeps_residuals(tmp_path):
                 torch.testing.assert_close(after, before + grad, atol=1e-6, rtol=0)
             else:
                 assert torch.equal(after, before)
+
+
+def test_non_finite_first_gradient_with_automatic_tau(tmp_path):
+    """The replicas agree on automatic tau's start even when one's first gradient is not finite."""
+    ranks = run(tmp_path, max_steps=1, model=NaNOnRank2(tmp_path, step=0), tau="auto")
+    for shard in (0, 1):
+        assert [c[3] for c in ranks[shard]["calls"]] == [c[3] for c in ranks[2 + shard]["calls"]]
+    assert ranks[0]["stats"]["skipped"] == 3
 
 
 class UsedFromStep1(ShardedMLP):
@@ -329,3 +341,16 @@ def test_refused_at_the_first_gradient(tmp_path, model, trainer_kwargs, message)
                         enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)  # fmt: skip
     with pytest.raises(Exception, match=message):
         trainer.fit(model(tmp_path))
+
+
+def test_statistics_logged(tmp_path):
+    strategy = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT)
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=3, log_every_n_steps=1,
+                        logger=L.pytorch.loggers.CSVLogger(tmp_path), enable_checkpointing=False,
+                        enable_progress_bar=False)  # fmt: skip
+    trainer.fit(ShardedMLP(tmp_path))
+    metrics = (next(tmp_path.rglob("metrics.csv"))).read_text().splitlines()
+    header, last = metrics[0].split(","), metrics[-1].split(",")
+    row = dict(zip(header, last))
+    assert float(row["gtc_hsdp/ratio_fp32"]) > 1 and float(row["gtc_hsdp/bytes_sent"]) > 0
+    assert 0 < float(row["gtc_hsdp/density"]) < 1 and float(row["gtc_hsdp/tau"]) > 0

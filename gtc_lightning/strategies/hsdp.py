@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from gtc_lightning.algorithms.gtc.config import check_options
 from gtc_lightning.algorithms.gtc.hsdp import HSDPGTCState
+from gtc_lightning.strategies.common import add_callback
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
             self._gtc_state = state
         for key, module in modules.items():
             module.set_all_reduce_hook(state.hook(key))
+        add_callback(trainer, HSDPStatsLogger(self))
         if trainer.state.fn == TrainerFn.FITTING:
             self._broadcast_shards(replicate)
         if self.global_rank == 0:
@@ -356,6 +358,32 @@ class GTCHSDPStrategy(ModelParallelStrategy):
                 description=f"FSDP2 within a node, GTC across the replicate dimension, start_method '{start_method}'",
                 start_method=start_method,
             )
+
+
+class HSDPStatsLogger(L.Callback):
+    """Logs, on the steps the Trainer logs (``log_every_n_steps``), rank 0's totals since fit started:
+    ``gtc_hsdp/bytes_sent`` across the replicate dimension, ``gtc_hsdp/ratio_fp32`` (what a fp32 ring
+    all-reduce of the same shards would have sent, per byte sent), ``gtc_hsdp/density`` (words per
+    element of the shards and hook call) and ``gtc_hsdp/tau`` (the mean over the FSDP modules)."""
+
+    def __init__(self, strategy: GTCHSDPStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        state = self._strategy.gtc_state
+        connector = getattr(trainer, "_logger_connector", None)
+        if state is None or not state.slots or (connector is not None and not connector.should_update_logs):
+            return
+        totals = state.totals
+        values = {
+            "gtc_hsdp/bytes_sent": float(totals["bytes_sent"]),
+            "gtc_hsdp/ratio_fp32": totals["bytes_dense"] / max(totals["bytes_sent"], 1),
+            "gtc_hsdp/density": totals["words"] / max(totals["elements"], 1),
+            "gtc_hsdp/tau": sum(slot.tau for slot in state.slots.values()) / len(state.slots),
+        }
+        pl_module.log_dict(values, on_step=True, on_epoch=False, rank_zero_only=True)
 
 
 class ShardedResultsLauncher(_MultiProcessingLauncher):

@@ -182,7 +182,7 @@ class HSDPGTCState:
             return
         # 2. Residual and words.
         finite = all_finite(output)
-        if finite and slot.controller is not None and not slot.controller.started:
+        if slot.controller is not None and not slot.controller.started:  # every replica joins, finite or not
             slot.tau = slot.controller.start(self._first_tau(slot.residual + output))
         tau32 = f32(slot.tau)
         cursor = torch.zeros(1, dtype=torch.int64, device=output.device)
@@ -239,6 +239,7 @@ class HSDPGTCState:
         """The ``1 - target_density`` quantile of ``|values|`` (a strided sample), the replicas'
         geometric mean: the replicas of a shard start from the same tau."""
         sample = values[:: max(1, values.numel() // SAMPLE)].abs()
+        sample = sample[torch.isfinite(sample)]
         k = min(sample.numel(), max(1, math.ceil((1.0 - self.target_density) * sample.numel())))
         tau = float(torch.kthvalue(sample.cpu(), k).values) if sample.numel() else 0.0
         log_tau = torch.tensor([math.log(tau) if tau > 0 else math.log(AUTO_TAU_INIT)], dtype=torch.float64)
