@@ -182,9 +182,11 @@ def report(results: list[dict]) -> str:
     """A markdown table: per optimizer, method and target density, the mean over seeds (and each seed's
     held-out loss), against plain HSDP with the same optimizer."""
     lines = [
-        "| optimizer | method | target density | seeds | held-out loss (mean; per seed) | vs hsdp "
-        "| bytes/rank/step across replicas | fewer bytes than hsdp | step (ms, median) | GTC state/rank "
-        "| B per shard element | model state/rank | peak RSS/rank |",
+        (
+            "| optimizer | method | target density | seeds | held-out loss (mean; per seed) | vs hsdp "
+            "| bytes/rank/step across replicas | fewer bytes than hsdp | step (ms, median) | GTC state/rank "
+            "| B per shard element | model state/rank | peak RSS/rank |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(r["optimizer"], r["method"] != "hsdp", r.get("target_density") or 0.0) for r in results})

@@ -36,9 +36,21 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from gtc_lightning.algorithms.common import all_finite, all_gather_equal, allreduce_bytes, busy_wait_fits, finish
+from gtc_lightning.algorithms.common import (
+    all_finite,
+    all_gather_equal,
+    allreduce_bytes,
+    busy_wait_fits,
+    finish,
+)
 from gtc_lightning.algorithms.gtc.auto_tau import TauController
-from gtc_lightning.algorithms.gtc.config import AUTO_TAU_INIT, CODINGS, DEFAULT_DENSITY, SAMPLE, WORD_BYTES, f32
+from gtc_lightning.algorithms.gtc.config import (
+    AUTO_TAU_INIT,
+    CODINGS,
+    DEFAULT_DENSITY,
+    SAMPLE,
+    f32,
+)
 from gtc_lightning.ops import step_ops
 from gtc_lightning.ops.rice import rice_decode, rice_encode
 from gtc_lightning.ops.torch_ops import INDEX_MASK
