@@ -34,7 +34,8 @@ class ShardedMLP(L.LightningModule):
     Args:
         out_dir: where each rank writes its record.
         shard: how ``configure_model`` shards: ``"shard"`` (FSDP2 on the shard dimension, as GTC
-            wants), ``"native"`` (on the whole 2-D mesh: torch's own HSDP), ``"none"`` (not at all).
+            wants), ``"native"`` (on the whole 2-D mesh: torch's own HSDP), ``"blocks"`` (the blocks
+            alone, not the head), ``"none"`` (not at all).
         per_rank_data: each rank takes rows ``rank::world`` itself (for strategies whose sampler
             splits the data otherwise).
         step_data: each rank's batch is a function of the global step and the rank alone, whatever
@@ -60,7 +61,8 @@ class ShardedMLP(L.LightningModule):
         mesh = self.device_mesh if self.shard == "native" else self.device_mesh["shard"]
         for block in self.blocks:
             fully_shard(block, mesh=mesh)
-        fully_shard(self, mesh=mesh)
+        if self.shard != "blocks":
+            fully_shard(self, mesh=mesh)
 
     def forward(self, x):
         for block in self.blocks:
@@ -214,7 +216,10 @@ def test_bad_meshes(tmp_path, kwargs, message):
         run(tmp_path, strategy=strategy, max_steps=1)
 
 
-@pytest.mark.parametrize(("shard", "message"), [("none", "no FSDP2 module"), ("native", "sharded on a mesh of shape")])
+@pytest.mark.parametrize(
+    ("shard", "message"),
+    [("none", "no FSDP2 module"), ("native", "sharded on a mesh of shape"), ("blocks", "outside every FSDP2 module")],
+)
 def test_bad_models(tmp_path, shard, message):
     with pytest.raises(Exception, match=message):
         run(tmp_path, max_steps=1, model=ShardedMLP(tmp_path, shard=shard))

@@ -256,6 +256,15 @@ class GTCHSDPStrategy(ModelParallelStrategy):
                 "torch.distributed.fsdp.fully_shard(module, mesh=self.device_mesh['shard']) in the "
                 "LightningModule's configure_model (to its blocks, then to the module itself)"
             )
+        from torch.distributed.tensor import DTensor
+
+        plain = [n for n, p in self.model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if plain:
+            raise ValueError(
+                f"GTCHSDPStrategy: trainable parameters outside every FSDP2 module ({plain[:5]}"
+                f"{' ...' if len(plain) > 5 else ''}) would get no gradient reduction at all; apply fully_shard to "
+                "the LightningModule itself too, after its blocks"
+            )
         return found
 
     def _broadcast_shards(self, replicate: dist.ProcessGroup) -> None:
