@@ -108,6 +108,22 @@ def test_replicas_bit_identical_and_error_feedback_conserves(tmp_path, values):
     assert 4 * 0.05 * 4096 <= a["totals"]["words"] <= 4 * 0.06 * 4096
 
 
+@pytest.mark.parametrize("coding", ["rice", "none"])
+def test_a_padded_all_gather_gives_the_all_to_alls_parameters(tmp_path, coding):
+    """gloo's default is the all-to-all of uneven payloads; the padded all-gather (NCCL's default)
+    carries the same words, decoded in the same order: the same parameters, bit for bit."""
+    options = {"values": "2bit", "density": 0.05, "coding": coding}
+    alltoall = run_ranks(tmp_path / "a", drive, exchange="alltoall", **options)
+    allgather = run_ranks(tmp_path / "g", drive, exchange="allgather", **options)
+    for x, y in zip(
+        alltoall[0]["after"] + alltoall[1]["after"], allgather[0]["after"] + allgather[1]["after"]
+    ):
+        assert torch.equal(x, y)
+    assert (
+        allgather[0]["totals"]["bytes_sent"] >= alltoall[0]["totals"]["bytes_sent"]
+    )  # padded to the longest
+
+
 def test_without_error_feedback_the_unsent_update_is_lost(tmp_path):
     """error_decay=0 keeps nothing between syncs: conservation above fails by the residual (the test of
     conservation can fail)."""
