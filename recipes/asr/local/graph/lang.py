@@ -365,6 +365,19 @@ def prepare_lang(
         elif split == "train":
             raise RuntimeError(f"{path} is missing; run prepare.py --stage 0 first")
 
+    extra = []  # --lm-text sentences
+    if lm_text is not None:
+        path = Path(lm_text)
+        if not path.is_file():
+            raise FileNotFoundError(f"--lm-text {path}: no such file (one sentence per line)")
+        extra = [w for w in (normalize_words(line) for line in path.read_text().splitlines()) if w]
+        if not extra:
+            raise ValueError(f"--lm-text {path}: no words in it (one sentence per line)")
+    arpa = None  # read (and checked) before the lexicon is loaded
+    if lm_arpa is not None:
+        from local.graph.user_lm import arpa_vocabulary, read_arpa
+
+        arpa = read_arpa(lm_arpa)
     clear_drops(data_dir, "lang")
     lang_dir.mkdir(parents=True, exist_ok=True)
     cmu = cmu_lexicon()
@@ -377,19 +390,6 @@ def prepare_lang(
         summary.update(user_lexicon_words=len(user) - len(special), user_lexicon_tags=len(special),
                        user_lexicon_new_words=len(set(user) - set(cmu)))  # fmt: skip
         cmu.update(user)
-    extra = []  # --lm-text sentences
-    if lm_text is not None:
-        path = Path(lm_text)
-        if not path.is_file():
-            raise FileNotFoundError(f"--lm-text {path}: no such file (one sentence per line)")
-        extra = [w for w in (normalize_words(line) for line in path.read_text().splitlines()) if w]
-        if not extra:
-            raise ValueError(f"--lm-text {path}: no words in it (one sentence per line)")
-    arpa = None
-    if lm_arpa is not None:
-        from local.graph.user_lm import arpa_vocabulary, read_arpa
-
-        arpa = read_arpa(lm_arpa)
     train_words = Counter(w for c in cuts["train"] for w in cut_words(c))
     unknown = Counter({w: n for w, n in train_words.items() if w not in cmu})
     unknown.update(w for s in extra for w in s if w not in cmu)
