@@ -3,7 +3,7 @@ defaults) and ``"sparseloco"`` (the block update sent as GTC words with error fe
 :mod:`gtc_lightning.algorithms.sparseloco`).
 
 DiLoCo (A. Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
-2023, arXiv:2311.08455): every worker takes H = 500 inner AdamW steps, then the outer optimizer, SGD with
+2023): every worker takes H = 500 inner AdamW steps, then the outer optimizer, SGD with
 Nesterov momentum 0.9 and learning rate 0.7, steps on the mean pseudo-gradient. That is BMUF with
 Nesterov block momentum (:mod:`gtc_lightning.strategies.bmuf` shows the correspondence), so ``"diloco"``
 is :class:`~gtc_lightning.strategies.bmuf.BMUFStrategy` registered with
@@ -34,7 +34,7 @@ from gtc_lightning.strategies.common import register_names
 
 log = logging.getLogger(__name__)
 
-# DiLoCo's outer step and period (Douillard et al. 2023, section 3): H = 500, outer Nesterov SGD 0.7 / 0.9.
+# DiLoCo's outer step and period (Douillard et al. 2023): H = 500, outer Nesterov SGD at lr 0.7, momentum 0.9.
 DILOCO_DEFAULTS = {"period": 500, "block_lr": 0.7, "block_momentum": 0.9, "nesterov": True}
 DILOCO_DESCRIPTION = "DiLoCo (Douillard et al. 2023): BMUF with H=500 local steps and an outer Nesterov SGD at lr 0.7, momentum 0.9"
 
