@@ -277,3 +277,20 @@ def test_profile_errors_name_the_fix(tmp_path):
     (tmp_path / "results.json").write_text('{"not": "a list"}')
     with pytest.raises(ValueError, match="drop --resume"):
         model_suite.main(["--resume", "--models", "gru", "--methods", "ddp", "--out", str(tmp_path)])
+
+
+def test_the_family_in_the_suite_counts_its_syncs_bytes(tmp_path):
+    """The block methods sync every ``block_period(steps)`` steps: DiLoCo's bytes per optimizer step are
+    a dense all-reduce's over the period (amortised), SparseLoCo's far fewer, both from ``sync_stats``."""
+    results = model_suite.main(["--quick", "--models", "gru", "--methods", "diloco", "sparseloco", "dpsgd",
+                                "--out", str(tmp_path)])  # fmt: skip
+    runs = {r["method"]: r for r in results}
+    assert all("error" not in r for r in runs.values()), runs
+    steps = runs["diloco"]["steps"]
+    period = model_suite.block_period(steps)
+    assert period == 10 and model_suite.block_period(2000) == 50
+    assert runs["diloco"]["ratio_fp32"] == pytest.approx(period)  # steps / period syncs of a fp32 all-reduce
+    assert runs["diloco"]["replicas_identical"]  # the run ends on a sync
+    assert runs["sparseloco"]["ratio_fp32"] > 100 * period and runs["sparseloco"]["replicas_identical"]
+    assert runs["dpsgd"]["ratio_fp32"] == pytest.approx(1.0, rel=0.05)  # a whole model to one peer a step
+    assert runs["diloco"]["memory_bytes_per_param"] >= 8  # the block's start and its momentum

@@ -53,7 +53,18 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
-from gtc_lightning import BF16AllReduceStrategy, GTCStrategy, PowerSGDStrategy, parameter_checksums
+from gtc_lightning import (
+    ADPSGDStrategy,
+    BF16AllReduceStrategy,
+    BMUFGTCStrategy,
+    BMUFStrategy,
+    DPSGDStrategy,
+    GTCStrategy,
+    ModelAveragingStrategy,
+    PowerSGDStrategy,
+    SparseLoCoStrategy,
+    parameter_checksums,
+)
 from gtc_lightning.algorithms.common import allreduce_bytes
 from gtc_lightning.tools.suite_models import MODELS, heldout_loss
 
@@ -84,6 +95,31 @@ STEPS = {"transformer": 200, "cnn": 400, "gru": 200, "speech_dnn": 500}
 # What the suite runs unless --methods says otherwise: the dense baselines, PowerSGD, GTC's defaults, GTC
 # denser and sparser, and Strom's own setting (the rest of METHODS are density points for --methods).
 DEFAULT_METHODS = ["ddp", "ddp_bf16", "powersgd_r1", "powersgd_r4", "gtc", "gtc_3e-3", "gtc_3e-2", "gtc_strom_1e-2"]
+
+
+def block_period(steps: int) -> int:
+    """Inner steps per block sync of the block methods on a run of ``steps``: 40 syncs a run, at least
+    10 steps. DiLoCo's H = 500 comes from runs of ~88,000 steps (~180 syncs); a 2,000-step run at
+    H = 500 would sync 4 times, so H follows the run's length instead (50 at 2,000 steps)."""
+    return max(10, steps // 40)
+
+
+# The seeds' family and the block syncs, each built for a run of ``steps`` on ``world`` ranks (their
+# period follows the run's length; bmuf_gtc's GTC groups are half the ranks, BMUF across the two).
+FAMILY: dict[str, Callable[..., Strategy]] = {
+    "ma": lambda steps, world, **kw: ModelAveragingStrategy(period=block_period(steps), **kw),
+    # DiLoCo's outer step (Nesterov SGD, lr 0.7, momentum 0.9); the inner optimizer is the model's own
+    "diloco": lambda steps, world, **kw: BMUFStrategy(
+        period=block_period(steps), block_lr=0.7, block_momentum=0.9, nesterov=True, **kw
+    ),
+    "sparseloco": lambda steps, world, **kw: SparseLoCoStrategy(period=block_period(steps), **kw),
+    "bmuf_gtc": lambda steps, world, **kw: BMUFGTCStrategy(
+        group_size=max(1, world // 2), period=block_period(steps), **kw
+    ),
+    "dpsgd": lambda steps, world, **kw: DPSGDStrategy(**kw),
+    "adpsgd": lambda steps, world, **kw: ADPSGDStrategy(**kw),
+}
+FAMILY_METHODS = list(FAMILY)
 QUICK_STEPS = {"transformer": 20, "cnn": 20, "gru": 20, "speech_dnn": 40}
 QUICK_MODELS = ["gru", "speech_dnn"]
 STANDARD_MODELS = ["transformer", "cnn", "gru", "speech_dnn"]
@@ -169,6 +205,9 @@ def own_memory_bytes(strategy: Strategy) -> int:
     if isinstance(strategy, PowerSGDStrategy):
         state = strategy.powersgd_state
         return tensor_bytes([state.error_dict, state.p_memory_dict, state.q_memory_dict])
+    family = getattr(strategy, "_state", None)  # the family's state: block start, Δ, residuals, copies
+    if family is not None and hasattr(type(strategy), "sync_stats"):
+        return tensor_bytes(vars(family))
     return 0  # DDP; bf16's cast copy of a bucket exists only while it is all-reduced
 
 
@@ -217,6 +256,12 @@ class SuiteProbe(L.Callback):
     def bytes_sent(self, trainer, pl_module) -> float:
         """Bytes this rank has put on the wire for gradients since the start of fit."""
         strategy, world = trainer.strategy, trainer.world_size
+        if hasattr(type(strategy), "sync_stats"):  # the family: its syncs, and GTC's words within groups
+            total = strategy.sync_stats["total"]
+            sent = float(total["bytes_sent"]) if total else 0.0
+            if isinstance(strategy, GTCStrategy) and strategy.gtc_state is not None:
+                sent += float(strategy.gtc_stats["total"]["bytes_sent"])
+            return sent
         if isinstance(strategy, GTCStrategy):
             return float(strategy.gtc_stats["total"]["bytes_sent"]) if strategy.gtc_state is not None else 0.0
         if isinstance(strategy, PowerSGDStrategy):
@@ -313,7 +358,11 @@ def _build(
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy=METHODS[method](start_method="fork", timeout=TIMEOUT),
+        strategy=(
+            FAMILY[method](steps, world_size, start_method="fork", timeout=TIMEOUT)
+            if method in FAMILY
+            else METHODS[method](start_method="fork", timeout=TIMEOUT)
+        ),
         max_steps=steps,
         max_epochs=1,
         logger=False,
@@ -611,7 +660,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the runs already in OUT/results.json (those without an error) and run the rest",
     )
     add("--models", nargs="+", choices=list(MODELS), help="default: the profile's (--quick: a fast two)")
-    add("--methods", nargs="+", choices=list(METHODS), default=DEFAULT_METHODS)
+    add(
+        "--methods",
+        nargs="+",
+        choices=[*METHODS, *FAMILY],
+        default=DEFAULT_METHODS,
+        help=f"default: {' '.join(DEFAULT_METHODS)}; the family and the block syncs: {' '.join(FAMILY_METHODS)} "
+        "(periods: block_period)",
+    )
     add("--world-sizes", nargs="+", type=int, help="ranks per run (default 2 4; --quick: 2)")
     add("--seeds", nargs="+", type=int, help="default 0 1 2 (--quick: 0)")
     add("--evals", type=int, help="held-out evaluations during a run, for the curve (default 6; --quick: 2)")
