@@ -181,7 +181,9 @@ def test_quick_suite_gtc_bytes_are_its_stats(quick):
         if r["method"] != "gtc_strom_1e-2":  # the update mode: its density target, met every step
             target = {"gtc": DEFAULT_DENSITY, "gtc_3e-3": 3e-3, "gtc_3e-2": 3e-2}[r["method"]]
             assert target / 2 < r["density"] < target * 1.5 and r["gtc_dense_steps"] == 0
-            assert 8 <= r["memory_bytes_per_param"] < 8.1  # the residual and the scratch buffer (and the coded message)
+            assert (
+                8 <= r["memory_bytes_per_param"] < 8.1
+            )  # the residual and the scratch buffer (and the coded message)
         else:
             assert r["memory_bytes_per_param"] >= 8
 
@@ -253,9 +255,25 @@ def test_resume_runs_only_the_missing_cells(tmp_path, monkeypatch):
 
     monkeypatch.setattr(model_suite, "run_cell", fake)
     monkeypatch.setattr(model_suite, "plot_loss_vs_bytes", lambda results, out: [])
-    argv = ["--profile", "long", "--models", "gru", "--methods", "ddp", "gtc", "--seeds", "0", "1", "--out", str(tmp_path)]
+    argv = [
+        "--profile",
+        "long",
+        "--models",
+        "gru",
+        "--methods",
+        "ddp",
+        "gtc",
+        "--seeds",
+        "0",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     first = model_suite.main(argv)
-    assert len(ran) == 4 and [(r["model"], r["seed"]) for r in first][:2] == [("gru", 0), ("gru", 0)]  # seed-major
+    assert len(ran) == 4 and [(r["model"], r["seed"]) for r in first][:2] == [
+        ("gru", 0),
+        ("gru", 0),
+    ]  # seed-major
     records = json.loads((tmp_path / "results.json").read_text())
     records[1] = {k: records[1][k] for k in ("model", "method", "world_size", "seed")} | {"error": "Boom"}
     records[2]["steps"] = 200  # a run of the standard profile

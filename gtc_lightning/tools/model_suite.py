@@ -4,6 +4,8 @@ Long file: the runs, their measures, the report and its plots of one command (mo
     python -m gtc_lightning.tools.model_suite            # 4 models x 8 methods x 3 seeds x 2, 4 ranks
     python -m gtc_lightning.tools.model_suite --quick    # CI smoke test: 2 models, 1 seed, 2 ranks
     python -m gtc_lightning.tools.model_suite --models cnn gru --methods ddp gtc --world-sizes 2 --seeds 0
+    python -m gtc_lightning.tools.model_suite --profile long --resume --out docs/benchmarks/model_suite_long
+    python -m gtc_lightning.tools.model_suite --profile long --methods ddp gtc ma diloco sparseloco bmuf_gtc
 
 Every run is a ``Trainer.fit`` on ``W`` CPU ranks started by fork, gloo, with a fixed batch per
 rank (the global batch grows with W, as DDP users run it) from Lightning's DistributedSampler,
@@ -13,13 +15,15 @@ All runs of one invocation are measured side by side on the same machine. Per ru
 - held-out loss: rank 0 scores the full held-out set with the final parameters, and a few times
   during training for the curve (all ranks hold the same parameters; the run records whether
   they are bit-identical at the end);
-- bytes on the wire per rank and step, as the collectives put them there (ring all-reduce:
+- bytes on the wire per rank and optimizer step, as the collectives put them there (ring all-reduce:
   ``2 (W-1)/W`` of the tensor's bytes, :func:`gtc_lightning.algorithms.common.allreduce_bytes`): DDP and bf16
   from the gradient's size; PowerSGD by counting every all-reduce torch's hook issues (P, Q and
-  the uncompressed tensors, the dense warm-up steps included); GTC from its ``gtc_stats``; each
-  against a dense fp32 and bf16 ring all-reduce of the same gradient;
+  the uncompressed tensors, the dense warm-up steps included); GTC from its ``gtc_stats``; the
+  family (``FAMILY``: model averaging, DiLoCo, SparseLoCo, BMUF-GTC, D-PSGD, AD-PSGD) from its
+  ``sync_stats``, a block sync's bytes amortised over its block's steps; each against a dense fp32 and bf16 ring all-reduce of the same gradient;
 - the method's own memory in bytes per trainable parameter, beyond DDP's: GTC's state's tensors
-  (residuals, message and count buffers), PowerSGD's error feedback and P/Q buffers; 0 for DDP
+  (residuals, message and count buffers), PowerSGD's error feedback and P/Q buffers, the
+  family's state (block start, block momentum, residuals) at the end of fit; 0 for DDP
   and bf16 (bf16's cast copy of a bucket lives only during the all-reduce);
 - the median wall time of an optimizer step on rank 0, for information only: the ranks share
   this machine's cores, and loopback is no network.
@@ -94,7 +98,16 @@ METHODS: dict[str, Callable[..., Strategy]] = {
 STEPS = {"transformer": 200, "cnn": 400, "gru": 200, "speech_dnn": 500}
 # What the suite runs unless --methods says otherwise: the dense baselines, PowerSGD, GTC's defaults, GTC
 # denser and sparser, and Strom's own setting (the rest of METHODS are density points for --methods).
-DEFAULT_METHODS = ["ddp", "ddp_bf16", "powersgd_r1", "powersgd_r4", "gtc", "gtc_3e-3", "gtc_3e-2", "gtc_strom_1e-2"]
+DEFAULT_METHODS = [
+    "ddp",
+    "ddp_bf16",
+    "powersgd_r1",
+    "powersgd_r4",
+    "gtc",
+    "gtc_3e-3",
+    "gtc_3e-2",
+    "gtc_strom_1e-2",
+]
 
 
 def block_period(steps: int) -> int:
@@ -628,7 +641,11 @@ def resumed(path: Path, cells: list[tuple], steps: dict[str, int]) -> list[dict]
         return []
     try:
         records = json.loads(path.read_text())
-        kept = [r for r in records if "error" not in r and _cell(r) in set(cells) and r["steps"] == steps[r["model"]]]
+        kept = [
+            r
+            for r in records
+            if "error" not in r and _cell(r) in set(cells) and r["steps"] == steps[r["model"]]
+        ]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
         raise ValueError(
             f"--resume: {path} is not a model suite's results.json ({error}); move it away or drop --resume"
@@ -686,7 +703,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     long = args.profile == "long"
     if args.quick and long:
-        raise ValueError("--quick and --profile long: choose one (--quick is the CI smoke test of the standard profile)")
+        raise ValueError(
+            "--quick and --profile long: choose one (--quick is the CI smoke test of the standard profile)"
+        )
     models = args.models or (QUICK_MODELS if args.quick else LONG_MODELS if long else STANDARD_MODELS)
     worlds = args.world_sizes or ([2] if args.quick else [4] if long else [2, 4])
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
