@@ -8,6 +8,7 @@ optimizer states in checkpoints, Fabric, and 8 bytes a parameter of GTC's own.""
 
 from __future__ import annotations
 
+import itertools
 from datetime import timedelta
 from pathlib import Path
 
@@ -460,3 +461,72 @@ def test_several_adam_optimizers_taking_the_gradient_mode_are_warned_about_unles
     assert len(warned) == (1 if compress == "auto" else 0)
     if warned:
         assert "Adam, Adam" in warned[0] and "compress='gradient'" in warned[0]
+
+
+# ---- the update mode's experimental options: what the residual keeps, and a density warm-up -------
+
+
+def test_scheduled_density_falls_geometrically_from_a_quarter_to_the_target():
+    from gtc_lightning.algorithms.gtc.config import scheduled_density
+
+    assert scheduled_density(0.01, 1, 10) == 0.25
+    assert scheduled_density(0.01, 6, 10) == pytest.approx(0.25 * (0.01 / 0.25) ** 0.5)
+    assert scheduled_density(0.01, 10, 10) == scheduled_density(0.01, 500, 10) == 0.01
+    assert scheduled_density(0.01, 1, 0) == 0.01 and scheduled_density(0.3, 1, 10) == 0.3
+
+
+def test_density_warmup_sends_a_quarter_first_then_the_target(one_rank):
+    from gtc_lightning import GTCState
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(512, 512, bias=False)
+    params = list(layer.parameters())
+    state = GTCState(None, layer.named_parameters(), tau="auto", target_density=0.01, compress="update",
+                     density_warmup_steps=8)  # fmt: skip
+    sent = [_step_once(state, params, [torch.randn_like(params[0])]).words / params[0].numel() for _ in range(10)]
+    assert 0.2 < sent[0] < 0.3 and 0.007 < sent[-1] < 0.013
+    assert all(a > b for a, b in itertools.pairwise(sent[:8])), sent  # falling through the warm-up
+
+
+@pytest.mark.parametrize("conserve", ["direction", "displacement"])
+def test_displacement_is_conserved_across_learning_rate_changes(one_rank, conserve):
+    """Steps at rates 0.1, 0.4, 0.05, 0.2: with conserve='displacement' what moved the parameters plus
+    what the residual keeps is the sum of the optimizer's steps (lr x direction); with 'direction' the
+    kept part is in units of the rate, so the sum holds only once it is multiplied by each step's rate."""
+    from gtc_lightning import GTCState
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64, bias=False)
+    params = list(layer.parameters())
+    state = GTCState(None, layer.named_parameters(), tau="auto", target_density=0.05, compress="update",
+                     conserve=conserve)  # fmt: skip
+    start = params[0].detach().double().clone()
+    wanted = torch.zeros_like(start)
+    for lr in (0.1, 0.4, 0.05, 0.2):
+        direction = torch.randn_like(params[0])
+        wanted += lr * direction.double()
+        _step_once(state, params, [direction], lr=lr)
+    moved = start - params[0].detach().double()
+    kept = state._residual.double().view_as(start)
+    holds = torch.allclose(moved + kept, wanted, atol=1e-5)
+    assert holds == (conserve == "displacement")
+
+
+def test_the_update_options_are_checked_and_refused_with_the_gradient_mode():
+    with pytest.raises(ValueError, match="Expect conserve in .* got 'steps'"):
+        GTCStrategy(conserve="steps")
+    with pytest.raises(ValueError, match="Expect density_warmup_steps to be an int >= 0"):
+        GTCStrategy(density_warmup_steps=-1)
+    with pytest.raises(ValueError, match="compress='gradient' keeps gradients. Use compress='update'"):
+        GTCStrategy(compress="gradient", density_warmup_steps=100)
+
+
+def test_update_options_unused_by_the_gradient_mode_are_named():
+    from types import SimpleNamespace
+
+    from gtc_lightning.algorithms.gtc.config import unused_update_options
+
+    picked = SimpleNamespace(compress="gradient", conserve="displacement", density_warmup_steps=0)
+    assert "picked the gradient mode" in unused_update_options(picked)
+    assert unused_update_options(SimpleNamespace(compress="update", conserve="displacement", density_warmup_steps=9)) is None
+    assert unused_update_options(SimpleNamespace(compress="gradient", conserve="direction", density_warmup_steps=0)) is None

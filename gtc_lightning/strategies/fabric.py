@@ -50,6 +50,7 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy, _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -57,7 +58,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from gtc_lightning.algorithms.gtc import update as update_mode
-from gtc_lightning.algorithms.gtc.config import check_options, sparse_gradient_parameters
+from gtc_lightning.algorithms.gtc.config import (
+    check_options,
+    sparse_gradient_parameters,
+    unused_update_options,
+)
 from gtc_lightning.algorithms.gtc.hook import gtc_hook
 from gtc_lightning.algorithms.gtc.state import GTCState
 from gtc_lightning.strategies import checkpoint
@@ -70,7 +75,8 @@ class GTCFabricStrategy(DDPStrategy):
     Args:
         tau: as for :class:`gtc_lightning.GTCStrategy`, and so are ``warmup_steps``,
             ``max_consecutive_skips``, ``dense_fallback``, ``exchange``, ``backend``,
-            ``restore_residuals``, ``coding``, ``target_density``, ``busy_wait``, ``compress``
+            ``restore_residuals``, ``coding``, ``target_density``, ``busy_wait``, ``conserve``,
+            ``density_warmup_steps``, ``compress``
             (``compress="auto"`` decides as Fabric sets up the optimizers: ``"update"`` for one,
             ``"gradient"`` for several; ``"update"`` takes one optimizer and refuses a second; with
             ``"update"`` every rank's optimizer state goes into its shard of ``fabric.save`` and
@@ -98,6 +104,8 @@ class GTCFabricStrategy(DDPStrategy):
         target_density: float | None = None,
         compress: Literal["auto", "gradient", "update"] = "auto",
         busy_wait: bool | None = None,
+        conserve: Literal["direction", "displacement"] = "direction",
+        density_warmup_steps: int = 0,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         accelerator: Accelerator | None = None,
@@ -111,7 +119,7 @@ class GTCFabricStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
-                      busy_wait)
+                      busy_wait, conserve, density_warmup_steps)
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
@@ -140,6 +148,8 @@ class GTCFabricStrategy(DDPStrategy):
             "coding": coding,
             "target_density": target_density,
             "busy_wait": busy_wait,
+            "conserve": conserve,
+            "density_warmup_steps": density_warmup_steps,
         }
         self._compress = compress
         self._optimizers: list[Optimizer] = []  # set up by Fabric: compress="auto" decides by their number
@@ -235,6 +245,8 @@ class GTCFabricStrategy(DDPStrategy):
                 "fabric.setup_optimizers(opt_a, opt_b)), or use GTCFabricStrategy(compress='gradient')"
             )
         state.compress = mode
+        if unused_update_options(state):
+            rank_zero_warn(unused_update_options(state))
 
     def _refuse_clipping(self, what: str) -> None:
         raise ValueError(

@@ -1,4 +1,5 @@
 """``GTCStrategy``: Lightning's DDP with its gradient all-reduce replaced by threshold compression.
+Long file: the strategy's options with their documentation, and the Lightning calls it overrides.
 
 The strategy only wires things together: it builds the :class:`~gtc_lightning.algorithms.gtc.state.GTCState`,
 registers :func:`~gtc_lightning.algorithms.gtc.hook.gtc_hook` on the DDP model (on CPU/gloo as on CUDA/NCCL),
@@ -26,6 +27,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -36,6 +38,7 @@ from gtc_lightning.algorithms.gtc.config import (
     DEFAULT_DENSITY,
     check_options,
     sparse_gradient_parameters,
+    unused_update_options,
 )
 from gtc_lightning.algorithms.gtc.hook import gtc_hook
 from gtc_lightning.algorithms.gtc.state import GTCState
@@ -107,6 +110,11 @@ class GTCStrategy(DDPStrategy):
             optimizer sees the decoded average gradient: right for plain SGD, wrong for Adam (it
             rescales each sparse vote); 16 bytes a parameter. ``"auto"`` (default): ``"update"``
             with one optimizer, ``"gradient"`` with ``stale=True`` or several optimizers.
+        conserve: the update mode's residual (experimental, measured on the long model suite):
+            ``"direction"`` (default) keeps the optimizer's step over its learning rate, applied at
+            the rate of the step that sends it; ``"displacement"`` keeps the step itself.
+        density_warmup_steps: the update mode's density starts at 0.25 and falls geometrically to
+            ``target_density`` over this many optimizer steps (DGC's warm-up; 0, the default: none).
         busy_wait: how a rank waits for GTC's collectives each step (the header and word exchanges,
             the update mode's finite-gradient flag). ``None`` (default): on gloo it polls them,
             yielding its core between polls, when the machine has a core for each of its ranks;
@@ -175,6 +183,8 @@ class GTCStrategy(DDPStrategy):
         target_density: float | None = None,
         compress: Literal["auto", "gradient", "update"] = "auto",
         busy_wait: bool | None = None,
+        conserve: Literal["direction", "displacement"] = "direction",
+        density_warmup_steps: int = 0,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -186,7 +196,8 @@ class GTCStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
-                      busy_wait)
+                      busy_wait, conserve, density_warmup_steps)
+        self._conserve, self._density_warmup_steps = conserve, density_warmup_steps
         if not isinstance(stale, bool):
             raise ValueError(f"Expect stale to be True or False, got {stale!r}")  # noqa: TRY004
         check_int(
@@ -339,6 +350,8 @@ class GTCStrategy(DDPStrategy):
         why = "compress='auto' with " + ("one optimizer" if mode == "update" else "stale=True" if self._stale else many)
         if auto and mode == "gradient" and not self._stale:
             warn_gradient_mode_for_adaptive("GTC", self.optimizers)
+        if unused_update_options(state):
+            rank_zero_warn(unused_update_options(state))
         if self.global_rank == 0:
             log.info("GTC compresses %s (%s): %s", "each rank's optimizer step" if mode == "update" else "the gradient",
                      ", ".join(type(o).__name__ for o in self.optimizers), why if auto else "as asked")  # fmt: skip
@@ -407,6 +420,8 @@ class GTCStrategy(DDPStrategy):
             target_density=self._target_density,
             compress="auto",
             busy_wait=self._busy_wait,
+            conserve=self._conserve,
+            density_warmup_steps=self._density_warmup_steps,
         )
 
     @override

@@ -27,6 +27,20 @@ EXCHANGES = ("auto", "alltoall", "allgather")
 # stopped compressing anyway.
 FALLBACK_ENTER, FALLBACK_EXIT = 0.5, 0.25
 SILENT_STEPS = 20  # compressed steps in a row in which no rank sent a word before GTC warns
+# The update mode's residual: what the optimizer wanted to apply divided by its learning rate
+# ("direction", applied at the rate of the step that sends it), or the displacement itself.
+CONSERVE = ("direction", "displacement")
+# density_warmup_steps: the density starts here (DGC's first epoch, 75 % sparsity) and falls
+# geometrically to target_density.
+DENSITY_WARMUP_START = 0.25
+
+
+def scheduled_density(target: float, step: int, warmup_steps: int) -> float:
+    """The density of optimizer step ``step`` (1-based) under a warm-up of ``warmup_steps``: from
+    :data:`DENSITY_WARMUP_START` down to ``target`` geometrically, then ``target``."""
+    if step >= warmup_steps or target >= DENSITY_WARMUP_START:
+        return target
+    return DENSITY_WARMUP_START * (target / DENSITY_WARMUP_START) ** (max(step - 1, 0) / warmup_steps)
 
 
 def f32(x: float) -> float:
@@ -44,6 +58,8 @@ def check_options(
     target_density: float | None = None,
     compress: str = "gradient",
     busy_wait: bool | None = None,
+    conserve: str = "direction",
+    density_warmup_steps: int = 0,
 ) -> None:
     """Validate GTC's hyper-parameters, with messages that say what each one means.
 
@@ -95,6 +111,22 @@ def check_options(
             f"the step each rank's optimizer makes, for momentum SGD and Adam; 'auto': by the optimizer), got "
             f"{compress!r}"
         )
+    if conserve not in CONSERVE:
+        raise ValueError(
+            f"Expect conserve in {CONSERVE} (compress='update': what the residual keeps; 'direction': the "
+            f"optimizer's step over its learning rate, 'displacement': the step itself), got {conserve!r}"
+        )
+    if isinstance(density_warmup_steps, bool) or not isinstance(density_warmup_steps, int) or density_warmup_steps < 0:
+        raise ValueError(
+            f"Expect density_warmup_steps to be an int >= 0 (compress='update': optimizer steps over which the "
+            f"density falls from {DENSITY_WARMUP_START} to target_density; 0: none), got {density_warmup_steps!r}"
+        )
+    if compress == "gradient" and (conserve != "direction" or density_warmup_steps):
+        raise ValueError(
+            f"conserve={conserve!r} and density_warmup_steps={density_warmup_steps!r} shape the update mode's "
+            "residual; compress='gradient' keeps gradients. Use compress='update' (or 'auto'), or leave them at "
+            "their defaults"
+        )
     if busy_wait is not None and not isinstance(busy_wait, bool):
         raise ValueError(
             f"Expect busy_wait to be True (poll the collectives), False (block on them) or None (poll on gloo "
@@ -114,3 +146,15 @@ def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
                 if p.requires_grad
             ]
     return names
+
+
+def unused_update_options(state) -> str | None:
+    """Why the update mode's options of ``state`` do nothing, when ``compress="auto"`` picked the
+    gradient mode (stale=True or several optimizers); None when they are at their defaults."""
+    if state.compress != "gradient" or (state.conserve == "direction" and not state.density_warmup_steps):
+        return None
+    return (
+        f"GTC: conserve={state.conserve!r} and density_warmup_steps={state.density_warmup_steps} apply to "
+        "compress='update'; compress='auto' picked the gradient mode here (stale=True or several optimizers), "
+        "which does not use them"
+    )

@@ -26,6 +26,7 @@ from gtc_lightning.algorithms.gtc.config import (
     SILENT_STEPS,
     check_options,
     f32,
+    scheduled_density,
 )
 from gtc_lightning.algorithms.gtc.inflight import InFlight
 from gtc_lightning.algorithms.gtc.stats import TOTAL_KEYS, Clock, StepStats
@@ -79,9 +80,11 @@ class GTCState:
         target_density: float | None = None,
         compress: str = "gradient",
         busy_wait: bool | None = None,
+        conserve: str = "direction",
+        density_warmup_steps: int = 0,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
-                      busy_wait)
+                      busy_wait, conserve, density_warmup_steps)
         measure = tau == "auto"  # automatic tau measures where to start at its first compressed step
         if tau == "auto":
             tau = AUTO_TAU_INIT
@@ -100,6 +103,8 @@ class GTCState:
         self.compress = compress
         self.target_density = target_density
         self.busy_wait = busy_wait
+        self.conserve = conserve
+        self.density_warmup_steps = density_warmup_steps
         self._busy: bool | None = None  # busy_wait resolved, at the first collective
         self.controller = (
             TauController(target_density, float(tau), started=not measure) if target_density is not None else None
@@ -199,10 +204,17 @@ class GTCState:
             self._busy = busy_wait_fits(self.process_group) if wanted is None else wanted
         return self._busy
 
+    def density_now(self) -> float | None:
+        """The target density of the current optimizer step (``self.step``), after any warm-up
+        (``density_warmup_steps``, the update mode's); None with a fixed tau."""
+        if self.target_density is None:
+            return None
+        return scheduled_density(self.target_density, self.step, self.density_warmup_steps)
+
     _PICKLED = (
         "tau", "tau32", "warmup_steps", "max_consecutive_skips", "dense_fallback", "exchange", "backend",
         "stale", "coding", "compress", "target_density", "controller", "clip", "grad_scale", "param_names",
-        "numels", "step", "totals", "last", "busy_wait",
+        "numels", "step", "totals", "last", "busy_wait", "conserve", "density_warmup_steps",
         "_dense_mode", "_warned_fallback",
     )  # fmt: skip
 
@@ -223,6 +235,8 @@ class GTCState:
         residuals = state.pop("residuals")
         pending = state.pop("pending", None)
         state.setdefault("busy_wait", None)  # pickled before it existed
+        state.setdefault("conserve", "direction")
+        state.setdefault("density_warmup_steps", 0)
         self.__dict__.update(state)
         self._busy = None
         self.process_group = None

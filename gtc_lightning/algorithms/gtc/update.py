@@ -42,7 +42,10 @@ GTC compresses the step it made. Per optimizer step and rank:
 
 What is conserved is what the optimizer wanted to apply, in units of its learning rate (kept until
 sent, applied with the learning rate of the step that sends it, as the gradient mode applies a kept
-gradient). Memory: the residual and the scratch buffer, 8 bytes per parameter beyond DDP's.
+gradient). With ``conserve="displacement"`` the residual keeps the step itself and every word moves a
+parameter by what was folded (a learning-rate warm-up no longer scales up old steps, nor a decay
+drops them). ``density_warmup_steps`` starts the density at 0.25 and lowers it geometrically to
+``target_density`` over that many steps (DGC's warm-up). Memory: the residual and the scratch buffer, 8 bytes per parameter beyond DDP's.
 Dense warm-up steps (``warmup_steps``) average the gradients as DDP does and step every rank's
 optimizer on the mean.
 """
@@ -289,7 +292,7 @@ def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, f
                 p.copy_(kept)  # not in this optimizer, or frozen by a zero rate: nothing to send
                 continue
             offset, n = state._slots[state._name_of[id(p)]]
-            moved.append(Moved(p, offset, n, lr))
+            moved.append(Moved(p, offset, n, lr if state.conserve == "direction" else 1.0))
         moved.sort(key=lambda m: m.offset)
 
         # 4-5. residual += (kept - p) / lr, p = kept exactly; this rank's threshold and words (in
@@ -403,14 +406,15 @@ def _fold_and_emit(
     """
     residual, scratch = state._residual, state._scratch
     ranges = _merged([[m.offset, m.offset + m.numel] for m in moved])
-    tau32 = state.tau32  # a fixed tau, in units of the optimizer's direction
-    if state.target_density is not None:
+    tau32 = state.tau32  # a fixed tau, in units of the optimizer's direction (or displacement)
+    density = state.density_now()
+    if density is not None:
         positions = sample_positions(ranges, _sampler(state, residual.device), residual.device) if ONE_PASS else None
         tau32 = 0.0
         if positions is not None:
             parts = [(m.param, m.offset, m.lr) for m in moved]
             sample = update_ops.fold_at(parts, scratch, residual, positions).abs_()
-            value = _kth_largest(sample, state.target_density)
+            value = _kth_largest(sample, density)
             tau32 = _just_below(value) if value > 0.0 and math.isfinite(value) else 0.0
     if tau32 > 0.0 and ONE_PASS:
         for m in moved:
@@ -419,8 +423,8 @@ def _fold_and_emit(
         return tau32
     for m in moved:
         update_ops.fold_(m.param, m.views(scratch), m.views(residual), m.lr)
-    if state.target_density is not None:
-        tau32 = rank_tau(residual, state.target_density, ranges, _sampler(state, residual.device))
+    if density is not None:
+        tau32 = rank_tau(residual, density, ranges, _sampler(state, residual.device))
     if not math.isfinite(tau32):
         bad += 1  # the sample met a NaN/Inf
     elif tau32 > 0.0:
