@@ -133,6 +133,15 @@ FAMILY: dict[str, Callable[..., Strategy]] = {
     "adpsgd": lambda steps, world, **kw: ADPSGDStrategy(**kw),
 }
 FAMILY_METHODS = list(FAMILY)
+# The update mode's options under test, beside the defaults: what the residual keeps, and DGC's density
+# warm-up over the first 5 % of the run (DGC: 4 of ImageNet's 90 epochs).
+MECHANISMS: dict[str, Callable[..., Strategy]] = {
+    "gtc_displacement": lambda steps, world, **kw: GTCStrategy(conserve="displacement", **kw),
+    "gtc_density_warmup": lambda steps, world, **kw: GTCStrategy(
+        density_warmup_steps=max(1, steps // 20), **kw
+    ),
+}
+BUILT_FOR_THE_RUN = {**FAMILY, **MECHANISMS}
 QUICK_STEPS = {"transformer": 20, "cnn": 20, "gru": 20, "speech_dnn": 40}
 QUICK_MODELS = ["gru", "speech_dnn"]
 STANDARD_MODELS = ["transformer", "cnn", "gru", "speech_dnn"]
@@ -372,8 +381,8 @@ def _build(
         accelerator="cpu",
         devices=world_size,
         strategy=(
-            FAMILY[method](steps, world_size, start_method="fork", timeout=TIMEOUT)
-            if method in FAMILY
+            BUILT_FOR_THE_RUN[method](steps, world_size, start_method="fork", timeout=TIMEOUT)
+            if method in BUILT_FOR_THE_RUN
             else METHODS[method](start_method="fork", timeout=TIMEOUT)
         ),
         max_steps=steps,
@@ -680,10 +689,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--methods",
         nargs="+",
-        choices=[*METHODS, *FAMILY],
+        choices=[*METHODS, *BUILT_FOR_THE_RUN],
         default=DEFAULT_METHODS,
         help=f"default: {' '.join(DEFAULT_METHODS)}; the family and the block syncs: {' '.join(FAMILY_METHODS)} "
-        "(periods: block_period)",
+        f"(periods: block_period); the update mode's options under test: {' '.join(MECHANISMS)}",
     )
     add("--world-sizes", nargs="+", type=int, help="ranks per run (default 2 4; --quick: 2)")
     add("--seeds", nargs="+", type=int, help="default 0 1 2 (--quick: 0)")
