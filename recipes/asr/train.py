@@ -466,6 +466,10 @@ class RunSummary(Callback):
             "epochs": trainer.current_epoch,
             "global_steps": trainer.global_step,
             "dev_frame_acc": list(getattr(pl_module, "dev_acc_history", [])),
+            # --data.cv_speakers: the held-out training speakers and their frame accuracy per epoch
+            "cv_speakers": getattr(trainer.datamodule, "cv_speaker_list", None),
+            "cv_frame_acc": list(getattr(pl_module, "cv_acc_history", [])),
+            "schedule_decisions": getattr(pl_module, "schedule_decisions", []),  # --model.schedule nnet1
             "train_seconds": round(time.perf_counter() - self._start, 1),
             "checkpoint": str(Path(ckpt.last_model_path).resolve()) if ckpt and ckpt.last_model_path else None,
             "data_dir": str(self.data_dir.resolve()),

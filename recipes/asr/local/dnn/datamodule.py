@@ -24,6 +24,13 @@ by ``(seed, epoch)``; rank ``r`` of ``W`` takes permuted positions ``r, r+W, ...
 together complete) and every rank cuts its shard into the same number of batches, so DDP/GTC
 ranks never wait on a missing batch.
 
+Cross-validation set (``cv_speakers`` > 0, Kaldi nnet1's ``subset_data_dir_tr_cv.sh --cv-spk-percent``):
+that fraction of the training speakers (``held_out_speakers``: persons, ``compare.cut_speaker``; never a
+dev or test speaker; drawn by ``seed``) is held out of training and evaluated after every epoch as the
+validation set ``cv``, beside ``dev``; the model's learning-rate schedule reads ``cv`` in place of
+``dev``. Its frames go through the training split's front end (their speakers' transforms are the
+training set's).
+
 Resuming mid-epoch: the training loader is stateful (``state_dict``/``load_state_dict``, which
 Lightning saves in every checkpoint and gives back on resume): it records the epoch and how many
 batches of it were drawn, and a resumed run skips exactly those, so the rest of the epoch comes
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,6 +52,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
+from local.dnn.compare import cut_speaker
 from local.dnn.front_end import FEATURES, FrontEnd, one_blas_thread
 from local.dnn.stream import StreamingFrameBatches
 
@@ -208,14 +217,15 @@ class ResumableLoader(DataLoader):
         self.dataset.load_state_dict(state)
 
 
-def load_split(cuts_path: Path, front_end: FrontEnd, split: str,
-               allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def load_split(cuts_path: Path, front_end: FrontEnd, split: str, allow_empty: bool = False,
+               keep: Callable[[object], bool] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Load aligned cuts into memory: the front end's frames and per-frame pdf-ids.
 
     Args:
         front_end: turns each cut into speaker-normalised frames (``local.dnn.front_end``).
         split: the split's name (the MFCC front end's speaker transforms are per split).
         allow_empty: return empty arrays for a manifest without cuts instead of raising.
+        keep: only the cuts for which it is true (all by default).
 
     Returns:
         ``feats`` ``[N, F]`` float32, ``targets`` ``[N]`` int32, ``offsets`` ``[U+1]`` int64.
@@ -226,7 +236,8 @@ def load_split(cuts_path: Path, front_end: FrontEnd, split: str,
         raise ValueError(f"No such file: {cuts_path}; run `python recipes/asr/prepare.py` (stages 0-6) first")
     one_blas_thread()
     feats, targets, lengths = [], [], []
-    for cut, f in front_end(CutSet.from_file(cuts_path) or [], split):  # lhotse: None for an empty manifest
+    cuts = CutSet.from_file(cuts_path) or []  # lhotse: None for an empty manifest
+    for cut, f in front_end([c for c in cuts if keep(c)] if keep is not None else cuts, split):
         ali = np.asarray(cut.load_custom("pdf_ali"))
         if len(ali) != len(f):
             raise ValueError(f"cut {cut.id}: {len(f)} feature frames but {len(ali)} pdf_ali entries; "
@@ -240,6 +251,62 @@ def load_split(cuts_path: Path, front_end: FrontEnd, split: str,
         return np.zeros((0, 0), np.float32), np.zeros(0, np.int32), np.zeros(1, np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     return np.concatenate(feats), np.concatenate(targets), offsets
+
+
+def speaker_of(cut) -> str:
+    """The speaker a cut is held out by: the person (``compare.cut_speaker``; all rate/pitch settings and
+    augmented copies of a synthetic voice together), or the cut itself when it has none."""
+    sup = cut.supervisions[0] if cut.supervisions else None
+    return cut_speaker(sup) if sup is not None and sup.speaker is not None else f"utt:{cut.id}"
+
+
+def held_out_speakers(train_speakers, fraction: float, seed: int, other_speakers=()) -> list[str]:
+    """The training speakers of the cross-validation set (Kaldi's ``--cv-spk-percent``), sorted.
+
+    Args:
+        train_speakers: the training set's speakers (repeats allowed).
+        fraction: share of them to hold out, rounded to the nearest count (0 < fraction < 1).
+        seed: the draw is a pure function of the speakers and ``seed``.
+        other_speakers: dev's and test's, never drawn (shared only with ``--allow-shared-speakers``).
+    """
+    speakers = sorted(set(train_speakers))
+    others = set(other_speakers)
+    candidates = [s for s in speakers if s not in others]
+    count = int(fraction * len(speakers) + 0.5)
+    if count < 1:
+        raise ValueError(f"--data.cv_speakers {fraction} holds out no speaker: train has {len(speakers)} speaker(s) "
+                         f"and {fraction:g} of them rounds to 0; give --data.cv_speakers "
+                         f"{0.5 / max(len(speakers), 1):.3g} or more (one speaker), or 0 to run the schedule on dev")
+    if count >= len(speakers):
+        raise ValueError(f"--data.cv_speakers {fraction} holds out {count} of train's {len(speakers)} speaker(s), "
+                         "leaving none to train on; give a smaller fraction, or 0 to run the schedule on dev")
+    if count > len(candidates):
+        raise ValueError(f"--data.cv_speakers {fraction} needs {count} training speakers in neither dev nor test, "
+                         f"and train has {len(candidates)} of {len(speakers)}; give a smaller fraction")
+    return sorted(random.Random(f"cv-speakers-{seed}").sample(candidates, count))
+
+
+class SpeakerFilter:
+    """``cut -> bool``: whether the cut's speaker is one of ``speakers`` (``inside``) or is not
+    (picklable, for a reading-ahead worker)."""
+
+    def __init__(self, speakers, inside: bool) -> None:
+        self.speakers, self.inside = frozenset(speakers), inside
+
+    def __call__(self, cut) -> bool:
+        return (speaker_of(cut) in self.speakers) == self.inside
+
+
+class LazyCuts:
+    """The lazy manifest at ``path`` without the cuts of ``speakers`` (the streaming loader's training cuts)."""
+
+    def __init__(self, path: Path, speakers) -> None:
+        self.path, self.keep = path, SpeakerFilter(speakers, inside=False)
+
+    def __call__(self):
+        from lhotse import CutSet
+
+        return CutSet.from_jsonl_lazy(self.path).filter(self.keep)
 
 
 class AsrDataModule(LightningDataModule):
@@ -274,14 +341,20 @@ class AsrDataModule(LightningDataModule):
         readers: ``stream``: processes that read and transform the cuts (features, front end,
             alignment) while the training process keeps the buffer and splices (0: the training
             process reads them). The batches are the same for any number; needs ``num_workers=0``.
+        cv_speakers: share of the training speakers held out as the cross-validation set ``cv``
+            that the learning-rate schedule reads in place of dev (nnet1: 0.1); 0 (default): none,
+            every training speaker is trained on and the schedule reads dev.
     """
 
     def __init__(self, data_dir: str | None = None,
                  features: Literal["fbank_sat", "fbank_fmllr", "fbank", "mfcc_fmllr"] = "fbank_sat", context: int = 8, batch_size: int = 256, dev_batch_size: int = 4096, warmup_fraction: float = 0.0,
                  warmup_batch_size: int = 64, seed: int = 0, loader: Literal["memory", "stream"] = "memory",
                  buffer_frames: int = 400_000, chunk_seconds: float = 30.0, cut_shuffle_buffer: int = 20_000,
-                 num_workers: int = 0, readers: int = 0) -> None:
+                 num_workers: int = 0, readers: int = 0, cv_speakers: float = 0.0) -> None:
         super().__init__()
+        if not 0.0 <= cv_speakers < 1.0:
+            raise ValueError(f"cv_speakers={cv_speakers}: give the share of training speakers to hold out, "
+                             "0 <= cv_speakers < 1 (nnet1: 0.1; 0: none)")
         if features not in FEATURES:
             raise ValueError(f"features={features!r}; use one of {FEATURES}")
         if loader not in ("memory", "stream"):
@@ -309,6 +382,7 @@ class AsrDataModule(LightningDataModule):
         self.data_dir = Path(data_dir)
         self._front_end: FrontEnd | None = None
         self.splits: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.cv_speaker_list: list[str] | None = None  # the held-out training speakers (cv_speakers > 0)
 
     @property
     def info(self) -> dict:
@@ -335,14 +409,44 @@ class AsrDataModule(LightningDataModule):
     def input_dim(self) -> int:
         return (2 * self.hparams.context + 1) * self.feat_dim
 
+    @property
+    def val_sets(self) -> tuple[str, ...]:
+        """Names of the validation loaders, in order: ``dev`` (when it has frames), then ``cv``."""
+        dev = ("dev",) if "dev" not in self.splits or len(self.splits["dev"][0]) else ()
+        return (*dev, "cv") if self.hparams.cv_speakers > 0 else ("dev",)
+
+    def held_out(self) -> list[str]:
+        """The cross-validation speakers (``held_out_speakers`` over this data dir's manifests), once."""
+        if self.cv_speaker_list is None:
+            from lhotse import CutSet
+
+            ali = self.data_dir / "ali"
+            train = [speaker_of(c) for c in CutSet.from_jsonl_lazy(ali / "train_cuts.jsonl.gz")]
+            others = set()
+            for path in (ali / "dev_cuts.jsonl.gz", self.data_dir / "manifests" / "dev_cuts.jsonl.gz",
+                         self.data_dir / "manifests" / "test_cuts.jsonl.gz"):
+                if path.exists():
+                    others.update(speaker_of(c) for c in CutSet.from_jsonl_lazy(path))
+            self.cv_speaker_list = held_out_speakers(train, self.hparams.cv_speakers, self.hparams.seed, others)
+            log.info("cv: %d of train's %d speakers held out of training for the schedule (seed %d): %s",
+                     len(self.cv_speaker_list), len(set(train)), self.hparams.seed, " ".join(self.cv_speaker_list))
+        return self.cv_speaker_list
+
     def setup(self, stage: str) -> None:
-        for split in ("train", "dev"):
+        held_out = self.held_out() if self.hparams.cv_speakers > 0 else []
+        splits = ("train", "dev", "cv") if held_out else ("train", "dev")
+        for split in splits:
             if split == "train" and self.hparams.loader == "stream":
                 continue
             if split not in self.splits:
-                self.splits[split] = load_split(self.data_dir / "ali" / f"{split}_cuts.jsonl.gz", self.front_end,
-                                                split, allow_empty=split == "dev")
+                keep = SpeakerFilter(held_out, inside=split == "cv") if split != "dev" and held_out else None
+                self.splits[split] = load_split(
+                    self.data_dir / "ali" / f"{'dev' if split == 'dev' else 'train'}_cuts.jsonl.gz", self.front_end,
+                    "dev" if split == "dev" else "train", allow_empty=split == "dev", keep=keep)
                 feats, _, offsets = self.splits[split]
+                if len(feats) == 0 and split == "cv":
+                    raise ValueError(f"cv: the held-out speakers {held_out} have no aligned utterances in "
+                                     f"{self.data_dir}/ali (see dropped.jsonl); use another --data.seed")
                 if len(feats) == 0:
                     log.warning("dev: no aligned utterances in %s/ali (see dropped.jsonl); dev frame accuracy "
                                 "is not computed", self.data_dir)
@@ -373,8 +477,9 @@ class AsrDataModule(LightningDataModule):
                 warm = int(hp.warmup_fraction * share) if epoch == 0 else 0
                 return batch_bounds([share], 0, hp.batch_size, warm, hp.warmup_batch_size)
 
+            path = self.data_dir / "ali" / "train_cuts.jsonl.gz"
             return ResumableLoader(StreamingFrameBatches(
-                self.data_dir / "ali" / "train_cuts.jsonl.gz", self.load_cut, hp.context, layout, self._epoch,
+                LazyCuts(path, self.held_out()) if hp.cv_speakers > 0 else path, self.load_cut, hp.context, layout, self._epoch,
                 self._rank, hp.seed, hp.buffer_frames, hp.chunk_seconds, hp.cut_shuffle_buffer, hp.readers),
                 hp.num_workers)
         feats, targets, offsets = self.splits["train"]
@@ -389,10 +494,18 @@ class AsrDataModule(LightningDataModule):
                                hp.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
-        feats, targets, offsets = self.splits["dev"]
+        if self.hparams.cv_speakers > 0:  # one loader per name of val_sets
+            return [self._eval_loader(name) for name in self.val_sets]
+        return self._eval_loader("dev") or []  # no aligned dev frames: validation is skipped
+
+    def _eval_loader(self, split: str) -> DataLoader | None:
+        feats, targets, offsets = self.splits[split]
         rank, world = self._rank()
         if len(feats) < world:
-            return []  # no aligned dev frames: validation is skipped
+            if split == "cv":
+                raise ValueError(f"cv: {len(feats)} frames of held-out speakers for {world} processes; hold more "
+                                 "speakers out (a larger --data.cv_speakers) or use fewer devices")
+            return None
 
         def batches(epoch: int) -> list[np.ndarray]:
             return shard_batches(len(feats), rank, world, self.hparams.dev_batch_size, 0, 0, shuffle=False)
