@@ -23,7 +23,7 @@ TRAIN_SPEAKERS = [f"spk{k}" for k in range(10)]
 def write_aligned_dir(data_dir: Path, speakers: dict[str, list[str]], utts_per_speaker: int = 4) -> Path:
     """What the DNN stage reads (as ``test_train.write_aligned_dir``), with the speakers given per split:
     ``ali/{train,dev}_cuts.jsonl.gz``, ``manifests/test_cuts.jsonl.gz`` (speakers only), ``ali/info.json``,
-    ``features/cmvn.json``, ``adapt/fbank_sat_trans.pkl``. A frame's pdf-id is the argmax of its first bins."""
+    ``features/cmvn.json``, ``adapt/fbank_{,sat_}trans.pkl``. A frame's pdf-id is the argmax of its first bins."""
     from lhotse import CutSet, Features, MonoCut, SupervisionSegment
     from lhotse.features.io import NumpyFilesWriter
 
@@ -52,8 +52,9 @@ def write_aligned_dir(data_dir: Path, speakers: dict[str, list[str]], utts_per_s
     zero = {"mean": [0.0] * FEAT_DIM, "std": [1.0] * FEAT_DIM, "frames": 1}
     (data_dir / "features" / "cmvn.json").write_text(json.dumps({"global": zero, "speakers": {}}))
     identity = np.hstack([np.eye(FEAT_DIM), np.zeros((FEAT_DIM, 1))])
-    with open(data_dir / "adapt" / "fbank_sat_trans.pkl", "wb") as f:
-        pickle.dump({spk: identity for names in speakers.values() for spk in names}, f)
+    for name in ("fbank_trans.pkl", "fbank_sat_trans.pkl"):  # what train.py checks for before it trains
+        with open(data_dir / "adapt" / name, "wb") as f:
+            pickle.dump({spk: identity for names in speakers.values() for spk in names}, f)
     return data_dir
 
 
@@ -73,6 +74,7 @@ def test_held_out_speakers_of_the_tiny_corpus_are_train_persons_never_dev_or_tes
     persons = set(train)
     assert len(persons) < len({c.supervisions[0].speaker for c in load_split(tiny_corpus, "train")}), \
         "a person (all settings and augmented copies of a voice) is held out, not a voice setting"
+    assert "kal" in persons, "flite's kal16 and festival's kal_diphone are one person"
     for fraction in (0.1, 0.3):
         got = held_out_speakers(train, fraction, seed=0, other_speakers=others)
         assert len(got) == int(fraction * len(persons) + 0.5) >= 1
@@ -205,6 +207,7 @@ def test_training_with_held_out_speakers_and_nnet1_logs_each_decision(aligned, t
                       "--data.data_dir", str(aligned), "--data.features", "fbank_sat", "--exp_dir", str(tmp_path),
                       "--trainer.max_epochs", "4", "--trainer.limit_val_batches", "null",
                       "--data.cv_speakers", "0.2", "--model.schedule", "nnet1"])
+    assert not (aligned / "settings.json").exists(), "the data dir was complete: train.py must not prepare data"
     summary = json.loads((Path(cli.config.trainer.default_root_dir) / "train_summary.json").read_text())
     decisions, epochs = summary["schedule_decisions"], summary["epochs"]
     assert summary["cv_speakers"] == cli.datamodule.cv_speaker_list and len(summary["cv_speakers"]) == 2

@@ -25,7 +25,7 @@ together complete) and every rank cuts its shard into the same number of batches
 ranks never wait on a missing batch.
 
 Cross-validation set (``cv_speakers`` > 0, Kaldi nnet1's ``subset_data_dir_tr_cv.sh --cv-spk-percent``):
-that fraction of the training speakers (``held_out_speakers``: persons, ``compare.cut_speaker``; never a
+that fraction of the training speakers (``held_out_speakers``: persons, ``speaker_of``; never a
 dev or test speaker; drawn by ``seed``) is held out of training and evaluated after every epoch as the
 validation set ``cv``, beside ``dev``; the model's learning-rate schedule reads ``cv`` in place of
 ``dev``. Its frames go through the training split's front end (their speakers' transforms are the
@@ -52,7 +52,6 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
-from local.dnn.compare import cut_speaker
 from local.dnn.front_end import FEATURES, FrontEnd, one_blas_thread
 from local.dnn.stream import StreamingFrameBatches
 
@@ -254,10 +253,18 @@ def load_split(cuts_path: Path, front_end: FrontEnd, split: str, allow_empty: bo
 
 
 def speaker_of(cut) -> str:
-    """The speaker a cut is held out by: the person (``compare.cut_speaker``; all rate/pitch settings and
-    augmented copies of a synthetic voice together), or the cut itself when it has none."""
+    """The speaker a cut is held out by: the supervision's speaker; on the synthetic corpus the person
+    behind the voice (``corpus_synthetic.person``: every rate/pitch setting and augmented copy of it, and
+    flite's and festival's voices of one recorded person, together); the cut itself when it has none."""
     sup = cut.supervisions[0] if cut.supervisions else None
-    return cut_speaker(sup) if sup is not None and sup.speaker is not None else f"utt:{cut.id}"
+    if sup is None or sup.speaker is None:
+        return f"utt:{cut.id}"
+    custom = sup.custom or {}
+    if "engine" in custom and "voice" in custom:
+        from local.data.corpus_synthetic import person
+
+        return person(custom["engine"], custom["voice"])
+    return sup.speaker
 
 
 def held_out_speakers(train_speakers, fraction: float, seed: int, other_speakers=()) -> list[str]:
