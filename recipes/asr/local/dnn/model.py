@@ -182,8 +182,10 @@ class AcousticModel(LightningModule):
 
     @property
     def schedule_decisions(self) -> list[dict]:
-        """``nnet1``: each epoch's decision (``local.dnn.schedule.Decision`` as a dict); else empty."""
-        return self._nnet1.state_dict()["decisions"] if self._nnet1 is not None else []
+        """``nnet1``: each epoch's decision (``local.dnn.schedule.Decision`` as a dict, the first epoch's
+        relative gain None); else empty."""
+        decisions = self._nnet1.state_dict()["decisions"] if self._nnet1 is not None else []
+        return [{**d, "rel_impr": d["rel_impr"] if math.isfinite(d["rel_impr"]) else None} for d in decisions]
 
     def on_fit_start(self) -> None:
         self._check_sam()
@@ -225,7 +227,8 @@ class AcousticModel(LightningModule):
                 group["lr"] *= 0.5
         if decision.stop:
             self.trainer.should_stop = True
-        log.info("nnet1 schedule on %s: %s", which, decision.describe(lr_before, optimizer.param_groups[0]["lr"]))
+        if self.trainer.is_global_zero:  # every rank decides the same
+            log.info("nnet1 schedule on %s: %s", which, decision.describe(lr_before, optimizer.param_groups[0]["lr"]))
         self.log("cv_accepted", float(decision.accepted), on_epoch=True, on_step=False)
         if math.isfinite(decision.rel_impr):
             self.log("cv_rel_impr", decision.rel_impr, on_epoch=True, on_step=False)
