@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch import Callback
 from local.dnn.datamodule import AsrDataModule, held_out_speakers, speaker_of
 from local.dnn.model import AcousticModel
 from local.dnn.schedule import Nnet1Schedule
@@ -222,3 +223,41 @@ def test_training_with_held_out_speakers_and_nnet1_logs_each_decision(aligned, t
     metrics = (Path(cli.config.trainer.default_root_dir) / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"cv_loss", "cv_frame_acc", "dev_loss", "dev_frame_acc", "cv_accepted"} <= set(metrics)
     assert epochs >= len(decisions)
+
+
+class Interrupt(Callback):
+    """Fails the run when step ``at`` starts, after the checkpoint of the step before (as test_resume's)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            raise RuntimeError(f"interrupted at step {self.at}")
+
+
+def test_a_run_resumed_mid_epoch_decides_and_ends_as_an_uninterrupted_one(aligned, tmp_path):
+    """The schedule's state (best loss, halving, decisions, the accepted weights) goes into the checkpoint:
+    resumed in epoch 1 (steps 4-7), whose rejection restores epoch 0's weights, the run ends bit for bit
+    as one never interrupted."""
+    import train
+
+    def args(name: str) -> list[str]:
+        return ["--config", str(ROOT / "conf" / "tiny.yaml"), "--strategy", "single", "--run_name", name,
+                "--data.data_dir", str(aligned), "--data.features", "fbank_sat", "--exp_dir", str(tmp_path),
+                "--trainer.max_epochs", "4", "--data.cv_speakers", "0.2", "--model.schedule", "nnet1",
+                "--model.lr", "20", "--checkpoint_every_n_steps", "2"]  # a rate that gets epoch 1 rejected
+
+    def weights(cli) -> dict:
+        return {k: v.clone() for k, v in cli.model.state_dict().items()}
+
+    whole = weights(train.main(args("whole")))
+    decisions = json.loads((tmp_path / "whole" / "train_summary.json").read_text())["schedule_decisions"]
+    assert [d["accepted"] for d in decisions][:2] == [True, False], "epoch 1 not rejected: change the rate"
+    cli = train.build_cli(args("resumed"))
+    cli.trainer.callbacks.append(Interrupt(6))
+    with pytest.raises(RuntimeError, match="interrupted at step 6"):
+        train.fit(cli)
+    resumed = weights(train.main(args("resumed") + ["--ckpt_path", "last"]))
+    assert json.loads((tmp_path / "resumed" / "train_summary.json").read_text())["schedule_decisions"] == decisions
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)

@@ -174,6 +174,9 @@ class AcousticModel(LightningModule):
         accuracies in ``cv_acc_history``, else ``dev_acc_history`` (newbob: once it starts halving it
         halves every epoch)."""
         hp, history = self.hparams, self.cv_acc_history or self.dev_acc_history
+        if hp.schedule == "nnet1":
+            raise ValueError("schedule='nnet1' decides in on_train_epoch_end (it restores weights and may stop "
+                             "training), inside a Lightning fit only; use 'newbob' or 'halve' here")
         if hp.schedule == "newbob":
             gain = history[-1] - history[-2] if len(history) >= 2 else float("inf")
             self._newbob_halving |= gain < hp.newbob_threshold and epoch >= hp.hold_epochs
@@ -204,6 +207,10 @@ class AcousticModel(LightningModule):
         which = "cv" if self.loss_history["cv"] else "dev"
         losses = self.loss_history[which]
         if len(losses) != len(self._nnet1.decisions) + 1:
+            if 0 < self.trainer.max_steps <= self.trainer.global_step:  # cut short mid-epoch: no validation ran
+                log.info("nnet1 schedule: epoch %d ended at max_steps before its validation; no decision",
+                         self.current_epoch)
+                return
             raise RuntimeError(f"schedule='nnet1' after epoch {self.current_epoch}: no new cross-validation loss "
                                f"({len(losses)} for {len(self._nnet1.decisions) + 1} epochs); it needs a validation "
                                "pass after every epoch over a set with aligned frames: hold training speakers out "
