@@ -169,7 +169,7 @@ def test_model_restores_the_accepted_weights_and_halves_on_a_rejection(monkeypat
     monkeypatch.setattr(AcousticModel, "optimizers", lambda self: opt)
     monkeypatch.setattr(AcousticModel, "log", lambda self, *a, **k: None)
     trainer = type("T", (), {"current_epoch": 0, "world_size": 1, "should_stop": False, "datamodule": None,
-                              "is_global_zero": True})()
+                              "is_global_zero": True, "max_steps": -1, "global_step": 0})()
     model._trainer = trainer
     model.on_fit_start()
     weights = []
