@@ -123,6 +123,9 @@ def test_cv_set_holds_the_held_out_speakers_utterances_and_train_the_rest(aligne
     loaders = dm.val_dataloader()
     assert len(loaders) == 2 and sum(len(b["y"]) for b in loaders[1]) == cv_offsets[-1]
     assert sum(len(b["y"]) for b in plain.val_dataloader()) == len(plain.splits["dev"][1])
+    stream = AsrDataModule(data_dir=str(aligned), cv_speakers=0.2, loader="stream", buffer_frames=100)
+    stream.setup("fit")  # the streaming loader's epoch: the same training frames, read lazily
+    assert sum(len(b["y"]) for b in stream.train_dataloader()) == len(train_feats)
 
 
 # --- the schedule's decisions ------------------------------------------------------------------------
