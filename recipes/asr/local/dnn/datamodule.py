@@ -419,7 +419,7 @@ class AsrDataModule(LightningDataModule):
     @property
     def val_sets(self) -> tuple[str, ...]:
         """Names of the validation loaders, in order: ``dev`` (when it has frames), then ``cv``."""
-        dev = ("dev",) if "dev" not in self.splits or len(self.splits["dev"][0]) else ()
+        dev = ("dev",) if "dev" not in self.splits or len(self.splits["dev"][0]) >= self._rank()[1] else ()
         return (*dev, "cv") if self.hparams.cv_speakers > 0 else ("dev",)
 
     def held_out(self) -> list[str]:
