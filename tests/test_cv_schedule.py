@@ -202,6 +202,15 @@ def test_model_restores_the_accepted_weights_and_halves_on_a_rejection(monkeypat
         model.on_train_epoch_end()  # no validation after this epoch
 
 
+def test_newbob_reads_the_held_out_speakers_in_place_of_dev(monkeypatch):
+    model = AcousticModel(input_dim=4, num_pdfs=2, hidden_dim=2, num_layers=1, schedule="newbob")
+    model.dev_acc_history = [0.30, 0.40]  # dev would keep the rate: a 10-point gain
+    model.cv_acc_history = [0.30, 0.301]  # the held-out speakers gained 0.1 point: halve
+    assert model.halve_after_epoch(1)
+    with pytest.raises(ValueError, match="inside a Lightning fit"):
+        AcousticModel(input_dim=4, num_pdfs=2, hidden_dim=2, num_layers=1, schedule="nnet1").halve_after_epoch(0)
+
+
 # --- one short run with both options -----------------------------------------------------------------
 
 def test_training_with_held_out_speakers_and_nnet1_logs_each_decision(aligned, tmp_path, caplog):

@@ -108,7 +108,7 @@ class AcousticModel(LightningModule):
         self.cv_acc_history: list[float] = []  # held-out training speakers' frame accuracy (--data.cv_speakers)
         self.loss_history: dict[str, list[float]] = {"dev": [], "cv": []}  # frame-averaged cross-entropy
         self._newbob_halving = False  # newbob: once it starts halving it halves every epoch
-        self._accepted: dict[str, torch.Tensor] | None = None  # nnet1: weights of the last accepted epoch
+        self._accepted: dict | None = None  # nnet1: parameters and optimizer state of the last accepted epoch
         self._val_counts: dict[str, torch.Tensor] = {}  # per set: correct, total frames, summed cross-entropy
         self._epoch_frames = 0
         self._epoch_start = self._last_batch_end = 0.0
@@ -195,8 +195,9 @@ class AcousticModel(LightningModule):
         if self._nnet1 is not None and self._accepted is None:  # the initial weights: nnet1's mlp_init
             self._accepted = self._weights()
 
-    def _weights(self) -> dict[str, torch.Tensor]:
-        """A copy of the parameters and of the optimizer's state (SGD's momentum buffers)."""
+    def _weights(self) -> dict:
+        """A copy of the parameters and of the optimizer's state (SGD's momentum buffers); a strategy's
+        own state (GTC's residuals) is not the model's and stays as it is on a rejection."""
         optimizer = self.optimizers()
         optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper, or a plain one in tests
         return {"params": [p.detach().clone() for p in self.parameters()],
