@@ -435,8 +435,10 @@ class AsrDataModule(LightningDataModule):
                 if path.exists():
                     others.update(speaker_of(c) for c in CutSet.from_jsonl_lazy(path))
             self.cv_speaker_list = held_out_speakers(train, self.hparams.cv_speakers, self.hparams.seed, others)
-            log.info("cv: %d of train's %d speakers held out of training for the schedule (seed %d): %s",
-                     len(self.cv_speaker_list), len(set(train)), self.hparams.seed, " ".join(self.cv_speaker_list))
+            held = sum(s in self.cv_speaker_list for s in train)  # speakers differ in size: say the share
+            log.info("cv: %d of train's %d speakers held out of training for the schedule (seed %d), %d of its %d "
+                     "utterances (%.1f %%): %s", len(self.cv_speaker_list), len(set(train)), self.hparams.seed, held,
+                     len(train), 100 * held / len(train), " ".join(self.cv_speaker_list))
         return self.cv_speaker_list
 
     def setup(self, stage: str) -> None:
