@@ -580,7 +580,7 @@ def test_recipe_readme_quotes_the_current_build():
 def test_docstrings_say_what_the_code_does():
     """The two docstrings of item 1: the model suite's count of methods and GTCStrategy's dense fallback."""
     suite_src = _source("gtc_lightning/tools/model_suite.py")
-    methods = re.search(r"DEFAULT_METHODS = \[(.*?)\]", suite_src).group(1)
+    methods = re.search(r"DEFAULT_METHODS = \[(.*?)\]", suite_src, re.DOTALL).group(1)
     count = len(re.findall(r'"[^"]+"', methods))
     assert f"4 models x {count} methods x 3 seeds" in suite_src
     config = _source("gtc_lightning/algorithms/gtc/config.py")

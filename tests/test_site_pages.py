@@ -47,3 +47,11 @@ def test_api_page_documents_every_public_name():
     documented = set(re.findall(r"^\.\. auto(?:class|function):: gtc_lightning\.(\w+)$", page, flags=re.MULTILINE))
     missing = sorted(set(gtc_lightning.__all__) - documented)
     assert not missing, f"docs/reference/api.md lacks {missing}: add an autoclass/autofunction line for each"
+
+
+def test_every_tool_with_a_command_line_is_on_the_cli_page():
+    """A module of ``gtc_lightning/tools`` that runs as ``python -m`` is one of the page's commands."""
+    tools = ROOT / "gtc_lightning" / "tools"
+    runnable = sorted(p.stem for p in tools.glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+    missing = [t for t in runnable if t not in cli_help.TOOLS]
+    assert not missing, f"{missing}: add them to TOOLS in docs/cli_help.py and run python docs/cli_help.py"
