@@ -55,3 +55,23 @@ def test_every_tool_with_a_command_line_is_on_the_cli_page():
     runnable = sorted(p.stem for p in tools.glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
     missing = [t for t in runnable if t not in cli_help.TOOLS]
     assert not missing, f"{missing}: add them to TOOLS in docs/cli_help.py and run python docs/cli_help.py"
+
+
+def test_the_site_includes_the_recipe_readme_and_results():
+    """The docs site shows the recipe's README and RESULTS.md as pages (included, so never a stale copy)."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    for name in ("README", "RESULTS"):
+        page = (ROOT / "docs" / "recipe" / f"{name}.md").read_text()
+        assert f"```{{include}} ../../recipes/asr/{name}.md" in page and f"recipe/{name}\n" in index
+
+
+def test_multi_node_torchrun_commands_rendezvous_with_c10d():
+    """torchrun across nodes with a rendezvous endpoint needs the c10d backend: the static one gives
+    every node rank 0."""
+    commands = []
+    for page in sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]:
+        text = page.read_text().replace("\\\n", " ")
+        commands += [(page, line) for line in text.splitlines() if "torchrun" in line and "--rdzv-endpoint" in line]
+    assert commands, "no multi-node torchrun command found (the guide's multi_node page has one)"
+    bad = [f"{p.relative_to(ROOT)}: {line.strip()}" for p, line in commands if "--rdzv-backend c10d" not in line]
+    assert not bad, "add --rdzv-backend c10d:\n" + "\n".join(bad)
