@@ -53,10 +53,12 @@ import gtc_lightning  # noqa: F401  (fills StrategyRegistry with the family's na
 from gtc_lightning import BF16AllReduceStrategy, PowerSGDStrategy, parameter_checksums
 from gtc_lightning.algorithms.common import allreduce_bytes
 from gtc_lightning.tools.model_suite import (
+    STATS,
     count_hook_allreduces,
     quiet_lightning,
     registered_hook,
     restore_environment,
+    stats_bytes_sent,
 )
 
 DEFAULT_STRATEGIES = ["ddp", "ddp_bf16", "gtc"]
@@ -184,7 +186,7 @@ def validation_schedule(max_steps: int, evals: int) -> int:
 
 def bytes_source(strategy: Strategy) -> str | None:
     """How this strategy's bytes are known, or ``None`` (not measured)."""
-    stats = [name for name in ("gtc_stats", "sync_stats") if hasattr(type(strategy), name)]
+    stats = [name for name in STATS if hasattr(type(strategy), name)]
     if stats:
         return "+".join(stats)
     if isinstance(strategy, PowerSGDStrategy):
@@ -242,8 +244,7 @@ class CompareProbe(L.Callback):
             else:  # the gradient in the parameters' own dtype
                 per_step = allreduce_bytes(sum(p.numel() * p.element_size() for p in trainable), world, 1)
             return float(trainer.global_step * per_step)
-        totals = [getattr(strategy, name)["total"] for name in self._source.split("+")]
-        return float(sum(t["bytes_sent"] for t in totals if t is not None))
+        return stats_bytes_sent(strategy)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if pl_module.device.type == "cuda":

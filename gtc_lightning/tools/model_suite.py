@@ -233,6 +233,19 @@ def own_memory_bytes(strategy: Strategy) -> int:
     return 0  # DDP; bf16's cast copy of a bucket exists only while it is all-reduced
 
 
+STATS = ("gtc_stats", "sync_stats")  # a strategy's own counts of what it sent
+
+
+def stats_bytes_sent(strategy: Strategy) -> float | None:
+    """The bytes a strategy that counts them has sent on this rank (the sum over its ``gtc_stats`` and
+    ``sync_stats``: GTC's words, the family's syncs, both for BMUF-GTC); ``None`` for one that does not."""
+    names = [name for name in STATS if hasattr(type(strategy), name)]
+    if not names:
+        return None
+    totals = [getattr(strategy, name)["total"] for name in names]
+    return float(sum(t["bytes_sent"] for t in totals if t is not None))
+
+
 def registered_hook(strategy: Strategy) -> str:
     """The name of the communication hook DDP ran (its own logging data), so a run shows which
     exchange it measured; ``"allreduce"`` for DDP's built-in one."""
@@ -278,14 +291,9 @@ class SuiteProbe(L.Callback):
     def bytes_sent(self, trainer, pl_module) -> float:
         """Bytes this rank has put on the wire for gradients since the start of fit."""
         strategy, world = trainer.strategy, trainer.world_size
-        if hasattr(type(strategy), "sync_stats"):  # the family: its syncs, and GTC's words within groups
-            total = strategy.sync_stats["total"]
-            sent = float(total["bytes_sent"]) if total else 0.0
-            if isinstance(strategy, GTCStrategy) and strategy.gtc_state is not None:
-                sent += float(strategy.gtc_stats["total"]["bytes_sent"])
-            return sent
-        if isinstance(strategy, GTCStrategy):
-            return float(strategy.gtc_stats["total"]["bytes_sent"]) if strategy.gtc_state is not None else 0.0
+        counted = stats_bytes_sent(strategy)
+        if counted is not None:
+            return counted
         if isinstance(strategy, PowerSGDStrategy):
             return float(self._counter[0])
         element = 2 if isinstance(strategy, BF16AllReduceStrategy) else 4
