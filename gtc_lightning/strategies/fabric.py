@@ -245,8 +245,8 @@ class GTCFabricStrategy(DDPStrategy):
                 "fabric.setup_optimizers(opt_a, opt_b)), or use GTCFabricStrategy(compress='gradient')"
             )
         state.compress = mode
-        if unused_update_options(state):
-            rank_zero_warn(unused_update_options(state))
+        if unused := unused_update_options(state):
+            rank_zero_warn(unused)
 
     def _refuse_clipping(self, what: str) -> None:
         raise ValueError(

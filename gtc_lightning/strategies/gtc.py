@@ -350,8 +350,8 @@ class GTCStrategy(DDPStrategy):
         why = "compress='auto' with " + ("one optimizer" if mode == "update" else "stale=True" if self._stale else many)
         if auto and mode == "gradient" and not self._stale:
             warn_gradient_mode_for_adaptive("GTC", self.optimizers)
-        if unused_update_options(state):
-            rank_zero_warn(unused_update_options(state))
+        if unused := unused_update_options(state):
+            rank_zero_warn(unused)
         if self.global_rank == 0:
             log.info("GTC compresses %s (%s): %s", "each rank's optimizer step" if mode == "update" else "the gradient",
                      ", ".join(type(o).__name__ for o in self.optimizers), why if auto else "as asked")  # fmt: skip
