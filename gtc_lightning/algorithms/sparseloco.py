@@ -211,44 +211,51 @@ class SparseLoCoState(BMUFState):
             self.global_params.numel(), dtype=torch.float32, device=self.global_params.device
         )
 
-    def _link(self) -> _Link:
-        group = self.process_group
-        busy = busy_wait_fits(group) if self.busy_wait is None else self.busy_wait
+    def _link(self, group: dist.ProcessGroup | None, in_thread: bool) -> _Link:
+        """GTC's collectives on ``group``; a sync in a thread of its own (``overlap``) waits without polling,
+        to leave the core to the local steps."""
+        busy = False if in_thread else busy_wait_fits(group) if self.busy_wait is None else self.busy_wait
         return _Link(group, dist.get_world_size(group), dist.get_rank(group), self.exchange_kind, busy)
 
-    def _tau(self, link: _Link) -> float:
+    def _tau(self, residual: torch.Tensor, link: _Link, step: int) -> float:
         """Step 2, from a sample seeded by the sync and the rank (a resumed run draws the same one)."""
-        device = self.residual.device
+        device = residual.device
         if self._sampler is None or self._sampler.device != device:
             self._sampler = torch.Generator(device=device)
-        self._sampler.manual_seed(self.step * 1_000_003 + link.rank)
-        return rank_tau(self.residual, self.density, None, self._sampler)
+        self._sampler.manual_seed(step * 1_000_003 + link.rank)
+        return rank_tau(residual, self.density, None, self._sampler)
 
     @override
-    def exchange(self, params: list[torch.Tensor], optimizers: list[Optimizer]) -> tuple[int, int]:
-        """Steps 1-6; returns (sent, received) bytes. Raises ``RuntimeError`` on every rank alike when some
-        rank's block update holds a NaN or Inf (before any payload is sent)."""
-        assert self.global_params is not None and self.delta is not None and self.residual is not None
-        local = flatten(params)
-        w, delta = self.global_params, self.delta
-        if w.device != local.device:  # loaded from a shard: on the CPU
-            self.global_params, self.delta = w, delta = w.to(local.device), delta.to(local.device)
-            self.residual = self.residual.to(local.device)
-        link = self._link()
-        world, rank = link.world_size, link.rank
+    def _move_to(self, device: torch.device) -> None:
+        super()._move_to(device)
+        assert self.residual is not None
+        if self.residual.device != device:
+            self.residual = self.residual.to(device)
+
+    @override
+    def mean_update(
+        self, update: torch.Tensor, part: slice, group: dist.ProcessGroup | None, step: int
+    ) -> tuple[torch.Tensor, int, int]:
+        """Steps 1-5 on ``part`` of the model: ``update`` (this rank's block update of the part at the sync of
+        optimizer step ``step``) into the
+        part's residual, the threshold, the words and values, the exchange and the rank-ordered decode.
+        Returns the decoded mean ``d`` (float32) and the bytes sent and received. Raises ``RuntimeError`` on
+        every rank alike when some rank's block update holds a NaN or Inf (before any payload is sent)."""
+        assert self.residual is not None
+        residual = self.residual[part]
+        link = self._link(group, in_thread=group is not self.process_group)
+        world, rank, device = link.world_size, link.rank, residual.device
 
         # 1-3. This rank's block update into its residual, the threshold, the words and their values.
-        start = torch.add(w, delta, alpha=self.block_momentum) if self.nesterov else w
-        update = (local.to(w.dtype) - start).to(torch.float32)
         if self.error_decay != 1.0:
-            self.residual.mul_(self.error_decay)
-        self.residual.add_(update)
-        tau32 = self._tau(link)
+            residual.mul_(self.error_decay)
+        residual.add_(update.to(torch.float32))
+        tau32 = self._tau(residual, link, step)
         if math.isfinite(tau32) and tau32 > 0.0:
-            words, value_bytes, a, b, bad = select_(self.residual, tau32, self.values)
+            words, value_bytes, a, b, bad = select_(residual, tau32, self.values)
         else:  # nothing to send (all zero), or the sample met a NaN/Inf
-            words, value_bytes, a, b = torch.zeros(0, dtype=torch.int32, device=local.device), None, 0.0, 0.0
-            bad = 0 if tau32 == 0.0 else max(1, int((~torch.isfinite(self.residual)).sum()))
+            words, value_bytes, a, b = torch.zeros(0, dtype=torch.int32, device=device), None, 0.0, 0.0
+            bad = 0 if tau32 == 0.0 else max(1, int((~torch.isfinite(residual)).sum()))
         if bad:
             words = words[:0]
         index_bytes = rice_encode(words) if self.coding == "rice" else words.view(torch.uint8)
@@ -257,13 +264,13 @@ class SparseLoCoState(BMUFState):
         # 4. Headers, then payloads.
         header = torch.tensor(
             [words.numel(), index_bytes.numel(), payload.numel(), bad, _bits(a), _bits(b)],
-            dtype=torch.int64, device=local.device,
+            dtype=torch.int64, device=device,
         )  # fmt: skip
         headers = send_header(link, header).view(world, HEADER).cpu()
         bad_ranks = [r for r, n in enumerate(headers[:, 3].tolist()) if n]
         if bad_ranks:
             raise RuntimeError(
-                f"{type(self).__name__}: at the block sync of optimizer step {self.step} the block update holds NaN "
+                f"{type(self).__name__}: at the block sync of optimizer step {step} the block update holds NaN "
                 f"or Inf on rank(s) {bad_ranks}; every rank stops here, before any payload is sent. A local step "
                 "diverged: lower the inner learning rate or the period, or clip the gradients (gradient_clip_val)"
             )
@@ -277,19 +284,35 @@ class SparseLoCoState(BMUFState):
         )
 
         # 5. Decode rank by rank into d.
-        decoded = torch.zeros_like(self.residual)
-        for r, part in enumerate(parts):
+        decoded = torch.zeros_like(residual)
+        for r, payload_r in enumerate(parts):
             if not counts[r]:
                 continue
             if r == rank:
                 rank_words = words
             elif self.coding == "rice":
-                rank_words = rice_decode(part[: index_sizes[r]])
+                rank_words = rice_decode(payload_r[: index_sizes[r]])
             else:
-                rank_words = part[: index_sizes[r]].view(torch.int32)
+                rank_words = payload_r[: index_sizes[r]].view(torch.int32)
             a_r, b_r = _float(int(headers[r, 4])), _float(int(headers[r, 5]))
-            votes = decode_values(rank_words, part[index_sizes[r] :], a_r, b_r, self.values) / world
+            votes = decode_values(rank_words, payload_r[index_sizes[r] :], a_r, b_r, self.values) / world
             decoded.index_add_(0, (rank_words & INDEX_MASK).long(), votes)
+        self.totals["words"] += words.numel()
+        header_bytes = (world - 1) * HEADER * 8 if world > 1 else 0
+        return decoded, header_bytes + sent, header_bytes + received
+
+    @override
+    def exchange(self, params: list[torch.Tensor], optimizers: list[Optimizer]) -> tuple[int, int]:
+        """Steps 1-6 (streamed by part with ``fragments``/``overlap``); returns (sent, received) bytes."""
+        assert self.global_params is not None and self.delta is not None and self.residual is not None
+        if self.streamed:
+            return super().exchange(params, optimizers)
+        local = flatten(params)
+        self._move_to(local.device)
+        w, delta = self.global_params, self.delta
+        start = torch.add(w, delta, alpha=self.block_momentum) if self.nesterov else w
+        update = (local.to(w.dtype) - start).to(torch.float32)
+        decoded, sent, received = self.mean_update(update, slice(None), self.process_group, self.step)
 
         # 6. BMUF's filter on the decoded mean update; every rank moves to the same start point.
         delta.mul_(self.block_momentum).add_(decoded.to(delta.dtype), alpha=self.block_lr)
@@ -298,9 +321,7 @@ class SparseLoCoState(BMUFState):
         if self.optimizer_state == "reset":
             for optimizer in optimizers:
                 optimizer.state.clear()
-        self.totals["words"] += words.numel()
-        header_bytes = (world - 1) * HEADER * 8 if world > 1 else 0
-        return header_bytes + sent, header_bytes + received
+        return sent, received
 
     @override
     def state_dict(self) -> dict:

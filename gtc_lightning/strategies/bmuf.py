@@ -51,6 +51,7 @@ from typing_extensions import override
 from gtc_lightning.algorithms.averaging.bmuf import (
     BMUFState,
     check_block_args,
+    check_stream_args,
     default_block_momentum,
     group_ranks,
 )
@@ -74,6 +75,14 @@ class BMUFStrategy(ModelAveragingStrategy):
         block_momentum: η in [0, 1); ``None``: Chen & Huo's 1 - 1/N for N ranks (0.5 at 2, 0.75 at 4).
         block_lr: ζ > 0; Chen & Huo use 1. (DiLoCo's outer learning rate.)
         nesterov: Nesterov block momentum (the default, as in CNTK's BMUF and in DiLoCo).
+        fragments: F > 1 syncs F contiguous parts of the model in turn, one every ``period // F`` steps
+            (Streaming DiLoCo's fragments: each part still every ``period`` steps, 1/F of the bytes at a time);
+            F must divide ``period``.
+        overlap: each sync's exchange runs in a thread (on a process group of its own) while the next
+            ``period // F`` local steps do, and lands at the next sync: the outer step is that much late, the
+            transfer hidden under compute. Each rank keeps what its local steps did meanwhile. The exchange in
+            flight lands at the end of fit and is in every checkpoint shard.
+            ``fragments`` and ``overlap`` need ``optimizer_state="keep"``.
         warmup_steps, optimizer_state, scale_lr, restore_shards, kwargs: as for
             :class:`~gtc_lightning.strategies.averaging.ModelAveragingStrategy`; the first block starts after
             the warmup (``scale_lr`` with the default η makes up for the averaging twice). Every
@@ -90,15 +99,26 @@ class BMUFStrategy(ModelAveragingStrategy):
         block_momentum: float | None = None,
         block_lr: float = 1.0,
         nesterov: bool = True,
+        fragments: int = 1,
+        overlap: bool = False,
         warmup_steps: int = 0,
         optimizer_state: Literal["keep", "reset", "average"] = "keep",
         **kwargs: Any,
     ) -> None:
         check_block_args(block_momentum, block_lr)
+        check_int("period", period, 1, "local optimizer steps in a block")
+        check_stream_args(period, fragments, overlap, optimizer_state)
+        if overlap and kwargs.get("process_group") is not None:
+            raise ValueError(
+                f"{type(self).__name__}: overlap=True makes a process group of its own over all ranks, which a "
+                "process_group given to DDP would not match; leave process_group out, or use overlap=False"
+            )
         super().__init__(period=period, warmup_steps=warmup_steps, optimizer_state=optimizer_state, **kwargs)
         self._block_momentum = block_momentum
         self._block_lr = float(block_lr)
         self._nesterov = bool(nesterov)
+        self._fragments = fragments
+        self._overlap = overlap
 
     @property
     def block_momentum(self) -> float | None:
@@ -115,6 +135,21 @@ class BMUFStrategy(ModelAveragingStrategy):
     def nesterov(self) -> bool:
         return self._nesterov
 
+    @property
+    def fragments(self) -> int:
+        return self._fragments
+
+    @property
+    def overlap(self) -> bool:
+        return self._overlap
+
+    @override
+    def on_train_end(self) -> None:
+        """The exchange in flight (``overlap``) lands: no block update is left unapplied."""
+        if isinstance(self._state, BMUFState):
+            self._state.finish(self._params)
+        super().on_train_end()
+
     @override
     def _new_state(self) -> BMUFState:
         group = self._ddp_kwargs.get("process_group")
@@ -122,13 +157,16 @@ class BMUFStrategy(ModelAveragingStrategy):
         eta = default_block_momentum(dist.get_world_size(group)) if eta is None else eta
         return BMUFState(
             period=self._period, block_momentum=eta,
-            block_lr=self._block_lr, nesterov=self._nesterov, warmup_steps=self._warmup_steps,
-            optimizer_state=self._optimizer_state, process_group=group,
+            block_lr=self._block_lr, nesterov=self._nesterov, fragments=self._fragments, overlap=self._overlap,
+            warmup_steps=self._warmup_steps, optimizer_state=self._optimizer_state, process_group=group,
         )  # fmt: skip
 
     @override
     def _describe(self) -> str:
-        block = f"block_momentum={self.block_momentum}, block_lr={self._block_lr}, nesterov={self._nesterov}"
+        block = (
+            f"block_momentum={self.block_momentum}, block_lr={self._block_lr}, nesterov={self._nesterov}, "
+            f"fragments={self._fragments}, overlap={self._overlap}"
+        )
         return f"{super()._describe()}, {block}"
 
 

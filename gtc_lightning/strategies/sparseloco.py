@@ -67,6 +67,8 @@ class SparseLoCoStrategy(BMUFStrategy):
             below 1 forgets old unsent updates, as SparseLoCo's decayed accumulator.
         exchange: ``"auto"`` (all-to-all on gloo, a padded all-gather elsewhere), ``"alltoall"``, ``"allgather"``.
         busy_wait: poll the sync's collectives (``None``: on gloo when each rank has a core).
+        fragments, overlap: as for :class:`BMUFStrategy` (Streaming DiLoCo's parts synced in turn, and the
+            exchange overlapped with the next local steps); each part keeps its own slice of the residual.
         warmup_steps, optimizer_state, kwargs: as for :class:`BMUFStrategy` (``scale_lr``,
             ``restore_shards``, DDP's arguments). ``optimizer_state="average"`` is refused: it all-reduces
             the moments densely. Every rank's checkpoint shard (``<checkpoint>.sparseloco/rank<r>.pt``)
@@ -88,6 +90,8 @@ class SparseLoCoStrategy(BMUFStrategy):
         error_decay: float = 1.0,
         exchange: Literal["auto", "alltoall", "allgather"] = "auto",
         busy_wait: bool | None = None,
+        fragments: int = 1,
+        overlap: bool = False,
         warmup_steps: int = 0,
         optimizer_state: Literal["keep", "reset"] = "keep",
         **kwargs: Any,
@@ -101,7 +105,8 @@ class SparseLoCoStrategy(BMUFStrategy):
             )
         super().__init__(
             period=period, block_momentum=block_momentum, block_lr=block_lr, nesterov=nesterov,
-            warmup_steps=warmup_steps, optimizer_state=optimizer_state, **kwargs,
+            fragments=fragments, overlap=overlap, warmup_steps=warmup_steps, optimizer_state=optimizer_state,
+            **kwargs,
         )  # fmt: skip
         self._density = float(density)
         self._values = values
@@ -139,7 +144,8 @@ class SparseLoCoStrategy(BMUFStrategy):
         return SparseLoCoState(
             period=self._period, block_momentum=eta, block_lr=self._block_lr, nesterov=self._nesterov,
             density=self._density, values=self._values, coding=self._coding, error_decay=self._error_decay,
-            exchange=self._exchange, busy_wait=self._busy_wait, warmup_steps=self._warmup_steps,
+            exchange=self._exchange, busy_wait=self._busy_wait, fragments=self._fragments, overlap=self._overlap,
+            warmup_steps=self._warmup_steps,
             optimizer_state=self._optimizer_state, process_group=group,
         )  # fmt: skip
 

@@ -166,6 +166,7 @@ class AveragingState:
             raise ValueError(f"Expect optimizer_state in {OPTIMIZER_STATES}, got {optimizer_state!r}")
         # The hyper-parameters.
         self.period = period
+        self.sync_interval = period  # optimizer steps between two syncs (BMUF's fragments sync more often)
         self.warmup_steps = warmup_steps
         self.optimizer_state = optimizer_state
         self.process_group = process_group
@@ -203,7 +204,7 @@ class AveragingState:
             stats = record(mode="warmup", bytes_sent=dense, bytes_received=dense, exchange_s=0.0)
             if self.step == self.warmup_steps:
                 self.begin(params)
-        elif (self.step - self.warmup_steps) % self.period:
+        elif (self.step - self.warmup_steps) % self.sync_interval:
             stats = record(mode="local", bytes_sent=0, bytes_received=0, exchange_s=0.0)
         else:
             start = time.perf_counter()
