@@ -7,6 +7,7 @@ hand for that schedule; then 2-rank Lightning runs check a resume with an exchan
 
 import time
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -180,6 +181,31 @@ def test_resume_with_an_exchange_in_flight_is_bit_exact(tmp_path, strategy, opti
         assert [rec["global_step"] for rec in a["records"]] == [5, 6, 7, 8]
         for t, (x, y) in enumerate(zip(a["records"], b["records"][4:]), start=5):
             assert torch.equal(x["params"], y["params"]), f"rank {r}: step {t} differs from the uninterrupted run"
+
+
+class FinalParams(L.Callback):
+    """Each rank's parameters as the callbacks see them at the end of fit."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        torch.save(flat, self.out_dir / f"final{trainer.global_rank}.pt")
+
+
+def test_the_callbacks_see_the_last_exchange_landed(tmp_path):
+    """Period 4, overlap, 8 steps: the exchange launched at step 8 lands before any other callback's
+    ``on_train_end``, so a checkpoint or evaluation at the end of fit gets the synced model, one on every rank."""
+    out = tmp_path / "run"
+    out.mkdir()
+    trainer_kwargs = {"callbacks": [FinalParams(out)]}
+    _, ranks, syncs = fit_recorded(out, BMUFStrategy, period=4, overlap=True, block_momentum=0.0,
+                                   trainer_kwargs=trainer_kwargs)  # fmt: skip
+    final = [torch.load(out / f"final{r}.pt") for r in range(2)]
+    assert torch.equal(final[0], final[1])
+    assert not torch.equal(ranks[0]["records"][-1]["params"], ranks[1]["records"][-1]["params"])
+    assert syncs[0][-1]["total"]["syncs"] == 2
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
@@ -65,6 +65,14 @@ from gtc_lightning.strategies.loggers import SyncStatsLogger
 log = logging.getLogger(__name__)
 
 
+
+
+class _LandInFlight(Callback):
+    """At the end of fit, before the other callbacks: the exchange in flight (``overlap=True``) lands."""
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if isinstance(trainer.strategy, BMUFStrategy):
+            trainer.strategy._land()
 
 
 class BMUFStrategy(ModelAveragingStrategy):
@@ -143,11 +151,22 @@ class BMUFStrategy(ModelAveragingStrategy):
     def overlap(self) -> bool:
         return self._overlap
 
-    @override
-    def on_train_end(self) -> None:
-        """The exchange in flight (``overlap``) lands: no block update is left unapplied."""
+    def _land(self) -> None:
         if isinstance(self._state, BMUFState):
             self._state.finish(self._params)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._overlap:
+            # First of the callbacks at the end of fit, so that every other one sees the landed model.
+            if not any(isinstance(cb, _LandInFlight) for cb in trainer.callbacks):
+                trainer.callbacks.insert(0, _LandInFlight())
+
+    @override
+    def on_train_end(self) -> None:
+        """The exchange in flight (``overlap``) lands, if no callback landed it: no block update is left out."""
+        self._land()
         super().on_train_end()
 
     @override
