@@ -5,7 +5,8 @@ DDP, on the model suite's transformer LM (AdamW inner steps, warm-up + cosine), 
     python -m gtc_lightning.tools.bench_sparseloco --steps 300 --period 10 --seeds 0 1
 
 Every run is a ``Trainer.fit`` of the same seeded model on the same samples; ``steps`` is a multiple of
-``period`` so that every block method ends on a sync, with bit-identical replicas (checked), and rank 0
+``period`` so that every block method ends on a sync, with bit-identical replicas (checked; with
+``fragments=2`` the part synced first keeps each rank's last half-period, so they differ), and rank 0
 scores the suite's held-out set. Bytes are what each rank put on the wire for the model (the strategy's
 ``sync_stats``; DDP: a fp32 ring all-reduce of the gradient each step); "per sync" divides them by the
 syncs, against one dense fp32 ring all-reduce of the model. Writes ``results.json`` and prints a table.
@@ -46,6 +47,17 @@ def methods(period: int, density: float) -> dict:
         "sparseloco_float32": lambda **kw: SparseLoCoStrategy(values="float32", **sparse, **kw),
         "sparseloco_2bit_diloco_outer": lambda **kw: SparseLoCoStrategy(
             values="2bit", block_momentum=0.9, block_lr=0.7, **sparse, **kw
+        ),
+        # Streaming DiLoCo's options: the exchange one sync interval late, and the model in 2 parts in turn.
+        "diloco_overlap": lambda **kw: BMUFStrategy(
+            period=period, block_momentum=0.9, block_lr=0.7, nesterov=True, overlap=True, **kw
+        ),
+        "diloco_2parts_overlap": lambda **kw: BMUFStrategy(
+            period=period, block_momentum=0.9, block_lr=0.7, nesterov=True, fragments=2, overlap=True, **kw
+        ),
+        "sparseloco_2bit_overlap": lambda **kw: SparseLoCoStrategy(values="2bit", overlap=True, **sparse, **kw),
+        "sparseloco_2bit_2parts_overlap": lambda **kw: SparseLoCoStrategy(
+            values="2bit", fragments=2, overlap=True, **sparse, **kw
         ),
     }
 
