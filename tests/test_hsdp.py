@@ -359,3 +359,82 @@ def test_statistics_logged(tmp_path):
     row = dict(zip(header, last))
     assert float(row["gtc_hsdp/ratio_fp32"]) > 1 and float(row["gtc_hsdp/bytes_sent"]) > 0
     assert 0 < float(row["gtc_hsdp/density"]) < 1 and float(row["gtc_hsdp/tau"]) > 0
+
+
+# ---- the update mode: each replica's optimizer step, compressed after it ---------------------------------
+
+
+def update_mode(**kwargs) -> GTCHSDPStrategy:
+    kwargs = {"tau": "auto", "coding": "rice", **kwargs}
+    return GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT, compress="update",
+                           **kwargs)  # fmt: skip
+
+
+def test_update_mode_keeps_replicas_identical_and_conserves_the_steps(tmp_path):
+    """Adam with a step schedule, each replica on its own data and moments: no hook call, one exchange per
+    step of the whole shard's step, the replicas of a shard bit-identical after every step, and per rank
+    the residual plus what its words sent is the sum of its optimizer's steps (a fixed tau: the recorder sees
+    tau after the step, which automatic tau has moved)."""
+    ranks = run(tmp_path, strategy=update_mode(tau=5e-3), max_steps=6, model=AdamStepLR(tmp_path))
+    for shard in (0, 1):
+        for ra, rb in zip(ranks[shard]["records"], ranks[2 + shard]["records"]):
+            assert all(torch.equal(pa, pb) for pa, pb in zip(ra["params"], rb["params"]))
+    assert not torch.equal(ranks[0]["records"][-1]["params"][0], ranks[0]["records"][0]["params"][0])
+    for rank in ranks:
+        assert {c[0] for c in rank["calls"]} == {"_update"} and rank["stats"]["sparse"] == 6
+        assert rank["shard_numel"] == rank["records"][-1]["residuals"]["_update"].numel()
+        steps = torch.stack([c[1] for c in rank["calls"]]).double()
+        sent = torch.zeros(steps.shape[1], dtype=torch.float64)
+        for _, _, words, tau in rank["calls"]:
+            sign = torch.where(words < 0, -1.0, 1.0).double()
+            sent.index_add_(0, (words & 0x7FFFFFFF).long(), sign * tau)
+        torch.testing.assert_close(rank["records"][-1]["residuals"]["_update"].double() + sent, steps.sum(0),
+                                   atol=1e-6, rtol=0)  # fmt: skip
+    # The replicas stepped on different data: their own steps differ.
+    assert not torch.equal(ranks[0]["calls"][0][1], ranks[2]["calls"][0][1])
+
+
+def test_update_mode_dense_warmup_equals_native_hsdp(tmp_path):
+    """SGD with momentum is linear in the gradient: the mean of the replicas' steps from the same point is
+    the step on the mean gradient, so the update mode's dense warm-up is torch's own HSDP."""
+    model = ShardedMLP(tmp_path / "gtc", per_rank_data=True)
+    ours = run(tmp_path / "gtc", strategy=update_mode(warmup_steps=4), max_steps=4, model=model)
+    native = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, timeout=TIMEOUT)
+    native._configure_launcher = lambda: setattr(native, "_launcher", ShardedResultsLauncher(native, "fork"))
+    theirs = run(tmp_path / "native", strategy=native, max_steps=4,
+                 model=ShardedMLP(tmp_path / "native", shard="native", per_rank_data=True))  # fmt: skip
+    assert ours[0]["stats"]["dense"] == 4 and ours[0]["stats"]["sparse"] == 0
+    for a, b in zip(ours, theirs):
+        for ra, rb in zip(a["records"], b["records"]):
+            for pa, pb in zip(ra["params"], rb["params"]):
+                torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5)
+
+
+def test_update_mode_resume_bit_exact(tmp_path):
+    straight = run(tmp_path / "straight", strategy=update_mode(), max_steps=8,
+                   model=AdamStepLR(tmp_path / "straight", step_data=True))  # fmt: skip
+    run(tmp_path / "first", strategy=update_mode(), max_steps=4, checkpoint_at=1,
+        model=AdamStepLR(tmp_path / "first", step_data=True))  # fmt: skip
+    ckpt = next((tmp_path / "first" / "ckpt").glob("*.ckpt"))
+    resumed = run(tmp_path / "resumed", strategy=update_mode(), max_steps=8, ckpt_path=str(ckpt),
+                  model=AdamStepLR(tmp_path / "resumed", step_data=True))  # fmt: skip
+    assert len(resumed[0]["records"]) == 4
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(pa, pb) for pa, pb in zip(a["records"][-1]["params"], b["records"][-1]["params"]))
+        assert torch.equal(a["records"][-1]["residuals"]["_update"], b["records"][-1]["residuals"]["_update"])
+
+
+class TwoOptimizers(ShardedMLP):
+    def __init__(self, out_dir):
+        super().__init__(out_dir)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.blocks.parameters(), lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.1)]
+
+
+def test_update_mode_refuses_two_optimizers_and_bad_values(tmp_path):
+    with pytest.raises(Exception, match="compresses the step of one optimizer; this model has 2"):
+        run(tmp_path, strategy=update_mode(), max_steps=1, model=TwoOptimizers(tmp_path))
+    with pytest.raises(ValueError, match=r"compress in \('gradient', 'update'\).*got 'auto'"):
+        GTCHSDPStrategy(compress="auto")

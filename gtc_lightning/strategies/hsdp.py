@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "gtc_hsdp"  # the checkpoint's entry (mesh, shard sizes) and the sharded state's key
 ROOT = "_root"  # the name of the LightningModule itself among the FSDP modules
+UPDATE_KEY = "_update"  # compress="update": the slot of the optimizer's step over all of this rank's shards
+MOMENTS_KEY = "gtc_hsdp_moments"  # compress="update": every rank's own optimizer state, as sharded state
 
 
 class GTCHSDPStrategy(ModelParallelStrategy):
@@ -53,19 +55,26 @@ class GTCHSDPStrategy(ModelParallelStrategy):
 
     (``fully_shard`` on the whole 2-D mesh would make FSDP all-reduce across replicas itself: refused.)
 
-    Which gradient is compressed: Strom's gradient mode, the only mode here. FSDP2's hook receives each
-    rank's gradient shard right after the reduce-scatter, before the sharded optimizer sees it: the
-    residual is kept on the shard, the words go to the shard's replicas, and the decoded mean gradient
-    is what FSDP hands to the optimizer. Every replica of a shard decodes the same words, so its
-    optimizer (momentum, Adam moments) steps on the same gradient from the same state and the shard's
-    replicas stay bit-identical without ever being compared or broadcast. The update mode (compress
-    the optimizer's step) would need every replica's optimizer to step on its own gradient first, with
-    its own moments, and a second exchange outside FSDP's hook per step: it does not fit the hook.
-    What it costs: Adam rescales each element's sparse votes by its own second moment, which makes
-    the gradient mode lose accuracy with Adam; SGD (with momentum) suits it best.
+    What is compressed (``compress``):
+
+    - ``"gradient"`` (default; Strom's): FSDP2's hook receives each rank's gradient shard right after the
+      reduce-scatter, before the sharded optimizer sees it: the residual is kept on the shard, the words
+      go to the shard's replicas, and the decoded mean gradient is what FSDP hands to the optimizer.
+      Every replica of a shard decodes the same words, so its optimizer (momentum, Adam moments) steps
+      on the same gradient from the same state. Adam rescales each element's sparse votes by its own
+      second moment, which costs accuracy; SGD (with momentum) suits it best.
+    - ``"update"``: no hook; each replica's sharded optimizer steps on its own gradient shard (the mean
+      over its shard group) with its own moments, and the step it made is what the residual takes
+      (its displacement: the parameters after the step minus before). The words of the residual go to
+      the shard's replicas, and every replica sets its shard to where it was before the step plus the
+      decoded mean step, so the replicas stay bit-identical while their optimizer states differ. One
+      optimizer only. A step whose mean is not finite on some replica is undone on every replica.
+
+    Either way the shard's replicas stay bit-identical without ever being compared or broadcast.
 
     Memory: GTC keeps a float32 residual and an int32 message buffer per element of the rank's shard,
-    8 bytes per element, ``1/shard_size`` of the DDP strategy's per-parameter cost.
+    8 bytes per element, ``1/shard_size`` of the DDP strategy's per-parameter cost; the update mode holds
+    two more float32 copies of the shard during the step (before, and the step).
 
     Args:
         replicate_size: ranks that hold the same shard (GTC's exchange); ``"auto"``: the number of
@@ -75,6 +84,8 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         tau: the threshold, in the gradient's units, or ``"auto"`` (default): measured at the first
             compressed step and moved towards ``target_density``, per FSDP module and shard.
         target_density: words per element and step with automatic tau (None: 1e-2).
+        compress: ``"gradient"`` (Strom's, in FSDP's hook) or ``"update"`` (each replica's optimizer step,
+            compressed after it); see above.
         warmup_steps: backward passes of dense all-reduce across replicas before compression.
         coding: ``"rice"`` (default, Golomb-Rice coded, ~10 bits a word) or ``"none"`` (32 bits).
         restore_residuals: restore every rank's residuals from a resumed checkpoint (same mesh
@@ -96,6 +107,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         target_density: float | None = None,
         warmup_steps: int = 0,
         coding: Literal["none", "rice"] = "rice",
+        compress: Literal["gradient", "update"] = "gradient",
         restore_residuals: bool = True,
         busy_wait: bool | None = None,
         save_distributed_checkpoint: bool = True,
@@ -104,6 +116,11 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         start_method: Literal["popen", "spawn", "fork"] = "popen",
     ) -> None:
         check_options(tau, warmup_steps, None, "auto", "auto", coding, target_density, "gradient", busy_wait)
+        if compress not in ("gradient", "update"):
+            raise ValueError(
+                f"Expect compress in ('gradient', 'update') (Strom's gradient residual in FSDP's hook, or each "
+                f"replica's optimizer step compressed after it: for Adam), got {compress!r}"
+            )
         for name, size, low in (("replicate_size", replicate_size, 2), ("shard_size", shard_size, 1)):
             if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < low):
                 why = (
@@ -129,6 +146,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         self._target_density = target_density
         self._warmup_steps = warmup_steps
         self._coding = coding
+        self._compress = compress
         self._restore_residuals = bool(restore_residuals)
         self._busy_wait = busy_wait
         self._start_method = start_method
@@ -215,18 +233,54 @@ class GTCHSDPStrategy(ModelParallelStrategy):
                 replicate, self._tau, self._target_density, self._warmup_steps, self._coding, self._busy_wait
             )
             self._gtc_state = state
-        for key, module in modules.items():
-            module.set_all_reduce_hook(state.hook(key))
+        if self._compress == "gradient":
+            for key, module in modules.items():
+                module.set_all_reduce_hook(state.hook(key))
+        elif trainer.state.fn == TrainerFn.FITTING and len(self.optimizers) != 1:
+            raise ValueError(
+                f"GTCHSDPStrategy(compress='update') compresses the step of one optimizer; this model has "
+                f"{len(self.optimizers)}. Return one optimizer from configure_optimizers, or use compress='gradient'"
+            )
         add_callback(trainer, HSDPStatsLogger(self))
         if trainer.state.fn == TrainerFn.FITTING:
             self._broadcast_shards(replicate)
         if self.global_rank == 0:
             numel = sum(p.numel() for p in self.model.parameters())
             log.info(
-                "GTC HSDP: %d replicas x %d shards, %d FSDP modules, %d parameters; tau=%s, coding=%s",
-                self._data_parallel_size, self._tensor_parallel_size, len(modules), numel,
+                "GTC HSDP: %d replicas x %d shards, %d FSDP modules, %d parameters; compress=%s, tau=%s, coding=%s",
+                self._data_parallel_size, self._tensor_parallel_size, len(modules), numel, self._compress,
                 self._tau if self._tau != "auto" else f"auto (target_density={state.target_density:g})", self._coding,
             )  # fmt: skip
+
+    @property
+    def compress(self) -> str:
+        return self._compress
+
+    def _local_shards(self) -> list[torch.Tensor]:
+        """This rank's shard of every trainable parameter (the tensors FSDP2's optimizer steps on)."""
+        assert self.model is not None
+        return [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters() if p.requires_grad]
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """``compress="update"``: the optimizer steps on this replica's own gradient, then the step is
+        replaced by GTC's estimate of the replicas' mean step (the module docstring)."""
+        if self._compress != "update" or self._gtc_state is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        shards = self._local_shards()
+        before = torch.cat([t.detach().reshape(-1) for t in shards])
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with torch.no_grad():
+            step = torch.cat([t.reshape(-1) for t in shards]).sub_(before)
+            self._gtc_state.reduce(UPDATE_KEY, step)
+            finite = bool(torch.isfinite(step).all())
+            if finite:
+                before.add_(step)
+            elif self.global_rank == 0:
+                log.warning("GTC HSDP: the replicas' mean step is not finite; the step is undone on every replica")
+            for t, part in zip(shards, before.split([t.numel() for t in shards])):
+                t.copy_(part.view_as(t))
+        return output
 
     def _fsdp_modules(self) -> dict[str, Any]:
         """The FSDP2 modules that hold parameters, by name, each checked to be sharded on the shard
@@ -293,12 +347,26 @@ class GTCHSDPStrategy(ModelParallelStrategy):
             for key, entry in saved.items()
         }
 
+    def _own_moments(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``compress="update"``: this rank's optimizer state tensors (momentum, Adam's moments: its shard's,
+        and its replica's own), which Distributed Checkpoint would save once for all replicas of a shard."""
+        own = {}
+        for i, optimizer in enumerate(self.optimizers):
+            for j, group in enumerate(optimizer.param_groups):
+                for k, p in enumerate(group["params"]):
+                    for name, t in sorted(optimizer.state.get(p, {}).items()):
+                        if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0:
+                            local = t.to_local() if hasattr(t, "to_local") else t
+                            own[f"{i}.{j}.{k}.{name}"] = local
+        return {"moments": own} if own else {}
+
     def _entry(self) -> dict[str, Any]:
         state = self._gtc_state
         assert state is not None
         return {
             "mesh": [self._data_parallel_size, self._tensor_parallel_size],
             "numels": {key: slot.residual.numel() for key, slot in state.slots.items()},
+            "compress": self._compress,  # "update": every rank's optimizer state is saved too
         }
 
     @override
@@ -314,6 +382,8 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         if self._gtc_state is not None:
             converted[CHECKPOINT_KEY] = self._sharded_state(self._gtc_state.rank_state())
             checkpoint[CHECKPOINT_KEY] = self._entry()
+            if self._compress == "update":
+                converted[MOMENTS_KEY] = self._sharded_state(self._own_moments())
         _distributed_checkpoint_save(converted, path)
         if self.global_rank == 0:
             torch.save(checkpoint, path / _METADATA_FILENAME)
@@ -349,8 +419,16 @@ class GTCHSDPStrategy(ModelParallelStrategy):
             state.load_rank_state(
                 {key: {name: t.to_local().reshape(-1) for name, t in e.items()} for key, e in sharded.items()}
             )
+            own = self._own_moments() if self._compress == "update" and entry.get("compress") == "update" else {}
+            if own:
+                moments = self._sharded_state(own)
+                _distributed_checkpoint_load({MOMENTS_KEY: moments}, path)
+                with torch.no_grad():
+                    for name, t in own["moments"].items():
+                        t.copy_(moments["moments"][name].to_local().reshape(t.shape))
             if self.global_rank == 0:
-                log.info("GTC HSDP: restored every rank's residuals from %s", path)
+                log.info("GTC HSDP: restored every rank's residuals%s from %s",
+                         " and optimizer state" if own else "", path)  # fmt: skip
         elif fitting and entry is not None and self.global_rank == 0:
             log.info("GTC HSDP: residuals restart from zero (restore_residuals=False)")
         return checkpoint
