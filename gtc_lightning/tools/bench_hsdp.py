@@ -7,7 +7,8 @@ layer an FSDP2 module and the rest in the root's, trained on ``replicas x shards
   shard across the replicate dimension (fp32, dense), through Lightning's ``ModelParallelStrategy``
   with every rank a data-parallel worker;
 - ``gtc_hsdp``: :class:`~gtc_lightning.strategies.hsdp.GTCHSDPStrategy` at its defaults (automatic tau
-  at a density of 1e-2, Rice coding), ``fully_shard`` on the shard dimension.
+  at a density of 1e-2, Rice coding, Strom's gradient mode), ``fully_shard`` on the shard dimension;
+- ``gtc_hsdp_update``: the same with ``compress="update"`` (each replica's optimizer step compressed).
 
 Both see the same samples in the same order (seeded), the same initial weights and schedule. Per run:
 the held-out loss at the end, the bytes each rank sent across the replicate dimension (a dense run: the
@@ -39,7 +40,7 @@ from gtc_lightning.strategies.hsdp import GTCHSDPStrategy, ShardedResultsLaunche
 from gtc_lightning.tools.model_suite import TIMEOUT, quiet_lightning, restore_environment
 from gtc_lightning.tools.suite_models import TransformerLM, heldout_loss
 
-METHODS = ("hsdp", "gtc_hsdp")
+METHODS = ("hsdp", "gtc_hsdp", "gtc_hsdp_update")
 
 
 class ShardedTransformerLM(TransformerLM):
@@ -148,9 +149,11 @@ def run(
         if method == "hsdp":
             strategy = _NativeHSDP(data_parallel_size=replicas, tensor_parallel_size=shards, timeout=TIMEOUT)
         else:
+            compress = "update" if method == "gtc_hsdp_update" else "gradient"
             strategy = GTCHSDPStrategy(
-                replicate_size=replicas, shard_size=shards, target_density=density, start_method="fork", timeout=TIMEOUT
-            )
+                replicate_size=replicas, shard_size=shards, target_density=density, compress=compress,
+                start_method="fork", timeout=TIMEOUT,
+            )  # fmt: skip
         trainer = L.Trainer(
             accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, max_epochs=1, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -189,12 +192,14 @@ def report(results: list[dict]) -> str:
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    keys = sorted({(r["optimizer"], r["method"] != "hsdp", r.get("target_density") or 0.0) for r in results})
-    for optimizer, is_gtc, density in keys:
+    keys = sorted({(r["optimizer"], METHODS.index(r["method"]), r.get("target_density") or 0.0) for r in results})
+    for optimizer, order, density in keys:
+        method = METHODS[order]
+        is_gtc = method != "hsdp"
         base = [r for r in results if r["method"] == "hsdp" and r["optimizer"] == optimizer]
         base_loss = statistics.mean(r["heldout_loss"] for r in base) if base else None
         base_bytes = statistics.mean(r["bytes_sent_per_rank"] / r["steps"] for r in base) if base else None
-        runs = [r for r in results if r["optimizer"] == optimizer and (r["method"] != "hsdp") == is_gtc
+        runs = [r for r in results if r["optimizer"] == optimizer and r["method"] == method
                 and (r.get("target_density") or 0.0) == density]  # fmt: skip
         loss = statistics.mean(r["heldout_loss"] for r in runs)
         per_step = statistics.mean(r["bytes_sent_per_rank"] / r["steps"] for r in runs)
