@@ -438,3 +438,12 @@ def test_update_mode_refuses_two_optimizers_and_bad_values(tmp_path):
         run(tmp_path, strategy=update_mode(), max_steps=1, model=TwoOptimizers(tmp_path))
     with pytest.raises(ValueError, match=r"compress in \('gradient', 'update'\).*got 'auto'"):
         GTCHSDPStrategy(compress="auto")
+
+
+def test_update_mode_measures_tau_at_every_step(tmp_path):
+    """Adam's steps grow and shrink with the schedule; tau follows each step, so every step of every rank
+    sends about the target density (here 0.1 of a ~550-element shard), not the controller's lagging share."""
+    ranks = run(tmp_path, strategy=update_mode(target_density=0.1), max_steps=6, model=AdamStepLR(tmp_path))
+    for rank in ranks:
+        for key, before, words, tau in rank["calls"]:
+            assert 0.05 * before.numel() <= words.numel() <= 0.2 * before.numel(), (words.numel(), before.numel())

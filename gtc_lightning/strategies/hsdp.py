@@ -67,7 +67,9 @@ class GTCHSDPStrategy(ModelParallelStrategy):
       over its shard group) with its own moments, and the step it made is what the residual takes
       (its displacement: the parameters after the step minus before). The words of the residual go to
       the shard's replicas, and every replica sets its shard to where it was before the step plus the
-      decoded mean step, so the replicas stay bit-identical while their optimizer states differ. One
+      decoded mean step, so the replicas stay bit-identical while their optimizer states differ. With
+      ``tau="auto"`` tau is measured at every step (the ``1 - target_density`` quantile of the residual
+      plus the step, alike on the replicas), since a step follows the learning-rate schedule. One
       optimizer only. A step whose mean is not finite on some replica is undone on every replica.
 
     Either way the shard's replicas stay bit-identical without ever being compared or broadcast.
@@ -230,7 +232,8 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         state = self._gtc_state
         if state is None or state.replicate_group is not replicate:
             state = HSDPGTCState(
-                replicate, self._tau, self._target_density, self._warmup_steps, self._coding, self._busy_wait
+                replicate, self._tau, self._target_density, self._warmup_steps, self._coding, self._busy_wait,
+                per_step_tau=self._compress == "update",
             )
             self._gtc_state = state
         if self._compress == "gradient":

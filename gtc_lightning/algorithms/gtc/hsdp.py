@@ -92,6 +92,11 @@ class HSDPGTCState:
         coding: ``"rice"`` (Golomb-Rice coded words, about 10 bits a word) or ``"none"`` (32 bits).
         busy_wait: poll the collectives (True), block (False), or poll on gloo where each rank has a
             core (None).
+        per_step_tau: with ``tau="auto"``, measure tau at every compressed step as at the first (the
+            ``1 - target_density`` quantile of ``|residual + input|``, the replicas' geometric mean: one
+            more scalar all-reduce a step) instead of moving it by the controller. The update mode uses
+            it: an optimizer's step follows its learning-rate schedule (a warm-up multiplies it tenfold
+            in a few dozen steps), which the controller, at most 10 % a step, would trail.
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class HSDPGTCState:
         warmup_steps: int = 0,
         coding: str = "rice",
         busy_wait: bool | None = None,
+        per_step_tau: bool = False,
     ) -> None:
         if coding not in CODINGS:
             raise ValueError(f"Expect coding in {CODINGS}, got {coding!r}")
@@ -115,6 +121,7 @@ class HSDPGTCState:
         self.warmup_steps = warmup_steps
         self.coding = coding
         self.busy_wait = busy_wait
+        self.per_step_tau = bool(per_step_tau) and self.measure
         self._busy: bool | None = None
         # The internal state, per FSDP module (by its name in the model).
         self.slots: dict[str, ShardSlot] = {}
@@ -194,7 +201,12 @@ class HSDPGTCState:
             return
         # 2. Residual and words.
         finite = all_finite(output)
-        if slot.controller is not None and not slot.controller.started:  # every replica joins, finite or not
+        if self.per_step_tau:  # every replica joins, finite or not
+            stride = max(1, n // SAMPLE)
+            slot.tau = self._first_tau(slot.residual[::stride] + output[::stride])
+            if slot.controller is not None:
+                slot.controller.tau, slot.controller.started = slot.tau, True
+        elif slot.controller is not None and not slot.controller.started:  # every replica joins, finite or not
             slot.tau = slot.controller.start(self._first_tau(slot.residual + output))
         tau32 = f32(slot.tau)
         cursor = torch.zeros(1, dtype=torch.int64, device=output.device)
@@ -243,8 +255,8 @@ class HSDPGTCState:
         output.mul_(f32(tau32 / replicas))
         self.totals["sparse"] += 1
         slot.words = counts
-        # 6. Automatic tau, alike on every replica of the shard.
-        if slot.controller is not None:
+        # 6. Automatic tau, alike on every replica of the shard (per_step_tau: measured at the next step).
+        if slot.controller is not None and not self.per_step_tau:
             slot.tau = slot.controller.update(sum(counts) / max(replicas * n, 1))
 
     def _first_tau(self, values: torch.Tensor) -> float:
