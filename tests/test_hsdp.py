@@ -124,6 +124,7 @@ def run(out_dir: Path, strategy=None, max_steps: int = 6, ckpt_path: str | None 
     if strategy is None:
         kwargs.setdefault("tau", 0.01)
         kwargs.setdefault("coding", "none")
+        kwargs.setdefault("compress", "gradient")  # Strom's mode, whose hook these tests look into
         strategy = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT, **kwargs)
     callbacks = []
     if checkpoint_at is not None:
@@ -258,10 +259,12 @@ FEATURES_WORK = {
 }
 
 
+@pytest.mark.parametrize("compress", ["gradient", "update"])
 @pytest.mark.parametrize("feature", sorted(FEATURES_WORK))
-def test_lightning_features(tmp_path, feature):
+def test_lightning_features(tmp_path, feature, compress):
     cls, trainer_kwargs = FEATURES_WORK[feature]
-    strategy = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT, tau=0.01)
+    strategy = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT, tau=0.01,
+                               compress=compress)  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
@@ -315,6 +318,19 @@ def test_non_finite_gradient_keeps_residuals(tmp_path):
                 assert torch.equal(after, before)
 
 
+def test_update_mode_undoes_a_non_finite_step_on_every_replica(tmp_path):
+    """Rank 2's NaN at step 2 makes replica 1's step NaN: no replica moves at that step (every shard keeps
+    the parameters of step 1, alike on the replicas), and the finite replica's step stays in its residual."""
+    ranks = run(tmp_path, strategy=update_mode(tau=0.01), max_steps=2, model=NaNOnRank2(tmp_path))
+    for rank in ranks:
+        first, second = rank["records"][0]["params"], rank["records"][1]["params"]
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+        assert rank["stats"]["skipped"] == 1
+    step = ranks[0]["calls"][1][1]  # replica 0's own (finite) step at step 2
+    kept = ranks[0]["records"][1]["residuals"]["_update"] - ranks[0]["records"][0]["residuals"]["_update"]
+    torch.testing.assert_close(kept, step, atol=1e-6, rtol=0)
+
+
 def test_non_finite_first_gradient_with_automatic_tau(tmp_path):
     """The replicas agree on automatic tau's start even when one's first gradient is not finite."""
     ranks = run(tmp_path, max_steps=1, model=NaNOnRank2(tmp_path, step=0), tau="auto")
@@ -341,11 +357,21 @@ class UsedFromStep1(ShardedMLP):
     ],
 )
 def test_refused_at_the_first_gradient(tmp_path, model, trainer_kwargs, message):
-    strategy = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT, tau=0.01)
+    strategy = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT, tau=0.01,
+                               compress="gradient")  # fmt: skip
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)  # fmt: skip
     with pytest.raises(Exception, match=message):
         trainer.fit(model(tmp_path))
+
+
+def test_update_mode_takes_a_parameter_without_gradient_in_some_steps(tmp_path):
+    """The update mode has no hook: a parameter that got no gradient did not move, and its step is zero."""
+    ranks = run(tmp_path, strategy=update_mode(), max_steps=3, model=UsedFromStep1(tmp_path))
+    for shard in (0, 1):
+        for ra, rb in zip(ranks[shard]["records"], ranks[2 + shard]["records"]):
+            assert all(torch.equal(pa, pb) for pa, pb in zip(ra["params"], rb["params"]))
+    assert ranks[0]["stats"]["sparse"] == 3
 
 
 def test_statistics_logged(tmp_path):
@@ -432,12 +458,33 @@ class TwoOptimizers(ShardedMLP):
     def configure_optimizers(self):
         return [torch.optim.SGD(self.blocks.parameters(), lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.1)]
 
+    def training_step(self, batch, batch_idx):
+        optimizers = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in optimizers:
+            optimizer.step()
+        return loss
+
 
 def test_update_mode_refuses_two_optimizers_and_bad_values(tmp_path):
     with pytest.raises(Exception, match="compresses the step of one optimizer; this model has 2"):
         run(tmp_path, strategy=update_mode(), max_steps=1, model=TwoOptimizers(tmp_path))
-    with pytest.raises(ValueError, match=r"compress in \('gradient', 'update'\).*got 'auto'"):
-        GTCHSDPStrategy(compress="auto")
+    with pytest.raises(ValueError, match=r"compress in \('auto', 'gradient', 'update'\).*got 'dense'"):
+        GTCHSDPStrategy(compress="dense")
+
+
+def test_auto_picks_the_update_with_one_optimizer_and_the_gradient_with_two(tmp_path):
+    """The default: the update mode for one optimizer (no hook call, one exchange a step), Strom's gradient
+    mode for two (manual optimization: each optimizer steps on the decoded gradients)."""
+    auto = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT)
+    one = run(tmp_path / "one", strategy=auto, max_steps=3, model=AdamStepLR(tmp_path / "one"))
+    assert {c[0] for c in one[0]["calls"]} == {"_update"} and one[0]["stats"]["sparse"] == 3
+    auto = GTCHSDPStrategy(replicate_size=2, shard_size=2, start_method="fork", timeout=TIMEOUT)
+    two = run(tmp_path / "two", strategy=auto, max_steps=2, model=TwoOptimizers(tmp_path / "two"))
+    assert "_update" not in {c[0] for c in two[0]["calls"]} and two[0]["stats"]["sparse"] > 0
 
 
 def test_update_mode_measures_tau_at_every_step(tmp_path):

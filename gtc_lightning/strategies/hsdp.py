@@ -57,13 +57,14 @@ class GTCHSDPStrategy(ModelParallelStrategy):
 
     What is compressed (``compress``):
 
-    - ``"gradient"`` (default; Strom's): FSDP2's hook receives each rank's gradient shard right after the
+    - ``"gradient"`` (Strom's): FSDP2's hook receives each rank's gradient shard right after the
       reduce-scatter, before the sharded optimizer sees it: the residual is kept on the shard, the words
       go to the shard's replicas, and the decoded mean gradient is what FSDP hands to the optimizer.
       Every replica of a shard decodes the same words, so its optimizer (momentum, Adam moments) steps
       on the same gradient from the same state. Adam rescales each element's sparse votes by its own
       second moment, which costs accuracy; SGD (with momentum) suits it best.
-    - ``"update"``: no hook; each replica's sharded optimizer steps on its own gradient shard (the mean
+    - ``"update"`` (what ``"auto"``, the default, picks with one optimizer; measured better with AdamW and
+      with momentum SGD, docs/benchmarks/hsdp.md): no hook; each replica's sharded optimizer steps on its own gradient shard (the mean
       over its shard group) with its own moments, and the step it made is what the residual takes
       (its displacement: the parameters after the step minus before). The words of the residual go to
       the shard's replicas, and every replica sets its shard to where it was before the step plus the
@@ -86,7 +87,8 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         tau: the threshold, in the gradient's units, or ``"auto"`` (default): measured at the first
             compressed step and moved towards ``target_density``, per FSDP module and shard.
         target_density: words per element and step with automatic tau (None: 1e-2).
-        compress: ``"gradient"`` (Strom's, in FSDP's hook) or ``"update"`` (each replica's optimizer step,
+        compress: ``"auto"`` (default: ``"update"`` with one optimizer, ``"gradient"`` with several),
+            ``"gradient"`` (Strom's, in FSDP's hook) or ``"update"`` (each replica's optimizer step,
             compressed after it); see above.
         warmup_steps: backward passes of dense all-reduce across replicas before compression.
         coding: ``"rice"`` (default, Golomb-Rice coded, ~10 bits a word) or ``"none"`` (32 bits).
@@ -109,7 +111,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         target_density: float | None = None,
         warmup_steps: int = 0,
         coding: Literal["none", "rice"] = "rice",
-        compress: Literal["gradient", "update"] = "gradient",
+        compress: Literal["auto", "gradient", "update"] = "auto",
         restore_residuals: bool = True,
         busy_wait: bool | None = None,
         save_distributed_checkpoint: bool = True,
@@ -118,10 +120,11 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         start_method: Literal["popen", "spawn", "fork"] = "popen",
     ) -> None:
         check_options(tau, warmup_steps, None, "auto", "auto", coding, target_density, "gradient", busy_wait)
-        if compress not in ("gradient", "update"):
+        if compress not in ("auto", "gradient", "update"):
             raise ValueError(
-                f"Expect compress in ('gradient', 'update') (Strom's gradient residual in FSDP's hook, or each "
-                f"replica's optimizer step compressed after it: for Adam), got {compress!r}"
+                f"Expect compress in ('auto', 'gradient', 'update') (Strom's gradient residual in FSDP's hook, each "
+                f"replica's optimizer step compressed after it, or 'auto': the update with one optimizer), got "
+                f"{compress!r}"
             )
         for name, size, low in (("replicate_size", replicate_size, 2), ("shard_size", shard_size, 1)):
             if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < low):
@@ -149,6 +152,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         self._warmup_steps = warmup_steps
         self._coding = coding
         self._compress = compress
+        self._mode = "update" if compress == "auto" else compress  # resolved at setup
         self._restore_residuals = bool(restore_residuals)
         self._busy_wait = busy_wait
         self._start_method = start_method
@@ -229,35 +233,43 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         super().setup(trainer)
         modules = self._fsdp_modules()
         replicate = self.device_mesh["replicate"].get_group()
-        state = self._gtc_state
-        if state is None or state.replicate_group is not replicate:
-            state = HSDPGTCState(
-                replicate, self._tau, self._target_density, self._warmup_steps, self._coding, self._busy_wait,
-                per_step_tau=self._compress == "update",
-            )
-            self._gtc_state = state
-        if self._compress == "gradient":
-            for key, module in modules.items():
-                module.set_all_reduce_hook(state.hook(key))
-        elif trainer.state.fn == TrainerFn.FITTING and len(self.optimizers) != 1:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._compress == "auto" and fitting:
+            self._mode = "update" if len(self.optimizers) == 1 else "gradient"
+        if self._mode == "update" and fitting and len(self.optimizers) != 1:
             raise ValueError(
                 f"GTCHSDPStrategy(compress='update') compresses the step of one optimizer; this model has "
                 f"{len(self.optimizers)}. Return one optimizer from configure_optimizers, or use compress='gradient'"
             )
+        state = self._gtc_state
+        if state is None or state.replicate_group is not replicate or state.per_step_tau != (
+            self._mode == "update" and self._tau == "auto"
+        ):
+            state = HSDPGTCState(
+                replicate, self._tau, self._target_density, self._warmup_steps, self._coding, self._busy_wait,
+                per_step_tau=self._mode == "update",
+            )
+            self._gtc_state = state
+        if self._mode == "gradient":
+            for key, module in modules.items():
+                module.set_all_reduce_hook(state.hook(key))
         add_callback(trainer, HSDPStatsLogger(self))
         if trainer.state.fn == TrainerFn.FITTING:
             self._broadcast_shards(replicate)
         if self.global_rank == 0:
             numel = sum(p.numel() for p in self.model.parameters())
             log.info(
-                "GTC HSDP: %d replicas x %d shards, %d FSDP modules, %d parameters; compress=%s, tau=%s, coding=%s",
-                self._data_parallel_size, self._tensor_parallel_size, len(modules), numel, self._compress,
+                "GTC HSDP: %d replicas x %d shards, %d FSDP modules, %d parameters; compress=%s%s, tau=%s, coding=%s",
+                self._data_parallel_size, self._tensor_parallel_size, len(modules), numel, self._mode,
+                f" (auto: {len(self.optimizers)} optimizer(s))" if self._compress == "auto" else "",
                 self._tau if self._tau != "auto" else f"auto (target_density={state.target_density:g})", self._coding,
             )  # fmt: skip
 
     @property
     def compress(self) -> str:
-        return self._compress
+        """What is compressed: ``"gradient"`` or ``"update"`` (``"auto"`` resolved at setup: the update with one
+        optimizer, the gradient with several)."""
+        return self._mode
 
     def _local_shards(self) -> list[torch.Tensor]:
         """This rank's shard of every trainable parameter (the tensors FSDP2's optimizer steps on)."""
@@ -268,7 +280,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """``compress="update"``: the optimizer steps on this replica's own gradient, then the step is
         replaced by GTC's estimate of the replicas' mean step (the module docstring)."""
-        if self._compress != "update" or self._gtc_state is None:
+        if self._mode != "update" or self._gtc_state is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         shards = self._local_shards()
         before = torch.cat([t.detach().reshape(-1) for t in shards])
@@ -369,7 +381,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         return {
             "mesh": [self._data_parallel_size, self._tensor_parallel_size],
             "numels": {key: slot.residual.numel() for key, slot in state.slots.items()},
-            "compress": self._compress,  # "update": every rank's optimizer state is saved too
+            "compress": self._mode,  # "update": every rank's optimizer state is saved too
         }
 
     @override
@@ -385,7 +397,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         if self._gtc_state is not None:
             converted[CHECKPOINT_KEY] = self._sharded_state(self._gtc_state.rank_state())
             checkpoint[CHECKPOINT_KEY] = self._entry()
-            if self._compress == "update":
+            if self._mode == "update":
                 converted[MOMENTS_KEY] = self._sharded_state(self._own_moments())
         _distributed_checkpoint_save(converted, path)
         if self.global_rank == 0:
@@ -422,7 +434,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
             state.load_rank_state(
                 {key: {name: t.to_local().reshape(-1) for name, t in e.items()} for key, e in sharded.items()}
             )
-            own = self._own_moments() if self._compress == "update" and entry.get("compress") == "update" else {}
+            own = self._own_moments() if self._mode == "update" and entry.get("compress") == "update" else {}
             if own:
                 moments = self._sharded_state(own)
                 _distributed_checkpoint_load({MOMENTS_KEY: moments}, path)
