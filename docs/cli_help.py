@@ -25,7 +25,7 @@ RECIPE = [
 ]
 TOOLS = [
     "bench", "bench_step", "bench_exchange", "bench_cluster", "cluster", "faults", "soak", "scaling", "model_suite", "gpu_checks",
-    "compare", "bench_hsdp", "bench_sparseloco",
+    "compare", "bench_hsdp", "bench_hsdp_cluster", "bench_sparseloco",
 ]
 COMMANDS = RECIPE + [
     (f"gtc_lightning.tools.{t}", f"python -m gtc_lightning.tools.{t}", ["-m", f"gtc_lightning.tools.{t}"]) for t in TOOLS
