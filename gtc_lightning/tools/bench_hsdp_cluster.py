@@ -59,7 +59,7 @@ def build(method: str):
     if method == "hsdp":
         return _NativeHSDP(data_parallel_size=NODES, tensor_parallel_size=DEVICES)
     if method == "nocomm":
-        return _NoReplicate(replicate_size=NODES, shard_size=DEVICES)
+        return _NoReplicate(replicate_size=NODES, shard_size=DEVICES, compress="gradient")
     compress = "update" if method == "gtc_hsdp_update" else "gradient"
     return GTCHSDPStrategy(replicate_size=NODES, shard_size=DEVICES, compress=compress)
 
