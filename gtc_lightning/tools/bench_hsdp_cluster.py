@@ -55,13 +55,15 @@ class _NativeHSDP(ModelParallelStrategy):
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
 
-def build(method: str):
+def build(method: str, busy_wait: bool | None):
+    """``busy_wait``: GTC's waits poll (True), block (False) or decide by the cores (None). The emulated nodes
+    share this host's cores, but each counts them as its own, so ``None`` polls with 4 ranks on 2 cores."""
     if method == "hsdp":
         return _NativeHSDP(data_parallel_size=NODES, tensor_parallel_size=DEVICES)
     if method == "nocomm":
         return _NoReplicate(replicate_size=NODES, shard_size=DEVICES, compress="gradient")
     compress = "update" if method == "gtc_hsdp_update" else "gradient"
-    return GTCHSDPStrategy(replicate_size=NODES, shard_size=DEVICES, compress=compress)
+    return GTCHSDPStrategy(replicate_size=NODES, shard_size=DEVICES, compress=compress, busy_wait=busy_wait)
 
 
 class StepTimes(L.Callback):
@@ -75,7 +77,7 @@ class StepTimes(L.Callback):
         self.seconds.append(time.perf_counter() - self._started)
 
 
-def worker(method: str, steps: int, out: Path) -> None:
+def worker(method: str, steps: int, out: Path, busy_wait: bool | None = False) -> None:
     """One rank of one run (the cluster tool starts 2 per node with Lightning's variables)."""
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -83,7 +85,7 @@ def worker(method: str, steps: int, out: Path) -> None:
     model = ShardedTransformerLM(train_size=steps * 16 * world, seed=0, steps=steps, optimizer="adamw")
     times = StepTimes()
     trainer = L.Trainer(
-        accelerator="cpu", devices=DEVICES, num_nodes=NODES, strategy=build(method), max_steps=steps, max_epochs=1,
+        accelerator="cpu", devices=DEVICES, num_nodes=NODES, strategy=build(method, busy_wait), max_steps=steps, max_epochs=1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, callbacks=[times],
     )  # fmt: skip
@@ -103,10 +105,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every method at every rate, in turn")
     parser.add_argument("--out", type=Path, default=Path("exp/hsdp_cluster"))
+    parser.add_argument("--busy-wait", choices=["block", "poll", "auto"], default="block",
+                        help="GTC's waits: block (default: the emulated nodes share the host's cores), poll, or auto "
+                             "(poll where a node has a core per rank, which each emulated node believes)")  # fmt: skip
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank of one run: its method
     args = parser.parse_args(argv)
     if args.worker is not None:
-        worker(args.worker, args.steps, args.out)
+        worker(args.worker, args.steps, args.out, {"block": False, "poll": True, "auto": None}[args.busy_wait])
         return []
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for method in args.methods:
                     run_dir = args.out / rate / f"{method}-r{round_}"
                     command = [sys.executable, "-m", "gtc_lightning.tools.bench_hsdp_cluster", "--worker", method,
-                               "--steps", str(args.steps), "--out", str(run_dir)]  # fmt: skip
+                               "--steps", str(args.steps), "--out", str(run_dir), "--busy-wait", args.busy_wait]  # fmt: skip
                     result = cluster.run(command, out=run_dir, stream=False, timeout=1800)
                     if result.status != "ok":
                         raise RuntimeError(f"{method} at {rate}: {result.status}; the logs are in {run_dir}")
