@@ -77,12 +77,17 @@ class StepTimes(L.Callback):
         self.seconds.append(time.perf_counter() - self._started)
 
 
-def worker(method: str, steps: int, out: Path, busy_wait: bool | None = False) -> None:
+# The suite's transformer (106,272 parameters) and the long profile's (2.4 M: 3 blocks of width 256, order 2).
+MODELS = {"small": {}, "large": {"d_model": 256, "layers": 3, "order": 2}}
+
+
+def worker(method: str, steps: int, out: Path, busy_wait: bool | None = False, model_name: str = "small") -> None:
     """One rank of one run (the cluster tool starts 2 per node with Lightning's variables)."""
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     world = NODES * DEVICES
-    model = ShardedTransformerLM(train_size=steps * 16 * world, seed=0, steps=steps, optimizer="adamw")
+    model = ShardedTransformerLM(train_size=steps * 16 * world, seed=0, steps=steps, optimizer="adamw",
+                                 **MODELS[model_name])  # fmt: skip
     times = StepTimes()
     trainer = L.Trainer(
         accelerator="cpu", devices=DEVICES, num_nodes=NODES, strategy=build(method, busy_wait), max_steps=steps, max_epochs=1,
@@ -108,10 +113,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--busy-wait", choices=["block", "poll", "auto"], default="block",
                         help="GTC's waits: block (default: the emulated nodes share the host's cores), poll, or auto "
                              "(poll where a node has a core per rank, which each emulated node believes)")  # fmt: skip
+    parser.add_argument("--model", choices=sorted(MODELS), default="small",
+                        help="small: the suite's transformer (106 k parameters); large: the long profile's (2.4 M)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank of one run: its method
     args = parser.parse_args(argv)
     if args.worker is not None:
-        worker(args.worker, args.steps, args.out, {"block": False, "poll": True, "auto": None}[args.busy_wait])
+        busy = {"block": False, "poll": True, "auto": None}[args.busy_wait]
+        worker(args.worker, args.steps, args.out, busy, args.model)
         return []
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for method in args.methods:
                     run_dir = args.out / rate / f"{method}-r{round_}"
                     command = [sys.executable, "-m", "gtc_lightning.tools.bench_hsdp_cluster", "--worker", method,
-                               "--steps", str(args.steps), "--out", str(run_dir), "--busy-wait", args.busy_wait]  # fmt: skip
+                               "--steps", str(args.steps), "--out", str(run_dir), "--busy-wait", args.busy_wait,
+                               "--model", args.model]  # fmt: skip
                     result = cluster.run(command, out=run_dir, stream=False, timeout=1800)
                     if result.status != "ok":
                         raise RuntimeError(f"{method} at {rate}: {result.status}; the logs are in {run_dir}")
@@ -133,7 +142,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     timed = [s for r in ranks for s in r["step_seconds"][args.warmup :]]
                     sent = [r["bytes_sent"] for r in ranks if r["bytes_sent"] is not None]
                     rows.append({
-                        "rate": rate, "method": method, "round": round_, "steps": args.steps, "warmup": args.warmup,
+                        "model": args.model, "rate": rate, "method": method, "round": round_, "steps": args.steps, "warmup": args.warmup,
                         "step_s": statistics.median(timed),
                         "link_bytes_per_step_node": result.total["tx_bytes"] / NODES / args.steps,
                         "strategy_bytes_per_step_rank": statistics.mean(sent) / args.steps if sent else None,
