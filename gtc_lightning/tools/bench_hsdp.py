@@ -8,7 +8,9 @@ layer an FSDP2 module and the rest in the root's, trained on ``replicas x shards
   with every rank a data-parallel worker;
 - ``gtc_hsdp``: :class:`~gtc_lightning.strategies.hsdp.GTCHSDPStrategy` at its defaults (automatic tau
   at a density of 1e-2, Rice coding, Strom's gradient mode), ``fully_shard`` on the shard dimension;
-- ``gtc_hsdp_update``: the same with ``compress="update"`` (each replica's optimizer step compressed).
+- ``gtc_hsdp_update``: the same with ``compress="update"`` (each replica's optimizer step compressed);
+- ``gtc_ddp``: no sharding at all, :class:`~gtc_lightning.strategies.gtc.GTCStrategy` at its defaults over
+  every rank (DDP's replicas of the whole model, GTC across all of them).
 
 Both see the same samples in the same order (seeded), the same initial weights and schedule. Per run:
 the held-out loss at the end, the bytes each rank sent across the replicate dimension (a dense run: the
@@ -36,11 +38,12 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
 from gtc_lightning.algorithms.common import allreduce_bytes
+from gtc_lightning.strategies.gtc import GTCStrategy
 from gtc_lightning.strategies.hsdp import GTCHSDPStrategy, ShardedResultsLauncher
-from gtc_lightning.tools.model_suite import TIMEOUT, quiet_lightning, restore_environment
+from gtc_lightning.tools.model_suite import TIMEOUT, own_memory_bytes, quiet_lightning, restore_environment
 from gtc_lightning.tools.suite_models import TransformerLM, heldout_loss
 
-METHODS = ("hsdp", "gtc_hsdp", "gtc_hsdp_update")
+METHODS = ("hsdp", "gtc_hsdp", "gtc_hsdp_update", "gtc_ddp")
 
 
 class ShardedTransformerLM(TransformerLM):
@@ -52,6 +55,8 @@ class ShardedTransformerLM(TransformerLM):
         self.optimizer = optimizer
 
     def configure_model(self) -> None:
+        if self._device_mesh is None:  # gtc_ddp: the whole model on every rank
+            return
         mesh = self.device_mesh
         if "shard" in mesh.mesh_dim_names:
             mesh = mesh["shard"]
@@ -96,24 +101,29 @@ class HSDPProbe(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         strategy = trainer.strategy
-        replicas = strategy.device_mesh.size(0)
-        shard_numel = sum(p.to_local().numel() for p in pl_module.parameters())
+        sharded = getattr(strategy, "device_mesh", None) is not None
+        replicas = strategy.device_mesh.size(0) if sharded else trainer.world_size
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in pl_module.parameters()]
+        shard_numel = sum(t.numel() for t in local)
         padded = sum(  # what the reduce-scatter hands each rank per module and step (FSDP pads dim 0)
             sum(fp.padded_sharded_param_size.numel() for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params)
             for m in pl_module.modules()
             if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None
         )
         model_bytes = 0
-        for p in pl_module.parameters():
-            model_bytes += p.to_local().numel() * p.element_size() * (2 if p.grad is not None else 1)
+        for p, t in zip(pl_module.parameters(), local):
+            model_bytes += t.numel() * p.element_size() * (2 if p.grad is not None else 1)
         for opt in trainer.optimizers:
             for state in opt.state.values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor):
                         local = v.to_local() if hasattr(v, "to_local") else v
                         model_bytes += local.numel() * local.element_size()
-        gtc = getattr(strategy, "gtc_state", None)
-        if gtc is not None:
+        gtc = getattr(strategy, "gtc_state", None) if sharded else None
+        if not sharded:  # gtc_ddp: GTC over DDP's replicas of the whole model
+            total = strategy.gtc_stats["total"]
+            sent, dense = total["bytes_sent"], total["allreduce_fp32_bytes"]
+        elif gtc is not None:
             sent, dense = gtc.totals["bytes_sent"], gtc.totals["bytes_dense"]
         else:
             sent = dense = trainer.global_step * allreduce_bytes(padded, replicas)
@@ -125,8 +135,8 @@ class HSDPProbe(L.Callback):
             "numel": sum(p.numel() for p in pl_module.parameters()),
             "bytes_sent": sent,
             "bytes_dense": dense,
-            "words": gtc.totals["words"] if gtc is not None else None,
-            "gtc_state_bytes": gtc.nbytes() if gtc is not None else 0,
+            "words": gtc.totals["words"] if gtc is not None else (total["words"] if not sharded else None),
+            "gtc_state_bytes": gtc.nbytes() if gtc is not None else (own_memory_bytes(strategy) if not sharded else 0),
             "model_state_bytes": model_bytes,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "step_seconds": self.step_seconds,
@@ -148,6 +158,8 @@ def run(
         model = ShardedTransformerLM(train_size=steps * 16 * world, seed=seed, steps=steps, optimizer=optimizer)
         if method == "hsdp":
             strategy = _NativeHSDP(data_parallel_size=replicas, tensor_parallel_size=shards, timeout=TIMEOUT)
+        elif method == "gtc_ddp":
+            strategy = GTCStrategy(target_density=density, start_method="fork", timeout=TIMEOUT)
         else:
             compress = "update" if method == "gtc_hsdp_update" else "gradient"
             strategy = GTCHSDPStrategy(
