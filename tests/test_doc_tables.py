@@ -121,7 +121,7 @@ def test_links_resolve():
     assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
-@pytest.mark.parametrize("name", ["model_suite", "model_suite_long"])
+@pytest.mark.parametrize("name", ["model_suite", "model_suite_long", "model_suite_long_mechanisms"])
 def test_model_suite_report_is_its_json(name):
     """``docs/benchmarks/{model_suite,model_suite_long}/results.md`` is what the tool renders from the
     ``results.json`` beside it (the long profile's: the runs done so far)."""
