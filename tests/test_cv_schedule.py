@@ -15,9 +15,9 @@ from lightning.pytorch import Callback
 from local.dnn.datamodule import AsrDataModule, held_out_speakers, speaker_of
 from local.dnn.model import AcousticModel
 from local.dnn.schedule import Nnet1Schedule
+from test_train import FEAT_DIM, NUM_PDFS, aligned_cut
 
 ROOT = Path(__file__).resolve().parents[1]
-NUM_PDFS, FEAT_DIM = 6, 5
 TRAIN_SPEAKERS = [f"spk{k}" for k in range(10)]
 
 
@@ -25,7 +25,7 @@ def write_aligned_dir(data_dir: Path, speakers: dict[str, list[str]], utts_per_s
     """What the DNN stage reads (as ``test_train.write_aligned_dir``), with the speakers given per split:
     ``ali/{train,dev}_cuts.jsonl.gz``, ``manifests/test_cuts.jsonl.gz`` (speakers only), ``ali/info.json``,
     ``features/cmvn.json``, ``adapt/fbank_{,sat_}trans.pkl``. A frame's pdf-id is the argmax of its first bins."""
-    from lhotse import CutSet, Features, MonoCut, SupervisionSegment
+    from lhotse import CutSet
     from lhotse.features.io import NumpyFilesWriter
 
     rng = np.random.default_rng(0)
@@ -37,16 +37,7 @@ def write_aligned_dir(data_dir: Path, speakers: dict[str, list[str]], utts_per_s
             for spk in names:
                 for i in range(utts_per_speaker):
                     cut_id, frames = f"{spk}-{split}-{i}", int(rng.integers(5, 30))
-                    feats = rng.standard_normal((frames, FEAT_DIM)).astype(np.float32)
-                    key = writer.write(cut_id, feats)
-                    features = Features(type="fbank", num_frames=frames, num_features=FEAT_DIM, frame_shift=0.01,
-                                        sampling_rate=16000, start=0, duration=frames / 100, storage_type=writer.name,
-                                        storage_path=str(writer.storage_path), storage_key=key, recording_id=cut_id)
-                    sup = SupervisionSegment(cut_id, cut_id, 0, frames / 100, speaker=spk, text="A B")
-                    cut = MonoCut(cut_id, 0, frames / 100, 0, supervisions=[sup], features=features)
-                    pdf = np.argmax(feats[:, :NUM_PDFS], axis=1).astype(np.int32) % NUM_PDFS
-                    cut.pdf_ali = writer.store_array(cut_id + "-ali", pdf, frame_shift=0.01, temporal_dim=0)
-                    cuts.append(cut)
+                    cuts.append(aligned_cut(writer, rng, cut_id, frames, spk))
             folder = "manifests" if split == "test" else "ali"
             CutSet.from_cuts(cuts).to_file(data_dir / folder / f"{split}_cuts.jsonl.gz")
     (data_dir / "ali" / "info.json").write_text(json.dumps({"num_pdfs": NUM_PDFS}))

@@ -17,13 +17,30 @@ CONFIGS = sorted((ROOT / "conf").glob("*.yaml"))
 NUM_PDFS, FEAT_DIM = 6, 5
 
 
+def aligned_cut(writer, rng: np.random.Generator, cut_id: str, frames: int, speaker: str):
+    """One utterance of ``frames`` random fbank frames and their pdf alignment, written by ``writer``: each
+    frame's pdf-id is the argmax of its first ``NUM_PDFS`` feature bins, so it can be learnt."""
+    from lhotse import Features, MonoCut, SupervisionSegment
+
+    feats = rng.standard_normal((frames, FEAT_DIM)).astype(np.float32)
+    key = writer.write(cut_id, feats)
+    features = Features(type="fbank", num_frames=frames, num_features=FEAT_DIM, frame_shift=0.01,
+                        sampling_rate=16000, start=0, duration=frames / 100, storage_type=writer.name,
+                        storage_path=str(writer.storage_path), storage_key=key, recording_id=cut_id)  # fmt: skip
+    sup = SupervisionSegment(cut_id, cut_id, 0, frames / 100, speaker=speaker, text="A B")
+    cut = MonoCut(cut_id, 0, frames / 100, 0, supervisions=[sup], features=features)
+    pdf = np.argmax(feats[:, :NUM_PDFS], axis=1).astype(np.int32) % NUM_PDFS
+    cut.pdf_ali = writer.store_array(cut_id + "-ali", pdf, frame_shift=0.01, temporal_dim=0)
+    return cut
+
+
 def write_aligned_dir(data_dir: Path, utts: dict[str, int], seed: int = 0) -> Path:
     """A data dir with what the DNN stage reads: ``ali/{train,dev}_cuts.jsonl.gz`` (fbank features and
     ``pdf_ali``), ``ali/info.json``, ``ali/priors.npy``, ``features/cmvn.json`` and ``adapt/fbank_{,sat_}trans.pkl``.
 
     Each frame's pdf-id is the argmax of its first ``NUM_PDFS`` feature bins, so it can be learnt.
     """
-    from lhotse import CutSet, Features, MonoCut, SupervisionSegment
+    from lhotse import CutSet
     from lhotse.features.io import NumpyFilesWriter
 
     rng = np.random.default_rng(seed)
@@ -34,16 +51,7 @@ def write_aligned_dir(data_dir: Path, utts: dict[str, int], seed: int = 0) -> Pa
             cuts = []
             for i in range(num_utts):
                 cut_id, frames = f"{split}-{i:03d}", int(rng.integers(5, 40))
-                feats = rng.standard_normal((frames, FEAT_DIM)).astype(np.float32)
-                key = writer.write(cut_id, feats)
-                features = Features(type="fbank", num_frames=frames, num_features=FEAT_DIM, frame_shift=0.01,
-                                    sampling_rate=16000, start=0, duration=frames / 100, storage_type=writer.name,
-                                    storage_path=str(writer.storage_path), storage_key=key, recording_id=cut_id)
-                sup = SupervisionSegment(cut_id, cut_id, 0, frames / 100, speaker=f"spk{i % 2}", text="A B")
-                cut = MonoCut(cut_id, 0, frames / 100, 0, supervisions=[sup], features=features)
-                pdf = np.argmax(feats[:, :NUM_PDFS], axis=1).astype(np.int32) % NUM_PDFS
-                cut.pdf_ali = writer.store_array(cut_id + "-ali", pdf, frame_shift=0.01, temporal_dim=0)
-                cuts.append(cut)
+                cuts.append(aligned_cut(writer, rng, cut_id, frames, f"spk{i % 2}"))
             CutSet.from_cuts(cuts).to_file(data_dir / "ali" / f"{split}_cuts.jsonl.gz")
     (data_dir / "ali" / "info.json").write_text(json.dumps({"num_pdfs": NUM_PDFS}))
     np.save(data_dir / "ali" / "priors.npy", np.full(NUM_PDFS, 1 / NUM_PDFS, dtype=np.float32))
