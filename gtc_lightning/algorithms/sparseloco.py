@@ -309,15 +309,13 @@ class SparseLoCoState(BMUFState):
             return super().exchange(params, optimizers)
         local = flatten(params)
         self._move_to(local.device)
-        w, delta = self.global_params, self.delta
-        start = torch.add(w, delta, alpha=self.block_momentum) if self.nesterov else w
-        update = (local.to(w.dtype) - start).to(torch.float32)
-        decoded, sent, received = self.mean_update(update, slice(None), self.process_group, self.step)
+        whole = slice(None)
+        update = (local.to(self.global_params.dtype) - self.start_point(whole)).to(torch.float32)
+        decoded, sent, received = self.mean_update(update, whole, self.process_group, self.step)
 
         # 6. BMUF's filter on the decoded mean update; every rank moves to the same start point.
-        delta.mul_(self.block_momentum).add_(decoded.to(delta.dtype), alpha=self.block_lr)
-        w.add_(delta)
-        unflatten_(torch.add(w, delta, alpha=self.block_momentum) if self.nesterov else w, params)
+        self._filter_(whole, decoded)
+        unflatten_(self.start_point(whole), params)
         if self.optimizer_state == "reset":
             for optimizer in optimizers:
                 optimizer.state.clear()

@@ -158,10 +158,10 @@ class BMUFStrategy(ModelAveragingStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING and self._overlap:
-            # First of the callbacks at the end of fit, so that every other one sees the landed model.
-            if not any(isinstance(cb, _LandInFlight) for cb in trainer.callbacks):
-                trainer.callbacks.insert(0, _LandInFlight())
+        # First of the callbacks at the end of fit, so that every other one sees the landed model.
+        landing = any(isinstance(cb, _LandInFlight) for cb in trainer.callbacks)
+        if trainer.state.fn == TrainerFn.FITTING and self._overlap and not landing:
+            trainer.callbacks.insert(0, _LandInFlight())
 
     @override
     def on_train_end(self) -> None:

@@ -32,6 +32,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from gtc_lightning.strategies.hsdp import GTCHSDPStrategy
+from gtc_lightning.tools import bench_hsdp
 from gtc_lightning.tools.bench_hsdp import ShardedTransformerLM
 
 METHODS = ("nocomm", "hsdp", "gtc_hsdp", "gtc_hsdp_update")
@@ -47,12 +48,10 @@ class _NoReplicate(GTCHSDPStrategy):
             module.set_all_reduce_hook(lambda output: None)
 
 
-class _NativeHSDP(ModelParallelStrategy):
-    """torch's HSDP through Lightning's FSDP2 strategy, every rank a data-parallel worker (as under GTC)."""
+class _NativeHSDP(bench_hsdp._NativeHSDP):
+    """bench_hsdp's torch HSDP with Lightning's own launcher: the cluster tool starts the processes."""
 
-    @property
-    def distributed_sampler_kwargs(self):
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+    _configure_launcher = ModelParallelStrategy._configure_launcher
 
 
 def build(method: str, busy_wait: bool | None):

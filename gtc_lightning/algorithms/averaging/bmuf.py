@@ -72,7 +72,7 @@ def check_stream_args(period: int, fragments: Any, overlap: Any, optimizer_state
             f"part every period steps), got fragments={fragments}; use one of {divisors}"
         )
     if not isinstance(overlap, bool):
-        raise ValueError(f"Expect overlap to be True or False, got {overlap!r}")
+        raise ValueError(f"Expect overlap to be True or False, got {overlap!r}")  # noqa: TRY004  (as every option's)
     if (fragments > 1 or overlap) and optimizer_state != "keep":
         raise ValueError(
             f"optimizer_state={optimizer_state!r} with fragments={fragments}, overlap={overlap}: a streamed sync "
@@ -187,8 +187,7 @@ class BMUFState(AveragingState):
         assert self.global_params is not None and self.delta is not None, (
             "begin() sets W before the first block"
         )
-        if self.global_params.device != mean.device:  # loaded from a shard: on the CPU
-            self.global_params, self.delta = self.global_params.to(mean.device), self.delta.to(mean.device)
+        self._move_to(mean.device)  # (loaded from a shard: on the CPU)
         return block_update_(
             self.global_params, self.delta, mean.to(self.global_params.dtype),
             self.block_momentum, self.block_lr, self.nesterov,
