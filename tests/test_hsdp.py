@@ -490,7 +490,11 @@ def test_auto_picks_the_update_with_one_optimizer_and_the_gradient_with_two(tmp_
 def test_update_mode_measures_tau_at_every_step(tmp_path):
     """Adam's steps grow and shrink with the schedule; tau follows each step, so every step of every rank
     sends about the target density (here 0.1 of a ~550-element shard), not the controller's lagging share."""
-    ranks = run(tmp_path, strategy=update_mode(target_density=0.1), max_steps=6, model=AdamStepLR(tmp_path))
+    ranks = run(tmp_path, strategy=update_mode(target_density=0.1, coding="none"), max_steps=6,
+                model=AdamStepLR(tmp_path))  # fmt: skip
     for rank in ranks:
         for key, before, words, tau in rank["calls"]:
             assert 0.05 * before.numel() <= words.numel() <= 0.2 * before.numel(), (words.numel(), before.numel())
+        # Every byte counted: per step a header of 3 int64 and 4 bytes a word to the other replica, and the
+        # ring all-reduce of τ's float64 between the 2 replicas.
+        assert rank["stats"]["bytes_sent"] == sum(24 + 4 * words.numel() + 8 for _, _, words, _ in rank["calls"])

@@ -268,6 +268,7 @@ class HSDPGTCState:
         tau = float(torch.kthvalue(sample.cpu(), k).values) if sample.numel() else 0.0
         log_tau = torch.tensor([math.log(tau) if tau > 0 else math.log(AUTO_TAU_INIT)], dtype=torch.float64)
         finish(dist.all_reduce(log_tau, group=self.replicate_group, async_op=True), self.busy)
+        self.totals["bytes_sent"] += allreduce_bytes(1, self.replicas, 8)
         return float(torch.exp(log_tau / self.replicas))
 
     # ---- checkpoints -------------------------------------------------------------------------------
