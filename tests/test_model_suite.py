@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from _strategy_helpers import fit, keep_master_port  # noqa: F401  (autouse: fork sets MASTER_PORT)
+from _strategy_helpers import TinyMLP, fit, keep_master_port  # noqa: F401  (autouse: fork sets MASTER_PORT)
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import default_collate
 
@@ -123,6 +123,44 @@ def test_powersgd_runs_on_gloo_with_identical_replicas(tmp_path):
         ranks_of_updates.append(int((s > 1e-4 * s[0]).sum()))
     assert min(ranks_of_updates[:2]) > 8
     assert ranks_of_updates[2:] == [1] * (len(weights) - 3)
+
+
+class _WideMLP(TinyMLP):
+    """:class:`TinyMLP` with six hidden [256, 256] layers (0.4 M weights): enough work per bucket
+    for the race below to show within a few steps."""
+
+    def __init__(self, samples: int = 256):
+        super().__init__(lr=0.05, momentum=0.0, samples=samples)
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(16, 256), torch.nn.Tanh()]
+        for _ in range(6):
+            layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
+        self.net = torch.nn.Sequential(*layers, torch.nn.Linear(256, 4))
+
+
+def test_powersgd_with_several_buckets_on_gloo(tmp_path):
+    """With more than one DDP bucket, torch's hook issues one bucket's P/Q all-reduces from a gloo
+    callback thread while the backward issues the next bucket's from its own thread; the ranks then
+    disagree on the order and hang or abort (the long suite's 2.4 M LM has 2 buckets). The strategy
+    runs the buckets one after another on gloo: training finishes, the replicas stay bit-identical
+    and a hidden [256, 256] weight takes rank-1 updates."""
+    _, ranks = fit(
+        tmp_path,
+        strategy=PowerSGDStrategy,
+        max_epochs=1,
+        model=_WideMLP(),
+        matrix_approximation_rank=1,
+        start_powerSGD_iter=2,
+        bucket_cap_mb=0.3,  # one [256, 256] layer (256 kB) per bucket: 7 buckets
+    )
+    records = [rank["records"] for rank in ranks]
+    assert len(records[0]) == len(records[1]) == 16
+    for a, b in zip(*records):
+        assert torch.equal(a["params"], b["params"])
+    first = 16 * 256 + 256  # the first layer's weight and bias, then the first hidden weight
+    change = (records[0][-1]["params"] - records[0][-2]["params"])[first : first + 256 * 256]
+    s = torch.linalg.svdvals(change.double().view(256, 256))
+    assert int((s > 1e-4 * s[0]).sum()) == 1
 
 
 # ---- the quick suite, end to end ---------------------------------------------------------------

@@ -12,20 +12,23 @@ not registered by name.
 
 :class:`PowerSGDStrategy` (``"ddp_powersgd"``) is what a Lightning user can pick today as a
 compressed exchange: torch's own ``powerSGD_hook`` (Vogels et al., 2019; rank-r low-rank
-compression with error feedback), unchanged, registered on every device. It runs on gloo as it
-is: its all-reduces are plain ``dist.all_reduce`` futures, and the one it waits on inside a
-``then`` callback completes on another gloo thread.
+compression with error feedback), unchanged, registered on every device. Its all-reduces are plain
+``dist.all_reduce`` futures, issued inside ``then`` callbacks; on gloo those run on gloo's threads,
+so with several buckets the strategy runs the buckets one after another
+(:func:`~gtc_lightning.algorithms.hooks.one_bucket_at_a_time`): otherwise the ranks issue their
+collectives in different orders and gloo aborts or hangs.
 """
 
 from typing import Any
 
+import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from gtc_lightning.algorithms.hooks import bf16_allreduce_hook, no_comm_hook
+from gtc_lightning.algorithms.hooks import bf16_allreduce_hook, no_comm_hook, one_bucket_at_a_time
 
 
 class HookedDDPStrategy(DDPStrategy):
@@ -122,7 +125,11 @@ class PowerSGDStrategy(HookedDDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         group = self._ddp_kwargs.get("process_group")
         self._powersgd_state = PowerSGDState(process_group=group, **self._powersgd_kwargs)
-        self.model.register_comm_hook(self._powersgd_state, powerSGD_hook)
+        # NCCL runs the hook's callbacks in the backward's thread, in bucket order; gloo does not
+        # (see one_bucket_at_a_time).
+        on_nccl = dist.get_backend(group) == "nccl"
+        hook = powerSGD_hook if on_nccl else one_bucket_at_a_time(powerSGD_hook)
+        self.model.register_comm_hook(self._powersgd_state, hook)
 
     @classmethod
     @override
