@@ -6,6 +6,9 @@ of the files ``FILES`` lists; ``TABLES`` maps NAME to the function that renders 
 - ``model-suite``: the README's summary of the model suite at 4 ranks, and ``model-suite-report``: the
   suite's whole report, both from ``docs/benchmarks/model_suite/results.json`` (``python -m
   gtc_lightning.tools.model_suite --out docs/benchmarks/model_suite`` writes it);
+- ``model-suite-long-options``: the long profile's GTC settings and the update mode's options against
+  DDP, seed by seed, from ``docs/benchmarks/model_suite_long/results.json`` and
+  ``docs/benchmarks/model_suite_long_mechanisms/results.json``;
 - ``compat-matrix`` and ``compat-matrix-short``: the compatibility matrix, from ``tests/compat_matrix.py``;
 - ``recipe-results``: the current section of ``recipes/asr/RESULTS.md``, from ``recipes/asr/RESULTS.json``,
   and ``recipe-results-kaldi``: the section of run.sh's ``profile=kaldi``, from ``recipes/asr/RESULTS-kaldi.json``
@@ -49,6 +52,20 @@ SUITE_COLUMNS = (
     ("ddp_bf16", "bf16 all-reduce"),
 )
 SUITE_WORLD_SIZE = 4
+LONG_JSONS = (
+    ROOT / "docs" / "benchmarks" / "model_suite_long" / "results.json",
+    ROOT / "docs" / "benchmarks" / "model_suite_long_mechanisms" / "results.json",
+)
+# The columns of the long profile's table of options: (method in the JSONs, header).
+LONG_OPTION_COLUMNS = (
+    ("gtc", "`gtc` (defaults)"),
+    ("gtc_density_warmup", "`gtc_density_warmup`"),
+    ("gtc_displacement", "`gtc_displacement`"),
+    ("gtc_3e-3", "`gtc_3e-3`"),
+    ("gtc_3e-3_density_warmup", "`gtc_3e-3_density_warmup`"),
+    ("gtc_3e-3_displacement", "`gtc_3e-3_displacement`"),
+    ("powersgd_r4", "`powersgd_r4`"),
+)
 
 
 def _ratio(x: float) -> str:
@@ -76,6 +93,35 @@ def model_suite_table(path: Path = MODEL_SUITE_JSON, world_size: int = SUITE_WOR
             ratio = statistics.fmean(r["ratio_fp32"] for r in mine)
             cells.append(f"{100 * (loss - ddp) / ddp:+.1f} %, {_ratio(ratio)}")
         lines.append(f"| {label}, {optimizer} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def model_suite_long_options(paths: tuple[Path, ...] = LONG_JSONS, world_size: int = SUITE_WORLD_SIZE) -> str:
+    """Per model and setting of the long profile: the held-out loss against DDP's of the same seeds
+    (ratio of the means, then the lowest and highest seed's own change in brackets), the mean ratio of
+    bytes to a fp32 ring all-reduce, and the number of seeds. Settings without a run are left empty."""
+    runs = [r for p in paths for r in json.loads(p.read_text()) if r["world_size"] == world_size and "error" not in r]
+    loss = {(r["model"], r["method"], r["seed"]): r for r in runs}
+    models = list(dict.fromkeys(r["model"] for r in runs if r["method"] == "ddp"))
+    lines = [
+        "| model | DDP | " + " | ".join(header for _, header in LONG_OPTION_COLUMNS) + " |",
+        "|---|---|" + "---|" * len(LONG_OPTION_COLUMNS),
+    ]
+    for model in models:
+        ddp = {seed: r["final_loss"] for (m, meth, seed), r in loss.items() if (m, meth) == (model, "ddp")}
+        cells = [f"{statistics.fmean(ddp.values()):.4f} ({len(ddp)})"]
+        for method, _ in LONG_OPTION_COLUMNS:
+            mine = {s: r for (m, meth, s), r in loss.items() if (m, meth) == (model, method) and s in ddp}
+            if not mine:
+                cells.append("")
+                continue
+            base = statistics.fmean(ddp[s] for s in mine)
+            mean = statistics.fmean(r["final_loss"] for r in mine.values())
+            each = [100 * (r["final_loss"] - ddp[s]) / ddp[s] for s, r in mine.items()]
+            ratio = statistics.fmean(r["ratio_fp32"] for r in mine.values())
+            spread = f" [{min(each):+.2f}, {max(each):+.2f}]" if len(mine) > 1 else ""
+            cells.append(f"{100 * (mean - base) / base:+.2f} %{spread} at {ratio:.0f}x ({len(mine)})")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -112,6 +158,7 @@ def _recipe_results(profile: str) -> Callable[[], str]:
 TABLES: dict[str, Callable[[], str]] = {
     "model-suite": model_suite_table,
     "model-suite-report": model_suite_report,
+    "model-suite-long-options": model_suite_long_options,
     "compat-matrix": _compat(False),
     "compat-matrix-short": _compat(True),
     "recipe-results": _recipe_results("default"),
