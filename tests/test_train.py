@@ -151,6 +151,13 @@ def test_every_config_builds_the_trainer(config, aligned, tmp_path):
     if config.name == "adpsgd.yaml":
         assert isinstance(strategy, gtc_lightning.ADPSGDStrategy) and strategy.max_staleness == 2
         assert strategy.peering == "ring" and cli.config.run_name == "adpsgd" and cli.trainer.num_devices == 2
+    if config.name == "diloco.yaml":  # DiLoCo's outer step, H = 50 for the recipe's short runs
+        assert type(strategy) is gtc_lightning.BMUFStrategy and strategy.period == 50
+        assert (strategy.block_lr, strategy.block_momentum, strategy.nesterov) == (0.7, 0.9, True)
+        assert cli.config.run_name == "diloco" and cli.trainer.num_devices == 2
+    if config.name == "sparseloco.yaml":
+        assert isinstance(strategy, gtc_lightning.SparseLoCoStrategy) and strategy.period == 30
+        assert (strategy.density, strategy.values) == (1 / 64, "2bit") and cli.trainer.num_devices == 2
     if config.name == "gtc_auto.yaml":  # automatic tau from 0.01, Rice coding, lr 2 over conf/default.yaml's 1.0
         assert isinstance(strategy, gtc_lightning.GTCStrategy) and strategy.tau == 0.01
         assert strategy.target_density == 2.5e-3 and strategy.coding == "rice" and strategy.compress == "gradient"
@@ -187,6 +194,30 @@ def test_gtc_config_trains_on_the_tiny_corpus(tiny_aligned, tmp_path):
     assert (summary["target_density"], summary["coding"], summary["compress"]) == (None, "none", "gradient")
     assert summary["global_steps"] == 4 and summary["gtc"]["step"] == 4
     assert summary["gtc"]["total"]["bytes_sent"] > 0 and len(summary["dev_frame_acc"]) == 1
+
+
+@pytest.mark.parametrize("name", ["diloco", "sparseloco"])
+def test_block_sync_config_trains_on_the_tiny_corpus(name, tiny_aligned, tmp_path):
+    """``conf/diloco.yaml`` and ``conf/sparseloco.yaml`` on 2 forked ranks, with a period of 2 so that the
+    4 steps of the tiny run hold 2 block syncs."""
+    summary = _run(["--config", str(ROOT / "conf" / "tiny.yaml"), "--config", str(ROOT / "conf" / f"{name}.yaml"),
+                    "--trainer.strategy.init_args.start_method", "fork", "--trainer.strategy.init_args.period", "2",
+                    "--data.data_dir", str(tiny_aligned), "--exp_dir", str(tmp_path), "--trainer.max_epochs", "1",
+                    "--num_threads", "1"])
+    assert summary["run_name"] == name and summary["world_size"] == 2 and summary["global_steps"] == 4
+    assert summary["strategy_class"] == ("BMUFStrategy" if name == "diloco" else "SparseLoCoStrategy")
+    assert summary["sync"]["total"]["syncs"] == 2 and summary["sync"]["total"]["bytes_sent"] > 0
+
+
+def test_block_sync_shortcuts_are_the_registered_names(aligned, tmp_path):
+    """``--strategy diloco`` is the registered ``"diloco"``: DiLoCo's own H = 500 and outer step."""
+    import gtc_lightning
+
+    for name, cls in (("diloco", gtc_lightning.BMUFStrategy), ("sparseloco", gtc_lightning.SparseLoCoStrategy)):
+        cli = train.build_cli(["--strategy", name, "--data.data_dir", str(aligned), "--exp_dir", str(tmp_path),
+                               "--trainer.accelerator", "cpu"])
+        assert type(cli.trainer.strategy) is cls and cli.trainer.num_devices == 2
+    assert (cli.trainer.strategy.period, cli.trainer.strategy.density) == (30, 1 / 64)
 
 
 def test_gtc_shortcut_builds_a_two_process_cpu_trainer(aligned, tmp_path):

@@ -12,10 +12,13 @@ Usage:
   python recipes/asr/train.py --strategy gtc_stale     # GTC, updates applied one step late, 2 CPU processes
   python recipes/asr/train.py --strategy dpsgd         # ring-neighbour parameter averaging, 2 CPU processes
   python recipes/asr/train.py --strategy adpsgd        # asynchronous pair averaging (ADPSGD), 2 CPU processes
+  python recipes/asr/train.py --strategy diloco        # DiLoCo's block syncs (H = 500), 2 CPU processes
+  python recipes/asr/train.py --config conf/diloco.yaml  # the same at H = 50 (the recipe's runs are short)
+  python recipes/asr/train.py --strategy sparseloco    # DiLoCo's block update as GTC words, 2 CPU processes
   python recipes/asr/train.py --config conf/strom2015.yaml --strategy gtc   # 5 x 1536, all GPUs
   python recipes/asr/train.py --strategy gtc --trainer.devices 4 --trainer.max_epochs 6 --model.lr 0.5
 
-``--strategy {single,ddp,ddp_bf16,gtc,gtc_stale,ma,bmuf,bmuf_gtc,dpsgd,adpsgd}`` is a shortcut, expanded where it
+``--strategy {single,ddp,ddp_bf16,gtc,gtc_stale,ma,bmuf,bmuf_gtc,dpsgd,adpsgd,diloco,sparseloco}`` is a shortcut, expanded where it
 stands into ``--trainer.strategy`` and ``--trainer.devices`` (CPU: 1 process for single, 4 for bmuf_gtc, 2 for the others;
 GPU: 1 or all GPUs); a later
 ``--trainer.devices N`` or ``--config`` wins. ``conf/default.yaml`` is always read first; any
@@ -82,7 +85,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "conf" / "default.yaml"
 SHORTCUTS = {"single": "auto", "ddp": "ddp", "ddp_bf16": "ddp_bf16", "gtc": "gtc", "gtc_stale": "gtc_stale",
              "ma": "ma", "bmuf": "bmuf", "bmuf_gtc": "bmuf_gtc", "dpsgd": "dpsgd",
-             "adpsgd": "adpsgd"}
+             "adpsgd": "adpsgd", "diloco": "diloco", "sparseloco": "sparseloco"}
 CPU_PROCESSES = {"bmuf_gtc": "4"}  # processes on CPU: bmuf_gtc needs two groups of 2; the others run on 2
 ALI_FILES = ("ali/train_cuts.jsonl.gz", "ali/dev_cuts.jsonl.gz", "ali/info.json", "features/cmvn.json",
              "adapt/fbank_trans.pkl", "adapt/fbank_sat_trans.pkl")
