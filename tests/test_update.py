@@ -488,6 +488,36 @@ def test_density_warmup_sends_a_quarter_first_then_the_target(one_rank):
     assert all(a > b for a, b in itertools.pairwise(sent[:8])), sent  # falling through the warm-up
 
 
+def test_density_warmup_auto_is_five_percent_of_the_run():
+    from gtc_lightning.algorithms.gtc.config import resolve_density_warmup
+
+    assert resolve_density_warmup("auto", 2000)[0] == 100
+    assert resolve_density_warmup("auto", 8)[0] == 1  # at least one step
+    steps, why = resolve_density_warmup("auto", float("inf"))
+    assert steps == 0 and "unknown" in why
+    assert resolve_density_warmup(7, float("inf")) == (7, "as asked")
+
+
+@pytest.mark.parametrize("warmup", [0, "auto"])
+def test_density_warmup_auto_follows_the_trainers_run(tmp_path, warmup):
+    """2 ranks, 10 epochs of 4 steps: ``"auto"`` warms up over 5 % of the 40 steps (2), so the first step
+    sends about a quarter of the elements and the third the target's 1 %; without a warm-up the first step
+    sends the target already."""
+    _, ranks = fit(tmp_path, compress="update", tau="auto", target_density=0.01, density_warmup_steps=warmup,
+                   max_epochs=10)  # fmt: skip
+    density = [r["stats"]["last"]["density"] for r in ranks[0]["records"]]
+    assert len(density) == 40 and density[2] < 0.05
+    assert (density[0] > 0.15) == (warmup == "auto"), density[:3]
+
+
+def test_density_warmup_auto_is_refused_by_fabric_with_the_fix():
+    from gtc_lightning.strategies.fabric import GTCFabricStrategy
+
+    with pytest.raises(ValueError, match="Fabric does not know the run's length: give the number of steps"):
+        GTCFabricStrategy(density_warmup_steps="auto")
+    GTCStrategy(compress="gradient", density_warmup_steps="auto")  # the gradient mode has none: nothing to refuse
+
+
 @pytest.mark.parametrize("conserve", ["direction", "displacement"])
 def test_displacement_is_conserved_across_learning_rate_changes(one_rank, conserve):
     """Steps at rates 0.1, 0.4, 0.05, 0.2: with conserve='displacement' what moved the parameters plus

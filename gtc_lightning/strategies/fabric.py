@@ -120,6 +120,11 @@ class GTCFabricStrategy(DDPStrategy):
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
                       busy_wait, conserve, density_warmup_steps)
+        if density_warmup_steps == "auto":
+            raise ValueError(
+                "density_warmup_steps='auto' is a share of the Trainer's optimizer steps; Fabric does not know the "
+                "run's length: give the number of steps (e.g. 5 % of your loop's optimizer steps)"
+            )
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'")
         if gradient_clip_val is not None and not gradient_clip_val > 0:

@@ -37,6 +37,7 @@ from gtc_lightning.algorithms.gtc import update as update_mode
 from gtc_lightning.algorithms.gtc.config import (
     DEFAULT_DENSITY,
     check_options,
+    resolve_density_warmup,
     sparse_gradient_parameters,
     unused_update_options,
 )
@@ -115,6 +116,7 @@ class GTCStrategy(DDPStrategy):
             the rate of the step that sends it; ``"displacement"`` keeps the step itself.
         density_warmup_steps: the update mode's density starts at 0.25 and falls geometrically to
             ``target_density`` over this many optimizer steps (DGC's warm-up; 0, the default: none).
+            ``"auto"``: 5 % of the Trainer's ``estimated_stepping_batches`` (none when that is unknown).
         busy_wait: how a rank waits for GTC's collectives each step (the header and word exchanges,
             the update mode's finite-gradient flag). ``None`` (default): on gloo it polls them,
             yielding its core between polls, when the machine has a core for each of its ranks;
@@ -184,7 +186,7 @@ class GTCStrategy(DDPStrategy):
         compress: Literal["auto", "gradient", "update"] = "auto",
         busy_wait: bool | None = None,
         conserve: Literal["direction", "displacement"] = "direction",
-        density_warmup_steps: int = 0,
+        density_warmup_steps: int | Literal["auto"] = 0,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -345,6 +347,11 @@ class GTCStrategy(DDPStrategy):
                 f"{len(self.optimizers)}. Use compress='gradient' (or 'auto'), or one optimizer"
             )
         state.compress = mode
+        if self._density_warmup_steps == "auto":  # the update mode's: the gradient mode has no warm-up
+            total = self.lightning_module.trainer.estimated_stepping_batches if mode == "update" else 0
+            state.density_warmup_steps, why_warmup = resolve_density_warmup("auto", total)
+            if self.global_rank == 0 and mode == "update":
+                log.info("GTC: %s", why_warmup)
         self._update_params = [p for _, p in self.lightning_module.named_parameters() if p.requires_grad]
         auto, many = self._compress == "auto", f"{len(self.optimizers)} optimizers"
         why = "compress='auto' with " + ("one optimizer" if mode == "update" else "stale=True" if self._stale else many)
@@ -421,7 +428,7 @@ class GTCStrategy(DDPStrategy):
             compress="auto",
             busy_wait=self._busy_wait,
             conserve=self._conserve,
-            density_warmup_steps=self._density_warmup_steps,
+            density_warmup_steps=0 if self._density_warmup_steps == "auto" else self._density_warmup_steps,
         )
 
     @override
