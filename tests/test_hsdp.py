@@ -396,12 +396,13 @@ def update_mode(**kwargs) -> GTCHSDPStrategy:
                            **kwargs)  # fmt: skip
 
 
-def test_update_mode_keeps_replicas_identical_and_conserves_the_steps(tmp_path):
+@pytest.mark.parametrize("tau", [5e-3, "auto"])
+def test_update_mode_keeps_replicas_identical_and_conserves_the_steps(tmp_path, tau):
     """Adam with a step schedule, each replica on its own data and moments: no hook call, one exchange per
     step of the whole shard's step, the replicas of a shard bit-identical after every step, and per rank
-    the residual plus what its words sent is the sum of its optimizer's steps (a fixed tau: the recorder sees
-    tau after the step, which automatic tau has moved)."""
-    ranks = run(tmp_path, strategy=update_mode(tau=5e-3), max_steps=6, model=AdamStepLR(tmp_path))
+    the residual plus what its words sent (at the tau it thresholded with: a fixed one, or with "auto" its
+    own, measured that step and sent in its header) is the sum of its optimizer's steps."""
+    ranks = run(tmp_path, strategy=update_mode(tau=tau), max_steps=6, model=AdamStepLR(tmp_path))
     for shard in (0, 1):
         for ra, rb in zip(ranks[shard]["records"], ranks[2 + shard]["records"]):
             assert all(torch.equal(pa, pb) for pa, pb in zip(ra["params"], rb["params"]))
@@ -411,13 +412,14 @@ def test_update_mode_keeps_replicas_identical_and_conserves_the_steps(tmp_path):
         assert rank["shard_numel"] == rank["records"][-1]["residuals"]["_update"].numel()
         steps = torch.stack([c[1] for c in rank["calls"]]).double()
         sent = torch.zeros(steps.shape[1], dtype=torch.float64)
-        for _, _, words, tau in rank["calls"]:
+        for _, _, words, own_tau in rank["calls"]:
             sign = torch.where(words < 0, -1.0, 1.0).double()
-            sent.index_add_(0, (words & 0x7FFFFFFF).long(), sign * tau)
+            sent.index_add_(0, (words & 0x7FFFFFFF).long(), sign * own_tau)
         torch.testing.assert_close(rank["records"][-1]["residuals"]["_update"].double() + sent, steps.sum(0),
                                    atol=1e-6, rtol=0)  # fmt: skip
-    # The replicas stepped on different data: their own steps differ.
+    # The replicas stepped on different data: their own steps differ, and so, with "auto", their taus.
     assert not torch.equal(ranks[0]["calls"][0][1], ranks[2]["calls"][0][1])
+    assert (ranks[0]["calls"][0][3] != ranks[2]["calls"][0][3]) == (tau == "auto")
 
 
 def test_update_mode_dense_warmup_equals_native_hsdp(tmp_path):
@@ -495,6 +497,46 @@ def test_update_mode_measures_tau_at_every_step(tmp_path):
     for rank in ranks:
         for key, before, words, tau in rank["calls"]:
             assert 0.05 * before.numel() <= words.numel() <= 0.2 * before.numel(), (words.numel(), before.numel())
-        # Every byte counted: per step a header of 3 int64 and 4 bytes a word to the other replica, and the
-        # ring all-reduce of τ's float64 between the 2 replicas.
-        assert rank["stats"]["bytes_sent"] == sum(24 + 4 * words.numel() + 8 for _, _, words, _ in rank["calls"])
+        # Every byte counted: per step a header of 4 int64 (τ among them: no collective of its own) and 4
+        # bytes a word to the other replica.
+        assert rank["stats"]["bytes_sent"] == sum(32 + 4 * words.numel() for _, _, words, _ in rank["calls"])
+
+
+def _reduce_at_own_taus(rank: int, out: Path) -> None:
+    """One replica of 2 (the replicate group is the world): three steps of ``per_step_tau`` reduction of
+    its own input; what each step decoded and what each replica's words were worth, into ``rank{r}.pt``."""
+    import torch.distributed as dist
+
+    from gtc_lightning.algorithms.gtc.hsdp import HSDPGTCState
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=TIMEOUT)
+    state = HSDPGTCState(dist.group.WORLD, tau="auto", target_density=0.05, coding="rice", per_step_tau=True)
+    g = torch.Generator().manual_seed(rank)
+    steps = []
+    for _ in range(3):
+        given = torch.randn(4096, generator=g) * (1 + 9 * rank)  # replica 1's steps are 10x larger
+        before = state.slots["m"].residual.clone() if "m" in state.slots else torch.zeros(4096)
+        output = given.clone()
+        state.reduce("m", output)
+        sent = before + given - state.slots["m"].residual  # what this replica's words were worth: ±tau_r
+        both = [torch.empty(4096) for _ in range(2)]
+        dist.all_gather(both, sent)
+        steps.append({"output": output, "sent": both, "tau": state.slots["m"].tau})
+    torch.save(steps, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_per_step_tau_decodes_each_replicas_words_at_its_own_tau(tmp_path):
+    """Each replica thresholds at its own measured tau (10x apart here) and sends it in its header; the
+    decoded shard is the mean of what the replicas' words were worth, bit-identical on both, and each
+    replica sends about the target density."""
+    from _strategy_helpers import run_ranks
+
+    run_ranks(_reduce_at_own_taus, 2, tmp_path, timeout=60)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for a, b in zip(*ranks):
+        assert torch.equal(a["output"], b["output"])
+        torch.testing.assert_close(a["output"], (a["sent"][0] + a["sent"][1]) / 2, atol=1e-6, rtol=1e-6)
+        assert 5 < b["tau"] / a["tau"] < 20
+        for sent in a["sent"]:
+            assert 0.02 < (sent != 0).float().mean() < 0.1

@@ -11,12 +11,14 @@ replaces it in place by the estimate of its mean over the replicate group. Per F
 2. Residual: ``r += g``; every element with ``|r| > tau`` emits one word ``index | sign << 31`` (in
    ascending index order) and moves ``r`` by ``∓tau`` (the same primitives as the DDP hook). A
    gradient with a NaN/Inf is not added (the residual stays finite) and sends no word.
-3. Header: every replica's word count, message bytes and non-finite flag, all-gathered in the
-   replicate group.
+3. Header: every replica's word count, message bytes, non-finite flag and (``per_step_tau``) its own
+   tau, all-gathered in the replicate group.
 4. Words: every replica's message (Golomb-Rice coded with ``coding="rice"``) to every other replica
    of the shard (all-to-all of uneven messages).
 5. Decode into ``g`` itself: ``g[i] = tau / R * (#plus - #minus)``, counted as exact float integers,
-   so every replica of the shard writes the same bits whatever the order the words arrived in. If a
+   so every replica of the shard writes the same bits whatever the order the words arrived in; with
+   ``per_step_tau`` each replica's words are worth its own ``tau_r / R``, added replica by replica in
+   rank order (no index twice within a replica), the same bits on every replica. If a
    replica had a non-finite gradient, ``g`` becomes NaN on every replica (a dense all-reduce would
    give the same), and this rank's residual keeps its own gradient: nothing is lost.
 6. Automatic tau: the replicas of a shard move their tau alike, from the exchanged counts.
@@ -57,7 +59,7 @@ from gtc_lightning.ops.torch_ops import INDEX_MASK
 
 log = logging.getLogger(__name__)
 
-HEADER = 3  # int64 per replica: words, message bytes, non-finite flag
+HEADER = 4  # int64 per replica: words, message bytes, non-finite flag, tau (float64 bits; per_step_tau)
 TOTAL_KEYS = ("steps", "sparse", "dense", "skipped", "elements", "words", "bytes_sent", "bytes_dense")
 
 
@@ -92,9 +94,10 @@ class HSDPGTCState:
         coding: ``"rice"`` (Golomb-Rice coded words, about 10 bits a word) or ``"none"`` (32 bits).
         busy_wait: poll the collectives (True), block (False), or poll on gloo where each rank has a
             core (None).
-        per_step_tau: with ``tau="auto"``, measure tau at every compressed step as at the first (the
-            ``1 - target_density`` quantile of ``|residual + input|``, the replicas' geometric mean: one
-            more scalar all-reduce a step) instead of moving it by the controller. The update mode uses
+        per_step_tau: with ``tau="auto"``, each replica measures its own tau at every compressed step
+            (the ``1 - target_density`` quantile of its ``|residual + input|``, from a strided sample)
+            and sends it in its header, instead of one tau moved by the controller; every replica's
+            words are decoded at their sender's tau, so no collective is added. The update mode uses
             it: an optimizer's step follows its learning-rate schedule (a warm-up multiplies it tenfold
             in a few dozen steps), which the controller, at most 10 % a step, would trail.
     """
@@ -201,9 +204,9 @@ class HSDPGTCState:
             return
         # 2. Residual and words.
         finite = all_finite(output)
-        if self.per_step_tau:  # every replica joins, finite or not
+        if self.per_step_tau:  # this replica's own, sent in its header
             stride = max(1, n // SAMPLE)
-            slot.tau = self._first_tau(slot.residual[::stride] + output[::stride])
+            slot.tau = self._quantile(slot.residual[::stride] + output[::stride])
             if slot.controller is not None:
                 slot.controller.tau, slot.controller.started = slot.tau, True
         elif slot.controller is not None and not slot.controller.started:  # every replica joins, finite or not
@@ -218,7 +221,8 @@ class HSDPGTCState:
         words = slot.message[:own]
         coded = rice_encode(words) if self.coding == "rice" else words.view(torch.uint8)
         # 3. Header.
-        header = torch.tensor([own, coded.numel(), 0 if finite else 1], dtype=torch.int64, device=output.device)
+        tau_bits = int(torch.tensor([slot.tau], dtype=torch.float64).view(torch.int64))
+        header = torch.tensor([own, coded.numel(), 0 if finite else 1, tau_bits], dtype=torch.int64, device=output.device)
         headers = torch.empty(replicas * HEADER, dtype=torch.int64, device=output.device)
         finish(all_gather_equal(headers, header, group=self.replicate_group, async_op=True), self.busy)
         rows = headers.view(replicas, HEADER).tolist()
@@ -249,23 +253,35 @@ class HSDPGTCState:
             everyone = [words if r == rank else rice_decode(part) for r, part in enumerate(parts)]
         else:
             everyone = [words if r == rank else part.view(torch.int32) for r, part in enumerate(parts)]
-        everyone = torch.cat(everyone)
         output.zero_()
-        output.index_add_(0, (everyone & INDEX_MASK).long(), torch.where(everyone < 0, -1.0, 1.0))
-        output.mul_(f32(tau32 / replicas))
+        if self.per_step_tau:  # each replica's words at its own tau, replica by replica in rank order
+            taus = torch.tensor([row[3] for row in rows], dtype=torch.int64).view(torch.float64).tolist()
+            for words_r, tau_r in zip(everyone, taus):
+                scale = f32(f32(tau_r) / replicas)
+                output.index_add_(0, (words_r & INDEX_MASK).long(), torch.where(words_r < 0, -scale, scale))
+        else:
+            everyone = torch.cat(everyone)
+            output.index_add_(0, (everyone & INDEX_MASK).long(), torch.where(everyone < 0, -1.0, 1.0))
+            output.mul_(f32(tau32 / replicas))
         self.totals["sparse"] += 1
         slot.words = counts
         # 6. Automatic tau, alike on every replica of the shard (per_step_tau: measured at the next step).
         if slot.controller is not None and not self.per_step_tau:
             slot.tau = slot.controller.update(sum(counts) / max(replicas * n, 1))
 
-    def _first_tau(self, values: torch.Tensor) -> float:
-        """The ``1 - target_density`` quantile of ``|values|`` (a strided sample), the replicas'
-        geometric mean: the replicas of a shard start from the same tau."""
+    def _quantile(self, values: torch.Tensor) -> float:
+        """The ``1 - target_density`` quantile of ``|values|`` (a strided sample, its finite elements),
+        or :data:`AUTO_TAU_INIT` when that is 0 or there is none."""
         sample = values[:: max(1, values.numel() // SAMPLE)].abs()
         sample = sample[torch.isfinite(sample)]
         k = min(sample.numel(), max(1, math.ceil((1.0 - self.target_density) * sample.numel())))
         tau = float(torch.kthvalue(sample.cpu(), k).values) if sample.numel() else 0.0
+        return tau if tau > 0 else AUTO_TAU_INIT
+
+    def _first_tau(self, values: torch.Tensor) -> float:
+        """:meth:`_quantile` of ``values``, the replicas' geometric mean: the replicas of a shard start
+        from the same tau."""
+        tau = self._quantile(values)
         log_tau = torch.tensor([math.log(tau) if tau > 0 else math.log(AUTO_TAU_INIT)], dtype=torch.float64)
         finish(dist.all_reduce(log_tau, group=self.replicate_group, async_op=True), self.busy)
         self.totals["bytes_sent"] += allreduce_bytes(1, self.replicas, 8)
