@@ -69,8 +69,9 @@ class GTCHSDPStrategy(ModelParallelStrategy):
       (its displacement: the parameters after the step minus before). The words of the residual go to
       the shard's replicas, and every replica sets its shard to where it was before the step plus the
       decoded mean step, so the replicas stay bit-identical while their optimizer states differ. With
-      ``tau="auto"`` tau is measured at every step (the ``1 - target_density`` quantile of the residual
-      plus the step, alike on the replicas), since a step follows the learning-rate schedule. One
+      ``tau="auto"`` each replica measures its tau at every step (the ``1 - target_density`` quantile of
+      its residual plus its step), since a step follows the learning-rate schedule, and sends it in its
+      header: each replica's words are decoded at their sender's tau. One
       optimizer only. A step whose mean is not finite on some replica is undone on every replica.
 
     Either way the shard's replicas stay bit-identical without ever being compared or broadcast.
