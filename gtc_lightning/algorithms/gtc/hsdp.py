@@ -281,8 +281,7 @@ class HSDPGTCState:
     def _first_tau(self, values: torch.Tensor) -> float:
         """:meth:`_quantile` of ``values``, the replicas' geometric mean: the replicas of a shard start
         from the same tau."""
-        tau = self._quantile(values)
-        log_tau = torch.tensor([math.log(tau) if tau > 0 else math.log(AUTO_TAU_INIT)], dtype=torch.float64)
+        log_tau = torch.tensor([math.log(self._quantile(values))], dtype=torch.float64)  # _quantile is > 0
         finish(dist.all_reduce(log_tau, group=self.replicate_group, async_op=True), self.busy)
         self.totals["bytes_sent"] += allreduce_bytes(1, self.replicas, 8)
         return float(torch.exp(log_tau / self.replicas))
