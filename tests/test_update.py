@@ -9,6 +9,7 @@ optimizer states in checkpoints, Fabric, and 8 bytes a parameter of GTC's own.""
 from __future__ import annotations
 
 import itertools
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -549,6 +550,71 @@ def test_the_update_options_are_checked_and_refused_with_the_gradient_mode():
         GTCStrategy(density_warmup_steps=-1)
     with pytest.raises(ValueError, match="compress='gradient' keeps gradients. Use compress='update'"):
         GTCStrategy(compress="gradient", density_warmup_steps=100)
+    with pytest.raises(ValueError, match="Expect momentum_masking to be True .* or False, got 1"):
+        GTCStrategy(momentum_masking=1)
+    with pytest.raises(ValueError, match="momentum_masking=True shape the update mode's"):
+        GTCStrategy(compress="gradient", momentum_masking=True)
+
+
+@pytest.mark.parametrize(("make", "key"), [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), "momentum_buffer"),
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "exp_avg"),
+])  # fmt: skip
+def test_momentum_masking_zeros_the_momentum_at_the_sent_elements_alone(one_rank, make, key):
+    from gtc_lightning import GTCState
+    from gtc_lightning.algorithms.gtc import update as update_mode
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 4))  # one large, three small
+    params = list(model.parameters())
+    optimizer = make(params)
+    state = GTCState(None, model.named_parameters(), tau="auto", target_density=0.02, compress="update",
+                     momentum_masking=True)  # fmt: skip
+    for _ in range(3):
+        update_mode.begin(state, params)
+        kept = [p.detach().clone() for p in params]
+        model(torch.randn(8, 300)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        before = [optimizer.state[p][key].clone() for p in params]
+        update_mode.exchange(state, params, update_mode.learning_rates(optimizer), optimizer)
+        sent = [p.detach() != k for p, k in zip(params, kept)]  # one rank: its words are what moved
+        assert 0 < sum(int(s.sum()) for s in sent) < sum(p.numel() for p in params)
+        for p, s, b in zip(params, sent, before):
+            after = optimizer.state[p][key]
+            assert torch.equal(after[s], torch.zeros_like(after[s]))
+            assert torch.equal(after[~s], b[~s])
+
+
+def test_momentum_masking_without_momentum_warns_once(one_rank):
+    from gtc_lightning import GTCState
+
+    layer = torch.nn.Linear(64, 64)
+    params = list(layer.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    state = GTCState(None, layer.named_parameters(), tau="auto", target_density=0.05, compress="update",
+                     momentum_masking=True)  # fmt: skip
+    from gtc_lightning.algorithms.gtc import update as update_mode
+
+    def step():
+        update_mode.begin(state, params)
+        layer(torch.randn(4, 64)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        update_mode.exchange(state, params, update_mode.learning_rates(optimizer), optimizer)
+
+    with pytest.warns(RuntimeWarning, match="SGD's state holds none of .* Set momentum_masking=False"):
+        step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step()  # once
+
+
+def test_momentum_masking_trains_with_identical_replicas(tmp_path):
+    _, ranks = fit(tmp_path, model_kwargs={"momentum": 0.9, "lr": LR}, momentum_masking=True, **UPDATE)
+    for a, b in zip(ranks[0]["records"], ranks[1]["records"]):
+        assert torch.equal(a["params"], b["params"])
+    assert ranks[0]["records"][-1]["loss"] < ranks[0]["records"][0]["loss"]
 
 
 def test_update_options_unused_by_the_gradient_mode_are_named():
@@ -556,7 +622,11 @@ def test_update_options_unused_by_the_gradient_mode_are_named():
 
     from gtc_lightning.algorithms.gtc.config import unused_update_options
 
-    picked = SimpleNamespace(compress="gradient", conserve="displacement", density_warmup_steps=0)
-    assert "picked the gradient mode" in unused_update_options(picked)
-    assert unused_update_options(SimpleNamespace(compress="update", conserve="displacement", density_warmup_steps=9)) is None
-    assert unused_update_options(SimpleNamespace(compress="gradient", conserve="direction", density_warmup_steps=0)) is None
+    def state(**kw):
+        return SimpleNamespace(**{"compress": "gradient", "conserve": "direction", "density_warmup_steps": 0,
+                                  "momentum_masking": False, **kw})  # fmt: skip
+
+    assert "picked the gradient mode" in unused_update_options(state(conserve="displacement"))
+    assert "momentum_masking=True" in unused_update_options(state(momentum_masking=True))
+    assert unused_update_options(state(compress="update", conserve="displacement", density_warmup_steps=9)) is None
+    assert unused_update_options(state()) is None

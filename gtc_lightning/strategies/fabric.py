@@ -76,7 +76,7 @@ class GTCFabricStrategy(DDPStrategy):
         tau: as for :class:`gtc_lightning.GTCStrategy`, and so are ``warmup_steps``,
             ``max_consecutive_skips``, ``dense_fallback``, ``exchange``, ``backend``,
             ``restore_residuals``, ``coding``, ``target_density``, ``busy_wait``, ``conserve``,
-            ``density_warmup_steps``, ``compress``
+            ``density_warmup_steps``, ``momentum_masking``, ``compress``
             (``compress="auto"`` decides as Fabric sets up the optimizers: ``"update"`` for one,
             ``"gradient"`` for several; ``"update"`` takes one optimizer and refuses a second; with
             ``"update"`` every rank's optimizer state goes into its shard of ``fabric.save`` and
@@ -106,6 +106,7 @@ class GTCFabricStrategy(DDPStrategy):
         busy_wait: bool | None = None,
         conserve: Literal["direction", "displacement"] = "direction",
         density_warmup_steps: int = 0,
+        momentum_masking: bool = False,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         accelerator: Accelerator | None = None,
@@ -119,7 +120,7 @@ class GTCFabricStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
-                      busy_wait, conserve, density_warmup_steps)
+                      busy_wait, conserve, density_warmup_steps, momentum_masking)
         if density_warmup_steps == "auto":
             raise ValueError(
                 "density_warmup_steps='auto' is a share of the Trainer's optimizer steps; Fabric does not know the "
@@ -155,6 +156,7 @@ class GTCFabricStrategy(DDPStrategy):
             "busy_wait": busy_wait,
             "conserve": conserve,
             "density_warmup_steps": density_warmup_steps,
+            "momentum_masking": momentum_masking,
         }
         self._compress = compress
         self._optimizers: list[Optimizer] = []  # set up by Fabric: compress="auto" decides by their number
@@ -341,7 +343,7 @@ class GTCFabricStrategy(DDPStrategy):
                 torch.nn.utils.clip_grad_value_(grads, self._clip[1])
         output = super().optimizer_step(optimizer, **kwargs)
         if not warmup and not skipped:  # with the rates the step used (read after it)
-            update_mode.exchange(state, params, update_mode.learning_rates(optimizer))
+            update_mode.exchange(state, params, update_mode.learning_rates(optimizer), optimizer)
         if scaler is not None:
             state.grad_scale = float(scaler.get_scale())
         return output

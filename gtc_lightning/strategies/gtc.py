@@ -117,6 +117,8 @@ class GTCStrategy(DDPStrategy):
         density_warmup_steps: the update mode's density starts at 0.25 and falls geometrically to
             ``target_density`` over this many optimizer steps (DGC's warm-up; 0, the default: none).
             ``"auto"``: 5 % of the Trainer's ``estimated_stepping_batches`` (none when that is unknown).
+        momentum_masking: the update mode zeros each rank's momentum (SGD's momentum buffer, Adam's
+            first moment) at the elements it sent, after every step (DGC's momentum factor masking).
         busy_wait: how a rank waits for GTC's collectives each step (the header and word exchanges,
             the update mode's finite-gradient flag). ``None`` (default): on gloo it polls them,
             yielding its core between polls, when the machine has a core for each of its ranks;
@@ -187,6 +189,7 @@ class GTCStrategy(DDPStrategy):
         busy_wait: bool | None = None,
         conserve: Literal["direction", "displacement"] = "direction",
         density_warmup_steps: int | Literal["auto"] = 0,
+        momentum_masking: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -198,8 +201,9 @@ class GTCStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
-                      busy_wait, conserve, density_warmup_steps)
+                      busy_wait, conserve, density_warmup_steps, momentum_masking)
         self._conserve, self._density_warmup_steps = conserve, density_warmup_steps
+        self._momentum_masking = momentum_masking
         if not isinstance(stale, bool):
             raise ValueError(f"Expect stale to be True or False, got {stale!r}")  # noqa: TRY004
         check_int(
@@ -429,6 +433,7 @@ class GTCStrategy(DDPStrategy):
             busy_wait=self._busy_wait,
             conserve=self._conserve,
             density_warmup_steps=0 if self._density_warmup_steps == "auto" else self._density_warmup_steps,
+            momentum_masking=self._momentum_masking,
         )
 
     @override
@@ -491,7 +496,7 @@ class GTCStrategy(DDPStrategy):
         if not warmup and not skipped:
             # The rates the step used: read after it, since the closure may set them (a callback's or the
             # module's on_before_optimizer_step runs inside it).
-            update_mode.exchange(state, params, update_mode.learning_rates(optimizer))
+            update_mode.exchange(state, params, update_mode.learning_rates(optimizer), optimizer)
         self._maybe_check_replicas()
         return output
 

@@ -133,8 +133,8 @@ FAMILY: dict[str, Callable[..., Strategy]] = {
     "adpsgd": lambda steps, world, **kw: ADPSGDStrategy(**kw),
 }
 FAMILY_METHODS = list(FAMILY)
-# The update mode's options under test, beside the defaults: what the residual keeps, and DGC's density
-# warm-up over the first 5 % of the run (DGC: 4 of ImageNet's 90 epochs).
+# The update mode's options under test, beside the defaults: what the residual keeps, DGC's density
+# warm-up over the first 5 % of the run (DGC: 4 of ImageNet's 90 epochs), DGC's momentum masking.
 MECHANISMS: dict[str, Callable[..., Strategy]] = {
     "gtc_displacement": lambda steps, world, **kw: GTCStrategy(conserve="displacement", **kw),
     "gtc_density_warmup": lambda steps, world, **kw: GTCStrategy(
@@ -147,6 +147,8 @@ MECHANISMS: dict[str, Callable[..., Strategy]] = {
     "gtc_3e-3_density_warmup": lambda steps, world, **kw: GTCStrategy(
         target_density=3e-3, density_warmup_steps=max(1, steps // 20), **kw
     ),
+    # DGC's momentum factor masking: each rank's momentum zeroed at the elements it sent
+    "gtc_momentum_masking": lambda steps, world, **kw: GTCStrategy(momentum_masking=True, **kw),
 }
 BUILT_FOR_THE_RUN = {**FAMILY, **MECHANISMS}
 QUICK_STEPS = {"transformer": 20, "cnn": 20, "gru": 20, "speech_dnn": 40}

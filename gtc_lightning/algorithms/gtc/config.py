@@ -74,6 +74,7 @@ def check_options(
     busy_wait: bool | None = None,
     conserve: str = "direction",
     density_warmup_steps: int = 0,
+    momentum_masking: bool = False,
 ) -> None:
     """Validate GTC's hyper-parameters, with messages that say what each one means.
 
@@ -138,11 +139,18 @@ def check_options(
             f"density falls from {DENSITY_WARMUP_START} to target_density; 0: none) or 'auto' "
             f"({DENSITY_WARMUP_SHARE:.0%} of the Trainer's optimizer steps), got {density_warmup_steps!r}"
         )
-    if compress == "gradient" and (conserve != "direction" or density_warmup_steps not in (0, "auto")):
+    if not isinstance(momentum_masking, bool):
+        raise ValueError(  # noqa: TRY004  (a ValueError, as for every other option)
+            f"Expect momentum_masking to be True (compress='update': zero each rank's optimizer momentum at the "
+            f"elements it sent, DGC's momentum factor masking) or False, got {momentum_masking!r}"
+        )
+    if compress == "gradient" and (
+        conserve != "direction" or density_warmup_steps not in (0, "auto") or momentum_masking
+    ):
         raise ValueError(
-            f"conserve={conserve!r} and density_warmup_steps={density_warmup_steps!r} shape the update mode's "
-            "residual; compress='gradient' keeps gradients. Use compress='update' (or 'auto'), or leave them at "
-            "their defaults"
+            f"conserve={conserve!r}, density_warmup_steps={density_warmup_steps!r} and momentum_masking="
+            f"{momentum_masking!r} shape the update mode's residual and momentum; compress='gradient' keeps "
+            "gradients. Use compress='update' (or 'auto'), or leave them at their defaults"
         )
     if busy_wait is not None and not isinstance(busy_wait, bool):
         raise ValueError(
@@ -168,10 +176,13 @@ def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
 def unused_update_options(state) -> str | None:
     """Why the update mode's options of ``state`` do nothing, when ``compress="auto"`` picked the
     gradient mode (stale=True or several optimizers); None when they are at their defaults."""
-    if state.compress != "gradient" or (state.conserve == "direction" and not state.density_warmup_steps):
+    if state.compress != "gradient" or (
+        state.conserve == "direction" and not state.density_warmup_steps and not state.momentum_masking
+    ):
         return None
     return (
-        f"GTC: conserve={state.conserve!r} and density_warmup_steps={state.density_warmup_steps} apply to "
+        f"GTC: conserve={state.conserve!r}, density_warmup_steps={state.density_warmup_steps} and "
+        f"momentum_masking={state.momentum_masking} apply to "
         "compress='update'; compress='auto' picked the gradient mode here (stale=True or several optimizers), "
         "which does not use them"
     )

@@ -45,7 +45,9 @@ sent, applied with the learning rate of the step that sends it, as the gradient 
 gradient). With ``conserve="displacement"`` the residual keeps the step itself and every word moves a
 parameter by what was folded (a learning-rate warm-up no longer scales up old steps, nor a decay
 drops them). ``density_warmup_steps`` starts the density at 0.25 and lowers it geometrically to
-``target_density`` over that many steps (DGC's warm-up). Memory: the residual and the scratch buffer, 8 bytes per parameter beyond DDP's.
+``target_density`` over that many steps (DGC's warm-up). ``momentum_masking`` zeros the rank's
+momentum (SGD's ``momentum_buffer``, the Adam family's ``exp_avg``) at the elements it sent, after
+the step (DGC's momentum factor masking: momentum no longer pushes what was just sent). Memory: the residual and the scratch buffer, 8 bytes per parameter beyond DDP's.
 Dense warm-up steps (``warmup_steps``) average the gradients as DDP does and step every rank's
 optimizer on the mean.
 """
@@ -267,9 +269,15 @@ def _sampler(state: GTCState, device: torch.device) -> torch.Generator:
     return generator.manual_seed(state.step * 1_000_003 + state.rank)
 
 
-def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, float]) -> StepStats:
+def exchange(
+    state: GTCState,
+    params: list[torch.nn.Parameter],
+    lrs: dict[int, float],
+    optimizer: torch.optim.Optimizer | None = None,
+) -> StepStats:
     """Steps 4-7, after the rank's optimizer stepped: compress the step it made, exchange, apply the
-    decoded mean on every rank.
+    decoded mean on every rank; with ``state.momentum_masking``, zero ``optimizer``'s momentum at the
+    elements this rank sent.
 
     A parameter the optimizer did not move (in none of its groups, or in a group at learning rate 0,
     as when frozen that way) sends nothing: its residual, the steps still pending for it, is kept
@@ -341,7 +349,9 @@ def exchange(state: GTCState, params: list[torch.nn.Parameter], lrs: dict[int, f
 
         # 7. Decode rank by rank into the scratch buffer at the words' elements, then move every parameter
         # by -lr * it there.
-        _apply(state, moved, [(part, f32(f32(taus[r]) / world)) for r, part in enumerate(_rank_words(words, lengths, counts))])
+        index = _apply(state, moved, [(part, f32(f32(taus[r]) / world)) for r, part in enumerate(_rank_words(words, lengths, counts))])
+        if state.momentum_masking and optimizer is not None:
+            mask_momentum(state, optimizer, moved, index[rank])
     header_bytes = (world - 1) * _HEADER * 8
     fp32_bytes = allreduce_bytes(numel, world)
     stats = StepStats(
@@ -438,12 +448,13 @@ def _fold_and_emit(
 SPARSE_APPLY = 1 << 16  # float32 parameters of at least this many elements move at their words alone
 
 
-def _apply(state: GTCState, moved: list[Moved], parts: list[tuple[torch.Tensor, float]]) -> None:
+def _apply(state: GTCState, moved: list[Moved], parts: list[tuple[torch.Tensor, float]]) -> list[torch.Tensor]:
     """Step 7: every rank's words (``(words, tau_r / W)`` in rank order) decoded into the scratch buffer,
     ``±tau_r / W`` added rank by rank at each word's element (no element twice within a rank, a fixed
     order across ranks: bit-identical on every rank), then each moved parameter moved by ``-lr`` times
     it. Large float32 parameters move at their words' elements alone; the others by a dense add over
-    their range (bf16/fp16 ones feeding what their rounding took off back into the residual)."""
+    their range (bf16/fp16 ones feeding what their rounding took off back into the residual). Returns
+    each rank's flat indices (ascending)."""
     residual, scratch = state._residual, state._scratch
     index = [(part & INDEX_MASK).long() for part, _ in parts]  # (new tensors: the words may view the scratch)
     votes = [torch.where(part < 0, -scale, scale).to(torch.float32) for part, scale in parts]
@@ -472,6 +483,39 @@ def _apply(state: GTCState, moved: list[Moved], parts: list[tuple[torch.Tensor, 
             target = p.float() - m.lr * m.views(scratch).view_as(p)
             p.copy_(target)
             m.views(residual).view_as(p).add_(p.float() - target, alpha=1.0 / m.lr)  # what the rounding took off
+    return index
+
+
+MOMENTUM_KEYS = ("momentum_buffer", "exp_avg")  # SGD's (and RMSprop's) momentum, the Adam family's first moment
+
+
+def mask_momentum(state: GTCState, optimizer: torch.optim.Optimizer, moved: list[Moved], own: torch.Tensor) -> None:
+    """DGC's momentum factor masking: zero this rank's momentum at the elements it sent this step
+    (``own``: its flat indices, ascending), so that momentum stops pushing what was just sent. The
+    first of :data:`MOMENTUM_KEYS` a parameter's optimizer state holds is masked; an optimizer with
+    none of them (plain SGD, Adagrad) is warned about once on rank 0 and left as it is."""
+    edges = torch.searchsorted(own, torch.tensor([[m.offset, m.offset + m.numel] for m in moved], device=own.device))
+    masked = False
+    for m, (first, end) in zip(moved, edges.tolist()):
+        entry = optimizer.state.get(m.param, {})
+        buffer = next((entry[k] for k in MOMENTUM_KEYS if isinstance(entry.get(k), torch.Tensor)), None)
+        if buffer is None:
+            continue
+        masked = True
+        if first == end:
+            continue
+        flat = buffer.reshape(-1)  # a view when contiguous; else a copy, written back below
+        flat.index_fill_(0, own[first:end] - m.offset, 0.0)
+        if flat.data_ptr() != buffer.data_ptr():
+            buffer.copy_(flat.view_as(buffer))
+    if not masked and not state._warned_masking and state.rank == 0:
+        state._warned_masking = True
+        warnings.warn(
+            f"GTC(momentum_masking=True): {type(optimizer).__name__}'s state holds none of {MOMENTUM_KEYS}: "
+            "nothing is masked (plain SGD has no momentum). Set momentum_masking=False",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def warmup(state: GTCState) -> StepStats:
