@@ -149,6 +149,9 @@ MECHANISMS: dict[str, Callable[..., Strategy]] = {
     ),
     # DGC's momentum factor masking: each rank's momentum zeroed at the elements it sent
     "gtc_momentum_masking": lambda steps, world, **kw: GTCStrategy(momentum_masking=True, **kw),
+    "gtc_3e-3_momentum_masking": lambda steps, world, **kw: GTCStrategy(
+        target_density=3e-3, momentum_masking=True, **kw
+    ),
 }
 BUILT_FOR_THE_RUN = {**FAMILY, **MECHANISMS}
 QUICK_STEPS = {"transformer": 20, "cnn": 20, "gru": 20, "speech_dnn": 40}
