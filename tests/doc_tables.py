@@ -64,6 +64,8 @@ LONG_OPTION_COLUMNS = (
     ("gtc_3e-3", "`gtc_3e-3`"),
     ("gtc_3e-3_density_warmup", "`gtc_3e-3_density_warmup`"),
     ("gtc_3e-3_displacement", "`gtc_3e-3_displacement`"),
+    ("gtc_momentum_masking", "`gtc_momentum_masking`"),
+    ("gtc_3e-3_momentum_masking", "`gtc_3e-3_momentum_masking`"),
     ("powersgd_r4", "`powersgd_r4`"),
 )
 
