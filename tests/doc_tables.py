@@ -8,7 +8,8 @@ of the files ``FILES`` lists; ``TABLES`` maps NAME to the function that renders 
   gtc_lightning.tools.model_suite --out docs/benchmarks/model_suite`` writes it);
 - ``model-suite-long-options``: the long profile's GTC settings and the update mode's options against
   DDP, seed by seed, from ``docs/benchmarks/model_suite_long/results.json`` and
-  ``docs/benchmarks/model_suite_long_mechanisms/results.json``;
+  ``docs/benchmarks/model_suite_long_mechanisms/results.json``, and ``model-suite-long-summary``: the
+  README's selection of it (the defaults, the density warm-up, PowerSGD and bf16);
 - ``compat-matrix`` and ``compat-matrix-short``: the compatibility matrix, from ``tests/compat_matrix.py``;
 - ``recipe-results``: the current section of ``recipes/asr/RESULTS.md``, from ``recipes/asr/RESULTS.json``,
   and ``recipe-results-kaldi``: the section of run.sh's ``profile=kaldi``, from ``recipes/asr/RESULTS-kaldi.json``
@@ -98,7 +99,31 @@ def model_suite_table(path: Path = MODEL_SUITE_JSON, world_size: int = SUITE_WOR
     return "\n".join(lines)
 
 
-def model_suite_long_options(paths: tuple[Path, ...] = LONG_JSONS, world_size: int = SUITE_WORLD_SIZE) -> str:
+# The README's summary of the long profile: (method in the JSONs, header).
+LONG_SUMMARY_COLUMNS = (
+    ("gtc", "GTC defaults (density 1e-2)"),
+    ("gtc_density_warmup", "GTC, density warm-up"),
+    ("gtc_3e-3_density_warmup", "GTC 3e-3, density warm-up"),
+    ("powersgd_r1", "PowerSGD rank 1"),
+    ("powersgd_r4", "PowerSGD rank 4"),
+    ("ddp_bf16", "bf16 all-reduce"),
+)
+LONG_LABELS = {**{m: f"{label}, {opt}" for m, (label, opt) in SUITE_MODELS.items()},
+               "transformer": "transformer LM 106 k, AdamW", "transformer_lm": "transformer LM 2.4 M, AdamW"}  # fmt: skip
+
+
+def model_suite_long_summary() -> str:
+    """The README's table of the long profile: the defaults, the density warm-up and the baselines, each
+    cell as in :func:`model_suite_long_options`."""
+    return model_suite_long_options(columns=LONG_SUMMARY_COLUMNS, labels=LONG_LABELS)
+
+
+def model_suite_long_options(
+    paths: tuple[Path, ...] = LONG_JSONS,
+    world_size: int = SUITE_WORLD_SIZE,
+    columns: tuple[tuple[str, str], ...] = LONG_OPTION_COLUMNS,
+    labels: dict[str, str] | None = None,
+) -> str:
     """Per model and setting of the long profile: the held-out loss against DDP's of the same seeds
     (ratio of the means, then the lowest and highest seed's own change in brackets), the mean ratio of
     bytes to a fp32 ring all-reduce, and the number of seeds. Settings without a run are left empty."""
@@ -106,13 +131,13 @@ def model_suite_long_options(paths: tuple[Path, ...] = LONG_JSONS, world_size: i
     loss = {(r["model"], r["method"], r["seed"]): r for r in runs}
     models = list(dict.fromkeys(r["model"] for r in runs if r["method"] == "ddp"))
     lines = [
-        "| model | DDP | " + " | ".join(header for _, header in LONG_OPTION_COLUMNS) + " |",
-        "|---|---|" + "---|" * len(LONG_OPTION_COLUMNS),
+        "| model | DDP | " + " | ".join(header for _, header in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
     ]
     for model in models:
         ddp = {seed: r["final_loss"] for (m, meth, seed), r in loss.items() if (m, meth) == (model, "ddp")}
         cells = [f"{statistics.fmean(ddp.values()):.4f} ({len(ddp)})"]
-        for method, _ in LONG_OPTION_COLUMNS:
+        for method, _ in columns:
             mine = {s: r for (m, meth, s), r in loss.items() if (m, meth) == (model, method) and s in ddp}
             if not mine:
                 cells.append("")
@@ -123,7 +148,7 @@ def model_suite_long_options(paths: tuple[Path, ...] = LONG_JSONS, world_size: i
             ratio = statistics.fmean(r["ratio_fp32"] for r in mine.values())
             spread = f" [{min(each):+.2f}, {max(each):+.2f}]" if len(mine) > 1 else ""
             cells.append(f"{100 * (mean - base) / base:+.2f} %{spread} at {ratio:.0f}x ({len(mine)})")
-        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+        lines.append(f"| {(labels or {}).get(model, model)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -161,6 +186,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "model-suite": model_suite_table,
     "model-suite-report": model_suite_report,
     "model-suite-long-options": model_suite_long_options,
+    "model-suite-long-summary": model_suite_long_summary,
     "compat-matrix": _compat(False),
     "compat-matrix-short": _compat(True),
     "recipe-results": _recipe_results("default"),

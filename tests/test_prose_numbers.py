@@ -130,6 +130,61 @@ def ratio(model: str, method: str, world: int = 4) -> float:
     return statistics.fmean(r["ratio_fp32"] for r in suite()[(world, model, method)])
 
 
+@cache
+def long_runs() -> dict[tuple[str, str], dict[int, dict]]:
+    """(model, method) -> seed -> run, of the long profile at 4 ranks (both JSONs, errors left out)."""
+    groups: dict[tuple[str, str], dict[int, dict]] = defaultdict(dict)
+    for path in doc_tables.LONG_JSONS:
+        for run in json.loads(path.read_text()):
+            if run["world_size"] == 4 and "error" not in run:
+                groups[(run["model"], run["method"])][run["seed"]] = run
+    return groups
+
+
+def long_change(model: str, method: str) -> tuple[float, float, list[float]]:
+    """On the long profile: the held-out loss against DDP's of the same seeds (ratio of the means, per
+    cent), the mean ratio to a fp32 ring all-reduce, and each seed's own change, as the tables compute them."""
+    ddp, mine = long_runs()[(model, "ddp")], long_runs()[(model, method)]
+    seeds = [s for s in mine if s in ddp]
+    base = statistics.fmean(ddp[s]["final_loss"] for s in seeds)
+    mean = statistics.fmean(mine[s]["final_loss"] for s in seeds)
+    each = [100 * (mine[s]["final_loss"] - ddp[s]["final_loss"]) / ddp[s]["final_loss"] for s in seeds]
+    return 100 * (mean - base) / base, statistics.fmean(mine[s]["ratio_fp32"] for s in seeds), each
+
+
+LONG_MODELS = ("transformer", "cnn", "gru", "speech_dnn", "transformer_lm")
+LONG_NAMES = {"transformer": "the small transformer", "cnn": "the CNN", "gru": "the GRU",
+              "speech_dnn": "the recipe's speech DNN", "transformer_lm": "the 2.4 M-weight transformer LM"}  # fmt: skip
+
+
+def long_headline() -> list[str]:
+    """The README's headline: the defaults on the long profile, and the density warm-up."""
+    changes = {m: long_change(m, "gtc") for m in LONG_MODELS}
+    steps = {run["steps"] for m in LONG_MODELS for run in long_runs()[(m, "gtc")].values()}
+    (steps,) = steps
+    seeds = max(len(long_runs()[(m, "gtc")]) for m in LONG_MODELS)
+    within = [m for m in LONG_MODELS if abs(changes[m][0]) < 1.0]
+    others = [m for m in LONG_MODELS if m not in within]
+
+    def named(m: str) -> str:
+        change, _, each = changes[m]
+        return (f"{pct(change)} on {LONG_NAMES[m]} ({len(each)} seeds: {pct(min(each))[:-2]} to "
+                f"{pct(max(each))})")  # fmt: skip
+
+    small = [m for m in LONG_MODELS if m != "transformer_lm"]
+    warm = {m: long_change(m, "gtc_density_warmup") for m in small}
+    return [
+        (f"{span([changes[m][1] for m in LONG_MODELS])}× fewer bytes than a fp32 all-reduce, within "
+         f"{max(abs(changes[m][0]) for m in within):.1f} % of DDP's held-out loss on {len(within)} of "
+         f"{len(LONG_MODELS)} models** trained for {steps:,} steps: ` with no arguments, 4 CPU ranks, mean of "
+         f"{seeds} seeds"),
+        f"Not yet on the other {len(others)}: " + " and ".join(named(m) for m in others) + ".",
+        (f"DGC's density warm-up (`density_warmup_steps=\"auto\"`, not yet the default) brings the four smaller "
+         f"models within {max(abs(warm[m][0]) for m in small):.1f} % at "
+         f"{span([warm[m][1] for m in small])}×"),
+    ]
+
+
 def pct(x: float) -> str:
     return f"{x:+.1f} %".replace("-", "−")
 
@@ -209,7 +264,6 @@ def claim_1120(rendered_ratio: str = "×") -> str:
 
 def readme_claims() -> list[str]:
     t = "transformer"
-    steps = suite()[(4, t, "gtc")][0]["steps"]
     others = [m for m in MODELS if m != "cnn"]
     numel = [suite()[(4, m, "ddp")][0]["numel"] for m in MODELS]
     all_steps = [suite()[(4, m, "ddp")][0]["steps"] for m in MODELS]
@@ -241,10 +295,8 @@ def readme_claims() -> list[str]:
     h200 = json.loads((BENCH / "gpu" / "step_update_h200_b4096.json").read_text())
     h200_ms = {s: 1e3 * statistics.median(x["step_s"] for x in segs) for s, segs in h200["results"]["recipe"].items()}
     return [
-        # the headline
-        (f"{ratio(t, 'gtc'):.0f}× fewer bytes than a fp32 all-reduce at {pct(vs_ddp(t, 'gtc'))} held-out loss** on a "
-        f"transformer LM trained with AdamW for {steps} steps: ` with no arguments, 4 CPU ranks, mean of 3 seeds, where "
-        f"torch's PowerSGD (rank 4) sent {ratio(t, 'powersgd_r4'):.1f}× fewer bytes at {pct(vs_ddp(t, 'powersgd_r4'))}"),
+        # the headline: the long profile
+        *long_headline(),
         # choosing settings: density
         (f"(4 CPU ranks, 3 seeds, {span(all_steps)} steps, {span([n / 1e3 for n in numel])} k weights) the default 1e-2 "
         f"cost {pct_span([vs_ddp(m, 'gtc') for m in others])} held-out loss on three models and "
@@ -473,20 +525,8 @@ def test_settings_hold():
 
 
 def test_powersgd_comparisons_are_the_tables():
-    """The README's and the model suite page's sentences on PowerSGD name the models the table shows."""
+    """The model suite page's sentence on PowerSGD names the models its table shows."""
 
-    def beats(mine: str, theirs: str) -> list[str]:
-        return [m for m in MODELS if loss(m, mine) < loss(m, theirs) and ratio(m, mine) > ratio(m, theirs)]
-
-    assert beats("gtc", "powersgd_r1") == ["transformer", "cnn", "gru"]
-    assert beats("gtc", "powersgd_r4") == ["transformer"]
-    assert beats("gtc_3e-2", "powersgd_r4") == ["transformer", "speech_dnn"]
-    readme = prose(README)
-    assert normalize(
-        "At fewer bytes than PowerSGD, GTC's defaults reach a lower loss than rank 1 on the transformer, the CNN "
-        "and the GRU (not the speech DNN), and than rank 4 on the transformer only; at density 3e-2, than rank 4 "
-        "on the transformer and the speech DNN."
-    ) in readme
     # the suite page: for each PowerSGD rank a GTC setting of lower loss at fewer bytes, on three of four models
     def beaten(m: str, rank: str) -> bool:
         return any(loss(m, g) < loss(m, rank) and ratio(m, g) > ratio(m, rank)
