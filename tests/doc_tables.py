@@ -118,6 +118,29 @@ def model_suite_long_summary() -> str:
     return model_suite_long_options(columns=LONG_SUMMARY_COLUMNS, labels=LONG_LABELS)
 
 
+def long_runs(paths: tuple[Path, ...] = LONG_JSONS, world_size: int = SUITE_WORLD_SIZE) -> dict:
+    """``(model, method) -> {seed: run}`` of the long profile at ``world_size`` ranks (errors left out)."""
+    groups: dict[tuple[str, str], dict[int, dict]] = {}
+    for p in paths:
+        for r in json.loads(p.read_text()):
+            if r["world_size"] == world_size and "error" not in r:
+                groups.setdefault((r["model"], r["method"]), {})[r["seed"]] = r
+    return groups
+
+
+def long_change(runs: dict, model: str, method: str) -> tuple[float, float, list[float]] | None:
+    """A setting's held-out loss against DDP's of the same seeds (ratio of the means, per cent), its mean
+    ratio of bytes to a fp32 ring all-reduce and each seed's own change; None without a run."""
+    ddp = runs.get((model, "ddp"), {})
+    mine = {s: r for s, r in runs.get((model, method), {}).items() if s in ddp}
+    if not mine:
+        return None
+    base = statistics.fmean(ddp[s]["final_loss"] for s in mine)
+    mean = statistics.fmean(r["final_loss"] for r in mine.values())
+    each = [100 * (r["final_loss"] - ddp[s]["final_loss"]) / ddp[s]["final_loss"] for s, r in mine.items()]
+    return 100 * (mean - base) / base, statistics.fmean(r["ratio_fp32"] for r in mine.values()), each
+
+
 def model_suite_long_options(
     paths: tuple[Path, ...] = LONG_JSONS,
     world_size: int = SUITE_WORLD_SIZE,
@@ -127,27 +150,23 @@ def model_suite_long_options(
     """Per model and setting of the long profile: the held-out loss against DDP's of the same seeds
     (ratio of the means, then the lowest and highest seed's own change in brackets), the mean ratio of
     bytes to a fp32 ring all-reduce, and the number of seeds. Settings without a run are left empty."""
-    runs = [r for p in paths for r in json.loads(p.read_text()) if r["world_size"] == world_size and "error" not in r]
-    loss = {(r["model"], r["method"], r["seed"]): r for r in runs}
-    models = list(dict.fromkeys(r["model"] for r in runs if r["method"] == "ddp"))
+    runs = long_runs(paths, world_size)
+    models = [model for model, method in runs if method == "ddp"]
     lines = [
         "| model | DDP | " + " | ".join(header for _, header in columns) + " |",
         "|---|---|" + "---|" * len(columns),
     ]
     for model in models:
-        ddp = {seed: r["final_loss"] for (m, meth, seed), r in loss.items() if (m, meth) == (model, "ddp")}
-        cells = [f"{statistics.fmean(ddp.values()):.4f} ({len(ddp)})"]
+        ddp = runs[(model, "ddp")]
+        cells = [f"{statistics.fmean(r['final_loss'] for r in ddp.values()):.4f} ({len(ddp)})"]
         for method, _ in columns:
-            mine = {s: r for (m, meth, s), r in loss.items() if (m, meth) == (model, method) and s in ddp}
-            if not mine:
+            found = long_change(runs, model, method)
+            if found is None:
                 cells.append("")
                 continue
-            base = statistics.fmean(ddp[s] for s in mine)
-            mean = statistics.fmean(r["final_loss"] for r in mine.values())
-            each = [100 * (r["final_loss"] - ddp[s]) / ddp[s] for s, r in mine.items()]
-            ratio = statistics.fmean(r["ratio_fp32"] for r in mine.values())
-            spread = f" [{min(each):+.2f}, {max(each):+.2f}]" if len(mine) > 1 else ""
-            cells.append(f"{100 * (mean - base) / base:+.2f} %{spread} at {ratio:.0f}x ({len(mine)})")
+            change, ratio, each = found
+            spread = f" [{min(each):+.2f}, {max(each):+.2f}]" if len(each) > 1 else ""
+            cells.append(f"{change:+.2f} %{spread} at {ratio:.0f}x ({len(each)})")
         lines.append(f"| {(labels or {}).get(model, model)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -133,23 +133,13 @@ def ratio(model: str, method: str, world: int = 4) -> float:
 @cache
 def long_runs() -> dict[tuple[str, str], dict[int, dict]]:
     """(model, method) -> seed -> run, of the long profile at 4 ranks (both JSONs, errors left out)."""
-    groups: dict[tuple[str, str], dict[int, dict]] = defaultdict(dict)
-    for path in doc_tables.LONG_JSONS:
-        for run in json.loads(path.read_text()):
-            if run["world_size"] == 4 and "error" not in run:
-                groups[(run["model"], run["method"])][run["seed"]] = run
-    return groups
+    return doc_tables.long_runs()
 
 
 def long_change(model: str, method: str) -> tuple[float, float, list[float]]:
-    """On the long profile: the held-out loss against DDP's of the same seeds (ratio of the means, per
-    cent), the mean ratio to a fp32 ring all-reduce, and each seed's own change, as the tables compute them."""
-    ddp, mine = long_runs()[(model, "ddp")], long_runs()[(model, method)]
-    seeds = [s for s in mine if s in ddp]
-    base = statistics.fmean(ddp[s]["final_loss"] for s in seeds)
-    mean = statistics.fmean(mine[s]["final_loss"] for s in seeds)
-    each = [100 * (mine[s]["final_loss"] - ddp[s]["final_loss"]) / ddp[s]["final_loss"] for s in seeds]
-    return 100 * (mean - base) / base, statistics.fmean(mine[s]["ratio_fp32"] for s in seeds), each
+    """On the long profile: the held-out loss against DDP's of the same seeds (per cent), the mean ratio to a
+    fp32 ring all-reduce, and each seed's own change, as the tables compute them."""
+    return doc_tables.long_change(long_runs(), model, method)
 
 
 LONG_MODELS = ("transformer", "cnn", "gru", "speech_dnn", "transformer_lm")
