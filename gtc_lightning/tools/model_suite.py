@@ -150,6 +150,10 @@ MECHANISMS: dict[str, Callable[..., Strategy]] = {
     "gtc_3e-3_density_warmup": lambda steps, world, **kw: GTCStrategy(
         target_density=3e-3, density_warmup_steps=max(1, steps // 20), **kw
     ),
+    # The update mode without compression: each rank steps its own optimizer on its own gradient, and the
+    # parameters are averaged densely after every step. What stays between it and DDP is the ranks' own
+    # optimizer moments (a rank's Adam second moment holds its gradient's noise, W times the mean's)
+    "local_moments_dense": lambda steps, world, **kw: ModelAveragingStrategy(period=1, **kw),
     # DGC's momentum factor masking: each rank's momentum zeroed at the elements it sent
     "gtc_momentum_masking": lambda steps, world, **kw: GTCStrategy(momentum_masking=True, **kw),
     "gtc_3e-3_momentum_masking": lambda steps, world, **kw: GTCStrategy(
