@@ -187,9 +187,9 @@ def _popen_env() -> dict[str, str]:
 @pytest.mark.parametrize("how,victim", [("SIGKILL", 1), ("SIGKILL", 0), ("SIGSTOP", 1)])
 def test_lost_rank_stops_the_other_with_its_name(how, victim, tiny_aligned, tmp_path):
     """``train.py --strategy gtc`` (2 ranks, popen launcher) runs; one rank gets SIGKILL (dies) or
-    SIGSTOP (hangs). The survivor must exit within ``--collective_timeout`` (20 s) plus a margin,
+    SIGSTOP (hangs). The survivor must exit within ``--collective_timeout`` (10 s) plus a margin,
     name the lost rank and print the command that resumes the run; rank 0 exits non-zero."""
-    timeout = 20
+    timeout = 10
     cmd = [sys.executable, str(ROOT / "recipes" / "asr" / "train.py"), "--config", str(TINY), "--strategy", "gtc",
            "--data.data_dir", str(tiny_aligned), "--exp_dir", str(tmp_path / "exp"), "--num_threads", "1",
            "--trainer.max_epochs", "100000", "--checkpoint_every_n_steps", "5", "--collective_timeout", str(timeout)]
