@@ -119,6 +119,10 @@ class GTCStrategy(DDPStrategy):
             ``"auto"``: 5 % of the Trainer's ``estimated_stepping_batches`` (none when that is unknown).
         momentum_masking: the update mode zeros each rank's momentum (SGD's momentum buffer, Adam's
             first moment) at the elements it sent, after every step (DGC's momentum factor masking).
+        mean_variance: with ``torch.optim.Adam`` / ``AdamW``, the update mode's step divides each rank's
+            first moment by an estimate of the second moment of the mean gradient over the ranks (from
+            the rank's own two moments) instead of the rank's own, which holds ``W`` times the noise of
+            the mean's; off by default (experimental, measured on the long model suite).
         busy_wait: how a rank waits for GTC's collectives each step (the header and word exchanges,
             the update mode's finite-gradient flag). ``None`` (default): on gloo it polls them,
             yielding its core between polls, when the machine has a core for each of its ranks;
@@ -190,6 +194,7 @@ class GTCStrategy(DDPStrategy):
         conserve: Literal["direction", "displacement"] = "direction",
         density_warmup_steps: int | Literal["auto"] = 0,
         momentum_masking: bool = False,
+        mean_variance: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -201,9 +206,9 @@ class GTCStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
-                      busy_wait, conserve, density_warmup_steps, momentum_masking)
+                      busy_wait, conserve, density_warmup_steps, momentum_masking, mean_variance)
         self._conserve, self._density_warmup_steps = conserve, density_warmup_steps
-        self._momentum_masking = momentum_masking
+        self._momentum_masking, self._mean_variance = momentum_masking, mean_variance
         if not isinstance(stale, bool):
             raise ValueError(f"Expect stale to be True or False, got {stale!r}")  # noqa: TRY004
         check_int(
@@ -434,6 +439,7 @@ class GTCStrategy(DDPStrategy):
             conserve=self._conserve,
             density_warmup_steps=0 if self._density_warmup_steps == "auto" else self._density_warmup_steps,
             momentum_masking=self._momentum_masking,
+            mean_variance=self._mean_variance,
         )
 
     @override

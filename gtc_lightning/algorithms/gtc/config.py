@@ -75,6 +75,7 @@ def check_options(
     conserve: str = "direction",
     density_warmup_steps: int = 0,
     momentum_masking: bool = False,
+    mean_variance: bool = False,
 ) -> None:
     """Validate GTC's hyper-parameters, with messages that say what each one means.
 
@@ -144,13 +145,20 @@ def check_options(
             f"Expect momentum_masking to be True (compress='update': zero each rank's optimizer momentum at the "
             f"elements it sent, DGC's momentum factor masking) or False, got {momentum_masking!r}"
         )
+    if not isinstance(mean_variance, bool):
+        raise ValueError(  # noqa: TRY004  (a ValueError, as for every other option)
+            f"Expect mean_variance to be True (compress='update': each rank's Adam steps with an estimate of the "
+            f"mean gradient's second moment, from its own moments) or False, got {mean_variance!r}"
+        )
     if compress == "gradient" and (
-        conserve != "direction" or density_warmup_steps not in (0, "auto") or momentum_masking
+        conserve != "direction" or density_warmup_steps not in (0, "auto") or momentum_masking or mean_variance
     ):
+        given = {"conserve": conserve, "density_warmup_steps": density_warmup_steps,
+                 "momentum_masking": momentum_masking, "mean_variance": mean_variance}  # fmt: skip
+        named = ", ".join(f"{k}={v!r}" for k, v in given.items() if v not in ("direction", 0, "auto", False))
         raise ValueError(
-            f"conserve={conserve!r}, density_warmup_steps={density_warmup_steps!r} and momentum_masking="
-            f"{momentum_masking!r} shape the update mode's residual and momentum; compress='gradient' keeps "
-            "gradients. Use compress='update' (or 'auto'), or leave them at their defaults"
+            f"{named}: the update mode's options (its residual and its optimizer steps); compress='gradient' "
+            "keeps gradients. Use compress='update' (or 'auto'), or leave them at their defaults"
         )
     if busy_wait is not None and not isinstance(busy_wait, bool):
         raise ValueError(
@@ -177,12 +185,15 @@ def unused_update_options(state) -> str | None:
     """Why the update mode's options of ``state`` do nothing, when ``compress="auto"`` picked the
     gradient mode (stale=True or several optimizers); None when they are at their defaults."""
     if state.compress != "gradient" or (
-        state.conserve == "direction" and not state.density_warmup_steps and not state.momentum_masking
+        state.conserve == "direction"
+        and not state.density_warmup_steps
+        and not state.momentum_masking
+        and not state.mean_variance
     ):
         return None
     return (
-        f"GTC: conserve={state.conserve!r}, density_warmup_steps={state.density_warmup_steps} and "
-        f"momentum_masking={state.momentum_masking} apply to "
+        f"GTC: conserve={state.conserve!r}, density_warmup_steps={state.density_warmup_steps}, "
+        f"momentum_masking={state.momentum_masking} and mean_variance={state.mean_variance} apply to "
         "compress='update'; compress='auto' picked the gradient mode here (stale=True or several optimizers), "
         "which does not use them"
     )

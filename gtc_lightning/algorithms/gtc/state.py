@@ -63,7 +63,7 @@ class GTCState:
             :func:`~gtc_lightning.algorithms.common.finish`), ``False``: it blocks; ``None``
             (default): polls on gloo when the machine has a core for each of its ranks
             (:func:`~gtc_lightning.algorithms.common.busy_wait_fits`).
-        conserve, density_warmup_steps, momentum_masking: the update mode's, as for
+        conserve, density_warmup_steps, momentum_masking, mean_variance: the update mode's, as for
             :class:`~gtc_lightning.GTCStrategy`.
     """
 
@@ -85,9 +85,10 @@ class GTCState:
         conserve: str = "direction",
         density_warmup_steps: int = 0,
         momentum_masking: bool = False,
+        mean_variance: bool = False,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
-                      busy_wait, conserve, density_warmup_steps, momentum_masking)
+                      busy_wait, conserve, density_warmup_steps, momentum_masking, mean_variance)
         measure = tau == "auto"  # automatic tau measures where to start at its first compressed step
         if tau == "auto":
             tau = AUTO_TAU_INIT
@@ -109,6 +110,7 @@ class GTCState:
         self.conserve = conserve
         self.density_warmup_steps = density_warmup_steps
         self.momentum_masking = momentum_masking
+        self.mean_variance = mean_variance
         self._busy: bool | None = None  # busy_wait resolved, at the first collective
         self.controller = (
             TauController(target_density, float(tau), started=not measure) if target_density is not None else None
@@ -129,7 +131,7 @@ class GTCState:
         self._used: set[int] | None = None  # ids of parameters that got a gradient (when tracked)
         self._usage_handles: list = []
         self._dense_mode = False
-        self._warned_fallback = self._warned_masking = False
+        self._warned_fallback = self._warned_masking = self._warned_variance = False
         self._silent = 0  # compressed steps in a row without a word from any rank
         self.last: StepStats | None = None  # the newest exchange, read by the strategy
         self._last_consumed = True
@@ -219,7 +221,7 @@ class GTCState:
         "tau", "tau32", "warmup_steps", "max_consecutive_skips", "dense_fallback", "exchange", "backend",
         "stale", "coding", "compress", "target_density", "controller", "clip", "grad_scale", "param_names",
         "numels", "step", "totals", "last", "busy_wait", "conserve", "density_warmup_steps",
-        "momentum_masking", "_dense_mode", "_warned_fallback",
+        "momentum_masking", "mean_variance", "_dense_mode", "_warned_fallback",
     )  # fmt: skip
 
     def __getstate__(self) -> dict:
@@ -242,12 +244,13 @@ class GTCState:
         state.setdefault("conserve", "direction")
         state.setdefault("density_warmup_steps", 0)
         state.setdefault("momentum_masking", False)
+        state.setdefault("mean_variance", False)
         self.__dict__.update(state)
         self._busy = None
         self.process_group = None
         self._name_of = {}
         self._used, self._usage_handles = None, []
-        self._last_consumed, self._silent, self._warned_masking = True, 0, False
+        self._last_consumed, self._silent, self._warned_masking, self._warned_variance = True, 0, False, False
         self._reset_buffers()
         self.load_residual_vector(residuals)
         if pending is not None:
