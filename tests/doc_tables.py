@@ -70,6 +70,24 @@ LONG_OPTION_COLUMNS = (
     ("powersgd_r4", "`powersgd_r4`"),
 )
 
+# The long profile's table of what the ranks' own optimizer moments cost (Adam models): (method, header).
+LONG_MOMENT_COLUMNS = (
+    ("local_moments_dense", "`local_moments_dense` (own moments, dense average)"),
+    ("gtc", "`gtc` (defaults)"),
+    ("gtc_mean_variance", "`gtc_mean_variance`"),
+)
+# The long profile's table of the family: (method, header).
+LONG_FAMILY_COLUMNS = (
+    ("gtc", "`gtc` (defaults)"),
+    ("ma", "`ma`"),
+    ("diloco", "`diloco`"),
+    ("sparseloco", "`sparseloco`"),
+    ("sparseloco_h10", "`sparseloco_h10`"),
+    ("bmuf_gtc", "`bmuf_gtc`"),
+    ("dpsgd", "`dpsgd`"),
+    ("adpsgd", "`adpsgd`"),
+)
+
 
 def _ratio(x: float) -> str:
     return f"{x:.0f}×" if x >= 30 else f"{x:.1f}×"
@@ -206,6 +224,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "model-suite-report": model_suite_report,
     "model-suite-long-options": model_suite_long_options,
     "model-suite-long-summary": model_suite_long_summary,
+    "model-suite-long-moments": lambda: model_suite_long_options(columns=LONG_MOMENT_COLUMNS),
+    "model-suite-long-family": lambda: model_suite_long_options(columns=LONG_FAMILY_COLUMNS),
     "compat-matrix": _compat(False),
     "compat-matrix-short": _compat(True),
     "recipe-results": _recipe_results("default"),
