@@ -75,7 +75,10 @@ LONG_MOMENT_COLUMNS = (
     ("local_moments_dense", "`local_moments_dense` (own moments, dense average)"),
     ("gtc", "`gtc` (defaults)"),
     ("gtc_mean_variance", "`gtc_mean_variance`"),
+    ("gtc_3e-3", "`gtc_3e-3`"),
+    ("gtc_3e-3_mean_variance", "`gtc_3e-3_mean_variance`"),
 )
+ADAM_MODELS = ("transformer", "gru", "transformer_lm")
 # The long profile's table of the family: (method, header).
 LONG_FAMILY_COLUMNS = (
     ("gtc", "`gtc` (defaults)"),
@@ -164,12 +167,14 @@ def model_suite_long_options(
     world_size: int = SUITE_WORLD_SIZE,
     columns: tuple[tuple[str, str], ...] = LONG_OPTION_COLUMNS,
     labels: dict[str, str] | None = None,
+    only: tuple[str, ...] | None = None,
 ) -> str:
     """Per model and setting of the long profile: the held-out loss against DDP's of the same seeds
     (ratio of the means, then the lowest and highest seed's own change in brackets), the mean ratio of
-    bytes to a fp32 ring all-reduce, and the number of seeds. Settings without a run are left empty."""
+    bytes to a fp32 ring all-reduce, and the number of seeds. Settings without a run are left empty; ``only``:
+    these models alone."""
     runs = long_runs(paths, world_size)
-    models = [model for model, method in runs if method == "ddp"]
+    models = [model for model, method in runs if method == "ddp" and (only is None or model in only)]
     lines = [
         "| model | DDP | " + " | ".join(header for _, header in columns) + " |",
         "|---|---|" + "---|" * len(columns),
@@ -224,7 +229,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "model-suite-report": model_suite_report,
     "model-suite-long-options": model_suite_long_options,
     "model-suite-long-summary": model_suite_long_summary,
-    "model-suite-long-moments": lambda: model_suite_long_options(columns=LONG_MOMENT_COLUMNS),
+    "model-suite-long-moments": lambda: model_suite_long_options(columns=LONG_MOMENT_COLUMNS, only=ADAM_MODELS),
     "model-suite-long-family": lambda: model_suite_long_options(columns=LONG_FAMILY_COLUMNS),
     "compat-matrix": _compat(False),
     "compat-matrix-short": _compat(True),
