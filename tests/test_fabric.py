@@ -387,3 +387,41 @@ def test_two_adam_optimizers_in_the_gradient_mode_are_warned_about():
             strategy.setup_optimizer(torch.optim.AdamW([model.bias]))
         said = [w for w in caught if "take Strom's gradient mode" in str(w.message)]
         assert len(said) == expected and (not said or "Adam, AdamW" in str(said[0].message))
+
+
+@pytest.mark.parametrize("option", [{"mean_variance": True}, {"momentum_masking": True}, {"conserve": "displacement"}])
+def test_the_update_modes_options_reach_it_through_fabric(tmp_path, option):
+    """GTCFabricStrategy with an option of the update mode and AdamW (they were refused at setup, where
+    the state started in the gradient mode): the replicas stay bit-identical, and the residual differs
+    from a run's without the option (it reached the update mode's step)."""
+    for name in ("plain", "option"):
+        (tmp_path / name).mkdir()
+    plain = _launch(tmp_path / "plain", _adamw_train, 4, None, None, **UPDATE)
+    changed = _launch(tmp_path / "option", _adamw_train, 4, None, None, **UPDATE, **option)
+    for run in (plain, changed):
+        for a, b in zip(run[0]["records"], run[1]["records"]):
+            assert torch.equal(a["params"], b["params"])
+    assert not torch.equal(plain[0]["records"][-1]["residual"], changed[0]["records"][-1]["residual"])
+
+
+def test_the_update_modes_options_are_warned_about_once_an_optimizer_decides_the_mode():
+    """Fabric sets the module up before its optimizers: the mode is not decided then, and an option of
+    the update mode is not yet unused (it was warned about at every fabric.setup)."""
+    import torch.distributed as dist
+
+    from gtc_lightning import GTCFabricStrategy, GTCState
+
+    model = torch.nn.Linear(4, 4)
+    strategy = GTCFabricStrategy(momentum_masking=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        strategy._gtc_state = GTCState(None, model.named_parameters(), tau="auto", compress="auto",
+                                       momentum_masking=True)  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            strategy._resolve_compress(0)  # no optimizer yet
+            strategy._resolve_compress(1)  # the update mode: the option is used
+        with pytest.warns(UserWarning, match="momentum_masking=True .* apply to compress='update'"):
+            strategy._resolve_compress(2)  # several optimizers: the gradient mode
+    finally:
+        dist.destroy_process_group()

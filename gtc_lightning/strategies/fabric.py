@@ -202,6 +202,7 @@ class GTCFabricStrategy(DDPStrategy):
         self._gtc_state = state = GTCState(
             process_group=self._ddp_kwargs.get("process_group"),
             named_parameters=module.named_parameters(),
+            compress="auto",  # decided by _resolve_compress (the update mode's options are checked against it)
             **self._options,
         )
         scaler = self._grad_scaler()
@@ -254,7 +255,7 @@ class GTCFabricStrategy(DDPStrategy):
                 "fabric.setup_optimizers(opt_a, opt_b)), or use GTCFabricStrategy(compress='gradient')"
             )
         state.compress = mode
-        if unused := unused_update_options(state):
+        if count and (unused := unused_update_options(state)):  # (no optimizer yet: nothing is decided)
             rank_zero_warn(unused)
 
     def _refuse_clipping(self, what: str) -> None:
