@@ -639,9 +639,10 @@ def test_update_options_unused_by_the_gradient_mode_are_named():
 def _mean_variance_steps(world: int, signal: float, steps: int = 300) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``world`` ranks' AdamW on gradients ``signal + noise`` (unit noise, per rank) and DDP's AdamW on
     their mean; at the last step: the mean over the ranks of their own steps, of the steps
-    :func:`mean_variance_step` makes of them, and DDP's step."""
+    :func:`~gtc_lightning.algorithms.gtc.moments.mean_variance_step` makes of them, and DDP's step."""
     from types import SimpleNamespace
 
+    from gtc_lightning.algorithms.gtc import moments
     from gtc_lightning.algorithms.gtc import update as update_mode
 
     torch.manual_seed(0)
@@ -664,7 +665,7 @@ def _mean_variance_steps(world: int, signal: float, steps: int = 300) -> tuple[t
             own = torch.stack([p.detach() - b for p, b in zip(ranks, before)]).mean(0)
             for p, opt in zip(ranks, optimizers):
                 with torch.no_grad():
-                    update_mode.mean_variance_step(state, opt, [update_mode.Moved(p, 0, n, lr)])
+                    moments.mean_variance_step(state, opt, [update_mode.Moved(p, 0, n, lr)])
             corrected = torch.stack([p.detach() - b for p, b in zip(ranks, before)]).mean(0)
     return own, corrected, ddp.detach() - before[-1]
 
