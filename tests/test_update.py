@@ -586,15 +586,20 @@ def test_momentum_masking_zeros_the_momentum_at_the_sent_elements_alone(one_rank
             assert torch.equal(after[~s], b[~s])
 
 
-def test_momentum_masking_without_momentum_warns_once(one_rank):
+@pytest.mark.parametrize(("option", "momentum", "match"), [
+    ("momentum_masking", 0.0, "SGD's state holds none of .* Set momentum_masking=False"),
+    ("mean_variance", 0.9, "corrects torch.optim.Adam and AdamW steps without amsgrad; SGD"),
+])  # fmt: skip
+def test_an_update_option_without_its_optimizer_state_warns_once(one_rank, option, momentum, match):
+    """momentum_masking on plain SGD (no momentum to mask), mean_variance on SGD (no second moment)."""
     from gtc_lightning import GTCState
+    from gtc_lightning.algorithms.gtc import update as update_mode
 
     layer = torch.nn.Linear(64, 64)
     params = list(layer.parameters())
-    optimizer = torch.optim.SGD(params, lr=0.1)
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=momentum)
     state = GTCState(None, layer.named_parameters(), tau="auto", target_density=0.05, compress="update",
-                     momentum_masking=True)  # fmt: skip
-    from gtc_lightning.algorithms.gtc import update as update_mode
+                     **{option: True})  # fmt: skip
 
     def step():
         update_mode.begin(state, params)
@@ -603,7 +608,7 @@ def test_momentum_masking_without_momentum_warns_once(one_rank):
         optimizer.zero_grad()
         update_mode.exchange(state, params, update_mode.learning_rates(optimizer), optimizer)
 
-    with pytest.warns(RuntimeWarning, match="SGD's state holds none of .* Set momentum_masking=False"):
+    with pytest.warns(RuntimeWarning, match=match):
         step()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -689,30 +694,6 @@ def test_mean_variance_leaves_a_step_of_clean_signal_as_it_was():
     own, corrected, ddp = _mean_variance_steps(4, signal=20.0)  # noise 1/20 of the signal
     for steps in (own, corrected):
         assert (steps - ddp).norm() / ddp.norm() < 5e-3
-
-
-def test_mean_variance_warns_once_about_an_optimizer_it_does_not_correct(one_rank):
-    from gtc_lightning import GTCState
-    from gtc_lightning.algorithms.gtc import update as update_mode
-
-    layer = torch.nn.Linear(64, 64)
-    params = list(layer.parameters())
-    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    state = GTCState(None, layer.named_parameters(), tau="auto", target_density=0.05, compress="update",
-                     mean_variance=True)  # fmt: skip
-
-    def step():
-        update_mode.begin(state, params)
-        layer(torch.randn(4, 64)).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        update_mode.exchange(state, params, update_mode.learning_rates(optimizer), optimizer)
-
-    with pytest.warns(RuntimeWarning, match="corrects torch.optim.Adam and AdamW steps without amsgrad; SGD"):
-        step()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        step()  # once
 
 
 def test_mean_variance_trains_with_identical_replicas_and_is_refused_with_the_gradient_mode(tmp_path):
