@@ -148,6 +148,35 @@ def test_cpu_emit_matches_the_row_search_bit_for_bit(name, offset):
         assert b_cpu == 2 and c_cpu > 5
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("name", [*CASES, "nan_and_tail"])
+def test_find_words_reads_what_emit_writes(name):
+    """``find_words`` (the compressed block sync's read-only selection) gives ``emit_``'s words, their
+    indices and its non-finite count, on CPU (NumPy) and through the torch path (a strided view, as on
+    other devices), and leaves its input's bits as they were."""
+    from gtc_lightning.ops import torch_ops
+
+    if name == "nan_and_tail":
+        grad, residual, tau = random_case(3 * torch_ops.CHUNK + 7, 11)
+        grad[[5, 3 * torch_ops.CHUNK + 2]] = float("nan")
+    else:
+        grad, residual, tau = CASES[name][:3]
+    values = residual + grad
+    out = values.clone()
+    message = torch.zeros(out.numel(), dtype=torch.int32)
+    cursor, bad = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
+    torch_ops.emit_(out, f32(tau), message, cursor, bad)
+    strided = torch.stack([values, values], dim=1)[:, 0]  # not contiguous: the torch path
+    for given in (values, strided):
+        before = bits(given)
+        index, words, nonfinite = torch_ops.find_words(given, f32(tau))
+        assert torch.equal(words, message[: int(cursor)]) and nonfinite == int(bad)
+        assert torch.equal(index, (words & INDEX).long()) and index.dtype == torch.int64
+        assert torch.equal(bits(given), before), "find_words wrote to its input"
+    if name == "nan_and_tail":
+        assert nonfinite == 2
+
+
 def test_semantics_on_hand_made_values():
     """Strict thresholds, sign bit, in-place update: checked against values written out."""
     up = next_up(TAU)

@@ -52,7 +52,7 @@ from gtc_lightning.algorithms.gtc.config import CODINGS, EXCHANGES, f32
 from gtc_lightning.algorithms.gtc.exchange import send_coded, send_header
 from gtc_lightning.algorithms.gtc.update import rank_tau
 from gtc_lightning.ops.rice import pack_words, rice_decode, rice_encode, unpack_words
-from gtc_lightning.ops.torch_ops import INDEX_MASK, emit_
+from gtc_lightning.ops.torch_ops import INDEX_MASK, emit_, find_words
 
 VALUES = ("sign", "2bit", "float32")
 HEADER = 6  # int64 per rank: words, index bytes, payload bytes, non-finite elements, level a, level b (float64 bits)
@@ -117,17 +117,17 @@ def select_(
         float32 values: ``(tau, 0)`` for ``"sign"``, the lower and upper magnitudes for ``"2bit"``, ``(0, 0)``
         for ``"float32"``, whose payload is the values themselves.
     """
-    message = torch.empty(residual.numel(), dtype=torch.int32, device=residual.device)
-    cursor = torch.zeros(1, dtype=torch.int64, device=residual.device)
-    bad = torch.zeros(1, dtype=torch.int32, device=residual.device)
-    before = residual.clone() if values != "sign" else None
-    emit_(residual, tau32, message, cursor, bad)  # Strom's words; ±tau taken off the residual
-    words = message[: int(cursor)].clone()
     empty = torch.zeros(0, dtype=torch.uint8, device=residual.device)
-    if values == "sign" or not words.numel() or int(bad):
-        return words, empty, tau32, 0.0, int(bad)
-    index = (words & INDEX_MASK).long()
-    exact = before[index]
+    if values == "sign":  # Strom's words; ±tau taken off the residual
+        message = torch.empty(residual.numel(), dtype=torch.int32, device=residual.device)
+        cursor = torch.zeros(1, dtype=torch.int64, device=residual.device)
+        bad = torch.zeros(1, dtype=torch.int32, device=residual.device)
+        emit_(residual, tau32, message, cursor, bad)
+        return message[: int(cursor)].clone(), empty, tau32, 0.0, int(bad)
+    index, words, bad = find_words(residual, tau32)  # the residual is only read here
+    if not words.numel() or bad:
+        return words, empty, tau32, 0.0, bad
+    exact = residual[index]
     if values == "float32":
         residual[index] = 0.0  # sent whole
         return words, exact.contiguous().view(torch.uint8), 0.0, 0.0, 0
@@ -283,8 +283,8 @@ class SparseLoCoState(BMUFState):
             else [row[:n] for row, n in zip(data.view(world, width), sizes)]
         )
 
-        # 5. Decode rank by rank into d.
-        decoded = torch.zeros_like(residual)
+        # 5. Decode rank by rank into d (in the update's memory: it is in the residual now).
+        decoded = update.zero_() if update.dtype == torch.float32 else torch.zeros_like(residual)
         for r, payload_r in enumerate(parts):
             if not counts[r]:
                 continue
@@ -310,7 +310,8 @@ class SparseLoCoState(BMUFState):
         local = flatten(params)
         self._move_to(local.device)
         whole = slice(None)
-        update = (local.to(self.global_params.dtype) - self.start_point(whole)).to(torch.float32)
+        # (local is this call's own copy: the update is made in it)
+        update = local.to(self.global_params.dtype).sub_(self.start_point(whole)).to(torch.float32)
         decoded, sent, received = self.mean_update(update, whole, self.process_group, self.step)
 
         # 6. BMUF's filter on the decoded mean update; every rank moves to the same start point.

@@ -114,6 +114,27 @@ def emit_(
         _emit_rows(out, tau32, message, cursor, bad, offset)
 
 
+def find_words(values: torch.Tensor, tau32: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The words :func:`emit_` would emit for ``values`` (``|x| > tau``, ascending, ``index | sign << 31``),
+    without writing to ``values``: for a caller that takes other values than ``±tau`` off its residual
+    (the compressed block sync), so that it need not copy the residual first.
+
+    Returns:
+        ``(index [m] int64, words [m] int32, non-finite elements among them)``.
+    """
+    if values.device.type == "cpu" and values.dtype == torch.float32 and values.is_contiguous():
+        array = values.detach().numpy()
+        bits = array.view(np.int32) & ABS_MASK  # orders like |x|; NaN/Inf above every finite tau
+        index = np.flatnonzero(bits > tau_bits(tau32))
+        nonfinite = int(np.count_nonzero(bits[index] >= INF_BITS))
+        words = index.astype(np.int32)
+        words[array[index] < 0] |= np.int32(SIGN_BIT)
+        return torch.from_numpy(index), torch.from_numpy(words), nonfinite
+    first = torch.zeros(1, dtype=torch.int64, device=values.device)
+    index, _, words, nonfinite = _emit(values.reshape(-1), first, max(values.numel(), 1), tau32)
+    return index, words, nonfinite
+
+
 def _emit_rows(
     out: torch.Tensor, tau32: float, message: torch.Tensor, cursor: torch.Tensor, bad: torch.Tensor, offset: int
 ) -> None:

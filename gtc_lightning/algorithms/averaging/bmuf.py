@@ -206,10 +206,13 @@ class BMUFState(AveragingState):
         return slice(fragment * n // self.fragments, (fragment + 1) * n // self.fragments)
 
     def start_point(self, part: slice) -> torch.Tensor:
-        """Where the part's block starts: W, or W + ηΔ with Nesterov block momentum (a new tensor)."""
+        """Where the part's block starts: W, or W + ηΔ with Nesterov block momentum. Read it, do not write
+        to it: without a momentum term it is W's own part (a pass over the model saved at each sync)."""
         assert self.global_params is not None and self.delta is not None
         w = self.global_params[part]
-        return torch.add(w, self.delta[part], alpha=self.block_momentum) if self.nesterov else w.clone()
+        if self.nesterov and self.block_momentum != 0.0:
+            return torch.add(w, self.delta[part], alpha=self.block_momentum)
+        return w
 
     def mean_update(
         self, update: torch.Tensor, part: slice, group: dist.ProcessGroup | None, step: int
