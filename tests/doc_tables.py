@@ -231,6 +231,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "model-suite-long-summary": model_suite_long_summary,
     "model-suite-long-moments": lambda: model_suite_long_options(columns=LONG_MOMENT_COLUMNS, only=ADAM_MODELS),
     "model-suite-long-family": lambda: model_suite_long_options(columns=LONG_FAMILY_COLUMNS),
+    "model-suite-long-family-short": lambda: model_suite_long_options(
+        columns=tuple(c for c in LONG_FAMILY_COLUMNS if c[0] != "sparseloco_h10"), labels=LONG_LABELS
+    ),
     "compat-matrix": _compat(False),
     "compat-matrix-short": _compat(True),
     "recipe-results": _recipe_results("default"),

@@ -284,10 +284,6 @@ def claim_1120(rendered_ratio: str = "×") -> str:
 
 
 def readme_claims() -> list[str]:
-    others = [m for m in MODELS if m != "cnn"]
-    numel = [suite()[(4, m, "ddp")][0]["numel"] for m in MODELS]
-    all_steps = [suite()[(4, m, "ddp")][0]["steps"] for m in MODELS]
-    bytes_up = [ratio(m, "gtc") / ratio(m, "gtc_3e-2") for m in MODELS]
     first, second = claim_1120()
     r = results()
     runs = r["comparison"]["runs"]
@@ -318,11 +314,6 @@ def readme_claims() -> list[str]:
         # the headline: the long profile
         *long_headline(),
         # choosing settings: density
-        (f"(4 CPU ranks, 3 seeds, {span(all_steps)} steps, {span([n / 1e3 for n in numel])} k weights) the default 1e-2 "
-        f"cost {pct_span([vs_ddp(m, 'gtc') for m in others])} held-out loss on three models and "
-        f"{pct(vs_ddp('cnn', 'gtc'))} on the CNN; 3e-2 cost {pct_span([vs_ddp(m, 'gtc_3e-2') for m in others])} and "
-        f"{pct(vs_ddp('cnn', 'gtc_3e-2'))} on the CNN for {span(bytes_up, '{:.1f}')}× the bytes; 3e-3 cost "
-        f"{pct_span([vs_ddp(m, 'gtc_3e-3') for m in MODELS])}"),
         first, second,
         (f"(the defaults on the suite: {span([ratio(m, 'gtc', 2) for m in MODELS])}× at 2 ranks, "
         f"{span([ratio(m, 'gtc') for m in MODELS])}× at 4)"),
