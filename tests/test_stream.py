@@ -208,32 +208,37 @@ def test_both_loaders_put_numpys_blas_on_one_thread(aligned):
 
 
 def test_bench_loader_measures_each_loader_in_its_own_process(aligned, tmp_path):
+    """One process per measurement, five in all (their start-ups are the test's time): the in-memory
+    loader; the streaming loader with one reader process, on the corpus and on its cuts repeated to
+    0.05 h (``--workers`` empty: no row reading in the training process, whose batches
+    test_readers_give_the_batches_of_reading_in_process_and_resume_alike shows are the readers'); and
+    the streaming loader's reading and splicing halves apart (these read in process) at each size."""
     import json
 
     import bench_loader
 
     out = tmp_path / "loader"
     assert bench_loader.main(["--data-dir", str(aligned), "--out", str(out), "--batches", "4", "--batch-size", "16",
-                              "--buffer-frames", "50", "--memory-hours", "--stream-hours", "0.05", "--workers", "0",
+                              "--buffer-frames", "50", "--memory-hours", "--stream-hours", "0.05", "--workers",
                               "--readers", "1", "--parts"]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     hours = sum(c.duration for c in CutSet.from_file(aligned / "ali" / "train_cuts.jsonl.gz")) / 3600
     times = round(0.05 / hours)
-    assert [(r["loader"], r["repeats"], r["readers"]) for r in rows] == [
-        ("memory", 1, 0), ("stream", 1, 0), ("stream", times, 0), ("stream", 1, 1), ("stream", times, 1)]
+    assert [(r["loader"], r["repeats"], r["readers"]) for r in rows] == [("memory", 1, 0), ("stream", 1, 1),
+                                                                          ("stream", times, 1)]
     for r in rows:
         assert r["batches"] == 4 and r["frames"] == 4 * 16 and r["frames_per_s"] > 0 and r["peak_rss_mb"] > 100
     assert rows[0]["epoch_batches"] == rows[1]["epoch_batches"]  # the same split, laid out alike
     assert abs(rows[2]["epoch_batches"] - times * rows[1]["epoch_batches"]) <= times  # counted on the repeats
     assert 0 < rows[2]["buffer_peak_resident_frames"] < 20 * 50
-    assert rows[3]["epoch_batches"] == rows[1]["epoch_batches"] and rows[3]["worker_peak_rss_mb"] > 0
+    assert rows[0]["worker_peak_rss_mb"] == 0 and rows[1]["worker_peak_rss_mb"] > 0 and rows[2]["worker_peak_rss_mb"] > 0
     parts = json.loads(out.with_suffix(".json").read_text())["parts"]
     assert [p["hours"] for p in parts] == [rows[1]["hours"], rows[2]["hours"]]
     for part in parts:  # the splicing half drew the batches of the measured rows from what the reading half read
         assert part["batches"] == 4 and part["frames"] == 4 * 16 and part["frames_read"] > 4 * 16 + 50
         assert part["reading_frames_per_s"] > 0 and part["splicing_frames_per_s"] > 0
     table = out.with_suffix(".md").read_text()
-    assert table.count("\n| stream | 0 | 0 |") == 2 and table.count("\n| stream | 0 | 1 |") == 2
+    assert table.count("\n| stream | 0 | 1 |") == 2 and "\n| stream | 0 | 0 |" not in table
 
 
 def test_a_small_buffer_makes_more_correlated_batches(aligned):
