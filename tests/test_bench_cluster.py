@@ -5,12 +5,10 @@ replay's bytes against training's, nothing sent by ``nocomm``, start-up traffic 
 the report and plot written, and nothing of the cluster left behind.
 
 Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) for the namespaces; skipped with the reason
-otherwise. About 30-60 s (three Lightning processes start; each fits a few tiny models).
+otherwise. About 20-40 s (three Lightning processes start; each fits a few tiny models).
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -69,13 +67,17 @@ def test_report_names_targets_only_where_they_can_be_read():
     assert "Targets" not in text and "| strom | 4 | 100mbit | dpsgd |" in text
 
 
-def test_two_nodes_tiny_model(netns, tmp_path):  # noqa: F811  (netns: the fixture imported above)
+def test_two_nodes_tiny_model(netns, tmp_path, capsys):  # noqa: F811  (netns: the fixture imported above)
+    """The command's ``main`` runs in this process, three times (measured, ``--resume``, ``--resume`` with
+    other settings): only the configurations' ranks start Python (test_site_pages runs the ``python -m``
+    entry of every tool)."""
     out = tmp_path / "bench"
-    command = [sys.executable, "-m", "gtc_lightning.tools.bench_cluster", "--models", "2x16:8", "--workers", "1", "2",
-               "--rates", "1gbit", "--strategies", "ddp", "gtc", "--steps", "2", "--min-steps", "2", "--rounds", "1",
-               "--warmup", "1", "--replay-steps", "2", "--tau", "1e-3", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    argv = ["--models", "2x16:8", "--workers", "1", "2", "--rates", "1gbit", "--strategies", "ddp", "gtc", "--steps",
+            "2", "--min-steps", "2", "--rounds", "1", "--warmup", "1", "--replay-steps", "2", "--tau", "1e-3", "--out",
+            str(out)]  # fmt: skip
+    code = bench_cluster.main(argv)
+    printed = capsys.readouterr()
+    assert code == 0, printed.out[-3000:] + printed.err[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["schema"] == "gtc_lightning.bench_cluster/1"
     assert [(c["world"], c["rate"], c["status"]) for c in results["configs"]] == [
@@ -115,14 +117,15 @@ def test_two_nodes_tiny_model(netns, tmp_path):  # noqa: F811  (netns: the fixtu
     assert [r["nodes"] for r in results["projections"][name]["rows"]] == list(scaling.NODES)
     assert "Projection, 2x16:8" in table
     # --resume keeps what was measured with the same settings and measures nothing again
-    again = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=300, check=False)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "--resume: keeping 2 configurations" in again.stdout
+    code = bench_cluster.main([*argv, "--resume"])
+    again = capsys.readouterr()
+    assert code == 0, again.out[-3000:] + again.err[-3000:]
+    assert "--resume: keeping 2 configurations" in again.out
     resumed = json.loads((out / "results.json").read_text())
     assert resumed["configs"] == results["configs"] and resumed["started"] == results["started"]
-    other = subprocess.run([*command, "--resume", "--batch", "8"], capture_output=True, text=True, timeout=300,
-                           check=False)
-    assert other.returncode == 2 and "other settings (batch)" in other.stderr
+    with pytest.raises(SystemExit) as other:
+        bench_cluster.main([*argv, "--resume", "--batch", "8"])
+    assert other.value.code == 2 and "other settings (batch)" in capsys.readouterr().err
 
 
 def test_overlapped_exchange_is_added_to_the_step_where_no_core_is_spare():
