@@ -259,16 +259,18 @@ print(f"rank {trainer.global_rank} of {trainer.world_size} step {trainer.global_
 """
 
 
-def test_lightning_ddp_runs_on_two_nodes_through_the_cli(netns, tmp_path):
+def test_lightning_ddp_runs_on_two_nodes_through_the_cli(netns, tmp_path, capsys, monkeypatch):
+    """The command line's ``main`` in this process (its ``python -m`` entry runs in test_site_pages):
+    the two nodes' processes are the only ones that start Lightning."""
     script = tmp_path / "tiny.py"
     script.write_text(LIGHTNING)
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [PY, "-m", "gtc_lightning.tools.cluster", "--nodes", "2", "--rate", "100mbit", "--out", str(out), "--timeout",
-         "300", "--", PY, str(script), "{num_nodes}"],
-        check=False, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "[node0] rank 0 of 2 step 2" in proc.stdout  # node 0 streamed, prefixed
+    monkeypatch.chdir(ROOT)
+    code = cluster.main(["--nodes", "2", "--rate", "100mbit", "--out", str(out), "--timeout", "300", "--", PY,
+                         str(script), "{num_nodes}"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err
+    assert "[node0] rank 0 of 2 step 2" in printed.out  # node 0 streamed, prefixed
     weights = set()
     for k in range(2):
         line = next(x for x in (out / f"node{k}.log").read_text().splitlines() if x.startswith("rank "))
