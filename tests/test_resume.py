@@ -184,6 +184,28 @@ def _popen_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def test_a_store_that_refuses_is_known_gone_at_once(monkeypatch):
+    """A rank that lost rank 0 asks its store's address first: a refused connection (nothing listens: the
+    process that held the store has ended) is the answer at once, instead of a store client's retries until
+    its timeout; a listening store, or a bad address, leaves the question to the probe through the store."""
+    import socket
+    from types import SimpleNamespace
+
+    watch = SimpleNamespace(probe_timeout=2.0)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        assert train.RankWatch._store_refuses(watch) is None
+    started = time.monotonic()
+    assert "connection refused" in train.RankWatch._store_refuses(watch)  # the port is closed now
+    assert time.monotonic() - started < 1.0
+    monkeypatch.setenv("MASTER_PORT", "not a port")
+    assert train.RankWatch._store_refuses(watch) is None
+
+
 @pytest.mark.parametrize("how,victim", [("SIGKILL", 1), ("SIGKILL", 0), ("SIGSTOP", 1)])
 def test_lost_rank_stops_the_other_with_its_name(how, victim, tiny_aligned, tmp_path):
     """``train.py --strategy gtc`` (2 ranks, popen launcher) runs; one rank gets SIGKILL (dies) or

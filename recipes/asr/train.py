@@ -594,6 +594,19 @@ class RankWatch(Callback):
 
         self._bounded(poll, deadline - time.monotonic() + 1)
 
+    def _store_refuses(self) -> str | None:
+        """What the store's host answered when it refused a connection (nothing listens there: the process that
+        held the store has ended), at once, where a store client retries until its timeout; None when a
+        connection was made, or the host did not answer in time (the probe through the store decides then)."""
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        try:
+            with socket.create_connection((host, int(port)), timeout=self.probe_timeout):
+                return None
+        except ConnectionRefusedError as exc:
+            return f"connection refused ({exc.strerror or exc})"
+        except (OSError, TypeError, ValueError):
+            return None
+
     def _who(self, store, rank: int) -> str:
         try:
             info = json.loads(store.get(f"{self.PREFIX}info{rank}"))
@@ -627,6 +640,9 @@ class RankWatch(Callback):
         link = _link_down()
         if link:  # this rank is the one cut off: every other rank is out of reach
             return {r: f"unreachable: {link}, so this rank is cut off from the others" for r in others}
+        refused = self._store_refuses() if self.rank != 0 else None
+        if refused:  # nothing listens where rank 0's store was: rank 0 is gone, no need to wait for a probe
+            return {0: f"it held the rendezvous store at {self._address}, which no longer answers: {refused}"}
         answer: dict[str, Any] = {}
 
         def probe() -> None:
