@@ -1,5 +1,9 @@
 """``recipes/asr/research/strom_tables.py`` on the tiny corpus: both tables from real runs (a baseline, GTC at
-two thresholds, two model sizes), decoded, with Strom's rows beside; a second call trains nothing."""
+two thresholds, two model sizes), decoded, with Strom's rows beside; a second call trains nothing.
+
+CI-sized: the GTC runs fork their second rank (``--gtc-args``) rather than start Python again, and the runs are
+decoded by best path (test_train.py's end-to-end test covers the lattice search); neither changes what the tables
+hold."""
 
 import json
 from pathlib import Path
@@ -18,7 +22,8 @@ def test_tables_on_the_tiny_corpus(tiny_aligned, tmp_path, monkeypatch):
     argv = ["--data-dir", str(tiny_aligned), "--exp-dir", str(tmp_path), "--taus", "0.001", "0.05",
             "--epochs", "1", "--sizes", "2x16", "3x32", "--size-steps", "3", "--size-tau", "0.01",
             "--train-args", "--config conf/tiny.yaml --num_threads 1",
-            "--eval-args", "--acoustic-scales 0.1 --beam 8 --jobs 1"]  # fmt: skip
+            "--gtc-args", "--trainer.strategy.init_args.start_method fork",
+            "--eval-args", "--acoustic-scales 0.1 --search best-path --beam 8 --max-active 1000 --jobs 1"]  # fmt: skip
     # as in a process that launched ranks before (e.g. after fork-launched tests): not inherited by the runs
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -35,12 +40,14 @@ def test_tables_on_the_tiny_corpus(tiny_aligned, tmp_path, monkeypatch):
     assert low["dense_steps"] > 0 and high["dense_steps"] == 0
     for r in t3["rows"]:
         assert r["test_wer"] is not None and r["rel_wer_reduction_pct"] is not None
-        assert "compress: gradient" in (Path(r["run"]) / "config.yaml").read_text()  # not the update mode
+        config = (Path(r["run"]) / "config.yaml").read_text()
+        assert "compress: gradient" in config and "start_method: fork" in config  # not the update mode; --gtc-args
         summary = json.loads((Path(r["run"]) / "train_summary.json").read_text())
         steps, dense_bytes = summary["gtc"]["total"]["steps"], 4 * summary["num_weights"]
         sent = 24 * steps + 4 * r["words_per_step"] * steps + r["dense_steps"] * dense_bytes
         assert r["bytes_per_step"] * steps == pytest.approx(sent, rel=1e-6)
     assert t3["baseline"]["test_wer"] is not None
+    assert "start_method" not in (tmp_path / "baseline" / "config.yaml").read_text()  # --gtc-args: GTC runs only
     assert [(r["layers"], r["hidden"]) for r in t4["rows"]] == [(2, 16), (3, 32)]
     assert t4["rows"][0]["weights"] < t4["rows"][1]["weights"] and all(r["steps"] == 3 for r in t4["rows"])
     text = (tmp_path / "tables.md").read_text()

@@ -97,12 +97,13 @@ def train(run_dir: Path, extra: list[str], args: argparse.Namespace, what: str) 
     return json.loads(summary.read_text())
 
 
-def gtc_args(tau: float) -> list[str]:
+def gtc_args(tau: float, args: argparse.Namespace) -> list[str]:
     """Strom's scheme at ``tau``: the gradient mode at a fixed tau in 32-bit words (conf/gtc.yaml's, said
-    here too: GTCStrategy's defaults are automatic tau, Golomb-Rice coding and the update mode)."""
+    here too: GTCStrategy's defaults are automatic tau, Golomb-Rice coding and the update mode), then
+    ``--gtc-args``."""
     init = "--trainer.strategy.init_args"
     return ["--config", str(REPO / "conf" / "gtc.yaml"), f"{init}.tau", str(tau), f"{init}.compress", "gradient",
-            f"{init}.coding", "none"]
+            f"{init}.coding", "none", *shlex.split(args.gtc_args)]
 
 
 def update_stats(summary: dict) -> dict:
@@ -126,7 +127,7 @@ def table3(args: argparse.Namespace) -> dict:
     runs = []
     for tau in args.taus:
         run_dir = args.exp_dir / f"tau{tau:g}"
-        summary = train(run_dir, [*gtc_args(tau), *epochs], args, f"table 3 tau={tau:g}")
+        summary = train(run_dir, [*gtc_args(tau, args), *epochs], args, f"table 3 tau={tau:g}")
         runs.append((tau, run_dir, summary))
     dirs = [str(base_dir)] + [str(d) for _, d, _ in runs]
     if args.decode:
@@ -154,7 +155,7 @@ def table4(args: argparse.Namespace) -> dict:
     out = {"tau": args.size_tau, "steps": args.size_steps, "rows": []}
     for layers, hidden in args.sizes:
         run_dir = args.exp_dir / f"size_{layers}x{hidden}"
-        extra = [*gtc_args(args.size_tau), "--model.num_layers", str(layers), "--model.hidden_dim", str(hidden),
+        extra = [*gtc_args(args.size_tau, args), "--model.num_layers", str(layers), "--model.hidden_dim", str(hidden),
                  "--trainer.max_steps", str(args.size_steps), "--trainer.max_epochs", "-1",
                  "--trainer.val_check_interval", str(args.size_steps), "--trainer.check_val_every_n_epoch", "null"]
         summary = train(run_dir, extra, args, f"table 4 {layers}x{hidden}")
@@ -276,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-decode", dest="decode", action="store_false", help="Table 3 without WER (no decoding)")
     p.add_argument("--train-args", default="", help="more train.py arguments, before the table's own "
                    "(e.g. '--config conf/tiny.yaml' or '--trainer.limit_train_batches 200')")
+    p.add_argument("--gtc-args", default="", help="more train.py arguments for the GTC runs only, after conf/gtc.yaml "
+                   "(e.g. '--trainer.strategy.init_args.start_method fork': the second rank forked, not started anew)")
     p.add_argument("--eval-args", default="", help="more evaluate.py arguments (e.g. '--jobs 1 --beam 8')")
     p.add_argument("--combine", type=Path, metavar="COMPARISON_JSON",
                    help="only print Table 3 over several seeds from evaluate.py's comparison.json of their runs")
