@@ -8,7 +8,9 @@ training sentences (as TIMIT's SX sentences are shared between speakers) so that
 vocabulary covers them; the LM also gets sentences no one speaks through ``--lm-text``, and one
 word comes from the user's ``--lexicon``; in the Kaldi data dirs a ``[noise]`` tag opens each voice's
 first sentence. Each corpus goes through stages 0-8 (``prepare.py``),
-one epoch of the DNN (``conf/tiny.yaml``) and decoding (``evaluate.py``), CI-sized.
+one epoch of the DNN (``conf/tiny.yaml``) and decoding (``evaluate.py``), CI-sized: SAT on the Δ + ΔΔ system
+(``--no-lda-mllt``: the LDA+MLLT system sees nothing of the corpus's format, and ``tiny_aligned`` trains it) and
+decoding by best path (test_train.py's end-to-end test covers the lattice search).
 
 The Kaldi data dir has what a real corpus's has: noise tags and ``<unk>`` in its transcripts, a
 recording at 8 kHz read through a pipe, a test split cut from longer recordings by a ``segments``
@@ -84,12 +86,14 @@ def _run_recipe(corpus: str, corpus_dir: Path, tmp_path: Path, **options) -> dic
     import train
     from prepare import STAGES, prepare
 
-    data = prepare(corpus=corpus, corpus_dir=corpus_dir, data_dir=tmp_path / "data", stage=0, num_jobs=1, **options)
+    data = prepare(corpus=corpus, corpus_dir=corpus_dir, data_dir=tmp_path / "data", stage=0, num_jobs=1,
+                   lda_mllt=False, **options)
     assert all((data / ".done" / s).is_file() for s in STAGES)
     train.main(["--config", str(ROOT / "conf" / "tiny.yaml"), "--strategy", "single", "--data.data_dir", str(data),
                 "--exp_dir", str(tmp_path / "exp"), "--trainer.max_epochs", "1", "--num_threads", "1"])  # fmt: skip
     evaluate.main(["--runs", str(tmp_path / "exp" / "baseline"), "--out", str(tmp_path / "cmp"),
-                   "--acoustic-scales", "0.1", "--beam", "8", "--jobs", "1"])  # fmt: skip
+                   "--acoustic-scales", "0.1", "--search", "best-path", "--beam", "8", "--max-active", "1000",
+                   "--jobs", "1"])  # fmt: skip
     return json.loads((tmp_path / "exp" / "baseline" / "decode" / "results.json").read_text())
 
 
