@@ -80,6 +80,7 @@ METHODS: dict[str, Callable[..., Strategy]] = {
     "powersgd_r1": partial(PowerSGDStrategy, matrix_approximation_rank=1, start_powerSGD_iter=2),
     "powersgd_r4": partial(PowerSGDStrategy, matrix_approximation_rank=4, start_powerSGD_iter=2),
     "gtc": GTCStrategy,
+    "gtc_5e-4": partial(GTCStrategy, target_density=5e-4),
     "gtc_1e-3": partial(GTCStrategy, target_density=1e-3),
     "gtc_3e-3": partial(GTCStrategy, target_density=3e-3),
     # Strom's GTC as the paper has it, whatever the defaults: the gradient, fixed tau, 32-bit words
