@@ -158,6 +158,7 @@ MECHANISMS: dict[str, Callable[..., Strategy]] = {
     # Adam's steps with an estimate of the mean gradient's second moment (the Adam models; SGD is left as it is)
     "gtc_mean_variance": lambda steps, world, **kw: GTCStrategy(mean_variance=True, **kw),
     "gtc_3e-3_mean_variance": lambda steps, world, **kw: GTCStrategy(target_density=3e-3, mean_variance=True, **kw),
+    "gtc_1e-3_mean_variance": lambda steps, world, **kw: GTCStrategy(target_density=1e-3, mean_variance=True, **kw),
     # DGC's momentum factor masking: each rank's momentum zeroed at the elements it sent
     "gtc_momentum_masking": lambda steps, world, **kw: GTCStrategy(momentum_masking=True, **kw),
     "gtc_3e-3_momentum_masking": lambda steps, world, **kw: GTCStrategy(
