@@ -350,3 +350,13 @@ def test_the_family_in_the_suite_counts_its_syncs_bytes(tmp_path):
     assert runs["sparseloco"]["ratio_fp32"] > 100 * period and runs["sparseloco"]["replicas_identical"]
     assert runs["dpsgd"]["ratio_fp32"] == pytest.approx(1.0, rel=0.05)  # a whole model to one peer a step
     assert runs["diloco"]["memory_bytes_per_param"] >= 8  # the block's start and its momentum
+
+
+def test_sparseloco_frontier_points_spend_the_same_bytes_per_step():
+    """``sparseloco_h10`` and its two neighbours on a 2,000-step run: H = 10, 5, 20 at densities 1/64, 8e-3,
+    3e-2, so each sends the same fraction of the model per optimizer step (1.5-1.6e-3) a different way."""
+    built = {name: model_suite.FAMILY[name](2000, 4) for name in
+             ("sparseloco_h10", "sparseloco_h5_8e-3", "sparseloco_h20_3e-2")}  # fmt: skip
+    assert [s.period for s in built.values()] == [10, 5, 20]
+    per_step = [s.density / s.period for s in built.values()]
+    assert max(per_step) / min(per_step) < 1.1

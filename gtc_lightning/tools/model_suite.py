@@ -130,6 +130,14 @@ FAMILY: dict[str, Callable[..., Strategy]] = {
     # SparseLoCo syncing 5x as often: at density 1/64 a 2,000-step run at H = 50 sends each element less than
     # once; at H = steps / 200 about three times
     "sparseloco_h10": lambda steps, world, **kw: SparseLoCoStrategy(period=max(2, steps // 200), **kw),
+    # The same bytes per step (density / H = 1.5-1.6e-3) spent the two other ways: syncs twice as often at half
+    # the density, or half as often at twice the density; on the LM they bracket sparseloco_h10's point
+    "sparseloco_h5_8e-3": lambda steps, world, **kw: SparseLoCoStrategy(
+        period=max(2, steps // 400), density=8e-3, **kw
+    ),
+    "sparseloco_h20_3e-2": lambda steps, world, **kw: SparseLoCoStrategy(
+        period=max(2, steps // 100), density=3e-2, **kw
+    ),
     "bmuf_gtc": lambda steps, world, **kw: BMUFGTCStrategy(
         group_size=max(1, world // 2), period=block_period(steps), **kw
     ),
