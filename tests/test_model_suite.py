@@ -360,3 +360,13 @@ def test_sparseloco_frontier_points_spend_the_same_bytes_per_step():
     assert [s.period for s in built.values()] == [10, 5, 20]
     per_step = [s.density / s.period for s in built.values()]
     assert max(per_step) / min(per_step) < 1.1
+
+
+def test_candidate_defaults_warm_up_as_auto_does():
+    """The suite's density warm-up is ``density_warmup_steps="auto"``'s share of the run, so what it measures
+    for ``gtc_density_warmup_mean_variance`` is what those two options give a Trainer's run."""
+    from gtc_lightning.algorithms.gtc.config import resolve_density_warmup
+
+    strategy = model_suite.MECHANISMS["gtc_density_warmup_mean_variance"](2000, 4)
+    assert strategy._density_warmup_steps == resolve_density_warmup("auto", 2000)[0] == 100
+    assert strategy._mean_variance

@@ -167,6 +167,10 @@ MECHANISMS: dict[str, Callable[..., Strategy]] = {
     "gtc_mean_variance": lambda steps, world, **kw: GTCStrategy(mean_variance=True, **kw),
     "gtc_3e-3_mean_variance": lambda steps, world, **kw: GTCStrategy(target_density=3e-3, mean_variance=True, **kw),
     "gtc_1e-3_mean_variance": lambda steps, world, **kw: GTCStrategy(target_density=1e-3, mean_variance=True, **kw),
+    # The two that helped, together: candidate defaults (density_warmup_steps="auto" is the same 5 % of the run)
+    "gtc_density_warmup_mean_variance": lambda steps, world, **kw: GTCStrategy(
+        density_warmup_steps=max(1, steps // 20), mean_variance=True, **kw
+    ),
     # DGC's momentum factor masking: each rank's momentum zeroed at the elements it sent
     "gtc_momentum_masking": lambda steps, world, **kw: GTCStrategy(momentum_masking=True, **kw),
     "gtc_3e-3_momentum_masking": lambda steps, world, **kw: GTCStrategy(
