@@ -131,3 +131,4 @@ def test_model_suite_report_is_its_json(name):
         f"{md.relative_to(ROOT)} differs from its results.json; rerun the suite, or render the report again "
         "with gtc_lightning.tools.model_suite.report_markdown"
     )
+

@@ -14,7 +14,7 @@ from torch.utils.data import default_collate
 
 from gtc_lightning import PowerSGDStrategy
 from gtc_lightning.algorithms.common import allreduce_bytes
-from gtc_lightning.algorithms.gtc.config import DEFAULT_DENSITY
+from gtc_lightning.algorithms.gtc.config import DEFAULT_DENSITY, resolve_density_warmup
 from gtc_lightning.tools import model_suite
 from gtc_lightning.tools.suite_data import frames_task, grating_task, hmm_task, markov_task
 from gtc_lightning.tools.suite_models import MODELS
@@ -362,11 +362,25 @@ def test_sparseloco_frontier_points_spend_the_same_bytes_per_step():
     assert max(per_step) / min(per_step) < 1.1
 
 
+def test_the_defaults_measured_under_their_setting_names():
+    """``gtc`` keeps the setting its records measured (no density warm-up: the former defaults);
+    ``gtc_defaults`` is ``GTCStrategy()`` as it is now, which on a 2,000-step run is ``gtc_density_warmup``
+    (the tables' "GTC defaults" cells take those runs: tests/doc_tables.py)."""
+    import doc_tables
+
+    former = model_suite.METHODS["gtc"]()
+    assert (former._density_warmup_steps, former._mean_variance) == (0, False)
+    now = model_suite.METHODS["gtc_defaults"]()
+    measured = model_suite.MECHANISMS[doc_tables.DEFAULTS_MEASURED_AS](2000, 4)
+    assert resolve_density_warmup(now._density_warmup_steps, 2000)[0] == measured._density_warmup_steps == 100
+    assert now._mean_variance is measured._mean_variance is False
+    for option in ("conserve", "momentum_masking", "target_density", "compress", "tau", "coding"):
+        assert getattr(now, f"_{option}") == getattr(measured, f"_{option}"), option
+
+
 def test_candidate_defaults_warm_up_as_auto_does():
     """The suite's density warm-up is ``density_warmup_steps="auto"``'s share of the run, so what it measures
     for ``gtc_density_warmup_mean_variance`` is what those two options give a Trainer's run."""
-    from gtc_lightning.algorithms.gtc.config import resolve_density_warmup
-
     strategy = model_suite.MECHANISMS["gtc_density_warmup_mean_variance"](2000, 4)
     assert strategy._density_warmup_steps == resolve_density_warmup("auto", 2000)[0] == 100
     assert strategy._mean_variance

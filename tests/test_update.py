@@ -697,11 +697,40 @@ def test_mean_variance_leaves_a_step_of_clean_signal_as_it_was():
 
 
 def test_mean_variance_trains_with_identical_replicas_and_is_refused_with_the_gradient_mode(tmp_path):
-    with pytest.raises(ValueError, match="Expect mean_variance to be True .* or False, got 'yes'"):
+    with pytest.raises(ValueError, match="Expect mean_variance to be True .*, False, or 'auto' .*, got 'yes'"):
         GTCStrategy(mean_variance="yes")
+    GTCStrategy(compress="gradient")  # the default, "auto", is not an option the gradient mode refuses
     with pytest.raises(ValueError, match="^mean_variance=True: the update mode's options"):
         GTCStrategy(compress="gradient", mean_variance=True)
     _, ranks = fit(tmp_path, model=AdamMLP(), mean_variance=True, **UPDATE)
     for a, b in zip(ranks[0]["records"], ranks[1]["records"]):
         assert torch.equal(a["params"], b["params"])
     assert ranks[0]["records"][-1]["loss"] < ranks[0]["records"][0]["loss"]
+
+
+def test_mean_variance_auto_is_on_for_adam_and_off_for_the_rest_without_a_warning(tmp_path):
+    """``mean_variance="auto"``: AdamW's run is the run with ``mean_variance=True`` bit for bit; SGD's the run
+    with ``False`` (the default), and nothing is warned (``True`` would warn that SGD's steps are kept)."""
+    from gtc_lightning.algorithms.gtc.config import resolve_mean_variance
+
+    layer = torch.nn.Linear(2, 2)
+    assert resolve_mean_variance("auto", torch.optim.AdamW(layer.parameters()))[0] is True
+    assert resolve_mean_variance("auto", torch.optim.Adam(layer.parameters(), amsgrad=True))[0] is False
+    assert resolve_mean_variance("auto", torch.optim.SGD(layer.parameters(), lr=0.1))[0] is False
+    assert resolve_mean_variance(True, torch.optim.SGD(layer.parameters(), lr=0.1))[0] is True  # as asked
+    runs = {}
+    for name, model, option in (("adam_auto", AdamMLP(), "auto"), ("adam_on", AdamMLP(), True),
+                                ("sgd_auto", TinyMLP(), "auto"), ("sgd_off", TinyMLP(), False)):
+        (tmp_path / name).mkdir()
+        runs[name] = fit(tmp_path / name, model=model, mean_variance=option, **UPDATE)[1]
+    for auto, asked in (("adam_auto", "adam_on"), ("sgd_auto", "sgd_off")):
+        for a, b in zip(runs[auto][0]["records"], runs[asked][0]["records"], strict=True):
+            assert torch.equal(a["params"], b["params"]), (auto, asked)
+    assert not torch.equal(runs["adam_on"][0]["records"][-1]["params"], _plain_adam(tmp_path))
+    assert not [w for w in runs["sgd_auto"][0]["warnings"] if "mean_variance" in w]
+
+
+def _plain_adam(tmp_path):
+    """The last parameters of AdamMLP's run without mean_variance (so that "auto" is seen to change them)."""
+    (tmp_path / "adam_off").mkdir()
+    return fit(tmp_path / "adam_off", model=AdamMLP(), **UPDATE)[1][0]["records"][-1]["params"]

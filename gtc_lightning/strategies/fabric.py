@@ -76,11 +76,12 @@ class GTCFabricStrategy(DDPStrategy):
         tau: as for :class:`gtc_lightning.GTCStrategy`, and so are ``warmup_steps``,
             ``max_consecutive_skips``, ``dense_fallback``, ``exchange``, ``backend``,
             ``restore_residuals``, ``coding``, ``target_density``, ``busy_wait``, ``conserve``,
-            ``density_warmup_steps``, ``momentum_masking``, ``mean_variance``, ``compress``
-            (``compress="auto"`` decides as Fabric sets up the optimizers: ``"update"`` for one,
-            ``"gradient"`` for several; ``"update"`` takes one optimizer and refuses a second; with
-            ``"update"`` every rank's optimizer state goes into its shard of ``fabric.save`` and
-            ``fabric.load`` gives each rank its own back).
+            ``momentum_masking``, ``mean_variance``, ``compress`` (``compress="auto"`` decides as Fabric
+            sets up the optimizers: ``"update"`` for one, ``"gradient"`` for several; ``"update"`` takes
+            one optimizer and refuses a second; with ``"update"`` every rank's optimizer state goes into
+            its shard of ``fabric.save`` and ``fabric.load`` gives each rank its own back).
+        density_warmup_steps: as for the Lightning strategy, but a number of optimizer steps only (0, the
+            default: none): Fabric does not know the run's length, which ``"auto"`` takes a share of.
         gradient_clip_val, gradient_clip_algorithm: clip each rank's local gradient before it enters
             the residual, by its norm over the whole module (as ``clip_grad_norm_``) or by value;
             the decoded update is not clipped again. None: no clipping.
@@ -107,7 +108,7 @@ class GTCFabricStrategy(DDPStrategy):
         conserve: Literal["direction", "displacement"] = "direction",
         density_warmup_steps: int = 0,
         momentum_masking: bool = False,
-        mean_variance: bool = False,
+        mean_variance: bool | Literal["auto"] = False,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         accelerator: Accelerator | None = None,

@@ -72,6 +72,11 @@ from gtc_lightning import (
 from gtc_lightning.algorithms.common import allreduce_bytes
 from gtc_lightning.tools.suite_models import MODELS, heldout_loss
 
+# GTC as every record of the suite's GTC methods measured it, whatever GTCStrategy's defaults are now: density
+# 1e-2 with no density warm-up (the defaults until the warm-up became one) and each rank's own Adam moments.
+# Each method pins what it measured, so that a name means one setting in every results file.
+GTC = partial(GTCStrategy, density_warmup_steps=0, mean_variance=False)
+
 # Each builds a strategy from the launch settings (start_method, timeout); a GTC mode is one more line.
 METHODS: dict[str, Callable[..., Strategy]] = {
     "ddp": DDPStrategy,
@@ -79,20 +84,22 @@ METHODS: dict[str, Callable[..., Strategy]] = {
     # start_powerSGD_iter=2: the fewest dense steps torch allows with error feedback (GTC has none)
     "powersgd_r1": partial(PowerSGDStrategy, matrix_approximation_rank=1, start_powerSGD_iter=2),
     "powersgd_r4": partial(PowerSGDStrategy, matrix_approximation_rank=4, start_powerSGD_iter=2),
-    "gtc": GTCStrategy,
-    "gtc_5e-4": partial(GTCStrategy, target_density=5e-4),
-    "gtc_1e-3": partial(GTCStrategy, target_density=1e-3),
-    "gtc_3e-3": partial(GTCStrategy, target_density=3e-3),
+    "gtc": GTC,  # the former defaults
+    # GTCStrategy() as it is now: the density warm-up over 5 % of the run (gtc_density_warmup's setting)
+    "gtc_defaults": GTCStrategy,
+    "gtc_5e-4": partial(GTC, target_density=5e-4),
+    "gtc_1e-3": partial(GTC, target_density=1e-3),
+    "gtc_3e-3": partial(GTC, target_density=3e-3),
     # Strom's GTC as the paper has it, whatever the defaults: the gradient, fixed tau, 32-bit words
-    "gtc_strom_1e-2": partial(GTCStrategy, compress="gradient", tau=1e-2, coding="none"),
+    "gtc_strom_1e-2": partial(GTC, compress="gradient", tau=1e-2, coding="none"),
     # The density sweep: the update mode (the defaults' mode) and Strom's gradient mode, automatic tau, Rice
-    "gtc_1e-2": partial(GTCStrategy, target_density=1e-2),
-    "gtc_3e-2": partial(GTCStrategy, target_density=3e-2),
-    "gtc_1e-1": partial(GTCStrategy, target_density=1e-1),
-    "gtc_3e-1": partial(GTCStrategy, target_density=3e-1),
-    "gtc_gradient_1e-2": partial(GTCStrategy, compress="gradient", target_density=1e-2),
-    "gtc_gradient_3e-3": partial(GTCStrategy, compress="gradient", target_density=3e-3),
-    "gtc_gradient_3e-2": partial(GTCStrategy, compress="gradient", target_density=3e-2),
+    "gtc_1e-2": partial(GTC, target_density=1e-2),
+    "gtc_3e-2": partial(GTC, target_density=3e-2),
+    "gtc_1e-1": partial(GTC, target_density=1e-1),
+    "gtc_3e-1": partial(GTC, target_density=3e-1),
+    "gtc_gradient_1e-2": partial(GTC, compress="gradient", target_density=1e-2),
+    "gtc_gradient_3e-3": partial(GTC, compress="gradient", target_density=3e-3),
+    "gtc_gradient_3e-2": partial(GTC, compress="gradient", target_density=3e-2),
 }
 
 # Optimizer steps per run: where DDP's held-out loss has stopped improving (see the printed curves).
@@ -148,15 +155,15 @@ FAMILY_METHODS = list(FAMILY)
 # The update mode's options under test, beside the defaults: what the residual keeps, DGC's density
 # warm-up over the first 5 % of the run (DGC: 4 of ImageNet's 90 epochs), DGC's momentum masking.
 MECHANISMS: dict[str, Callable[..., Strategy]] = {
-    "gtc_displacement": lambda steps, world, **kw: GTCStrategy(conserve="displacement", **kw),
-    "gtc_density_warmup": lambda steps, world, **kw: GTCStrategy(
+    "gtc_displacement": lambda steps, world, **kw: GTC(conserve="displacement", **kw),
+    "gtc_density_warmup": lambda steps, world, **kw: GTC(
         density_warmup_steps=max(1, steps // 20), **kw
     ),
     # The same at density 3e-3, the sparsest setting within 1 % of DDP on three of the long profile's models
-    "gtc_3e-3_displacement": lambda steps, world, **kw: GTCStrategy(
+    "gtc_3e-3_displacement": lambda steps, world, **kw: GTC(
         target_density=3e-3, conserve="displacement", **kw
     ),
-    "gtc_3e-3_density_warmup": lambda steps, world, **kw: GTCStrategy(
+    "gtc_3e-3_density_warmup": lambda steps, world, **kw: GTC(
         target_density=3e-3, density_warmup_steps=max(1, steps // 20), **kw
     ),
     # The update mode without compression: each rank steps its own optimizer on its own gradient, and the
@@ -164,16 +171,16 @@ MECHANISMS: dict[str, Callable[..., Strategy]] = {
     # optimizer moments (a rank's Adam second moment holds its gradient's noise, W times the mean's)
     "local_moments_dense": lambda steps, world, **kw: ModelAveragingStrategy(period=1, **kw),
     # Adam's steps with an estimate of the mean gradient's second moment (the Adam models; SGD is left as it is)
-    "gtc_mean_variance": lambda steps, world, **kw: GTCStrategy(mean_variance=True, **kw),
-    "gtc_3e-3_mean_variance": lambda steps, world, **kw: GTCStrategy(target_density=3e-3, mean_variance=True, **kw),
-    "gtc_1e-3_mean_variance": lambda steps, world, **kw: GTCStrategy(target_density=1e-3, mean_variance=True, **kw),
-    # The two that helped, together: candidate defaults (density_warmup_steps="auto" is the same 5 % of the run)
-    "gtc_density_warmup_mean_variance": lambda steps, world, **kw: GTCStrategy(
+    "gtc_mean_variance": lambda steps, world, **kw: GTC(mean_variance=True, **kw),
+    "gtc_3e-3_mean_variance": lambda steps, world, **kw: GTC(target_density=3e-3, mean_variance=True, **kw),
+    "gtc_1e-3_mean_variance": lambda steps, world, **kw: GTC(target_density=1e-3, mean_variance=True, **kw),
+    # The two that helped, together (density_warmup_steps="auto" is the same 5 % of the run)
+    "gtc_density_warmup_mean_variance": lambda steps, world, **kw: GTC(
         density_warmup_steps=max(1, steps // 20), mean_variance=True, **kw
     ),
     # DGC's momentum factor masking: each rank's momentum zeroed at the elements it sent
-    "gtc_momentum_masking": lambda steps, world, **kw: GTCStrategy(momentum_masking=True, **kw),
-    "gtc_3e-3_momentum_masking": lambda steps, world, **kw: GTCStrategy(
+    "gtc_momentum_masking": lambda steps, world, **kw: GTC(momentum_masking=True, **kw),
+    "gtc_3e-3_momentum_masking": lambda steps, world, **kw: GTC(
         target_density=3e-3, momentum_masking=True, **kw
     ),
 }

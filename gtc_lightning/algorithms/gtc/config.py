@@ -57,6 +57,21 @@ def resolve_density_warmup(value: int | str, total_steps: float) -> tuple[int, s
     return steps, f"density_warmup_steps='auto': {DENSITY_WARMUP_SHARE:.0%} of {int(total_steps)} optimizer steps"
 
 
+def resolve_mean_variance(value: bool | str, optimizer) -> tuple[bool, str]:
+    """``mean_variance`` as a bool for ``optimizer``, and why: ``"auto"`` is True for
+    :class:`torch.optim.Adam` and :class:`torch.optim.AdamW` (Lightning's and Fabric's wrappers unwrapped)
+    when no group uses ``amsgrad``, the optimizers whose steps it corrects; False for every other."""
+    if value != "auto":
+        return bool(value), "as asked"
+    opt = getattr(optimizer, "optimizer", optimizer)
+    name = type(opt).__name__
+    if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return False, f"mean_variance='auto': off for {name} (it corrects Adam and AdamW steps)"
+    if any(group.get("amsgrad") for group in opt.param_groups):
+        return False, f"mean_variance='auto': off for {name} with amsgrad"
+    return True, f"mean_variance='auto': on for {name} (its steps with the mean gradient's second moment)"
+
+
 def f32(x: float) -> float:
     """``x`` rounded to float32, as every rank applies tau (the same rounding on every rank)."""
     return float(np.float32(x))
@@ -145,13 +160,14 @@ def check_options(
             f"Expect momentum_masking to be True (compress='update': zero each rank's optimizer momentum at the "
             f"elements it sent, DGC's momentum factor masking) or False, got {momentum_masking!r}"
         )
-    if not isinstance(mean_variance, bool):
-        raise ValueError(  # noqa: TRY004  (a ValueError, as for every other option)
+    if not isinstance(mean_variance, bool) and mean_variance != "auto":
+        raise ValueError(
             f"Expect mean_variance to be True (compress='update': each rank's Adam steps with an estimate of the "
-            f"mean gradient's second moment, from its own moments) or False, got {mean_variance!r}"
+            f"mean gradient's second moment, from its own moments), False, or 'auto' (True with Adam and AdamW "
+            f"without amsgrad), got {mean_variance!r}"
         )
     if compress == "gradient" and (
-        conserve != "direction" or density_warmup_steps not in (0, "auto") or momentum_masking or mean_variance
+        conserve != "direction" or density_warmup_steps not in (0, "auto") or momentum_masking or mean_variance is True
     ):
         given = {"conserve": conserve, "density_warmup_steps": density_warmup_steps,
                  "momentum_masking": momentum_masking, "mean_variance": mean_variance}  # fmt: skip
@@ -188,7 +204,7 @@ def unused_update_options(state) -> str | None:
         state.conserve == "direction"
         and not state.density_warmup_steps
         and not state.momentum_masking
-        and not state.mean_variance
+        and state.mean_variance is not True
     ):
         return None
     return (

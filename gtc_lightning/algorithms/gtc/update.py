@@ -58,6 +58,7 @@ optimizer on the mean.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import warnings
@@ -68,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from gtc_lightning.algorithms.common import allreduce_bytes, finish
-from gtc_lightning.algorithms.gtc.config import FALLBACK_ENTER, WORD_BYTES, f32
+from gtc_lightning.algorithms.gtc.config import FALLBACK_ENTER, WORD_BYTES, f32, resolve_mean_variance
 from gtc_lightning.algorithms.gtc.decode import decode_coded
 from gtc_lightning.algorithms.gtc.exchange import send_coded, send_header, send_words
 from gtc_lightning.algorithms.gtc.moments import mask_momentum, mean_variance_step
@@ -77,6 +78,8 @@ from gtc_lightning.algorithms.gtc.stats import StepStats
 from gtc_lightning.ops import step_ops, update_ops
 from gtc_lightning.ops.rice import rice_encode
 from gtc_lightning.ops.torch_ops import INDEX_MASK
+
+log = logging.getLogger(__name__)
 
 SAMPLE = 1 << 16  # residual elements the per-rank threshold is estimated from (a stratified random sample)
 SAMPLE_RUN = 16  # ... in runs of this many neighbours (one random place per window)
@@ -307,7 +310,11 @@ def exchange(
             offset, n = state._slots[state._name_of[id(p)]]
             moved.append(Moved(p, offset, n, lr if state.conserve == "direction" else 1.0))
         moved.sort(key=lambda m: m.offset)
-        if state.mean_variance and optimizer is not None:
+        if state.mean_variance == "auto" and optimizer is not None:  # decided by the optimizer, once
+            state.mean_variance, why = resolve_mean_variance("auto", optimizer)
+            if rank == 0:
+                log.info("GTC: %s", why)
+        if state.mean_variance is True and optimizer is not None:
             mean_variance_step(state, optimizer, moved)
 
         # 4-5. residual += (kept - p) / lr, p = kept exactly; this rank's threshold and words (in
