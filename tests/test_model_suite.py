@@ -374,13 +374,9 @@ def test_the_defaults_measured_under_their_setting_names():
     measured = model_suite.MECHANISMS[doc_tables.DEFAULTS_MEASURED_AS](2000, 4)
     assert resolve_density_warmup(now._density_warmup_steps, 2000)[0] == measured._density_warmup_steps == 100
     assert now._mean_variance is measured._mean_variance is False
+    both = model_suite.MECHANISMS["gtc_density_warmup_mean_variance"](2000, 4)
+    assert both._density_warmup_steps == 100 and both._mean_variance
+    assert [model_suite.warmup(n) for n in (20, 40, 200, 400, 500)] == [max(1, n // 20) for n in (20, 40, 200, 400, 500)]
     for option in ("conserve", "momentum_masking", "target_density", "compress", "tau", "coding"):
         assert getattr(now, f"_{option}") == getattr(measured, f"_{option}"), option
 
-
-def test_candidate_defaults_warm_up_as_auto_does():
-    """The suite's density warm-up is ``density_warmup_steps="auto"``'s share of the run, so what it measures
-    for ``gtc_density_warmup_mean_variance`` is what those two options give a Trainer's run."""
-    strategy = model_suite.MECHANISMS["gtc_density_warmup_mean_variance"](2000, 4)
-    assert strategy._density_warmup_steps == resolve_density_warmup("auto", 2000)[0] == 100
-    assert strategy._mean_variance

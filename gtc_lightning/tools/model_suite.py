@@ -70,6 +70,7 @@ from gtc_lightning import (
     parameter_checksums,
 )
 from gtc_lightning.algorithms.common import allreduce_bytes
+from gtc_lightning.algorithms.gtc.config import resolve_density_warmup
 from gtc_lightning.tools.suite_models import MODELS, heldout_loss
 
 # GTC as every record of the suite's GTC methods measured it, whatever GTCStrategy's defaults are now: density
@@ -152,19 +153,24 @@ FAMILY: dict[str, Callable[..., Strategy]] = {
     "adpsgd": lambda steps, world, **kw: ADPSGDStrategy(**kw),
 }
 FAMILY_METHODS = list(FAMILY)
+def warmup(steps: int) -> int:
+    """The suite's density warm-up on a run of ``steps``: what ``density_warmup_steps="auto"`` gives a Trainer."""
+    return resolve_density_warmup("auto", steps)[0]
+
+
 # The update mode's options under test, beside the defaults: what the residual keeps, DGC's density
 # warm-up over the first 5 % of the run (DGC: 4 of ImageNet's 90 epochs), DGC's momentum masking.
 MECHANISMS: dict[str, Callable[..., Strategy]] = {
     "gtc_displacement": lambda steps, world, **kw: GTC(conserve="displacement", **kw),
     "gtc_density_warmup": lambda steps, world, **kw: GTC(
-        density_warmup_steps=max(1, steps // 20), **kw
+        density_warmup_steps=warmup(steps), **kw
     ),
     # The same at density 3e-3, the sparsest setting within 1 % of DDP on three of the long profile's models
     "gtc_3e-3_displacement": lambda steps, world, **kw: GTC(
         target_density=3e-3, conserve="displacement", **kw
     ),
     "gtc_3e-3_density_warmup": lambda steps, world, **kw: GTC(
-        target_density=3e-3, density_warmup_steps=max(1, steps // 20), **kw
+        target_density=3e-3, density_warmup_steps=warmup(steps), **kw
     ),
     # The update mode without compression: each rank steps its own optimizer on its own gradient, and the
     # parameters are averaged densely after every step. What stays between it and DDP is the ranks' own
@@ -174,9 +180,9 @@ MECHANISMS: dict[str, Callable[..., Strategy]] = {
     "gtc_mean_variance": lambda steps, world, **kw: GTC(mean_variance=True, **kw),
     "gtc_3e-3_mean_variance": lambda steps, world, **kw: GTC(target_density=3e-3, mean_variance=True, **kw),
     "gtc_1e-3_mean_variance": lambda steps, world, **kw: GTC(target_density=1e-3, mean_variance=True, **kw),
-    # The two that helped, together (density_warmup_steps="auto" is the same 5 % of the run)
+    # The two that helped, together
     "gtc_density_warmup_mean_variance": lambda steps, world, **kw: GTC(
-        density_warmup_steps=max(1, steps // 20), mean_variance=True, **kw
+        density_warmup_steps=warmup(steps), mean_variance=True, **kw
     ),
     # DGC's momentum factor masking: each rank's momentum zeroed at the elements it sent
     "gtc_momentum_masking": lambda steps, world, **kw: GTC(momentum_masking=True, **kw),
