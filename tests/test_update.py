@@ -629,7 +629,7 @@ def test_update_options_unused_by_the_gradient_mode_are_named():
 
     def state(**kw):
         return SimpleNamespace(**{"compress": "gradient", "conserve": "direction", "density_warmup_steps": 0,
-                                  "momentum_masking": False, "mean_variance": False, **kw})  # fmt: skip
+                                  "momentum_masking": False, "mean_variance": False, "word_levels": 1, **kw})  # fmt: skip
 
     assert "picked the gradient mode" in unused_update_options(state(conserve="displacement"))
     assert "momentum_masking=True" in unused_update_options(state(momentum_masking=True))

@@ -234,6 +234,29 @@ def rice_decode(data: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     return torch.where((value & 1).bool(), out | SIGN_BIT, out)
 
 
+def rice_split(data: torch.Tensor) -> list[torch.Tensor]:
+    """Messages of :func:`rice_encode` sent back to back (``[B]`` uint8), each one's bytes, in order;
+    one message gives ``[data]``. Each message's length is read from its header (on the host).
+
+    Raises:
+        ValueError: a message's header runs past the data.
+    """
+    words32 = data.view(torch.int32)
+    out, at, total = [], 0, words32.numel()
+    while at < total:
+        if total - at < 4:
+            raise ValueError(f"corrupt Rice-coded messages: {4 * (total - at)} bytes left, less than a header")
+        m, k, unary_bits, num_escapes = (int(x) for x in words32[at : at + 4])
+        size = 4 + (unary_bits + 31) // 32 + (max(m, 0) * (k + 1) + 31) // 32 + num_escapes
+        if size <= 0 or at + size > total:
+            raise ValueError(
+                f"corrupt Rice-coded messages: a header at byte {4 * at} says {4 * size} bytes, {4 * (total - at)} are left"
+            )
+        out.append(data[4 * at : 4 * (at + size)])
+        at += size
+    return out
+
+
 def rice_bits_per_word(data: torch.Tensor) -> float:
     """Bits of the message (header included) per word it carries."""
     m = int(data.view(torch.int32)[0])

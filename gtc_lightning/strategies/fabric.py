@@ -76,7 +76,7 @@ class GTCFabricStrategy(DDPStrategy):
         tau: as for :class:`gtc_lightning.GTCStrategy`, and so are ``warmup_steps``,
             ``max_consecutive_skips``, ``dense_fallback``, ``exchange``, ``backend``,
             ``restore_residuals``, ``coding``, ``target_density``, ``busy_wait``, ``conserve``,
-            ``momentum_masking``, ``mean_variance``, ``compress`` (``compress="auto"`` decides as Fabric
+            ``momentum_masking``, ``mean_variance``, ``word_levels``, ``compress`` (``compress="auto"`` decides as Fabric
             sets up the optimizers: ``"update"`` for one, ``"gradient"`` for several; ``"update"`` takes
             one optimizer and refuses a second; with ``"update"`` every rank's optimizer state goes into
             its shard of ``fabric.save`` and ``fabric.load`` gives each rank its own back).
@@ -109,6 +109,7 @@ class GTCFabricStrategy(DDPStrategy):
         density_warmup_steps: int = 0,
         momentum_masking: bool = False,
         mean_variance: bool | Literal["auto"] = False,
+        word_levels: int = 1,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         accelerator: Accelerator | None = None,
@@ -122,7 +123,7 @@ class GTCFabricStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
-                      busy_wait, conserve, density_warmup_steps, momentum_masking, mean_variance)
+                      busy_wait, conserve, density_warmup_steps, momentum_masking, mean_variance, word_levels)
         if density_warmup_steps == "auto":
             raise ValueError(
                 "density_warmup_steps='auto' is a share of the Trainer's optimizer steps; Fabric does not know the "
@@ -160,6 +161,7 @@ class GTCFabricStrategy(DDPStrategy):
             "density_warmup_steps": density_warmup_steps,
             "momentum_masking": momentum_masking,
             "mean_variance": mean_variance,
+            "word_levels": word_levels,
         }
         self._compress = compress
         self._optimizers: list[Optimizer] = []  # set up by Fabric: compress="auto" decides by their number

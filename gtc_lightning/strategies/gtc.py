@@ -129,6 +129,11 @@ class GTCStrategy(DDPStrategy):
             to +0.5 % of DDP's loss but cost the small Adam models (the GRU +0.7 % against +0.4 %).
             ``"auto"``: on for Adam and AdamW without ``amsgrad``, off (silently) for every other
             optimizer; ``True`` warns where it cannot apply.
+        word_levels: the update mode's words carry ``tau``, ``2 tau``, ... up to ``2**(word_levels - 1) tau``:
+            each the largest its element holds, so what sits far above the threshold drains in a few steps
+            instead of one ``tau`` a step (what is left keeps its sign). The words stay 32 bits (Rice-coded:
+            one message per level); each rank's header grows by 8 bytes a level. ``1`` (default): Strom's
+            words of ``tau``.
         busy_wait: how a rank waits for GTC's collectives each step (the header and word exchanges,
             the update mode's finite-gradient flag). ``None`` (default): on gloo it polls them,
             yielding its core between polls, when the machine has a core for each of its ranks;
@@ -201,6 +206,7 @@ class GTCStrategy(DDPStrategy):
         density_warmup_steps: int | Literal["auto"] = "auto",
         momentum_masking: bool = False,
         mean_variance: bool | Literal["auto"] = False,
+        word_levels: int = 1,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -212,7 +218,8 @@ class GTCStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
-                      busy_wait, conserve, density_warmup_steps, momentum_masking, mean_variance)
+                      busy_wait, conserve, density_warmup_steps, momentum_masking, mean_variance, word_levels)
+        self._word_levels = word_levels
         self._conserve, self._density_warmup_steps = conserve, density_warmup_steps
         self._momentum_masking, self._mean_variance = momentum_masking, mean_variance
         if not isinstance(stale, bool):
@@ -441,6 +448,7 @@ class GTCStrategy(DDPStrategy):
             density_warmup_steps=0 if self._density_warmup_steps == "auto" else self._density_warmup_steps,
             momentum_masking=self._momentum_masking,
             mean_variance=self._mean_variance,
+            word_levels=self._word_levels,
         )
 
     @override

@@ -35,6 +35,7 @@ CONSERVE = ("direction", "displacement")
 DENSITY_WARMUP_START = 0.25
 # density_warmup_steps="auto": this share of the run's optimizer steps (DGC: 4 of ImageNet's 90 epochs)
 DENSITY_WARMUP_SHARE = 0.05
+MAX_WORD_LEVELS = 8  # word_levels: a word carries at most 2**7 tau
 
 
 def scheduled_density(target: float, step: int, warmup_steps: int) -> float:
@@ -91,6 +92,7 @@ def check_options(
     density_warmup_steps: int = 0,
     momentum_masking: bool = False,
     mean_variance: bool = False,
+    word_levels: int = 1,
 ) -> None:
     """Validate GTC's hyper-parameters, with messages that say what each one means.
 
@@ -166,12 +168,22 @@ def check_options(
             f"mean gradient's second moment, from its own moments), False, or 'auto' (True with Adam and AdamW "
             f"without amsgrad), got {mean_variance!r}"
         )
+    if isinstance(word_levels, bool) or not isinstance(word_levels, int) or not 1 <= word_levels <= MAX_WORD_LEVELS:
+        raise ValueError(
+            f"Expect word_levels to be an int in [1, {MAX_WORD_LEVELS}] (compress='update': a word carries tau, 2 tau, "
+            f"..., 2**(word_levels - 1) tau, the most that fits what its element holds; 1: tau alone, Strom's "
+            f"1-bit words), got {word_levels!r}"
+        )
     if compress == "gradient" and (
         conserve != "direction" or density_warmup_steps not in (0, "auto") or momentum_masking or mean_variance is True
+        or word_levels != 1
     ):
         given = {"conserve": conserve, "density_warmup_steps": density_warmup_steps,
-                 "momentum_masking": momentum_masking, "mean_variance": mean_variance}  # fmt: skip
-        named = ", ".join(f"{k}={v!r}" for k, v in given.items() if v not in ("direction", 0, "auto", False))
+                 "momentum_masking": momentum_masking, "mean_variance": mean_variance,
+                 "word_levels": word_levels}  # fmt: skip
+        named = ", ".join(
+            f"{k}={v!r}" for k, v in given.items() if v not in ("direction", 0, "auto", False) and (k, v) != ("word_levels", 1)
+        )
         raise ValueError(
             f"{named}: the update mode's options (its residual and its optimizer steps); compress='gradient' "
             "keeps gradients. Use compress='update' (or 'auto'), or leave them at their defaults"
@@ -205,11 +217,13 @@ def unused_update_options(state) -> str | None:
         and not state.density_warmup_steps
         and not state.momentum_masking
         and state.mean_variance is not True
+        and state.word_levels == 1
     ):
         return None
     return (
         f"GTC: conserve={state.conserve!r}, density_warmup_steps={state.density_warmup_steps}, "
-        f"momentum_masking={state.momentum_masking} and mean_variance={state.mean_variance} apply to "
+        f"word_levels={state.word_levels}, momentum_masking={state.momentum_masking} and "
+        f"mean_variance={state.mean_variance} apply to "
         "compress='update'; compress='auto' picked the gradient mode here (stale=True or several optimizers), "
         "which does not use them"
     )

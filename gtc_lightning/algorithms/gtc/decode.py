@@ -4,7 +4,7 @@ fallback's sums into the buckets, and what a low-precision bucket rounded off.""
 
 import torch
 
-from gtc_lightning.ops.rice import rice_decode
+from gtc_lightning.ops.rice import rice_decode, rice_split
 from gtc_lightning.ops.torch_ops import INDEX_MASK
 
 
@@ -26,17 +26,28 @@ def votes(words: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def decode_coded(
-    data: torch.Tensor, sizes: list[int], width: int | None, own: tuple[int, torch.Tensor] | None = None
+    data: torch.Tensor,
+    sizes: list[int],
+    width: int | None,
+    own: tuple[int, torch.Tensor] | None = None,
+    several: bool = False,
 ) -> torch.Tensor:
     """The words of every rank's coded message in ``data`` (as :func:`~gtc_lightning.algorithms.gtc.exchange.send_coded` received it), rank
-    0's first, as ``send_words`` gives them. ``own``: ``(rank, words)``, the words this rank coded itself,
+    0's first, as ``send_words`` gives them. ``several``: each rank's part is one or more messages back to
+    back (the update mode's ``word_levels``: one per level), decoded one after the other. ``own``: ``(rank, words)``, the words this rank coded itself,
     taken as they are instead of decoding its own message again (the code is lossless: the same words)."""
     if width is None:
         parts = data.split(sizes)
     else:
         parts = [row[:n] for row, n in zip(data.view(len(sizes), width), sizes)]
     rank, words = own if own is not None else (-1, None)
-    return torch.cat([words if r == rank else rice_decode(part) for r, part in enumerate(parts)])
+    out = []
+    for r, part in enumerate(parts):
+        if r == rank:
+            out.append(words)
+        else:
+            out += [rice_decode(message) for message in (rice_split(part) if several else [part])]
+    return torch.cat(out)
 
 
 def decode_dense(sums: torch.Tensor, world: int, grad_scale: float, outputs: list) -> None:

@@ -63,7 +63,7 @@ class GTCState:
             :func:`~gtc_lightning.algorithms.common.finish`), ``False``: it blocks; ``None``
             (default): polls on gloo when the machine has a core for each of its ranks
             (:func:`~gtc_lightning.algorithms.common.busy_wait_fits`).
-        conserve, density_warmup_steps, momentum_masking, mean_variance: the update mode's, as for
+        conserve, density_warmup_steps, momentum_masking, mean_variance, word_levels: the update mode's, as for
             :class:`~gtc_lightning.GTCStrategy`.
     """
 
@@ -86,9 +86,10 @@ class GTCState:
         density_warmup_steps: int = 0,
         momentum_masking: bool = False,
         mean_variance: bool = False,
+        word_levels: int = 1,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
-                      busy_wait, conserve, density_warmup_steps, momentum_masking, mean_variance)
+                      busy_wait, conserve, density_warmup_steps, momentum_masking, mean_variance, word_levels)
         measure = tau == "auto"  # automatic tau measures where to start at its first compressed step
         if tau == "auto":
             tau = AUTO_TAU_INIT
@@ -111,6 +112,7 @@ class GTCState:
         self.density_warmup_steps = density_warmup_steps
         self.momentum_masking = momentum_masking
         self.mean_variance = mean_variance
+        self.word_levels = word_levels
         self._busy: bool | None = None  # busy_wait resolved, at the first collective
         self.controller = (
             TauController(target_density, float(tau), started=not measure) if target_density is not None else None
@@ -221,7 +223,7 @@ class GTCState:
         "tau", "tau32", "warmup_steps", "max_consecutive_skips", "dense_fallback", "exchange", "backend",
         "stale", "coding", "compress", "target_density", "controller", "clip", "grad_scale", "param_names",
         "numels", "step", "totals", "last", "busy_wait", "conserve", "density_warmup_steps",
-        "momentum_masking", "mean_variance", "_dense_mode", "_warned_fallback",
+        "momentum_masking", "mean_variance", "word_levels", "_dense_mode", "_warned_fallback",
     )  # fmt: skip
 
     def __getstate__(self) -> dict:
@@ -245,6 +247,7 @@ class GTCState:
         state.setdefault("density_warmup_steps", 0)
         state.setdefault("momentum_masking", False)
         state.setdefault("mean_variance", False)
+        state.setdefault("word_levels", 1)
         self.__dict__.update(state)
         self._busy = None
         self.process_group = None

@@ -48,6 +48,9 @@ drops them). ``density_warmup_steps`` starts the density at 0.25 and lowers it g
 ``target_density`` over that many steps (DGC's warm-up). ``momentum_masking`` zeros the rank's
 momentum (SGD's ``momentum_buffer``, the Adam family's ``exp_avg``) at the elements it sent, after
 the step (DGC's momentum factor masking: momentum no longer pushes what was just sent).
+``word_levels`` lets a word carry ``2^k tau`` (the largest that its element holds, ``k < word_levels``):
+the words go level by level, each level ascending (a Rice-coded message per level), their counts in the
+header (:func:`_levels_`, :func:`_level_votes`).
 ``mean_variance`` (Adam and AdamW) replaces, in the step that goes into the residual, the rank's own second
 moment by an estimate of the mean gradient's (:func:`~gtc_lightning.algorithms.gtc.moments.mean_variance_step`): the mean of the ranks' first
 moments is DDP's first moment, so with the mean gradient's second moment the mean of the ranks' steps is
@@ -326,19 +329,24 @@ def exchange(
         own, nonfinite = int(cursor), int(bad)
         if nonfinite:
             own = 0  # nothing is sent: every rank raises after the header
+        levels = state.word_levels
+        level_counts = _levels_(residual, message[:own], tau32, levels) if levels > 1 else []
         compress_s = time.perf_counter() - start
 
         # 6. Header [words, bytes, tau, non-finite] and words.
         start = time.perf_counter()
         if state.coding == "rice" and not nonfinite:
-            state._coded = rice_encode(message[:own])
+            segments = message[:own].split([own - sum(level_counts), *level_counts]) if levels > 1 else [message[:own]]
+            coded = [rice_encode(words) for words in segments if words.numel()]  # (empty levels left out)
+            state._coded = torch.cat(coded) if coded else rice_encode(message[:0])
             size = state._coded.numel()
         else:
             size = own * WORD_BYTES
         tau_bits = torch.tensor([tau32], dtype=torch.float64).view(torch.int64)
         header = torch.cat([torch.tensor([own, size], dtype=torch.int64), tau_bits,
-                            torch.tensor([nonfinite], dtype=torch.int64)]).to(residual.device)  # fmt: skip
-        headers = send_header(state, header).view(world, _HEADER).cpu()
+                            torch.tensor([nonfinite, *level_counts], dtype=torch.int64)]).to(residual.device)  # fmt: skip
+        width = _HEADER + len(level_counts)
+        headers = send_header(state, header).view(world, width).cpu()
         counts, sizes = headers[:, 0].tolist(), headers[:, 1].tolist()
         taus = headers[:, 2].contiguous().view(torch.float64).tolist()
         bad_ranks = [r for r, count in enumerate(headers[:, 3].tolist()) if count]
@@ -352,7 +360,7 @@ def exchange(
             )
         if state.coding == "rice":
             data, width, sent, received, _ = send_coded(state, sizes)
-            words, lengths = decode_coded(data, sizes, width, own=(rank, message[:own])), None
+            words, lengths = decode_coded(data, sizes, width, own=(rank, message[:own]), several=levels > 1), None
         else:
             state._message = message  # what send_words sends from
             words, lengths, sent, received, _ = send_words(state, counts)
@@ -363,10 +371,13 @@ def exchange(
 
         # 7. Decode rank by rank into the scratch buffer at the words' elements, then move every parameter
         # by -lr * it there.
-        index = _apply(state, moved, [(part, f32(f32(taus[r]) / world)) for r, part in enumerate(_rank_words(words, lengths, counts))])
+        parts = [(part, f32(f32(taus[r]) / world)) for r, part in enumerate(_rank_words(words, lengths, counts))]
+        if levels > 1:
+            parts = [_level_votes(part, scale, headers[r, _HEADER:].tolist()) for r, (part, scale) in enumerate(parts)]
+        index = _apply(state, moved, parts)
         if state.momentum_masking and optimizer is not None:
             mask_momentum(state, optimizer, moved, index[rank])
-    header_bytes = (world - 1) * _HEADER * 8
+    header_bytes = (world - 1) * (_HEADER + max(0, levels - 1)) * 8
     fp32_bytes = allreduce_bytes(numel, world)
     stats = StepStats(
         step=state.step, mode="sparse", skipped=False, bad_ranks=[], numel=numel, world_size=world, words=own,
@@ -470,8 +481,14 @@ def _apply(state: GTCState, moved: list[Moved], parts: list[tuple[torch.Tensor, 
     their range (bf16/fp16 ones feeding what their rounding took off back into the residual). Returns
     each rank's flat indices (ascending)."""
     residual, scratch = state._residual, state._scratch
-    index = [(part & INDEX_MASK).long() for part, _ in parts]  # (new tensors: the words may view the scratch)
-    votes = [torch.where(part < 0, -scale, scale).to(torch.float32) for part, scale in parts]
+    index, votes = [], []
+    for part, scale in parts:
+        if isinstance(scale, torch.Tensor):  # (index, votes) of multi-level words, index ascending
+            index.append(part)
+            votes.append(scale)
+        else:
+            index.append((part & INDEX_MASK).long())  # (new tensors: the words may view the scratch)
+            votes.append(torch.where(part < 0, -scale, scale).to(torch.float32))
     sparse = [
         ONE_PASS and m.param.dtype == torch.float32 and m.numel >= SPARSE_APPLY and m.param.is_contiguous()
         for m in moved
@@ -498,6 +515,39 @@ def _apply(state: GTCState, moved: list[Moved], parts: list[tuple[torch.Tensor, 
             p.copy_(target)
             m.views(residual).view_as(p).add_(p.float() - target, alpha=1.0 / m.lr)  # what the rounding took off
     return index
+
+
+def _levels_(residual: torch.Tensor, words: torch.Tensor, tau32: float, levels: int) -> list[int]:
+    """``word_levels``: after :func:`_fold_and_emit` took ``tau`` off each sent element, the words whose
+    element held ``|r| >= 2^k tau`` carry ``2^k tau`` (the largest ``k < levels``), and the rest of that
+    is taken off the residual here (what is left, ``|r| - 2^k tau < 2^k tau``, keeps its sign: nothing
+    overshoots). The words (``[m]`` int32, ascending, a view of the message) are reordered in place
+    level by level, ascending within each. Returns the counts of levels ``1 .. levels - 1``."""
+    if not words.numel() or not tau32 > 0.0:
+        return [0] * (levels - 1)
+    index = (words & INDEX_MASK).long()
+    rest = residual[index]  # sign * (|r| - tau)
+    # (2^k - 1) tau for k = 0 .. levels - 1, in float32: an element takes the largest that its |r| - tau reaches
+    extra = torch.tensor([f32((2**k - 1) * tau32) for k in range(levels)], dtype=torch.float32, device=rest.device)
+    level = torch.searchsorted(extra, rest.abs(), right=True) - 1
+    taken = extra[level]
+    residual[index] = rest - torch.where(words < 0, -taken, taken)
+    order = torch.sort(level, stable=True).indices
+    words.copy_(words[order])
+    return torch.bincount(level, minlength=levels).tolist()[1:]
+
+
+def _level_votes(words: torch.Tensor, scale: float, upper: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's words with ``word_levels`` (level by level; ``upper``: the counts of levels ``1 ..`` from its
+    header) as ``(index, votes)``, the index ascending and each vote ``±2^k scale``."""
+    n = words.numel()
+    counts = [n - sum(upper), *upper]
+    factor = torch.repeat_interleave(torch.exp2(torch.arange(len(counts), dtype=torch.float32, device=words.device)),
+                                     torch.tensor(counts, device=words.device))
+    index = (words & INDEX_MASK).long()
+    votes = torch.where(words < 0, -scale, scale).to(torch.float32) * factor
+    index, order = torch.sort(index)
+    return index, votes[order]
 
 
 def warmup(state: GTCState) -> StepStats:
