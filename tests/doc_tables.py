@@ -61,6 +61,7 @@ LONG_JSONS = (
 LONG_OPTION_COLUMNS = (
     ("gtc", "`gtc` (former defaults)"),
     ("gtc_density_warmup", "`gtc_density_warmup`"),
+    ("gtc_word_levels", "`gtc_word_levels`"),
     ("gtc_displacement", "`gtc_displacement`"),
     ("gtc_3e-3", "`gtc_3e-3`"),
     ("gtc_3e-3_density_warmup", "`gtc_3e-3_density_warmup`"),
