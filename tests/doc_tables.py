@@ -143,20 +143,28 @@ def model_suite_long_summary() -> str:
 
 
 # The suite's name of the setting GTCStrategy() is since its density warm-up became a default ("auto": 5 % of
-# the run; ``gtc_defaults`` runs where there are some; tests/test_model_suite.py checks they are the same).
+# the run; ``gtc_defaults`` runs where there are some; tests/test_model_suite.py checks they are the same);
+# with plain SGD (the speech DNN) word_levels="auto" adds words of up to 8 tau.
 DEFAULTS_MEASURED_AS = "gtc_density_warmup"
+DEFAULTS_MEASURED_AS_PLAIN_SGD = "gtc_word_levels"
+PLAIN_SGD_MODELS = ("speech_dnn",)
+
+
+def defaults_measured_as(model: str) -> str:
+    """The suite method whose runs are ``GTCStrategy()``'s on ``model``."""
+    return DEFAULTS_MEASURED_AS_PLAIN_SGD if model in PLAIN_SGD_MODELS else DEFAULTS_MEASURED_AS
 
 
 def long_runs(paths: tuple[Path, ...] = LONG_JSONS, world_size: int = SUITE_WORLD_SIZE) -> dict:
     """``(model, method) -> {seed: run}`` of the long profile at ``world_size`` ranks (errors left out);
-    ``(model, "gtc_defaults")`` without runs of its own takes those of ``DEFAULTS_MEASURED_AS``."""
+    ``(model, "gtc_defaults")`` without runs of its own takes those of :func:`defaults_measured_as`."""
     groups: dict[tuple[str, str], dict[int, dict]] = {}
     for p in paths:
         for r in json.loads(p.read_text()):
             if r["world_size"] == world_size and "error" not in r:
                 groups.setdefault((r["model"], r["method"]), {})[r["seed"]] = r
     for model, method in list(groups):
-        if method == DEFAULTS_MEASURED_AS and (model, "gtc_defaults") not in groups:
+        if method == defaults_measured_as(model) and (model, "gtc_defaults") not in groups:
             groups[(model, "gtc_defaults")] = groups[(model, method)]
     return groups
 

@@ -14,7 +14,12 @@ from torch.utils.data import default_collate
 
 from gtc_lightning import PowerSGDStrategy
 from gtc_lightning.algorithms.common import allreduce_bytes
-from gtc_lightning.algorithms.gtc.config import DEFAULT_DENSITY, resolve_density_warmup
+from gtc_lightning.algorithms.gtc.config import (
+    AUTO_WORD_LEVELS,
+    DEFAULT_DENSITY,
+    resolve_density_warmup,
+    resolve_word_levels,
+)
 from gtc_lightning.tools import model_suite
 from gtc_lightning.tools.suite_data import frames_task, grating_task, hmm_task, markov_task
 from gtc_lightning.tools.suite_models import MODELS
@@ -379,4 +384,16 @@ def test_the_defaults_measured_under_their_setting_names():
     assert [model_suite.warmup(n) for n in (20, 40, 200, 400, 500)] == [max(1, n // 20) for n in (20, 40, 200, 400, 500)]
     for option in ("conserve", "momentum_masking", "target_density", "compress", "tau", "coding"):
         assert getattr(now, f"_{option}") == getattr(measured, f"_{option}"), option
+    # word_levels="auto" by each suite model's optimizer: the plain-SGD models' defaults are gtc_word_levels
+    assert former._word_levels == measured._word_levels == 1 and now._word_levels == "auto"
+    with_levels = model_suite.MECHANISMS[doc_tables.DEFAULTS_MEASURED_AS_PLAIN_SGD](2000, 4)
+    assert with_levels._word_levels == AUTO_WORD_LEVELS
+    for option in ("density_warmup_steps", "mean_variance", "conserve", "momentum_masking", "target_density"):
+        assert getattr(with_levels, f"_{option}") == getattr(measured, f"_{option}"), option
+    for name, cls in MODELS.items():
+        optimizer = cls(train_size=8, seed=0, steps=8).configure_optimizers()
+        optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+        levels = resolve_word_levels("auto", optimizer)[0]
+        wanted = with_levels if doc_tables.defaults_measured_as(name) == doc_tables.DEFAULTS_MEASURED_AS_PLAIN_SGD else measured
+        assert levels == wanted._word_levels, name
 

@@ -6,14 +6,26 @@ replicas bit-identical and every wanted step applied or kept, with plain words a
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from _strategy_helpers import TinyMLP, fit, keep_master_port  # noqa: F401  (autouse: the fork launcher)
 from test_update import LR, UPDATE, _step_once, check_conservation, one_rank  # noqa: F401  (a fixture)
 
 from gtc_lightning import GTCStrategy
+from gtc_lightning.algorithms.gtc.config import resolve_word_levels
 from gtc_lightning.algorithms.gtc.update import _level_votes, _levels_
 from gtc_lightning.ops.rice import rice_decode, rice_encode, rice_split
+
+
+class Levels(L.Callback):
+    """Writes the word levels the strategy's state resolved to."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(trainer.strategy.gtc_state.word_levels, self.out / f"levels{trainer.global_rank}.pt")
 
 
 @pytest.mark.usefixtures("one_rank")
@@ -87,6 +99,26 @@ def test_levels_keep_replicas_identical_and_every_step_applied_or_kept(tmp_path,
     assert ranks[0]["records"][-1]["loss"] < ranks[0]["records"][0]["loss"]
 
 
+@pytest.mark.parametrize(("make", "levels"), [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), 4),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1),
+    (lambda ps: torch.optim.AdamW(ps), 1),
+], ids=["plain-sgd", "momentum-sgd", "adamw"])  # fmt: skip
+def test_auto_is_four_levels_for_plain_sgd_alone(make, levels):
+    optimizer = make(torch.nn.Linear(2, 2).parameters())
+    got, why = resolve_word_levels("auto", optimizer)
+    assert got == levels and "word_levels='auto'" in why
+    assert resolve_word_levels(2, optimizer) == (2, "as asked")
+
+
+def test_auto_is_resolved_at_the_first_step_and_trains_with_identical_replicas(tmp_path):
+    _, ranks = fit(tmp_path, model_kwargs={"momentum": 0.0, "lr": LR}, **{**UPDATE, "coding": "rice"},
+                   trainer_kwargs={"callbacks": [Levels(tmp_path)]})  # fmt: skip
+    for a, b in zip(ranks[0]["records"], ranks[1]["records"]):
+        assert torch.equal(a["params"], b["params"])
+    assert [torch.load(tmp_path / f"levels{r}.pt") for r in range(2)] == [4, 4]
+
+
 def test_word_levels_are_checked_and_refused_with_the_gradient_mode():
     with pytest.raises(ValueError, match=r"Expect word_levels to be an int in \[1, 8\] .* got 0"):
         GTCStrategy(word_levels=0)
@@ -95,3 +127,5 @@ def test_word_levels_are_checked_and_refused_with_the_gradient_mode():
     with pytest.raises(ValueError, match="^word_levels=4: the update mode's options"):
         GTCStrategy(compress="gradient", word_levels=4)
     GTCStrategy(compress="gradient", word_levels=1)
+    GTCStrategy(compress="gradient", word_levels="auto")
+    assert GTCStrategy()._word_levels == "auto"

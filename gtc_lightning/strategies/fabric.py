@@ -109,7 +109,7 @@ class GTCFabricStrategy(DDPStrategy):
         density_warmup_steps: int = 0,
         momentum_masking: bool = False,
         mean_variance: bool | Literal["auto"] = False,
-        word_levels: int = 1,
+        word_levels: int | Literal["auto"] = "auto",
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         accelerator: Accelerator | None = None,

@@ -74,9 +74,10 @@ from gtc_lightning.algorithms.gtc.config import resolve_density_warmup
 from gtc_lightning.tools.suite_models import MODELS, heldout_loss
 
 # GTC as every record of the suite's GTC methods measured it, whatever GTCStrategy's defaults are now: density
-# 1e-2 with no density warm-up (the defaults until the warm-up became one) and each rank's own Adam moments.
+# 1e-2 with no density warm-up (the defaults until the warm-up became one), each rank's own Adam moments and
+# words of tau alone.
 # Each method pins what it measured, so that a name means one setting in every results file.
-GTC = partial(GTCStrategy, density_warmup_steps=0, mean_variance=False)
+GTC = partial(GTCStrategy, density_warmup_steps=0, mean_variance=False, word_levels=1)
 
 # Each builds a strategy from the launch settings (start_method, timeout); a GTC mode is one more line.
 METHODS: dict[str, Callable[..., Strategy]] = {

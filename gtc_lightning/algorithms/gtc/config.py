@@ -36,6 +36,7 @@ DENSITY_WARMUP_START = 0.25
 # density_warmup_steps="auto": this share of the run's optimizer steps (DGC: 4 of ImageNet's 90 epochs)
 DENSITY_WARMUP_SHARE = 0.05
 MAX_WORD_LEVELS = 8  # word_levels: a word carries at most 2**7 tau
+AUTO_WORD_LEVELS = 4  # word_levels='auto' with plain SGD: words of tau, 2 tau, 4 tau and 8 tau
 
 
 def scheduled_density(target: float, step: int, warmup_steps: int) -> float:
@@ -73,6 +74,24 @@ def resolve_mean_variance(value: bool | str, optimizer) -> tuple[bool, str]:
     return True, f"mean_variance='auto': on for {name} (its steps with the mean gradient's second moment)"
 
 
+def resolve_word_levels(value: int | str, optimizer) -> tuple[int, str]:
+    """``word_levels`` as an int for ``optimizer``, and why: ``"auto"`` is :data:`AUTO_WORD_LEVELS` for
+    :class:`torch.optim.SGD` without momentum in any group (plain SGD, whose steps are its gradients: an
+    element can hold many tau at once; on the long model suite it paid there, on every seed), 1 for every
+    other optimizer (Adam's bounded steps rarely fill 2 tau, momentum SGD did not gain: the header's bytes
+    for nothing)."""
+    if value != "auto":
+        return int(value), "as asked"
+    opt = getattr(optimizer, "optimizer", optimizer)
+    name = type(opt).__name__
+    if type(opt) is torch.optim.SGD and not any(group.get("momentum") for group in opt.param_groups):
+        return AUTO_WORD_LEVELS, (
+            f"word_levels='auto': {AUTO_WORD_LEVELS} for plain SGD (words of tau to {2 ** (AUTO_WORD_LEVELS - 1)} tau)"
+        )
+    why = "with momentum" if isinstance(opt, torch.optim.SGD) else ""
+    return 1, f"word_levels='auto': 1 for {name}{' ' + why if why else ''} (words of tau)"
+
+
 def f32(x: float) -> float:
     """``x`` rounded to float32, as every rank applies tau (the same rounding on every rank)."""
     return float(np.float32(x))
@@ -92,7 +111,7 @@ def check_options(
     density_warmup_steps: int = 0,
     momentum_masking: bool = False,
     mean_variance: bool = False,
-    word_levels: int = 1,
+    word_levels: int | str = 1,
 ) -> None:
     """Validate GTC's hyper-parameters, with messages that say what each one means.
 
@@ -168,15 +187,17 @@ def check_options(
             f"mean gradient's second moment, from its own moments), False, or 'auto' (True with Adam and AdamW "
             f"without amsgrad), got {mean_variance!r}"
         )
-    if isinstance(word_levels, bool) or not isinstance(word_levels, int) or not 1 <= word_levels <= MAX_WORD_LEVELS:
+    if word_levels != "auto" and (
+        isinstance(word_levels, bool) or not isinstance(word_levels, int) or not 1 <= word_levels <= MAX_WORD_LEVELS
+    ):
         raise ValueError(
             f"Expect word_levels to be an int in [1, {MAX_WORD_LEVELS}] (compress='update': a word carries tau, 2 tau, "
             f"..., 2**(word_levels - 1) tau, the most that fits what its element holds; 1: tau alone, Strom's "
-            f"1-bit words), got {word_levels!r}"
+            f"1-bit words) or 'auto' ({AUTO_WORD_LEVELS} for plain SGD, 1 otherwise), got {word_levels!r}"
         )
     if compress == "gradient" and (
         conserve != "direction" or density_warmup_steps not in (0, "auto") or momentum_masking or mean_variance is True
-        or word_levels != 1
+        or word_levels not in (1, "auto")
     ):
         given = {"conserve": conserve, "density_warmup_steps": density_warmup_steps,
                  "momentum_masking": momentum_masking, "mean_variance": mean_variance,
@@ -217,7 +238,7 @@ def unused_update_options(state) -> str | None:
         and not state.density_warmup_steps
         and not state.momentum_masking
         and state.mean_variance is not True
-        and state.word_levels == 1
+        and state.word_levels in (1, "auto")
     ):
         return None
     return (

@@ -86,7 +86,7 @@ class GTCState:
         density_warmup_steps: int = 0,
         momentum_masking: bool = False,
         mean_variance: bool = False,
-        word_levels: int = 1,
+        word_levels: int | str = 1,
     ) -> None:
         check_options(tau, warmup_steps, max_consecutive_skips, exchange, backend, coding, target_density, compress,
                       busy_wait, conserve, density_warmup_steps, momentum_masking, mean_variance, word_levels)

@@ -72,7 +72,13 @@ import torch
 import torch.distributed as dist
 
 from gtc_lightning.algorithms.common import allreduce_bytes, finish
-from gtc_lightning.algorithms.gtc.config import FALLBACK_ENTER, WORD_BYTES, f32, resolve_mean_variance
+from gtc_lightning.algorithms.gtc.config import (
+    FALLBACK_ENTER,
+    WORD_BYTES,
+    f32,
+    resolve_mean_variance,
+    resolve_word_levels,
+)
 from gtc_lightning.algorithms.gtc.decode import decode_coded
 from gtc_lightning.algorithms.gtc.exchange import send_coded, send_header, send_words
 from gtc_lightning.algorithms.gtc.moments import mask_momentum, mean_variance_step
@@ -316,6 +322,10 @@ def exchange(
         if state.mean_variance == "auto" and optimizer is not None:  # decided by the optimizer, once
             state.mean_variance, why = resolve_mean_variance("auto", optimizer)
             if rank == 0:
+                log.info("GTC: %s", why)
+        if state.word_levels == "auto":  # decided by the optimizer, once (1 without one)
+            state.word_levels, why = resolve_word_levels("auto", optimizer)
+            if rank == 0 and optimizer is not None:
                 log.info("GTC: %s", why)
         if state.mean_variance is True and optimizer is not None:
             mean_variance_step(state, optimizer, moved)
