@@ -190,10 +190,13 @@ def test_update_ops_fold_emit_runs_the_twin_on_cuda(dtype, monkeypatch):
     test_update_kernels.assert_same(got, want)
 
 
-def test_update_mode_step_on_cuda_is_the_cpu_step():
+@pytest.mark.parametrize("word_levels", [1, 4])
+def test_update_mode_step_on_cuda_is_the_cpu_step(word_levels):
     """Three update-mode steps of one rank (the Triton twin folding and emitting on the GPU) against the
-    same on CPU: words and tau equal, parameters and residual equal to the bit."""
-    (gpu, used), (cpu, _) = test_update_kernels.update_steps(CUDA), test_update_kernels.update_steps("cpu")
+    same on CPU: words and tau equal, parameters and residual equal to the bit (and with words of up to
+    8 tau: the levels are torch calls on the device)."""
+    gpu, used = test_update_kernels.update_steps(CUDA, word_levels=word_levels)
+    cpu, _ = test_update_kernels.update_steps("cpu", word_levels=word_levels)
     assert used == 3 * 4
     for t, (a, b) in enumerate(zip(gpu, cpu, strict=True)):
         assert a[0] == b[0] > 0 and a[1] == b[1], f"step {t + 1}: words or tau"

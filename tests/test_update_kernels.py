@@ -187,9 +187,13 @@ def test_mismatched_buffers_are_refused_with_their_sizes():
         run(tk.fold_emit_, param, kept[:99], residual[:99])
 
 
-def update_steps(device: torch.device | str, backend: str = "auto", steps: int = 3) -> tuple[list[tuple], int]:
+def update_steps(
+    device: torch.device | str, backend: str = "auto", steps: int = 3, word_levels: int = 1
+) -> tuple[list[tuple], int]:
     """``steps`` update-mode steps of one rank (a 1-rank gloo group) on ``device``, with GTC's ``backend``
     (``update_ops.fold_emit_`` runs through it): a layer above one threshold sample and the sparse update's size, two below.
+    With ``word_levels`` > 1 the threshold is fixed at 0.05, a tenth of the steps' scale, so that most
+    words go out at the upper levels.
 
     The threshold's sample is drawn by a CPU generator with the step's seed on every device (a CUDA
     generator draws other numbers: the sample, and so tau, would differ); on CPU that is the sample
@@ -221,8 +225,9 @@ def update_steps(device: torch.device | str, backend: str = "auto", steps: int =
         params = list(model.parameters())
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            state = GTCState(None, model.named_parameters(), tau="auto", target_density=0.01, compress="update",
-                             backend=backend)  # fmt: skip
+            tau = {"tau": "auto", "target_density": 0.01} if word_levels == 1 else {"tau": 0.05}
+            state = GTCState(None, model.named_parameters(), compress="update", backend=backend, word_levels=word_levels,
+                             **tau)  # fmt: skip
             g = torch.Generator().manual_seed(1)
             out = []
             for _ in range(steps):
@@ -238,10 +243,12 @@ def update_steps(device: torch.device | str, backend: str = "auto", steps: int =
     return out, len(twin)
 
 
-def test_an_update_mode_step_through_the_twin_is_the_cpu_step():
+@pytest.mark.parametrize("word_levels", [1, 4])
+def test_an_update_mode_step_through_the_twin_is_the_cpu_step(word_levels):
     """The update mode's whole step with the Triton twin (interpreted) folding and emitting: the same
-    words, tau, parameters and residual as with update_ops' NumPy pass."""
-    (cpu, none), (twin, used) = update_steps("cpu"), update_steps("cpu", backend="triton")
+    words, tau, parameters and residual as with update_ops' NumPy pass (and with words of up to 8 tau)."""
+    (cpu, none) = update_steps("cpu", word_levels=word_levels)
+    (twin, used) = update_steps("cpu", backend="triton", word_levels=word_levels)
     assert none == 0 and used == 3 * 4
     for t, (a, b) in enumerate(zip(twin, cpu, strict=True)):
         assert a[0] == b[0] > 0 and a[1] == b[1], f"step {t + 1}: words or tau"
