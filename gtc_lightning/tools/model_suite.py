@@ -169,6 +169,9 @@ MECHANISMS: dict[str, Callable[..., Strategy]] = {
     # The same at density 3e-3, the sparsest setting within 1 % of DDP on three of the long profile's models
     # Words of 2^k tau (k < 4) beside the defaults: what an element holds far above tau drains in fewer steps
     "gtc_word_levels": lambda steps, world, **kw: GTC(density_warmup_steps=warmup(steps), word_levels=4, **kw),
+    "gtc_3e-3_word_levels": lambda steps, world, **kw: GTC(
+        target_density=3e-3, density_warmup_steps=warmup(steps), word_levels=4, **kw
+    ),
     "gtc_3e-3_displacement": lambda steps, world, **kw: GTC(
         target_density=3e-3, conserve="displacement", **kw
     ),
