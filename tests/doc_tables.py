@@ -65,6 +65,7 @@ LONG_OPTION_COLUMNS = (
     ("gtc_displacement", "`gtc_displacement`"),
     ("gtc_3e-3", "`gtc_3e-3`"),
     ("gtc_3e-3_density_warmup", "`gtc_3e-3_density_warmup`"),
+    ("gtc_3e-3_word_levels", "`gtc_3e-3_word_levels`"),
     ("gtc_3e-3_displacement", "`gtc_3e-3_displacement`"),
     ("gtc_momentum_masking", "`gtc_momentum_masking`"),
     ("gtc_3e-3_momentum_masking", "`gtc_3e-3_momentum_masking`"),
