@@ -172,6 +172,9 @@ MECHANISMS: dict[str, Callable[..., Strategy]] = {
     "gtc_3e-3_word_levels": lambda steps, world, **kw: GTC(
         target_density=3e-3, density_warmup_steps=warmup(steps), word_levels=4, **kw
     ),
+    "gtc_1e-3_word_levels": lambda steps, world, **kw: GTC(
+        target_density=1e-3, density_warmup_steps=warmup(steps), word_levels=4, **kw
+    ),
     "gtc_3e-3_displacement": lambda steps, world, **kw: GTC(
         target_density=3e-3, conserve="displacement", **kw
     ),
