@@ -14,7 +14,7 @@ from test_update import LR, UPDATE, _step_once, check_conservation, one_rank  # 
 
 from gtc_lightning import GTCStrategy
 from gtc_lightning.algorithms.gtc.config import resolve_word_levels
-from gtc_lightning.algorithms.gtc.update import _level_votes, _levels_
+from gtc_lightning.algorithms.gtc.update import level_votes, split_levels_
 from gtc_lightning.ops.rice import rice_decode, rice_encode, rice_split
 
 
@@ -54,10 +54,10 @@ def test_the_top_level_caps_what_a_word_carries():
     residual = torch.tensor([0.0, 4.0, -9.0])
     words = torch.tensor([1, 2 | -(1 << 31)], dtype=torch.int32)
     two = residual.clone()
-    assert _levels_(two, words.clone(), 1.0, 2) == [2]
+    assert split_levels_(two, words.clone(), 1.0, 2) == [2]
     assert torch.equal(two, torch.tensor([0.0, 3.0, -8.0]))
     three = residual.clone()
-    assert _levels_(three, words.clone(), 1.0, 3) == [0, 2]
+    assert split_levels_(three, words.clone(), 1.0, 3) == [0, 2]
     assert torch.equal(three, torch.tensor([0.0, 1.0, -6.0]))
 
 
@@ -65,10 +65,10 @@ def test_words_are_regrouped_by_level_and_decoded_back_in_index_order():
     residual = torch.zeros(10)
     residual[[1, 4, 7, 9]] = torch.tensor([0.2, -3.5, 1.0, 0.0])  # after tau = 1 came off
     words = torch.tensor([1, 4 | -(1 << 31), 7, 9], dtype=torch.int32)
-    upper = _levels_(residual, words, 1.0, 3)  # |r| 1.2, 4.5, 2.0, 1.0 -> levels 0, 2, 1, 0
+    upper = split_levels_(residual, words, 1.0, 3)  # |r| 1.2, 4.5, 2.0, 1.0 -> levels 0, 2, 1, 0
     assert upper == [1, 1]
     assert (words & 0x7FFFFFFF).tolist() == [1, 9, 7, 4]
-    index, votes = _level_votes(words, 0.5, upper)
+    index, votes = level_votes(words, 0.5, upper)
     assert index.tolist() == [1, 4, 7, 9]
     assert votes.tolist() == [0.5, -2.0, 1.0, 0.5]
 

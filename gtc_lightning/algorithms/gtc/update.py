@@ -50,7 +50,7 @@ momentum (SGD's ``momentum_buffer``, the Adam family's ``exp_avg``) at the eleme
 the step (DGC's momentum factor masking: momentum no longer pushes what was just sent).
 ``word_levels`` lets a word carry ``2^k tau`` (the largest that its element holds, ``k < word_levels``):
 the words go level by level, each level ascending (a Rice-coded message per level), their counts in the
-header (:func:`_levels_`, :func:`_level_votes`).
+header (:func:`split_levels_`, :func:`level_votes`).
 ``mean_variance`` (Adam and AdamW) replaces, in the step that goes into the residual, the rank's own second
 moment by an estimate of the mean gradient's (:func:`~gtc_lightning.algorithms.gtc.moments.mean_variance_step`): the mean of the ranks' first
 moments is DDP's first moment, so with the mean gradient's second moment the mean of the ranks' steps is
@@ -340,7 +340,7 @@ def exchange(
         if nonfinite:
             own = 0  # nothing is sent: every rank raises after the header
         levels = state.word_levels
-        level_counts = _levels_(residual, message[:own], tau32, levels) if levels > 1 else []
+        level_counts = split_levels_(residual, message[:own], tau32, levels) if levels > 1 else []
         compress_s = time.perf_counter() - start
 
         # 6. Header [words, bytes, tau, non-finite] and words.
@@ -383,7 +383,7 @@ def exchange(
         # by -lr * it there.
         parts = [(part, f32(f32(taus[r]) / world)) for r, part in enumerate(_rank_words(words, lengths, counts))]
         if levels > 1:
-            parts = [_level_votes(part, scale, headers[r, _HEADER:].tolist()) for r, (part, scale) in enumerate(parts)]
+            parts = [level_votes(part, scale, headers[r, _HEADER:].tolist()) for r, (part, scale) in enumerate(parts)]
         index = _apply(state, moved, parts)
         if state.momentum_masking and optimizer is not None:
             mask_momentum(state, optimizer, moved, index[rank])
@@ -527,7 +527,7 @@ def _apply(state: GTCState, moved: list[Moved], parts: list[tuple[torch.Tensor, 
     return index
 
 
-def _levels_(residual: torch.Tensor, words: torch.Tensor, tau32: float, levels: int) -> list[int]:
+def split_levels_(residual: torch.Tensor, words: torch.Tensor, tau32: float, levels: int) -> list[int]:
     """``word_levels``: after :func:`_fold_and_emit` took ``tau`` off each sent element, the words whose
     element held ``|r| >= 2^k tau`` carry ``2^k tau`` (the largest ``k < levels``), and the rest of that
     is taken off the residual here (what is left, ``|r| - 2^k tau < 2^k tau``, keeps its sign: nothing
@@ -547,7 +547,7 @@ def _levels_(residual: torch.Tensor, words: torch.Tensor, tau32: float, levels: 
     return torch.bincount(level, minlength=levels).tolist()[1:]
 
 
-def _level_votes(words: torch.Tensor, scale: float, upper: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def level_votes(words: torch.Tensor, scale: float, upper: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """A rank's words with ``word_levels`` (level by level; ``upper``: the counts of levels ``1 ..`` from its
     header) as ``(index, votes)``, the index ascending and each vote ``±2^k scale``."""
     n = words.numel()
