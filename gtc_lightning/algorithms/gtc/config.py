@@ -88,8 +88,7 @@ def resolve_word_levels(value: int | str, optimizer) -> tuple[int, str]:
         return AUTO_WORD_LEVELS, (
             f"word_levels='auto': {AUTO_WORD_LEVELS} for plain SGD (words of tau to {2 ** (AUTO_WORD_LEVELS - 1)} tau)"
         )
-    why = "with momentum" if isinstance(opt, torch.optim.SGD) else ""
-    return 1, f"word_levels='auto': 1 for {name}{' ' + why if why else ''} (words of tau)"
+    return 1, f"word_levels='auto': 1 for {name}{' with momentum' if isinstance(opt, torch.optim.SGD) else ''} (words of tau)"
 
 
 def f32(x: float) -> float:

@@ -355,8 +355,8 @@ def exchange(
         tau_bits = torch.tensor([tau32], dtype=torch.float64).view(torch.int64)
         header = torch.cat([torch.tensor([own, size], dtype=torch.int64), tau_bits,
                             torch.tensor([nonfinite, *level_counts], dtype=torch.int64)]).to(residual.device)  # fmt: skip
-        width = _HEADER + len(level_counts)
-        headers = send_header(state, header).view(world, width).cpu()
+        header_width = _HEADER + len(level_counts)
+        headers = send_header(state, header).view(world, header_width).cpu()
         counts, sizes = headers[:, 0].tolist(), headers[:, 1].tolist()
         taus = headers[:, 2].contiguous().view(torch.float64).tolist()
         bad_ranks = [r for r, count in enumerate(headers[:, 3].tolist()) if count]
@@ -381,13 +381,14 @@ def exchange(
 
         # 7. Decode rank by rank into the scratch buffer at the words' elements, then move every parameter
         # by -lr * it there.
-        parts = [(part, f32(f32(taus[r]) / world)) for r, part in enumerate(_rank_words(words, lengths, counts))]
-        if levels > 1:
-            parts = [level_votes(part, scale, headers[r, _HEADER:].tolist()) for r, (part, scale) in enumerate(parts)]
+        parts = [
+            level_votes(part, f32(f32(taus[r]) / world), headers[r, _HEADER:].tolist())
+            for r, part in enumerate(_rank_words(words, lengths, counts))
+        ]
         index = _apply(state, moved, parts)
         if state.momentum_masking and optimizer is not None:
             mask_momentum(state, optimizer, moved, index[rank])
-    header_bytes = (world - 1) * (_HEADER + max(0, levels - 1)) * 8
+    header_bytes = (world - 1) * header_width * 8
     fp32_bytes = allreduce_bytes(numel, world)
     stats = StepStats(
         step=state.step, mode="sparse", skipped=False, bad_ranks=[], numel=numel, world_size=world, words=own,
@@ -483,22 +484,17 @@ def _fold_and_emit(
 SPARSE_APPLY = 1 << 16  # float32 parameters of at least this many elements move at their words alone
 
 
-def _apply(state: GTCState, moved: list[Moved], parts: list[tuple[torch.Tensor, float]]) -> list[torch.Tensor]:
-    """Step 7: every rank's words (``(words, tau_r / W)`` in rank order) decoded into the scratch buffer,
-    ``±tau_r / W`` added rank by rank at each word's element (no element twice within a rank, a fixed
+def _apply(
+    state: GTCState, moved: list[Moved], parts: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """Step 7: every rank's words (``(index, votes)`` in rank order, :func:`level_votes`) decoded into the
+    scratch buffer, each vote (``±tau_r / W``, or a multiple) added rank by rank at its element (no element twice within a rank, a fixed
     order across ranks: bit-identical on every rank), then each moved parameter moved by ``-lr`` times
     it. Large float32 parameters move at their words' elements alone; the others by a dense add over
     their range (bf16/fp16 ones feeding what their rounding took off back into the residual). Returns
     each rank's flat indices (ascending)."""
     residual, scratch = state._residual, state._scratch
-    index, votes = [], []
-    for part, scale in parts:
-        if isinstance(scale, torch.Tensor):  # (index, votes) of multi-level words, index ascending
-            index.append(part)
-            votes.append(scale)
-        else:
-            index.append((part & INDEX_MASK).long())  # (new tensors: the words may view the scratch)
-            votes.append(torch.where(part < 0, -scale, scale).to(torch.float32))
+    index, votes = [i for i, _ in parts], [v for _, v in parts]
     sparse = [
         ONE_PASS and m.param.dtype == torch.float32 and m.numel >= SPARSE_APPLY and m.param.is_contiguous()
         for m in moved
@@ -548,14 +544,16 @@ def split_levels_(residual: torch.Tensor, words: torch.Tensor, tau32: float, lev
 
 
 def level_votes(words: torch.Tensor, scale: float, upper: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rank's words with ``word_levels`` (level by level; ``upper``: the counts of levels ``1 ..`` from its
-    header) as ``(index, votes)``, the index ascending and each vote ``±2^k scale``."""
-    n = words.numel()
-    counts = [n - sum(upper), *upper]
-    factor = torch.repeat_interleave(torch.exp2(torch.arange(len(counts), dtype=torch.float32, device=words.device)),
-                                     torch.tensor(counts, device=words.device))
+    """A rank's words as ``(index, votes)``: the index ascending (new tensors: the words may view the scratch
+    buffer) and each vote ``±scale``, or ``±2^k scale`` with ``word_levels`` (the words level by level,
+    ``upper``: the counts of levels ``1 ..`` from the rank's header; none or all 0: every word at ``scale``,
+    in index order already)."""
     index = (words & INDEX_MASK).long()
-    votes = torch.where(words < 0, -scale, scale).to(torch.float32) * factor
+    votes = torch.where(words < 0, -scale, scale).to(torch.float32)
+    if not any(upper):
+        return index, votes
+    counts = torch.tensor([words.numel() - sum(upper), *upper], device=words.device)
+    votes *= torch.repeat_interleave(torch.exp2(torch.arange(len(upper) + 1, dtype=torch.float32, device=words.device)), counts)
     index, order = torch.sort(index)
     return index, votes[order]
 
