@@ -397,3 +397,19 @@ def test_the_defaults_measured_under_their_setting_names():
         wanted = with_levels if doc_tables.defaults_measured_as(name) == doc_tables.DEFAULTS_MEASURED_AS_PLAIN_SGD else measured
         assert levels == wanted._word_levels, name
 
+
+
+def test_clipped_methods_clip_at_c_or_dgcs_sqrt_n_c(tmp_path):
+    """``ddp_clip`` and ``gtc_defaults_clip`` give the Trainer the model's threshold c, ``gtc_defaults_clip_dgc``
+    sqrt(N) c (DGC's N^-1/2 of the global threshold in a rank's mean-gradient units); unclipped methods none;
+    a model without a threshold is refused before any run, naming it."""
+    c = model_suite.CLIP_NORM["cnn"]
+    assert model_suite.clip_threshold("cnn", "ddp_clip", 4) == c
+    assert model_suite.clip_threshold("cnn", "gtc_defaults_clip", 4) == c
+    assert model_suite.clip_threshold("cnn", "gtc_defaults_clip_dgc", 4) == pytest.approx(2 * c)
+    assert model_suite.clip_threshold("cnn", "gtc_defaults_clip_dgc", 9) == pytest.approx(3 * c)
+    assert model_suite.clip_threshold("cnn", "gtc_defaults", 4) is None
+    assert all(base in model_suite.METHODS for base, _ in model_suite.CLIPPED.values())
+    with pytest.raises(ValueError, match=r"--models \['gru'\]: no clipping threshold"):
+        model_suite.main(["--models", "gru", "cnn", "--methods", "ddp", "gtc_defaults_clip", "--out", str(tmp_path)])
+    assert not (tmp_path / "results.json").exists()

@@ -199,6 +199,18 @@ MECHANISMS: dict[str, Callable[..., Strategy]] = {
         target_density=3e-3, momentum_masking=True, **kw
     ),
 }
+# Gradient clipping by norm (the Trainer's gradient_clip_val), per model: DDP clips the averaged gradient at c,
+# GTC each rank's own gradient before it enters the residual, at c (GTC's rule) or at sqrt(N) c (DGC's
+# N^-1/2 of the global threshold, in the units of a rank's mean gradient). c is the 90th percentile of the
+# averaged gradient's norm over a DDP run (cnn: 0.74, seed 0), so DDP clips its spikes; a rank's own gradient
+# is about twice as long on 4 ranks (median 1.16), so GTC's rule clips nearly every local step.
+CLIP_NORM = {"cnn": 0.75}
+# method -> (the method it clips, the multiple of c it clips at: a number, or "sqrt_world")
+CLIPPED: dict[str, tuple[str, float | str]] = {
+    "ddp_clip": ("ddp", 1.0),
+    "gtc_defaults_clip": ("gtc_defaults", 1.0),
+    "gtc_defaults_clip_dgc": ("gtc_defaults", "sqrt_world"),
+}
 BUILT_FOR_THE_RUN = {**FAMILY, **MECHANISMS}
 QUICK_STEPS = {"transformer": 20, "cnn": 20, "gru": 20, "speech_dnn": 40}
 QUICK_MODELS = ["gru", "speech_dnn"]
@@ -436,6 +448,14 @@ def run_cell(
     return summarise(model_name, method, world_size, seed, model.task.best_loss, ranks, wall)
 
 
+def clip_threshold(model_name: str, method: str, world_size: int) -> float | None:
+    """The Trainer's ``gradient_clip_val`` for this run: None unless ``method`` is one of :data:`CLIPPED`."""
+    if method not in CLIPPED:
+        return None
+    multiple = CLIPPED[method][1]
+    return CLIP_NORM[model_name] * (math.sqrt(world_size) if multiple == "sqrt_world" else multiple)
+
+
 def _build(
     model_name: str, method: str, world_size: int, seed: int, steps: int, probe: SuiteProbe
 ) -> tuple[L.LightningModule, L.Trainer]:
@@ -443,6 +463,8 @@ def _build(
     L.seed_everything(seed, verbose=False)  # PL_GLOBAL_SEED: the DistributedSampler's shuffling
     # exactly the samples the run consumes: no sample seen twice
     model = MODELS[model_name](train_size=steps * batch_size(model_name) * world_size, seed=seed, steps=steps)
+    clip = clip_threshold(model_name, method, world_size)
+    method = CLIPPED[method][0] if method in CLIPPED else method
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -453,6 +475,8 @@ def _build(
         ),
         max_steps=steps,
         max_epochs=1,
+        gradient_clip_val=clip,
+        gradient_clip_algorithm="norm",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -755,10 +779,11 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--methods",
         nargs="+",
-        choices=[*METHODS, *BUILT_FOR_THE_RUN],
+        choices=[*METHODS, *BUILT_FOR_THE_RUN, *CLIPPED],
         default=DEFAULT_METHODS,
         help=f"default: {' '.join(DEFAULT_METHODS)}; the family and the block syncs: {' '.join(FAMILY_METHODS)} "
-        f"(periods: block_period); the update mode's options under test: {' '.join(MECHANISMS)}",
+        f"(periods: block_period); the update mode's options under test: {' '.join(MECHANISMS)}; clipped by norm "
+        f"(models {sorted(CLIP_NORM)}): {' '.join(CLIPPED)}",
     )
     add("--world-sizes", nargs="+", type=int, help="ranks per run (default 2 4; --quick: 2)")
     add("--seeds", nargs="+", type=int, help="default 0 1 2 (--quick: 0)")
@@ -791,6 +816,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     missing = [m for m in models if m not in steps]
     if missing:
         raise ValueError(f"--models {missing}: not in the {args.profile} profile; use --profile long")
+    unclipped = sorted({m for m in models for meth in args.methods if meth in CLIPPED and m not in CLIP_NORM})
+    if unclipped:
+        clipped = [meth for meth in args.methods if meth in CLIPPED]
+        raise ValueError(
+            f"--methods {clipped} on --models {unclipped}: no clipping threshold for these models "
+            f"(CLIP_NORM has {sorted(CLIP_NORM)}); run the clipped methods on those models only"
+        )
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     # Seed by seed: a suite stopped part way has every method of the seeds it finished.
