@@ -95,6 +95,32 @@ LONG_FAMILY_COLUMNS = (
     ("adpsgd", "`adpsgd`"),
 )
 
+# Gradient clipping by norm at the model's c (model_suite.CLIP_NORM), each against DDP clipped at c
+LONG_CLIPPING_ROWS = (
+    ("ddp", "DDP, not clipped"),
+    ("gtc_defaults_clip", "GTC defaults, each rank's gradient clipped at c (`local_clip_scale=1`)"),
+    ("gtc_defaults_clip_dgc", "GTC defaults, each rank's gradient clipped at sqrt(N) c (the default)"),
+)
+
+
+def model_suite_long_clipping(paths: tuple[Path, ...] = LONG_JSONS, world_size: int = SUITE_WORLD_SIZE) -> str:
+    """Per model with clipped runs: DDP clipped at c, and each row of :data:`LONG_CLIPPING_ROWS` against it
+    (same seeds; cells as in :func:`model_suite_long_options`)."""
+    runs = long_runs(paths, world_size)
+    lines = ["| model | setting | held-out loss against DDP clipped at c |", "|---|---|---|"]
+    for model in [model for model, method in runs if method == "ddp_clip"]:
+        base = runs[(model, "ddp_clip")]
+        lines.append(
+            f"| {model} | DDP clipped at c | {statistics.fmean(r['final_loss'] for r in base.values()):.4f} ({len(base)}) |"
+        )
+        for method, label in LONG_CLIPPING_ROWS:
+            found = long_change(runs, model, method, "ddp_clip")
+            if found is not None:
+                change, ratio, each = found
+                spread = f" [{min(each):+.2f}, {max(each):+.2f}]" if len(each) > 1 else ""
+                lines.append(f"| {model} | {label} | {change:+.2f} %{spread} at {ratio:.0f}x ({len(each)}) |")
+    return "\n".join(lines)
+
 
 def _ratio(x: float) -> str:
     return f"{x:.0f}×" if x >= 30 else f"{x:.1f}×"
@@ -170,10 +196,12 @@ def long_runs(paths: tuple[Path, ...] = LONG_JSONS, world_size: int = SUITE_WORL
     return groups
 
 
-def long_change(runs: dict, model: str, method: str) -> tuple[float, float, list[float]] | None:
-    """A setting's held-out loss against DDP's of the same seeds (ratio of the means, per cent), its mean
-    ratio of bytes to a fp32 ring all-reduce and each seed's own change; None without a run."""
-    ddp = runs.get((model, "ddp"), {})
+def long_change(
+    runs: dict, model: str, method: str, base: str = "ddp"
+) -> tuple[float, float, list[float]] | None:
+    """A setting's held-out loss against DDP's (or ``base``'s) of the same seeds (ratio of the means, per
+    cent), its mean ratio of bytes to a fp32 ring all-reduce and each seed's own change; None without a run."""
+    ddp = runs.get((model, base), {})
     mine = {s: r for s, r in runs.get((model, method), {}).items() if s in ddp}
     if not mine:
         return None
@@ -255,6 +283,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "model-suite-long-family-short": lambda: model_suite_long_options(
         columns=tuple(c for c in LONG_FAMILY_COLUMNS if c[0] != "sparseloco_h10"), labels=LONG_LABELS
     ),
+    "model-suite-long-clipping": model_suite_long_clipping,
     "compat-matrix": _compat(False),
     "compat-matrix-short": _compat(True),
     "recipe-results": _recipe_results("default"),

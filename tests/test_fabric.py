@@ -5,6 +5,7 @@ residuals."""
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 from datetime import timedelta
@@ -154,13 +155,16 @@ def test_bad_options_are_refused():
         GTCFabricStrategy(exchange="ring")
 
 
-@pytest.mark.parametrize("algorithm", ["norm", "value"])
-def test_clipping_acts_on_each_ranks_gradient_before_compression(tmp_path, algorithm):
+@pytest.mark.parametrize(("algorithm", "scale"), [("norm", "sqrt_world"), ("value", "sqrt_world"), ("norm", 1.0)])
+def test_clipping_acts_on_each_ranks_gradient_before_compression(tmp_path, algorithm, scale):
     """A 100x loss spike on rank 1 at step 2: its local gradient is clipped before it enters the
-    residual (norm over the whole module, or each element), the replicas stay bit-identical, and
-    nothing is lost: new residual + emitted words = old residual + clipped gradient."""
-    limit = 0.5 if algorithm == "norm" else 0.02
-    ranks = run(tmp_path, clip={"gradient_clip_val": limit, "gradient_clip_algorithm": algorithm}, spike=100.0)
+    residual (norm over the whole module, or each element) at local_clip_scale times the threshold
+    (sqrt(2) on 2 ranks by default), the replicas stay bit-identical, and nothing is lost: new
+    residual + emitted words = old residual + clipped gradient."""
+    c = 0.5 if algorithm == "norm" else 0.02
+    limit = c * (math.sqrt(2) if scale == "sqrt_world" else scale)
+    clip = {"gradient_clip_val": c, "gradient_clip_algorithm": algorithm, "local_clip_scale": scale}
+    ranks = run(tmp_path, clip=clip, spike=100.0)
     residuals = [rank[0]["residual"] for rank in ranks]
     params = ranks[0][0]["params"]
     for t in range(1, STEPS + 1):
@@ -191,6 +195,9 @@ def test_fabric_clip_gradients_is_refused_with_the_fix(tmp_path):
         GTCFabricStrategy(gradient_clip_val=1.0, gradient_clip_algorithm="l1")
     with pytest.raises(ValueError, match="gradient_clip_val"):
         GTCFabricStrategy(gradient_clip_val=-1.0)
+    for bad in (0, -1.0, "dgc", True, float("nan")):
+        with pytest.raises(ValueError, match=r"local_clip_scale=.*'sqrt_world'"):
+            GTCFabricStrategy(gradient_clip_val=1.0, local_clip_scale=bad)
 
 
 # ---- compress="update" (the default through "auto" for one optimizer) ----------------------------

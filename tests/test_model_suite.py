@@ -17,6 +17,7 @@ from gtc_lightning.algorithms.common import allreduce_bytes
 from gtc_lightning.algorithms.gtc.config import (
     AUTO_WORD_LEVELS,
     DEFAULT_DENSITY,
+    local_clip_threshold,
     resolve_density_warmup,
     resolve_word_levels,
 )
@@ -400,16 +401,21 @@ def test_the_defaults_measured_under_their_setting_names():
 
 
 def test_clipped_methods_clip_at_c_or_dgcs_sqrt_n_c(tmp_path):
-    """``ddp_clip`` and ``gtc_defaults_clip`` give the Trainer the model's threshold c, ``gtc_defaults_clip_dgc``
-    sqrt(N) c (DGC's N^-1/2 of the global threshold in a rank's mean-gradient units); unclipped methods none;
-    a model without a threshold is refused before any run, naming it."""
+    """``ddp_clip`` and both GTC methods give the Trainer the model's threshold c; ``gtc_defaults_clip`` pins
+    ``local_clip_scale=1`` (each rank's gradient at c), ``gtc_defaults_clip_dgc`` sqrt(N) c (DGC's N^-1/2 of
+    the global threshold in a rank's mean-gradient units, the default); unclipped methods none; a model
+    without a threshold is refused before any run, naming it."""
     c = model_suite.CLIP_NORM["cnn"]
-    assert model_suite.clip_threshold("cnn", "ddp_clip", 4) == c
-    assert model_suite.clip_threshold("cnn", "gtc_defaults_clip", 4) == c
-    assert model_suite.clip_threshold("cnn", "gtc_defaults_clip_dgc", 4) == pytest.approx(2 * c)
-    assert model_suite.clip_threshold("cnn", "gtc_defaults_clip_dgc", 9) == pytest.approx(3 * c)
-    assert model_suite.clip_threshold("cnn", "gtc_defaults", 4) is None
-    assert all(base in model_suite.METHODS for base, _ in model_suite.CLIPPED.values())
+    for method in model_suite.CLIPPED:
+        assert model_suite.clip_threshold("cnn", method) == c
+    assert model_suite.clip_threshold("cnn", "gtc_defaults") is None
+    at_c = model_suite.CLIPPED["gtc_defaults_clip"][0]()
+    dgc = model_suite.CLIPPED["gtc_defaults_clip_dgc"][0]()
+    assert (at_c._local_clip_scale, dgc._local_clip_scale) == (1.0, "sqrt_world")
+    assert local_clip_threshold(("norm", c), dgc._local_clip_scale, 4) == ("norm", pytest.approx(2 * c))
+    assert local_clip_threshold(("norm", c), at_c._local_clip_scale, 4) == ("norm", c)
     with pytest.raises(ValueError, match=r"--models \['gru'\]: no clipping threshold"):
-        model_suite.main(["--models", "gru", "cnn", "--methods", "ddp", "gtc_defaults_clip", "--out", str(tmp_path)])
+        model_suite.main(
+            ["--models", "gru", "cnn", "--methods", "ddp", "gtc_defaults_clip", "--out", str(tmp_path)]
+        )
     assert not (tmp_path / "results.json").exists()

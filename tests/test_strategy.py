@@ -432,23 +432,27 @@ def test_fp16_scaler_overflows_are_the_scalers_not_divergence(tmp_path):
         assert not any("non-finite" in w or "learning rate" in w for w in rank["warnings"])
 
 
-def test_gradient_clipping_acts_on_each_ranks_gradient_before_compression(tmp_path):
-    """A loss spike on rank 1 at step 2: clipped by norm before it enters rank 1's residual, so
-    the residual stays small; the replicas stay identical; clipping changes the result."""
+@pytest.mark.parametrize("scale", ["sqrt_world", 1.0])
+def test_gradient_clipping_acts_on_each_ranks_gradient_before_compression(tmp_path, scale):
+    """A loss spike on rank 1 at step 2: clipped by norm before it enters rank 1's residual, at
+    local_clip_scale times the Trainer's threshold (sqrt(2) on 2 ranks by default), so the residual
+    stays small; the replicas stay identical; clipping changes the result."""
     spike = {"momentum": 0.0, "spike_on": (1, 1, 1e4)}
     sparse = {"tau": TAU, "dense_fallback": False, "model_kwargs": spike, "max_epochs": 1}  # the spike would go dense
     _, plain = fit(tmp_path / "plain", **sparse)
-    _, clipped = fit(tmp_path / "clip", **sparse, trainer_kwargs={"gradient_clip_val": 0.5})
+    _, clipped = fit(tmp_path / "clip", **sparse, local_clip_scale=scale, trainer_kwargs={"gradient_clip_val": 0.5})
+    limit = 0.5 * (math.sqrt(WORLD) if scale == "sqrt_world" else scale)
     for p0, p1 in zip(*_records(clipped, "params")):
         assert torch.equal(p0, p1)
     raw = plain[1]["records"][1]
     assert raw["residual"].norm() > 100, "the spike went into the residual unclipped"
     rec = clipped[1]["records"][1]
     before = clipped[1]["records"][0]["residual"]
-    # The residual grew by the clipped gradient minus what was sent: at most 0.5 in norm plus
+    # The residual grew by the clipped gradient minus what was sent: at most the limit in norm plus
     # tau per word sent.
     grown = (rec["residual"] - before).norm()
-    assert grown <= 0.5 + TAU * math.sqrt(rec["stats"]["last"]["words"]) + 1e-6
+    assert grown <= limit + TAU * math.sqrt(rec["stats"]["last"]["words"]) + 1e-6
+    assert grown > 0.5 * limit  # clipped at the limit, not below it (the spike is 1e4 times the gradient)
     assert not torch.equal(plain[0]["records"][-1]["params"], clipped[0]["records"][-1]["params"])
 
 
@@ -456,7 +460,7 @@ def test_gradient_clipping_by_value(tmp_path):
     spike = {"momentum": 0.0, "spike_on": (1, 1, 1e4)}
     _, ranks = fit(
         tmp_path, tau=TAU, model_kwargs=spike, max_epochs=1,
-        trainer_kwargs={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+        trainer_kwargs={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}, local_clip_scale=1.0,
     )  # fmt: skip
     for t in range(1, 4):
         grown = ranks[1]["records"][t]["residual"] - ranks[1]["records"][t - 1]["residual"]

@@ -80,6 +80,26 @@ def test_plain_sgd_applies_or_keeps_every_gradient_at_the_target_density(tmp_pat
     assert ranks[0]["records"][-1]["loss"] < ranks[0]["records"][0]["loss"]
 
 
+@pytest.mark.parametrize("scale", ["sqrt_world", 1.0])
+def test_the_trainers_clipping_acts_on_each_ranks_gradient_at_the_local_scale(tmp_path, scale):
+    """The Trainer's gradient_clip_val c in the update mode: each rank's optimizer steps on its own gradient
+    clipped at local_clip_scale times c (sqrt(2) c on 2 ranks by default, DGC's rule), and what it wanted is
+    applied or kept (conservation checked against the clipped gradients, so a wrong limit fails)."""
+    c = 0.05
+    _, ranks = fit(tmp_path, model_kwargs={"momentum": 0.0, "lr": LR}, local_clip_scale=scale,
+                   trainer_kwargs={"gradient_clip_val": c}, **UPDATE)  # fmt: skip
+    limit = c * (WORLD**0.5 if scale == "sqrt_world" else scale)
+    directions = []
+    for t in range(len(ranks[0]["records"])):
+        step = []
+        for rank in ranks:
+            g = rank["records"][t]["local_grad"].double()
+            assert float(g.norm()) > limit, "the test's threshold must bind"
+            step.append(g * min(1.0, limit / (float(g.norm()) + 1e-6)))
+        directions.append(step)
+    assert check_conservation(ranks, directions, LR) == 8
+
+
 def test_momentum_sgd_compresses_each_ranks_velocity(tmp_path):
     """DGC's momentum correction: each rank's velocity is its own, and what it wants is lr * velocity."""
     momentum = 0.9
@@ -734,3 +754,10 @@ def _plain_adam(tmp_path):
     """The last parameters of AdamMLP's run without mean_variance (so that "auto" is seen to change them)."""
     (tmp_path / "adam_off").mkdir()
     return fit(tmp_path / "adam_off", model=AdamMLP(), **UPDATE)[1][0]["records"][-1]["params"]
+
+
+def test_a_bad_local_clip_scale_is_refused_with_the_fix():
+    for bad in (0, -2.0, "dgc", False, float("inf")):
+        with pytest.raises(ValueError, match=r"local_clip_scale=.*use 'sqrt_world'"):
+            GTCStrategy(local_clip_scale=bad)
+    assert GTCStrategy(local_clip_scale=2)._local_clip_scale == 2

@@ -30,10 +30,11 @@ refused, and so is a second one with ``compress="update"``.
 One module per strategy (set up one model; use the Lightning Trainer's ``GTCStrategy`` or several
 Fabric instances for more). Gradient clipping acts on each rank's local gradient: give it to the
 strategy, ``GTCFabricStrategy(gradient_clip_val=1.0, gradient_clip_algorithm="norm" | "value")``,
-which clips it before it enters the residual (as the Trainer's ``GTCStrategy`` does with the
-Trainer's clipping). In the gradient mode ``fabric.clip_gradients`` after ``backward`` would only
-see the decoded update and is refused with that advice; in the update mode it clips the local
-gradient, as under DDP. In the update mode a non-finite gradient on any rank is found (one flag per
+which clips it before it enters the residual at sqrt(N) times the threshold (``local_clip_scale``, as
+the Trainer's ``GTCStrategy`` does with the Trainer's clipping). In the gradient mode
+``fabric.clip_gradients`` after ``backward`` would only see the decoded update and is refused with that
+advice; in the update mode it clips each rank's own gradient at ``local_clip_scale`` times its
+threshold (on dense warm-up steps the average, at the threshold, as under DDP). In the update mode a non-finite gradient on any rank is found (one flag per
 rank, all-reduced) before anything unscales or clips: the step is skipped on every rank, and under
 an fp16 ``GradScaler`` every rank's scaler records the overflow, so the loss scales stay equal. The
 one-step-stale exchange is an option of the Lightning strategy only.
@@ -59,7 +60,9 @@ from typing_extensions import override
 
 from gtc_lightning.algorithms.gtc import update as update_mode
 from gtc_lightning.algorithms.gtc.config import (
+    check_local_clip_scale,
     check_options,
+    local_clip_threshold,
     sparse_gradient_parameters,
     unused_update_options,
 )
@@ -83,8 +86,13 @@ class GTCFabricStrategy(DDPStrategy):
         density_warmup_steps: as for the Lightning strategy, but a number of optimizer steps only (0, the
             default: none): Fabric does not know the run's length, which ``"auto"`` takes a share of.
         gradient_clip_val, gradient_clip_algorithm: clip each rank's local gradient before it enters
-            the residual, by its norm over the whole module (as ``clip_grad_norm_``) or by value;
-            the decoded update is not clipped again. None: no clipping.
+            the residual, by its norm over the whole module (as ``clip_grad_norm_``) or by value, at
+            ``local_clip_scale`` times ``gradient_clip_val``; the decoded update is not clipped again.
+            None: no clipping.
+        local_clip_scale: ``"sqrt_world"`` (default): each rank's own gradient clipped at sqrt(N) times the
+            threshold on N ranks (DGC's rule; also what ``fabric.clip_gradients`` gives in the update
+            mode on compressed steps), as :class:`~gtc_lightning.GTCStrategy`'s option; ``1``: at the
+            threshold itself.
         accelerator: as for Fabric's ``DDPStrategy``, and so are ``parallel_devices``, ``cluster_environment``,
             ``checkpoint_io``, ``precision``, ``process_group_backend``, ``timeout``, ``start_method``.
         **kwargs: passed to ``DistributedDataParallel`` (``process_group`` is honoured by the
@@ -112,6 +120,7 @@ class GTCFabricStrategy(DDPStrategy):
         word_levels: int | Literal["auto"] = "auto",
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        local_clip_scale: float | Literal["sqrt_world"] = "sqrt_world",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -136,6 +145,8 @@ class GTCFabricStrategy(DDPStrategy):
                 f"gradient_clip_val={gradient_clip_val!r}: use a positive number, or None for no clipping"
             )
         self._clip = (gradient_clip_algorithm, float(gradient_clip_val)) if gradient_clip_val else None
+        check_local_clip_scale(local_clip_scale)
+        self._local_clip_scale = local_clip_scale
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -210,7 +221,7 @@ class GTCFabricStrategy(DDPStrategy):
         )
         scaler = self._grad_scaler()
         state.grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        state.clip = self._clip
+        state.clip = local_clip_threshold(self._clip, self._local_clip_scale, state.world_size)
         if self._ddp_kwargs.get("find_unused_parameters") or self._ddp_kwargs.get("static_graph"):
             state.track_usage(module.parameters())
         self._module = module
@@ -269,6 +280,11 @@ class GTCFabricStrategy(DDPStrategy):
             f"gradient_clip_algorithm='norm' or 'value'), and drop the fabric.clip_gradients call"
         )
 
+    def _local_limit(self, limit: float) -> float:
+        """``fabric.clip_gradients``' threshold for a rank's own gradient: ``limit`` times ``local_clip_scale``."""
+        assert self._gtc_state is not None
+        return local_clip_threshold(("", float(limit)), self._local_clip_scale, self._gtc_state.world_size)[1]
+
     @override
     def clip_gradients_norm(
         self,
@@ -279,16 +295,20 @@ class GTCFabricStrategy(DDPStrategy):
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         if self._gtc_state is not None and self._gtc_state.compress == "update":  # local gradients: as DDP
-            if self._decide_step()[1]:  # skipped on every rank: nothing to clip (AMP's scaler sees the NaN)
+            warmup, skipped = self._decide_step()
+            if skipped:  # skipped on every rank: nothing to clip (AMP's scaler sees the NaN)
                 return torch.tensor(float("nan"), device=self.root_device)
+            max_norm = max_norm if warmup else self._local_limit(max_norm)
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         self._refuse_clipping(f"max_norm={max_norm}")
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
         if self._gtc_state is not None and self._gtc_state.compress == "update":  # local gradients: as DDP
-            if self._decide_step()[1]:
+            warmup, skipped = self._decide_step()
+            if skipped:
                 return None
+            clip_val = clip_val if warmup else self._local_limit(clip_val)
             return super().clip_gradients_value(module, optimizer, clip_val)
         self._refuse_clipping(f"clip_val={clip_val}")
 
@@ -343,10 +363,12 @@ class GTCFabricStrategy(DDPStrategy):
             if scaler is not None:
                 scaler.unscale_(optimizer)
             grads = [p for p in params if p.grad is not None]
-            if self._clip[0] == "norm":
-                torch.nn.utils.clip_grad_norm_(grads, self._clip[1])
+            # a rank's own gradient on a compressed step (local_clip_scale times c), the mean on a dense one
+            algorithm, limit = self._clip if warmup else state.clip
+            if algorithm == "norm":
+                torch.nn.utils.clip_grad_norm_(grads, limit)
             else:
-                torch.nn.utils.clip_grad_value_(grads, self._clip[1])
+                torch.nn.utils.clip_grad_value_(grads, limit)
         output = super().optimizer_step(optimizer, **kwargs)
         if not warmup and not skipped:  # with the rates the step used (read after it)
             update_mode.exchange(state, params, update_mode.learning_rates(optimizer), optimizer)

@@ -205,11 +205,13 @@ MECHANISMS: dict[str, Callable[..., Strategy]] = {
 # averaged gradient's norm over a DDP run (cnn: 0.74, seed 0), so DDP clips its spikes; a rank's own gradient
 # is about twice as long on 4 ranks (median 1.16), so GTC's rule clips nearly every local step.
 CLIP_NORM = {"cnn": 0.75}
-# method -> (the method it clips, the multiple of c it clips at: a number, or "sqrt_world")
-CLIPPED: dict[str, tuple[str, float | str]] = {
-    "ddp_clip": ("ddp", 1.0),
-    "gtc_defaults_clip": ("gtc_defaults", 1.0),
-    "gtc_defaults_clip_dgc": ("gtc_defaults", "sqrt_world"),
+# method -> (its strategy, the Trainer's gradient_clip_val in multiples of c). GTC scales the Trainer's c by
+# local_clip_scale for each rank's own gradient: pinned here, so that a name means one setting whatever the
+# default is.
+CLIPPED: dict[str, tuple[Callable[..., Strategy], float]] = {
+    "ddp_clip": (DDPStrategy, 1.0),
+    "gtc_defaults_clip": (partial(GTCStrategy, local_clip_scale=1.0), 1.0),
+    "gtc_defaults_clip_dgc": (partial(GTCStrategy, local_clip_scale="sqrt_world"), 1.0),
 }
 BUILT_FOR_THE_RUN = {**FAMILY, **MECHANISMS}
 QUICK_STEPS = {"transformer": 20, "cnn": 20, "gru": 20, "speech_dnn": 40}
@@ -448,12 +450,11 @@ def run_cell(
     return summarise(model_name, method, world_size, seed, model.task.best_loss, ranks, wall)
 
 
-def clip_threshold(model_name: str, method: str, world_size: int) -> float | None:
+def clip_threshold(model_name: str, method: str) -> float | None:
     """The Trainer's ``gradient_clip_val`` for this run: None unless ``method`` is one of :data:`CLIPPED`."""
     if method not in CLIPPED:
         return None
-    multiple = CLIPPED[method][1]
-    return CLIP_NORM[model_name] * (math.sqrt(world_size) if multiple == "sqrt_world" else multiple)
+    return CLIP_NORM[model_name] * CLIPPED[method][1]
 
 
 def _build(
@@ -463,14 +464,15 @@ def _build(
     L.seed_everything(seed, verbose=False)  # PL_GLOBAL_SEED: the DistributedSampler's shuffling
     # exactly the samples the run consumes: no sample seen twice
     model = MODELS[model_name](train_size=steps * batch_size(model_name) * world_size, seed=seed, steps=steps)
-    clip = clip_threshold(model_name, method, world_size)
-    method = CLIPPED[method][0] if method in CLIPPED else method
+    clip = clip_threshold(model_name, method)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size,
         strategy=(
             BUILT_FOR_THE_RUN[method](steps, world_size, start_method="fork", timeout=TIMEOUT)
             if method in BUILT_FOR_THE_RUN
+            else CLIPPED[method][0](start_method="fork", timeout=TIMEOUT)
+            if method in CLIPPED
             else METHODS[method](start_method="fork", timeout=TIMEOUT)
         ),
         max_steps=steps,
