@@ -1,7 +1,7 @@
 """Golomb-Rice coding of a GTC message: the gaps between its sorted indices, and the sign bits.
 
 Strom (2015, section 2.5) notes that the gaps between the sorted indices of a message follow a
-geometric distribution, so a Golomb-Rice code brings a word from 32 bits to about 10-11 at the
+geometric distribution, so a Golomb-Rice code brings a word from 32 bits to about 8-11 at the
 densities GTC runs at. A gap ``d`` with Rice parameter ``k`` is the quotient ``q = d >> k`` in
 unary (``q`` ones, then a zero) and the remainder ``d & (2**k - 1)`` in ``k`` bits; each word adds
 its sign bit.

@@ -68,7 +68,7 @@ class GTCStrategy(DDPStrategy):
     ``compress="auto"`` compresses what each rank's optimizer applies (:mod:`gtc_lightning.algorithms.gtc.update`),
     ``tau="auto"`` picks each step's threshold so that every rank sends about ``1e-2`` of the
     parameters as words (:data:`~gtc_lightning.algorithms.gtc.config.DEFAULT_DENSITY`), and ``coding="rice"`` sends
-    those words Golomb-Rice coded (~10 bits a word instead of 32). A fp32 ring all-reduce sends
+    those words Golomb-Rice coded (8-11 bits a word instead of 32). A fp32 ring all-reduce sends
     ``64 / (W * density * bits a word)`` times the bytes: 140-170x at 4 ranks in the model suite
     (``python -m gtc_lightning.tools.model_suite``). GTC's own memory: 8 bytes a parameter.
 
@@ -150,7 +150,7 @@ class GTCStrategy(DDPStrategy):
             project's 2-core CPU machines a blocked rank's wake-ups cost about 4 ms a step of the
             recipe's model; polling made its 2-rank ``gtc`` run 11-16 % faster, with the same results.
         coding: ``"rice"`` (default) sends each message Golomb-Rice coded (the gaps between its
-            sorted indices and the signs: about 10 bits a word at the densities GTC runs at, instead
+            sorted indices and the signs: 8-11 bits a word at the densities GTC runs at, instead
             of 32), lossless, at the cost of encoding and decoding on every step (on an H100 about
             1.3 ms a message: on fast links ``"none"``, 32-bit words, is quicker).
         restore_residuals: restore the residuals of a resumed checkpoint (every rank reads its own

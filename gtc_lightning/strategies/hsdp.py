@@ -92,7 +92,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
             ``"gradient"`` (Strom's, in FSDP's hook) or ``"update"`` (each replica's optimizer step,
             compressed after it); see above.
         warmup_steps: backward passes of dense all-reduce across replicas before compression.
-        coding: ``"rice"`` (default, Golomb-Rice coded, ~10 bits a word) or ``"none"`` (32 bits).
+        coding: ``"rice"`` (default, Golomb-Rice coded, 8-11 bits a word) or ``"none"`` (32 bits).
         restore_residuals: restore every rank's residuals from a resumed checkpoint (same mesh
             only). ``False`` restarts them from zero (their pending update is lost), at any mesh.
         busy_wait: poll GTC's collectives (True), block on them (False), or poll on gloo where each

@@ -58,7 +58,7 @@ class SparseLoCoStrategy(BMUFStrategy):
         values: what a word's element is worth: ``"2bit"`` (the sign and one of two magnitudes, as
             SparseLoCo's 2-bit quantisation), ``"sign"`` (Strom's 1 bit: ±tau) or ``"float32"`` (the exact
             value: at ``density=1`` this is :class:`BMUFStrategy`).
-        coding: ``"rice"`` (Golomb-Rice coded index gaps, ~10 bits a word at these densities) or ``"none"``.
+        coding: ``"rice"`` (Golomb-Rice coded index gaps, 8-11 bits a word at these densities) or ``"none"``.
         block_momentum: η (outer momentum) in [0, 1); SparseLoCo's 0 by default (``None``: 1 - 1/N).
             With ``block_lr=0.7, block_momentum=0.9`` it is DiLoCo's outer step on the compressed update.
         block_lr: ζ > 0, the outer learning rate (SparseLoCo: about 1).

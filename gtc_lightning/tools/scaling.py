@@ -45,7 +45,7 @@ G ranks per group):
   padded to the longest message (``max_words``).
 - ``gtc_update`` (GTC on each rank's optimizer step): first an all-reduce of one int64 non-finite
   flag per rank (8W bytes), then the header (24 bytes) and the words as ``gtc``, at the bytes per word
-  they were sent in (Golomb-Rice coded: ~10 bits).
+  they were sent in (Golomb-Rice coded: 8-11 bits).
 - ``powersgd_r1``, ``powersgd_r4`` (torch's PowerSGD hook): the ring all-reduces it issued in a
   measured step, each bucket's uncompressed tensors, P and Q (``allreduces``: their bytes); unknown
   (None) without them.

@@ -169,7 +169,7 @@ def check_options(
         raise ValueError(f"Expect backend in {BACKENDS}, got {backend!r}")
     if coding not in CODINGS:
         raise ValueError(
-            f"Expect coding in {CODINGS} (rice: Golomb-Rice coded index gaps, ~10 bits a word instead of 32), "
+            f"Expect coding in {CODINGS} (rice: Golomb-Rice coded index gaps, 8-11 bits a word instead of 32), "
             f"got {coding!r}"
         )
     if target_density is not None and (

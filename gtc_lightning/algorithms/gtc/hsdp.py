@@ -91,7 +91,7 @@ class HSDPGTCState:
         target_density: words per element and step for ``tau="auto"`` (None: 1e-2), or with a numeric
             tau to adapt it from there; None with a numeric tau keeps it fixed.
         warmup_steps: backward passes of dense all-reduce before compression starts.
-        coding: ``"rice"`` (Golomb-Rice coded words, about 10 bits a word) or ``"none"`` (32 bits).
+        coding: ``"rice"`` (Golomb-Rice coded words, 8-11 bits a word) or ``"none"`` (32 bits).
         busy_wait: poll the collectives (True), block (False), or poll on gloo where each rank has a
             core (None).
         per_step_tau: with ``tau="auto"``, each replica measures its own tau at every compressed step

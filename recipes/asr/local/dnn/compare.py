@@ -608,7 +608,7 @@ def compare_runs(run_dirs: list[Path | str], out_dir: Path | str, baseline: str 
             "optimizer step (for DDP its fp32 ring all-reduce, 2 (W-1)/W x 4 bytes per weight); vs fp32 / bf16 "
             "all-reduce: the bytes such an all-reduce sends per worker, divided by the bytes sent (at 2 workers also "
             "Strom's measure, the gradient's fp32 bytes over the message's); words and bits per word: GTC's "
-            "messages (32 bits a word and a header uncoded, about 10-11 Golomb-Rice coded).") if base else \
+            "messages (32 bits a word and a header uncoded, about 8-11 Golomb-Rice coded).") if base else \
         "No single-worker baseline among the runs: relative WER change not computed."
     (out_dir / "comparison.md").write_text(table + "\n\n" + note + "\n")
     (out_dir / "comparison.json").write_text(json.dumps({"baseline": base and base["run"], "runs": rows,
