@@ -289,3 +289,18 @@ def test_bad_inputs_name_the_problem():
         build_tree(stats, None, [SIL], PHONES[:-1], NUM_CLASSES)
     with pytest.raises(ValueError, match="num_pdf_classes"):
         build_tree(stats, None, [SIL], PHONES, {**NUM_CLASSES, 3: 2})
+
+
+def test_heldout_gains_score_each_split_on_speakers_left_out():
+    stats = planted_stats()
+    build = lambda heldout: build_tree(stats, None, [SIL], PHONES, NUM_CLASSES, num_leaves=100, min_count=100,
+                                       thresh=300, heldout=heldout).summary
+    # scored on the training frames themselves, a split's held-out gain is its training gain
+    same = build(stats)
+    assert same["heldout_frames"] == same["frames"]
+    assert sum(same["heldout_gains"]) == pytest.approx(same["split_gain_per_frame"] * same["frames"], rel=1e-9)
+    # speakers with the same context effect gain from each of the three splits; speakers without it lose
+    alike, unlike = build(planted_stats(seed=1)), build(planted_stats(seed=1, shifted_right=()))
+    assert len(alike["heldout_gains"]) == len(unlike["heldout_gains"]) == 3
+    assert min(alike["heldout_gains"]) > 0 > max(unlike["heldout_gains"])
+    assert "heldout_gains" not in build(None)

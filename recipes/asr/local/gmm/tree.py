@@ -71,6 +71,15 @@ def _loglike(s: np.ndarray, var_floor: float) -> np.ndarray:
     return -0.5 * s[..., 0] * (np.log(var).sum(-1) + d * (1.0 + np.log(2 * np.pi)))
 
 
+def _cross_loglike(h: np.ndarray, t: np.ndarray, var_floor: float) -> float:
+    """Log-likelihood of the frames behind stats ``h`` ``[1+2D]`` under the ML diagonal Gaussian of stats ``t``
+    (held-out frames scored by the Gaussian that the training frames estimate)."""
+    d = (t.shape[-1] - 1) // 2
+    mean, var = _mean_var(t, var_floor)
+    n, first, second = h[0], h[1 : 1 + d], h[1 + d :]
+    return float(-0.5 * (n * (np.log(2 * np.pi * var).sum()) + ((second - 2 * mean * first + n * mean**2) / var).sum()))
+
+
 # ---------------------------------------------------------------- questions by phone clustering
 def _two_means(
     members: list[int], gauss: dict[int, np.ndarray], var_floor: float
@@ -142,6 +151,8 @@ class _Node:
     root: int
     split: tuple | None = None
     best: tuple = (-np.inf, None, None)  # (gain, key, yes_set) of the best allowed split
+    held_events: np.ndarray | None = None  # held-out speakers' events and stats (build_tree's ``heldout``)
+    held_stats: np.ndarray | None = None
 
 
 @dataclass
@@ -229,6 +240,7 @@ def build_tree(
     cluster_thresh: float | None = None,
     share_pdf_classes: bool = False,
     var_floor: float = 0.01,
+    heldout: Stats | None = None,
 ) -> TreeResult:
     """Grow a triphone tree by likelihood gain (Kaldi's ``build-tree``) and load it into khg.
 
@@ -247,8 +259,12 @@ def build_tree(
         share_pdf_classes: one root per phone with questions about the pdf-class (Kaldi's
             "shared" roots) instead of one root per phone and pdf-class.
         var_floor: variance floor of the likelihoods and of the returned variances.
+        heldout: tree statistics of speakers left out of ``stats``: each split's gain is also scored on
+            them (their frames under the Gaussians that ``stats`` estimates), in split order, as
+            ``summary["heldout_gains"]`` (``heldout_leaves`` picks the size from them).
     """
     events, s = _stats_arrays(stats)
+    held = _stats_arrays(heldout) if heldout is not None else None
     phones = sorted(phones)
     bad = sorted(set(events[:, :3].ravel().tolist()) - set(phones) - {0})
     if bad or not set(events[:, 1].tolist()) <= set(phones):
@@ -279,6 +295,9 @@ def build_tree(
         for c in [None] if shared else range(classes(p)):
             mask = (events[:, 1] == p) & (True if c is None else events[:, 3] == c)
             node = _Node(events[mask], s[mask], len(roots))
+            if held is not None:
+                hmask = (held[0][:, 1] == p) & (True if c is None else held[0][:, 3] == c)
+                node.held_events, node.held_stats = held[0][hmask], held[1][hmask]
             roots.append((p, c, node))
             leaves.append(node)
             if p not in silence_phones and mask.any():
@@ -295,12 +314,19 @@ def build_tree(
         )
 
     # 2. greedy splitting of the best leaf while the gain exceeds thresh.
-    split_gain = 0.0
+    split_gain, heldout_gains = 0.0, []
     while heap and len(leaves) < num_leaves and -heap[0][0] > thresh:
         _, _, node = heapq.heappop(heap)
         gain, key, yes_set = node.best
         is_yes = np.isin(node.events[:, KEY_COLUMN[key]], yes_set)
         yes, no = (_Node(node.events[m], node.stats[m], node.root) for m in (is_yes, ~is_yes))
+        if held is not None:
+            held_yes = np.isin(node.held_events[:, KEY_COLUMN[key]], yes_set)
+            for child, m in ((yes, held_yes), (no, ~held_yes)):
+                child.held_events, child.held_stats = node.held_events[m], node.held_stats[m]
+            heldout_gains.append(sum(_cross_loglike(n.held_stats.sum(0), n.stats.sum(0), var_floor) * sign
+                                     for n, sign in ((yes, 1), (no, 1), (node, -1)))
+                                 if len(node.held_stats) else 0.0)
         node.split, split_gain = (key, yes_set, yes, no), split_gain + gain
         leaves.remove(node)
         keys = shared_keys if roots[node.root][1] is None else by_key
@@ -361,6 +387,7 @@ def build_tree(
         "split_gain_per_frame": split_gain / frames,
         "merge_loss_per_frame": merge_loss / frames,
         "frames": frames,
+        **({"heldout_gains": heldout_gains, "heldout_frames": float(held[1][:, 0].sum())} if held else {}),
     }
     log.info(
         "build_tree: %d roots -> %d leaves (gain %.3f/frame) -> %d pdfs after merging (loss %.3f/frame)",
