@@ -261,7 +261,7 @@ def build_tree(
         var_floor: variance floor of the likelihoods and of the returned variances.
         heldout: tree statistics of speakers left out of ``stats``: each split's gain is also scored on
             them (their frames under the Gaussians that ``stats`` estimates), in split order, as
-            ``summary["heldout_gains"]`` (``heldout_leaves`` picks the size from them).
+            ``summary["heldout_gains"]`` (``research/gmm_stages.py --tree-heldout`` reads them).
     """
     events, s = _stats_arrays(stats)
     held = _stats_arrays(heldout) if heldout is not None else None
