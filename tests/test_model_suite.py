@@ -331,6 +331,30 @@ def test_resume_runs_only_the_missing_cells(tmp_path, monkeypatch):
     assert len(ran) == 4
 
 
+def test_merge_joins_runs_made_apart_and_renders_them(tmp_path, monkeypatch):
+    """--merge runs nothing: a source's run of a cell the target holds replaces it in place, a new
+    cell is appended, a failed run is left out, and results.md is rendered from the merged runs."""
+    monkeypatch.setattr(model_suite, "run_cell", lambda *cell: pytest.fail("--merge must not run anything"))
+    plotted = []
+    monkeypatch.setattr(model_suite, "plot_loss_vs_bytes", lambda results, out: plotted.append(len(results)) or [])
+    out, src = tmp_path / "out", tmp_path / "src"
+    out.mkdir()
+    src.mkdir()
+    old = [_fake_record("gru", "ddp", 4, 0, 2000, 2, None), _fake_record("gru", "gtc", 4, 0, 2000, 2, None)]
+    (out / "results.json").write_text(json.dumps(old))
+    rerun = _fake_record("gru", "gtc", 4, 0, 2000, 2, None) | {"final_loss": 0.75}
+    failed = {"model": "gru", "method": "ddp", "world_size": 4, "seed": 2, "error": "Boom"}
+    (src / "results.json").write_text(json.dumps([rerun, _fake_record("gru", "ddp", 4, 1, 2000, 2, None), failed]))
+    results = model_suite.main(["--out", str(out), "--merge", str(src)])
+    cells = [(r["method"], r["seed"]) for r in results]
+    assert cells == [("ddp", 0), ("gtc", 0), ("ddp", 1)]
+    assert results[1]["final_loss"] == 0.75 and json.loads((out / "results.json").read_text()) == results
+    assert (out / "results.md").read_text() == model_suite.report_markdown(results) and plotted == [3]
+    (src / "results.json").write_text('{"not": "runs"}')
+    with pytest.raises(ValueError, match=r"--merge: .*src.*give the --out directory"):
+        model_suite.main(["--out", str(out), "--merge", str(src)])
+
+
 def test_profile_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="--profile long"):
         model_suite.main(["--models", "transformer_lm", "--out", str(tmp_path)])

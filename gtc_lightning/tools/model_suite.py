@@ -6,6 +6,7 @@ Long file: the runs, their measures, the report and its plots of one command (mo
     python -m gtc_lightning.tools.model_suite --models cnn gru --methods ddp gtc --world-sizes 2 --seeds 0
     python -m gtc_lightning.tools.model_suite --profile long --resume --out docs/benchmarks/model_suite_long
     python -m gtc_lightning.tools.model_suite --profile long --methods ddp gtc ma diloco sparseloco bmuf_gtc
+    python -m gtc_lightning.tools.model_suite --out docs/benchmarks/model_suite_long --merge runs/lm_seed1 runs/lm_seed2
 
 Every run is a ``Trainer.fit`` on ``W`` CPU ranks started by fork, gloo, with a fixed batch per
 rank (the global batch grows with W, as DDP users run it) from Lightning's DistributedSampler,
@@ -30,7 +31,8 @@ All runs of one invocation are measured side by side on the same machine. Per ru
 
 Writes ``results.json`` (every run), ``results.md`` (a table per world size) and
 ``loss_vs_bytes_<model>.png`` (held-out loss against bytes sent per rank, largest world size)
-into ``--out``. The runtime package never imports this module.
+into ``--out``; ``--merge`` joins runs made apart (in pieces, on other machines) into one such record
+and renders it again. The runtime package never imports this module.
 """
 
 from __future__ import annotations
@@ -754,6 +756,62 @@ def resumed(path: Path, cells: list[tuple], steps: dict[str, int]) -> list[dict]
     return kept
 
 
+def merged(target: list[dict], sources: dict[Path, list[dict]]) -> tuple[list[dict], list[str]]:
+    """``target``'s records with every error-free record of ``sources`` merged in: a record of a cell
+    ``target`` holds replaces it in place (the newer run wins), any other is appended. Failed runs of
+    the sources are left out.
+
+    Returns:
+        the merged records and one line per source record (what became of it).
+    """
+    records = list(target)
+    where = {_cell(r): i for i, r in enumerate(records)}
+    lines = []
+    for path, runs in sources.items():
+        for record in runs:
+            cell = _cell(record)
+            name = "/".join(str(part) for part in cell)
+            if "error" in record:
+                lines.append(f"{path}: {name} left out (failed: {record['error']})")
+            elif cell in where:
+                records[where[cell]] = record
+                lines.append(f"{path}: {name} replaces the run of the same cell")
+            else:
+                where[cell] = len(records)
+                records.append(record)
+                lines.append(f"{path}: {name} added")
+    return records, lines
+
+
+def _records(path: Path, flag: str) -> list[dict]:
+    """The run records of a results.json, or a ValueError naming ``path``, ``flag`` and the fix."""
+    try:
+        records = json.loads(path.read_text())
+        for r in records:
+            _cell(r)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{flag}: {path} is not a model suite's results.json ({type(error).__name__}: {error}); "
+            "give the --out directory of a model suite run"
+        ) from None
+    return records
+
+
+def merge_main(out: Path, sources: list[Path]) -> list[dict]:
+    """``--merge``: the runs of other invocations' ``--out`` directories merged into ``out``'s
+    results.json, and its results.md and plots rendered again; nothing is run."""
+    target = _records(out / "results.json", "--out") if (out / "results.json").exists() else []
+    found = {src: _records(src / "results.json" if src.is_dir() else src, "--merge") for src in sources}
+    results, lines = merged(target, found)
+    print("\n".join(lines), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(report_markdown(results))
+    plots = plot_loss_vs_bytes(results, out)
+    print(f"wrote {out / 'results.json'} ({len(results)} runs), {out / 'results.md'} and {len(plots)} plots")
+    return results
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -776,6 +834,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="keep the runs already in OUT/results.json (those without an error) and run the rest",
+    )
+    add(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="run nothing: merge the runs of these --out directories (or results.json files) into OUT's "
+        "results.json (a cell run again replaces the old run) and render OUT's results.md and plots again",
     )
     add("--models", nargs="+", choices=list(MODELS), help="default: the profile's (--quick: a fast two)")
     add(
@@ -803,6 +869,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
     args = build_parser().parse_args(argv)
+    if args.merge:
+        return merge_main(args.out, args.merge)
     long = args.profile == "long"
     if args.quick and long:
         raise ValueError(
