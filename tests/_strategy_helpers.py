@@ -106,6 +106,33 @@ class AdamMLP(TinyMLP):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
 
+class SAMSGD(torch.optim.SGD):
+    """Sharpness-aware SGD (Foret et al. 2021): the closure is evaluated at the parameters, then at a point
+    ``rho`` along the normalised gradient, whose gradient the step takes from the parameters; each step's
+    gradient there (what the optimizer wants: its direction) is kept in ``wanted``."""
+
+    def __init__(self, params, lr, rho=0.05):
+        super().__init__(params, lr=lr)
+        self.rho, self.wanted = rho, []
+
+    @torch.no_grad()
+    def step(self, closure):
+        with torch.enable_grad():
+            loss = closure()
+        params = [p for group in self.param_groups for p in group["params"]]
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        shifts = [p.grad * (self.rho / (norm + 1e-12)) for p in params]
+        for p, shift in zip(params, shifts):
+            p.add_(shift)
+        with torch.enable_grad():
+            closure()
+        for p, shift in zip(params, shifts):
+            p.sub_(shift)
+        self.wanted.append(torch.cat([p.grad.float().reshape(-1) for p in params]))
+        super().step()
+        return loss
+
+
 class Recorder(L.Callback):
     """Per batch: step, parameters, residuals, local gradients, GTC statistics, loss; saved per
     rank at the end. Local gradients are captured by tensor hooks, before DDP sees them."""

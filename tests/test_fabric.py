@@ -18,6 +18,7 @@ from _strategy_helpers import (
     CLASSES,
     FEATURES,
     HIDDEN,
+    SAMSGD,
     dataset,
     expected_sparse_step,
     keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
@@ -432,3 +433,45 @@ def test_the_update_modes_options_are_warned_about_once_an_optimizer_decides_the
             strategy._resolve_compress(2)  # several optimizers: the gradient mode
     finally:
         dist.destroy_process_group()
+
+
+def test_lbfgs_is_refused_when_fabric_sets_it_up():
+    model = make_model()
+    with pytest.raises(ValueError, match=r"GTCFabricStrategy cannot train with LBFGS.*strategy='ddp'"):
+        GTCFabricStrategy().setup_optimizer(torch.optim.LBFGS(model.parameters()))
+
+
+def _sam_train(fabric: L.Fabric, out: Path) -> None:
+    model = make_model()
+    model, optimizer = fabric.setup(model, SAMSGD(model.parameters(), lr=0.5))
+    x, y = dataset().tensors
+    before = _flat(model.parameters())
+    for step in range(3):
+
+        def closure(step=step):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x[_rows(fabric, step)]), y[_rows(fabric, step)])
+            fabric.backward(loss)
+            return loss
+
+        try:
+            optimizer.step(closure)
+        except RuntimeError as error:
+            torch.save(str(error), out / f"rank{fabric.global_rank}.pt")
+            return
+    moved = bool((_flat(model.parameters()) != before).any())
+    everyone = fabric.all_gather(_flat(model.parameters()))
+    torch.save({"moved": moved, "identical": bool((everyone == everyone[0]).all())}, out / f"rank{fabric.global_rank}.pt")
+
+
+@pytest.mark.parametrize("compress", ["update", "gradient"])
+def test_an_optimizer_evaluating_its_closure_twice_trains_in_the_update_mode_alone(tmp_path, compress):
+    """SAM's closure, evaluated twice a step through Fabric: the update mode trains with identical replicas,
+    Strom's gradient mode stops at the second evaluation on every rank, naming the update mode."""
+    options = UPDATE if compress == "update" else {"tau": 0.01}
+    ranks = _launch(tmp_path, _sam_train, compress=compress, **options)
+    for rank in ranks:
+        if compress == "update":
+            assert rank == {"moved": True, "identical": True}
+        else:
+            assert "SAMSGD evaluates the closure again" in rank and "compress='update'" in rank

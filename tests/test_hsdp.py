@@ -473,6 +473,40 @@ class TwoOptimizers(ShardedMLP):
         return loss
 
 
+class TwiceSGD(torch.optim.SGD):
+    """SGD that evaluates its closure twice a step (as SAM and line searches do), stepping on the second."""
+
+    @torch.no_grad()
+    def step(self, closure):
+        with torch.enable_grad():
+            closure()
+            loss = closure()
+        super().step()
+        return loss
+
+
+class ClosureTwice(ShardedMLP):
+    def __init__(self, out_dir, optimizer: str = "twice"):
+        super().__init__(out_dir)
+        self.which = optimizer
+
+    def configure_optimizers(self):
+        if self.which == "lbfgs":
+            return torch.optim.LBFGS(self.parameters(), lr=0.1)
+        return TwiceSGD(self.parameters(), lr=0.1)
+
+
+def test_a_closure_evaluated_twice_trains_in_the_update_mode_alone_and_lbfgs_is_refused(tmp_path):
+    ranks = run(tmp_path / "update", strategy=update_mode(), max_steps=3, model=ClosureTwice(tmp_path / "update"))
+    for shard in (0, 1):
+        for ra, rb in zip(ranks[shard]["records"], ranks[2 + shard]["records"]):
+            assert all(torch.equal(pa, pb) for pa, pb in zip(ra["params"], rb["params"]))
+    with pytest.raises(Exception, match=r"TwiceSGD evaluates the closure again.*compress='update'"):
+        run(tmp_path / "gradient", max_steps=3, model=ClosureTwice(tmp_path / "gradient"))
+    with pytest.raises(Exception, match=r"GTCHSDPStrategy cannot train with LBFGS"):
+        run(tmp_path / "lbfgs", strategy=update_mode(), max_steps=1, model=ClosureTwice(tmp_path / "lbfgs", "lbfgs"))
+
+
 def test_update_mode_refuses_two_optimizers_and_bad_values(tmp_path):
     with pytest.raises(Exception, match="compresses the step of one optimizer; this model has 2"):
         run(tmp_path, strategy=update_mode(), max_steps=1, model=TwoOptimizers(tmp_path))

@@ -19,6 +19,7 @@ import torch
 from _strategy_helpers import (
     FEATURES,
     HIDDEN,
+    SAMSGD,
     AdamMLP,
     TinyMLP,
     fit,
@@ -403,6 +404,47 @@ def test_a_non_finite_optimizer_step_on_one_rank_stops_every_rank(tmp_path, elem
         assert "non-finite step from finite gradients on rank(s) [1]" in note and "optimizer step 3" in note, (
             f"rank {rank}: {note}"
         )
+
+
+class ClosureTwiceMLP(TinyMLP):
+    """:class:`TinyMLP` with an optimizer that evaluates its closure more than once a step: ``"sam"`` (its
+    wanted directions saved to ``out/wanted{rank}.pt``) or ``"lbfgs"`` (refused)."""
+
+    def __init__(self, optimizer: str, out: Path):
+        super().__init__(lr=LR, momentum=0.0)
+        self.which, self.out = optimizer, out
+
+    def configure_optimizers(self):
+        if self.which == "sam":
+            return SAMSGD(self.parameters(), lr=self.lr)
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4)
+
+    def on_train_end(self):
+        if self.which == "sam":
+            torch.save(self.optimizers().optimizer.wanted, self.out / f"wanted{self.global_rank}.pt")
+
+
+def test_an_optimizer_that_evaluates_its_closure_again_steps_from_the_kept_parameters(tmp_path):
+    """SAM evaluates the closure at a shifted point within its step: the update mode keeps the parameters
+    of the step's start (checked once), so the step made from them is what is conserved and the replicas
+    stay bit-identical (kept at the shifted point, each rank's own, they parted at the first step)."""
+    _, ranks = fit(tmp_path, model=ClosureTwiceMLP("sam", tmp_path), **UPDATE)
+    wanted = [torch.load(tmp_path / f"wanted{r}.pt") for r in range(WORLD)]
+    directions = [[wanted[r][t] for r in range(WORLD)] for t in range(len(wanted[0]))]
+    assert check_conservation(ranks, directions, LR) == 8
+
+
+def test_the_gradient_mode_stops_at_a_second_evaluation_of_the_closure_with_the_fix(tmp_path):
+    """Strom's gradient mode exchanges the gradient of every backward pass: SAM's first gradient would be
+    sent and never applied. It stops there, on every rank, naming the update mode."""
+    with pytest.raises(Exception, match=r"SAMSGD evaluates the closure again.*compress='update'"):
+        fit(tmp_path, model=ClosureTwiceMLP("sam", tmp_path))
+
+
+@pytest.mark.parametrize("compress", ["update", "gradient"])
+def test_lbfgs_is_refused_with_the_reason_and_the_fix(tmp_path, compress):
+    with pytest.raises(Exception, match=r"cannot train with LBFGS.*strategy='ddp'"):
+        fit(tmp_path, model=ClosureTwiceMLP("lbfgs", tmp_path), **(UPDATE if compress == "update" else {}))
 
 
 class TwoGroups(TinyMLP):

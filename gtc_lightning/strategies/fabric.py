@@ -69,7 +69,11 @@ from gtc_lightning.algorithms.gtc.config import (
 from gtc_lightning.algorithms.gtc.hook import gtc_hook
 from gtc_lightning.algorithms.gtc.state import GTCState
 from gtc_lightning.strategies import checkpoint
-from gtc_lightning.strategies.common import warn_gradient_mode_for_adaptive
+from gtc_lightning.strategies.common import (
+    gradient_closure_once,
+    refuse_lbfgs,
+    warn_gradient_mode_for_adaptive,
+)
 
 
 class GTCFabricStrategy(DDPStrategy):
@@ -234,6 +238,7 @@ class GTCFabricStrategy(DDPStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         # fabric.setup(model, *optimizers) and fabric.setup_optimizers(*optimizers) both come here, once
         # per optimizer, before or after the module.
+        refuse_lbfgs("GTCFabricStrategy", [optimizer])
         known = any(optimizer is other for other in self._optimizers)
         self._resolve_compress(len(self._optimizers) + (not known))  # raises before anything changed
         if not known:
@@ -320,6 +325,8 @@ class GTCFabricStrategy(DDPStrategy):
         if state is not None and self._module is not None:
             state.check_unknown_gradients(self._module.named_parameters())
             state.finish_step(self._module.parameters(), loss_scaler=self._grad_scaler() is not None)
+        if "closure" in kwargs:
+            kwargs["closure"] = gradient_closure_once(kwargs["closure"], optimizer, "GTCFabricStrategy")
         output = super().optimizer_step(optimizer, **kwargs)
         scaler = self._grad_scaler()
         if state is not None and scaler is not None:

@@ -50,7 +50,9 @@ from gtc_lightning.strategies.checkpoint import CHECKPOINT_KEY
 from gtc_lightning.strategies.common import (
     add_callback,
     drop_hook_args,
+    gradient_closure_once,
     hint_unused_parameters,
+    refuse_lbfgs,
     register_names,
     warn_gradient_mode_for_adaptive,
 )
@@ -348,6 +350,7 @@ class GTCStrategy(DDPStrategy):
                 self._clip = (str(algorithm or "norm"), float(clip_val))
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            refuse_lbfgs("GTCStrategy", self.optimizers)
             self._resolve_compress()
             if self._gtc_state.compress == "gradient":
                 self._gate_clipping()
@@ -498,6 +501,8 @@ class GTCStrategy(DDPStrategy):
         if self._gtc_state is not None and self._gtc_state.compress == "update":
             return self._update_step(optimizer, closure, model, **kwargs)
 
+        closure = gradient_closure_once(closure, optimizer, "GTCStrategy")
+
         def closure_then_apply_skip() -> Any:
             result = closure()
             state = self._gtc_state
@@ -530,10 +535,16 @@ class GTCStrategy(DDPStrategy):
         scaler = self._grad_scaler() is not None
         warmup = state.step < state.warmup_steps
         skipped = False
+        evaluations = 0
 
         def closure_then_check() -> Any:
-            nonlocal skipped
+            nonlocal skipped, evaluations
+            evaluations += 1
             result = closure()
+            if evaluations > 1:
+                # An optimizer that evaluates the closure again within its step (SAM's second gradient, a line
+                # search) probes other points: the parameters kept are the step's start, checked once
+                return result
             state.check_unknown_gradients(module.named_parameters())
             if warmup:  # DDP averaged the gradients: every rank steps on the mean
                 update_mode.warmup(state)

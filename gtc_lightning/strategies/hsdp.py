@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from gtc_lightning.algorithms.gtc.config import check_options
 from gtc_lightning.algorithms.gtc.hsdp import HSDPGTCState
-from gtc_lightning.strategies.common import add_callback
+from gtc_lightning.strategies.common import add_callback, gradient_closure_once, refuse_lbfgs
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +235,8 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         modules = self._fsdp_modules()
         replicate = self.device_mesh["replicate"].get_group()
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            refuse_lbfgs("GTCHSDPStrategy", self.optimizers)
         if self._compress == "auto" and fitting:
             self._mode = "update" if len(self.optimizers) == 1 else "gradient"
         if self._mode == "update" and fitting and len(self.optimizers) != 1:
@@ -282,6 +284,8 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         """``compress="update"``: the optimizer steps on this replica's own gradient, then the step is
         replaced by GTC's estimate of the replicas' mean step (the module docstring)."""
         if self._mode != "update" or self._gtc_state is None:
+            if self._gtc_state is not None:  # the gradient mode: one gradient a step
+                closure = gradient_closure_once(closure, optimizer, "GTCHSDPStrategy")
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         shards = self._local_shards()
         before = torch.cat([t.detach().reshape(-1) for t in shards])

@@ -13,7 +13,8 @@ GTC compresses the step it made. Per optimizer step and rank:
 1. Before the step, the parameters are kept in the scratch buffer.
 2. After backward (local gradients: DDP's hook sends nothing), one small all-reduce of a non-finite
    flag: a NaN/Inf gradient on any rank skips the step on every rank (with an AMP loss scaler every
-   rank's scaler sees it), before any optimizer state is touched.
+   rank's scaler sees it), before any optimizer state is touched. Steps 1 and 2 come with the closure's
+   first evaluation: an optimizer that evaluates it again within its step (SAM) probes from there.
 3. The rank's optimizer steps on its own gradient: its moments and momentum are its own, like the
    local models of model averaging (and kept per rank in checkpoints).
 4. The step it made, divided by its learning rate (the optimizer's direction: Adam's
