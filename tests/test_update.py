@@ -803,3 +803,22 @@ def test_a_bad_local_clip_scale_is_refused_with_the_fix():
         with pytest.raises(ValueError, match=r"local_clip_scale=.*use 'sqrt_world'"):
             GTCStrategy(local_clip_scale=bad)
     assert GTCStrategy(local_clip_scale=2)._local_clip_scale == 2
+
+
+class ZeroAdamMLP(TinyMLP):
+    def configure_optimizers(self):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+
+
+def test_zero_redundancy_optimizer_is_refused_by_the_update_mode_and_runs_in_the_gradient_mode(tmp_path):
+    """ZeRO steps each rank's shard on the rank's own gradient and broadcasts it: in the update mode each
+    element would learn from one rank's data. In Strom's gradient mode it steps on the decoded mean gradient,
+    like DDP's averaged one: the replicas agree and the loss falls."""
+    with pytest.raises(Exception, match=r"update mode .*cannot train with ZeroRedundancyOptimizer.*compress='gradient'"):
+        fit(tmp_path / "update", model=ZeroAdamMLP(), **UPDATE)
+    _, ranks = fit(tmp_path / "gradient", model=ZeroAdamMLP(), tau=1e-3)
+    for a, b in zip(ranks[0]["records"], ranks[1]["records"]):
+        assert torch.equal(a["params"], b["params"])
+    assert ranks[0]["records"][-1]["loss"] < ranks[0]["records"][0]["loss"]

@@ -71,7 +71,7 @@ from gtc_lightning.algorithms.gtc.state import GTCState
 from gtc_lightning.strategies import checkpoint
 from gtc_lightning.strategies.common import (
     gradient_closure_once,
-    refuse_lbfgs,
+    refuse_optimizers,
     warn_gradient_mode_for_adaptive,
 )
 
@@ -238,7 +238,7 @@ class GTCFabricStrategy(DDPStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         # fabric.setup(model, *optimizers) and fabric.setup_optimizers(*optimizers) both come here, once
         # per optimizer, before or after the module.
-        refuse_lbfgs("GTCFabricStrategy", [optimizer])
+        refuse_optimizers("GTCFabricStrategy", [optimizer], update=self._compress in ("auto", "update"))
         known = any(optimizer is other for other in self._optimizers)
         self._resolve_compress(len(self._optimizers) + (not known))  # raises before anything changed
         if not known:

@@ -52,7 +52,7 @@ from gtc_lightning.strategies.common import (
     drop_hook_args,
     gradient_closure_once,
     hint_unused_parameters,
-    refuse_lbfgs,
+    refuse_optimizers,
     register_names,
     warn_gradient_mode_for_adaptive,
 )
@@ -350,8 +350,8 @@ class GTCStrategy(DDPStrategy):
                 self._clip = (str(algorithm or "norm"), float(clip_val))
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            refuse_lbfgs("GTCStrategy", self.optimizers)
             self._resolve_compress()
+            refuse_optimizers("GTCStrategy", self.optimizers, update=self._gtc_state.compress == "update")
             if self._gtc_state.compress == "gradient":
                 self._gate_clipping()
             else:

@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from gtc_lightning.algorithms.gtc.config import check_options
 from gtc_lightning.algorithms.gtc.hsdp import HSDPGTCState
-from gtc_lightning.strategies.common import add_callback, gradient_closure_once, refuse_lbfgs
+from gtc_lightning.strategies.common import add_callback, gradient_closure_once, refuse_optimizers
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class GTCHSDPStrategy(ModelParallelStrategy):
         replicate = self.device_mesh["replicate"].get_group()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            refuse_lbfgs("GTCHSDPStrategy", self.optimizers)
+            refuse_optimizers("GTCHSDPStrategy", self.optimizers, update=False)
         if self._compress == "auto" and fitting:
             self._mode = "update" if len(self.optimizers) == 1 else "gradient"
         if self._mode == "update" and fitting and len(self.optimizers) != 1:
