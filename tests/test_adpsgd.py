@@ -487,8 +487,9 @@ def _fit_checkpoint_resume(rank: int, out_dir: Path, world: int, compress: str =
     first = trainer(1, [ModelCheckpoint(dirpath=out_dir / "ckpt", every_n_train_steps=4, save_top_k=-1)])
     model = TinyMLP(samples=samples)
     first.fit(model)
-    own, average = first.strategy._at_end  # each rank's own model at the end, and the consensus
     final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # each rank's own model at the end, and the consensus (none kept where the ranks' models agreed)
+    own, average = first.strategy._at_end or (final.clone(), final.clone())
     started = Started()
     second = trainer(2, [started])
     second.fit(TinyMLP(samples=samples), ckpt_path=str(out_dir / "ckpt" / "epoch=0-step=4.ckpt"))

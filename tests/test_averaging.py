@@ -396,6 +396,32 @@ def test_a_second_fit_continues_every_rank_bit_for_bit(tmp_path, name):
         assert out["unpickled"] == LIFECYCLE[name][0].__name__
 
 
+def fit_ending_between_syncs(rank: int, out_dir: Path, name: str) -> dict:
+    """One rank: the same fit (8 steps, syncs after 3 and 6) with and without ``average_at_end``."""
+    cls, kwargs = LIFECYCLE[name]
+    out = {}
+    for at_end in (False, True):
+        model = Validated(momentum=0.0)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=cls(timeout=TIMEOUT, average_at_end=at_end, **kwargs),
+            max_epochs=2, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir,
+        )  # fmt: skip
+        trainer.fit(model)
+        out[at_end] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("name", ["ma", "bmuf", "bmuf_gtc", "dpsgd"])
+def test_a_fit_that_ends_between_syncs_returns_the_mean_of_the_ranks_models(tmp_path, name):
+    """Steps 7 and 8 are each rank's own: with ``average_at_end`` (the default) fit leaves every rank the
+    mean of them (bit for bit the all-reduce's), without it each rank keeps its own."""
+    own, averaged = zip(*((out[False], out[True]) for out in run_ranks(tmp_path, fit_ending_between_syncs, name=name)))
+    assert not torch.equal(own[0], own[1]), "the test needs a fit that ends with the ranks apart"
+    for rank in range(2):
+        assert torch.equal(averaged[rank], mean(list(own))), f"rank {rank}"
+
+
 FABRIC_NAMES = [
     base + suffix
     for base in ("ma", "bmuf", "bmuf_gtc", "dpsgd")

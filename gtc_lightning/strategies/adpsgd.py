@@ -196,7 +196,6 @@ class ADPSGDStrategy(DPSGDStrategy):
         super(DPSGDStrategy, self).setup(trainer)  # LocalStepsMixin's, without dpsgd's per-step spread
         if trainer.state.fn == TrainerFn.FITTING:
             add_callback(trainer, StalenessLogger(lambda: self._state, self.name, self._sync_point, self._resume))
-            self._continue_own_model()
             no_sigterm_broadcast(trainer)
             state = self._state
             if isinstance(state, ADPSGDState) and state.compress == "gtc":  # (no thread runs yet, on any rank)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
@@ -36,8 +37,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from gtc_lightning.algorithms.averaging.model_averaging import OPTIMIZER_STATES, AveragingState, local_hook
-from gtc_lightning.algorithms.common import check_int
+from gtc_lightning.algorithms.averaging.model_averaging import (
+    OPTIMIZER_STATES,
+    AveragingState,
+    all_mean,
+    flatten,
+    local_hook,
+    unflatten_,
+)
+from gtc_lightning.algorithms.common import all_gather_equal, check_int, parameter_checksums
 from gtc_lightning.strategies.checkpoint import remove_empty_folder, resolve_link
 from gtc_lightning.strategies.common import (
     add_callback,
@@ -206,6 +214,8 @@ class LocalStepsMixin:
     _continuing = False  # this fit continues the last one: keep the state
     _carried: dict | None = None  # the last fit's counters, for a fit that keeps only them
     _fitted: tuple | None = None  # weak references to the last fit's Trainer and model, its trainable layout
+    _average_at_end = False  # the class's default; the strategies take it as an argument
+    _at_end: tuple[torch.Tensor, torch.Tensor] | None = None  # (own, average) after average_at_end
 
     @property
     def sync_stats(self) -> dict:
@@ -273,6 +283,45 @@ class LocalStepsMixin:
                     if key in own:
                         t.copy_(own[key])
             log.info("%s: rank %d continues from its own model of the last fit", self.name, self.global_rank)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._continue_own_model()
+
+    @override
+    def on_train_end(self) -> None:
+        """``average_at_end``: a fit that ended while the ranks' models differ (between two syncs, or any
+        step of D-PSGD) leaves every rank the mean of them, the consensus model fit returns; each rank's
+        own is kept for a fit that continues this one. Replicas that agree to the bit are left alone."""
+        super().on_train_end()  # type: ignore[misc]
+        params = self._params if self._state is not None else []
+        if not self._average_at_end or not params or self.world_size < 2:
+            return
+        group = self._average_group()
+        sums = parameter_checksums(params)
+        everyone = torch.empty(dist.get_world_size(group) * sums.numel(), dtype=sums.dtype, device=sums.device)
+        all_gather_equal(everyone, sums, group=group)
+        if bool((everyone.view(-1, sums.numel()) == sums).all()):
+            return
+        own = flatten(params).cpu()  # (kept off the accelerator: the model may be used after fit)
+        with torch.no_grad():
+            mean, _ = all_mean(params, group)
+            unflatten_(mean, params)
+        self._at_end = (own, flatten(params).cpu())
+        if self.global_rank == 0:
+            log.info("%s: fit ended with the ranks' models apart; each is now their mean (average_at_end)", self.name)
+
+    def _average_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose models ``average_at_end`` averages: DDP's ``process_group`` (None: all)."""
+        return self._ddp_kwargs.get("process_group")  # type: ignore[attr-defined]
+
+    def _continue_own_model(self) -> None:
+        """A fit that continues one that ended with the average goes on from each rank's own model,
+        as the uninterrupted fit would; unless the model was changed since (its weights loaded)."""
+        at_end, self._at_end = self._at_end, None
+        if at_end is None or not self._continuing:
+            return
+        own, average = at_end
+        if torch.equal(flatten(self._params).cpu(), average):
+            unflatten_(own, self._params)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()  # type: ignore[misc]
@@ -376,6 +425,11 @@ class ModelAveragingStrategy(LocalStepsMixin, DDPStrategy):
         restore_shards: on resume, restore every rank's own model and optimizer state from
             ``<checkpoint>.ma/rank<r>.pt``; ``False`` starts every rank from the checkpoint's (rank
             0's) and a new period from there (also the way to resume on another number of ranks).
+        average_at_end: a fit that ends between two syncs (its steps not a multiple of the period)
+            leaves every rank the mean of the ranks' models, the consensus model fit returns (one
+            all-reduce of the model); ``False`` keeps each rank's own. A later ``fit`` of the same Trainer
+            goes on from each rank's own, as one uninterrupted fit would (unless the model's weights were
+            changed in between).
         **kwargs: as for ``DDPStrategy`` (``accelerator``, ``cluster_environment``, ``precision_plugin``,
             ``process_group_backend``, ``timeout``, ``start_method``, ...) and for
             ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``,
@@ -398,6 +452,7 @@ class ModelAveragingStrategy(LocalStepsMixin, DDPStrategy):
         scale_lr: bool = False,
         optimizer_state: Literal["keep", "reset", "average"] = "keep",
         restore_shards: bool = True,
+        average_at_end: bool = True,
         **kwargs: Any,
     ) -> None:
         check_int("period", period, 1, "local optimizer steps between two syncs")
@@ -413,6 +468,7 @@ class ModelAveragingStrategy(LocalStepsMixin, DDPStrategy):
         self._state: AveragingState | None = None
         self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup, averaged at each sync
         self._shards = RankShards(self.name, restore_shards)
+        self._average_at_end = bool(average_at_end)
 
     @property
     def period(self) -> int:
@@ -458,5 +514,6 @@ class ModelAveragingStrategy(LocalStepsMixin, DDPStrategy):
     def _describe(self) -> str:
         return (
             f"period={self._period}, warmup_steps={self._warmup_steps}, "
-            f"optimizer_state={self._optimizer_state}, scale_lr={self._scale_lr}, world_size={self.world_size}"
+            f"optimizer_state={self._optimizer_state}, scale_lr={self._scale_lr}, average_at_end={self._average_at_end}, "
+            f"world_size={self.world_size}"
         )

@@ -91,7 +91,7 @@ class BMUFStrategy(ModelAveragingStrategy):
             transfer hidden under compute. Each rank keeps what its local steps did meanwhile. The exchange in
             flight lands at the end of fit and is in every checkpoint shard.
             ``fragments`` and ``overlap`` need ``optimizer_state="keep"``.
-        warmup_steps, optimizer_state, scale_lr, restore_shards, kwargs: as for
+        warmup_steps, optimizer_state, scale_lr, restore_shards, average_at_end, kwargs: as for
             :class:`~gtc_lightning.strategies.averaging.ModelAveragingStrategy`; the first block starts after
             the warmup (``scale_lr`` with the default η makes up for the averaging twice). Every
             rank's checkpoint shard (``<checkpoint>.bmuf/rank<r>.pt``) holds its model, optimizer
@@ -214,6 +214,8 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
             averaged; the broadcast then gives the whole group the representative's.
         restore_shards: restore every rank's model, optimizer state and block state from
             ``<checkpoint>.bmuf_gtc/rank<r>.pt`` on resume (GTC's residuals: ``restore_residuals``).
+        average_at_end: a fit that ends between two block syncs leaves every rank the mean of all ranks'
+            models (as :class:`~gtc_lightning.strategies.averaging.ModelAveragingStrategy`'s).
         tau, coding: as for :class:`~gtc_lightning.strategies.gtc.GTCStrategy`, with the defaults this
             strategy was measured with (a fixed ``tau=1e-2``, 32-bit words).
         compress: always Strom's gradient compression within the groups (``"auto"`` means it too).
@@ -234,6 +236,7 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
         nesterov: bool = True,
         optimizer_state: Literal["keep", "reset", "average"] = "keep",
         restore_shards: bool = True,
+        average_at_end: bool = True,
         tau: float | Literal["auto"] = 1e-2,
         coding: Literal["none", "rice"] = "none",
         compress: Literal["auto", "gradient"] = "gradient",
@@ -266,9 +269,14 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
         self._state: BMUFState | None = None  # the block tier's
         self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup, averaged at each sync
         self._shards = RankShards(self.name, restore_shards)
+        self._average_at_end = bool(average_at_end)
         self._groups: tuple[list[int], dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup] | None = (
             None  # (my group's ranks, it, representatives, the world group they were made in)
         )
+
+    @override
+    def _average_group(self) -> dist.ProcessGroup | None:
+        return None  # every rank (DDP's process_group is the rank's GTC group)
 
     @property
     def group_size(self) -> int:

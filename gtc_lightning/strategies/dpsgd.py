@@ -145,7 +145,6 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
         self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup (statistics)
         self._shards = RankShards(self.name, restore_shards)
         self._own: torch.Tensor | None = None  # this rank's parameters while the average is evaluated
-        self._at_end: tuple[torch.Tensor, torch.Tensor] | None = None  # (own, average) after average_at_end
 
     @property
     def warmup_steps(self) -> int:
@@ -178,7 +177,6 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             add_callback(trainer, _SpreadLogger(lambda: self._state, self.name))
-            self._continue_own_model()
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -283,25 +281,6 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
     @override
     def on_predict_end(self) -> None:
         self._restore_own()
-
-    @override
-    def on_train_end(self) -> None:
-        if self._average_at_end and self._state is not None:
-            params = self._trainable()
-            own = flatten(params).cpu()  # (kept off the accelerator: the model may be used after fit)
-            self._state.average_(params)
-            self._at_end = (own, flatten(params).cpu())
-
-    def _continue_own_model(self) -> None:
-        """A fit that continues one that ended with the average goes on from each rank's own model,
-        as the uninterrupted fit would; unless the model was changed since (its weights loaded)."""
-        at_end, self._at_end = self._at_end, None
-        if at_end is None or not self._continuing:
-            return
-        own, average = at_end
-        params = self._trainable()
-        if torch.equal(flatten(params).cpu(), average):
-            unflatten_(own, params)
 
     # ---- checkpoints: every rank's own state in its shard (LocalStepsMixin), the average in the checkpoint
 

@@ -69,7 +69,7 @@ class SparseLoCoStrategy(BMUFStrategy):
         busy_wait: poll the sync's collectives (``None``: on gloo when each rank has a core).
         fragments, overlap: as for :class:`BMUFStrategy` (Streaming DiLoCo's parts synced in turn, and the
             exchange overlapped with the next local steps); each part keeps its own slice of the residual.
-        warmup_steps, optimizer_state, kwargs: as for :class:`BMUFStrategy` (``scale_lr``,
+        warmup_steps, optimizer_state, kwargs: as for :class:`BMUFStrategy` (``scale_lr``, ``average_at_end``,
             ``restore_shards``, DDP's arguments). ``optimizer_state="average"`` is refused: it all-reduces
             the moments densely. Every rank's checkpoint shard (``<checkpoint>.sparseloco/rank<r>.pt``)
             holds its model, optimizer state, W, Δ and its own residual.
