@@ -460,3 +460,17 @@ def test_bmuf_resumes_on_cuda_with_w_and_delta_on_the_gpu(tmp_path):
         assert rec["global_step"] == 8 and rec["syncs"] >= 2, rec
         assert rec["w_device"] == rec["delta_device"] == "cuda:0", rec
     assert torch.equal(bits(runs[0]["params"]), bits(runs[1]["params"]))  # step 8 ends a block
+
+
+# ---- gtc_hsdp on the GPU: FSDP2 and GTC's replicate dimension on cuda:0 ----------------------------------
+
+
+@pytest.mark.parametrize("compress", ["update", "gradient"])
+def test_gtc_hsdp_trains_on_cuda_with_identical_replicas(tmp_path, compress):
+    """Two ranks sharing cuda:0 over gloo (``replicate_size=2`` x ``shard_size=1``): FSDP2's parameters on
+    the GPU, GTC's words from the Triton kernels, the two replicas bit-identical after every step."""
+    import test_hsdp
+
+    runs = test_hsdp.launch_two(tmp_path / compress, compress, "gpu")
+    assert [run["device"] for run in runs] == ["cuda:0", "cuda:0"]
+    test_hsdp.check_two_replicas(runs)

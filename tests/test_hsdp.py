@@ -576,3 +576,72 @@ def test_per_step_tau_decodes_each_replicas_words_at_its_own_tau(tmp_path):
         assert 5 < b["tau"] / a["tau"] < 20
         for sent in a["sent"]:
             assert 0.02 < (sent != 0).float().mean() < 0.1
+
+
+# ---- two processes sharing one device over gloo, as tests/test_cuda.py runs them on cuda:0 -------------
+
+
+def two_process_main(rank: int, port: int, out: str, compress: str, accelerator: str) -> None:
+    """One rank of two (``replicate_size=2`` x ``shard_size=1``), launched by :func:`launch_two` as a
+    process of its own, on ``accelerator`` (``"gpu"``: both ranks on cuda:0 over gloo, since NCCL refuses
+    two ranks on one device): 6 steps of :class:`ShardedMLP` (each rank its own rows), its record in
+    ``rank{r}.pt`` as the forked tests write it."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), LOCAL_RANK="0",
+                      WORLD_SIZE="2", GLOBAL_RANK=str(rank))  # fmt: skip
+    strategy = GTCHSDPStrategy(replicate_size=2, shard_size=1, process_group_backend="gloo", timeout=TIMEOUT,
+                               tau="auto" if compress == "update" else 0.01, compress=compress)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=1, num_nodes=2, strategy=strategy, max_steps=6, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+    )  # fmt: skip
+    model = ShardedMLP(Path(out), per_rank_data=True)
+    trainer.fit(model)
+    record = torch.load(Path(out) / f"rank{rank}.pt", weights_only=False)
+    record["device"] = str(next(model.parameters()).device)
+    torch.save(record, Path(out) / f"rank{rank}.pt")
+
+
+def launch_two(out: Path, compress: str, accelerator: str) -> list[dict]:
+    """:func:`two_process_main` in two new Python processes; their records, rank by rank."""
+    import os
+    import subprocess
+    import sys
+
+    from gtc_lightning.tools.bench_step import free_port
+
+    out.mkdir(parents=True)
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    if accelerator == "gpu":
+        env["TRITON_INTERPRET"] = "0"
+    code = "import sys, test_hsdp; a = sys.argv[1:]; test_hsdp.two_process_main(int(a[0]), int(a[1]), *a[2:])"
+    port = free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(r), str(port), str(out), compress, accelerator],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def check_two_replicas(runs: list[dict]) -> None:
+    """The two replicas of the one shard bit-identical after every step, finite, trained, GTC's steps sparse."""
+    assert runs[0]["stats"]["sparse"] > 0
+    for a, b in zip(runs[0]["records"], runs[1]["records"]):
+        assert all(torch.equal(pa.cpu(), pb.cpu()) for pa, pb in zip(a["params"], b["params"]))
+        assert all(torch.isfinite(p).all() for p in a["params"])
+    first, last = runs[0]["records"][0]["params"], runs[0]["records"][-1]["params"]
+    assert any(not torch.equal(a, b) for a, b in zip(first, last))
+
+
+def test_two_processes_over_gloo_as_the_cuda_test_runs_them(tmp_path):
+    """The launch of tests/test_cuda.py's gtc_hsdp test, on the CPU: two processes, a 2 x 1 mesh."""
+    runs = launch_two(tmp_path / "update", "update", "cpu")
+    assert [run["device"] for run in runs] == ["cpu", "cpu"]
+    check_two_replicas(runs)

@@ -8,7 +8,7 @@ show, one part after another, each bounded by its own time limit so that the who
 1. ``tests``: ``tests/test_cuda.py`` with ``TRITON_INTERPRET=0`` (the kernels against their torch
    twins bit for bit, the update mode's one-pass fold on CUDA, the whole update-mode step against the
    CPU's, replicas bit-identical on 1 rank over NCCL and 2 ranks on one GPU over gloo, adpsgd and BMUF
-   on the GPU);
+   on the GPU, ``gtc_hsdp``'s FSDP2 and replicate dimension on 2 ranks sharing the GPU);
 2. ``kernels``: ``gtc_lightning.tools.bench`` at 1 M, 14.6 M and 100 M elements with the update mode's
    ``fold_emit_`` and Golomb-Rice coding, each against a device copy of the same bytes (the roofline);
 3. ``step``: ``gtc_lightning.tools.bench_step`` on one GPU, one rank: the host cost of a step of each
@@ -36,17 +36,17 @@ from pathlib import Path
 BUDGET_S = 540  # the whole call: under the 10 minutes one device command may take, with a minute to spare
 PARTS = {
     # name: (time limit in seconds, command after the Python executable)
-    "tests": (  # 314 s on an H200 (2026-12-04): its Trainer tests take about 30 s each
-        340,
+    "tests": (  # 314 s on an H200 (2026-12-04): its Trainer tests take about 30 s each; gtc_hsdp's two since
+        400,
         ["-m", "pytest", "--noconftest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py", "--junitxml", "{out}/tests.xml"],
     ),
     "kernels": (  # 19 s there
-        60,
+        40,
         ["-m", "gtc_lightning.tools.bench", "--sizes", "1M,14.6M,100M", "--density", "1%", "--rice", "--fold",
          "--repeats", "10", "--json", "{out}/kernels.json"],
     ),
     "step": (  # 57 s there
-        130,
+        100,
         ["-m", "gtc_lightning.tools.bench_step", "--accelerator", "gpu", "--world", "1", "--models", "recipe", "strom",
          "--strategies", "ddp", "ddp_bf16", "gtc", "gtc_update", "gtc_update_twopass", "nocomm", "--rounds", "3",
          "--steps", "30", "--warmup", "10", "--batch", "4096", "--precision", "bf16-mixed", "--matmul-precision",
