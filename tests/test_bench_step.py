@@ -29,6 +29,18 @@ def test_one_rank_table_and_timed_statistics(tmp_path, capsys):
     assert gtc["gtc"]["modes"] == {"sparse": 3, "dense": 0}
 
 
+def test_profile_writes_rank_0s_table_of_the_timed_steps(tmp_path):
+    bench_step.main([
+        "--world", "1", "--models", "2x16:4", "--strategies", "gtc_update", "--rounds", "1", "--steps", "3",
+        "--warmup", "2", "--batch", "8", "--threads", "1", "--out", str(tmp_path / "steps.json"),
+        "--profile", str(tmp_path / "prof"),
+    ])  # fmt: skip
+    table = (tmp_path / "prof" / "2x16x4_gtc_update_round0.txt").read_text()
+    assert table.startswith("3 profiled steps") and "Optimizer.step#SGD.step" in table
+    calls = next(line for line in table.splitlines() if "Optimizer.step#SGD.step" in line)
+    assert calls.split()[-1] == "3"  # the timed steps alone, not the warm-up's
+
+
 def test_strategy_totals_copy_step_and_numbers():
     class Fake:
         @property

@@ -34,6 +34,7 @@ On one machine it forks ``--world`` ranks (gloo on loopback). Under a launcher t
 Example::
 
     python -m gtc_lightning.tools.bench_step --models recipe strom --rounds 3 --steps 20
+    python -m gtc_lightning.tools.bench_step --models strom --strategies gtc_update --rounds 1 --profile exp/prof
 """
 
 from __future__ import annotations
@@ -273,8 +274,35 @@ def _segment(args, model_spec, strategy_name: str, devices: int, num_nodes: int,
             if len(self.marks) == warmup:
                 self.after_warmup = strategy_totals(trainer.strategy, trainer.callbacks)
 
+    class Profile(L.Callback):
+        """``--profile DIR``: torch's profiler over the timed steps; rank 0's table of the host's ops (by
+        their own time) into ``DIR/<model>_<strategy>_round<r>.txt``."""
+
+        def __init__(self, path: Path) -> None:
+            self.path, self.profiler = path, None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == warmup and self.profiler is None:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if pl_module.device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
+
+        def on_train_end(self, trainer, pl_module):
+            if self.profiler is None:
+                return
+            self.profiler.__exit__(None, None, None)
+            if trainer.global_rank == 0:
+                table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.path.write_text(f"{args.steps} profiled steps (their times include the profiler's own)\n{table}\n")
+
     from gtc_lightning.strategies.baselines import PowerSGDStrategy
 
+    if getattr(args, "profile", None):
+        name = f"{'x'.join(map(str, model_spec))}_{strategy_name}_round{seed}.txt"
+        callbacks = [*callbacks, Profile(Path(args.profile) / name)]
     clock = Clock()
     strategy = strategy or make_strategy(strategy_name, args.tau, args.exchange)
     try:  # the update mode's one-pass step, or its reference passes (gtc_update_twopass)
@@ -437,6 +465,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank; 0: cores / ranks on this node")
     parser.add_argument("--out", default="exp/bench_step/results.json")
+    parser.add_argument("--profile", metavar="DIR", help="also profile the timed steps with torch.profiler: rank "
+                        "0's table of host ops per model, strategy and round into DIR (the step times then "
+                        "include the profiler's own: time without it)")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 2 or args.rounds < 1:
         parser.error(f"need --warmup >= 1, --steps >= 2, --rounds >= 1; got {args.warmup}, {args.steps}, {args.rounds}")

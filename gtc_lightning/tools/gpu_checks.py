@@ -13,7 +13,9 @@ show, one part after another, each bounded by its own time limit so that the who
    ``fold_emit_`` and Golomb-Rice coding, each against a device copy of the same bytes (the roofline);
 3. ``step``: ``gtc_lightning.tools.bench_step`` on one GPU, one rank: the host cost of a step of each
    strategy against ``nocomm`` (DDP sending nothing), the update mode in one pass and through its
-   reference passes (``gtc_update_twopass``) side by side, on the recipe's model and Strom's.
+   reference passes (``gtc_update_twopass``) side by side, on the recipe's model and Strom's;
+4. ``profile``: the update mode's step on Strom's model under torch's profiler: the host's ops by their
+   own time (``profile/*.txt``), to find what of the step's host work to fuse or drop.
 
 Run from the repository root (the device machine has torch, triton, lightning and pytest, and none of
 the recipe's packages: nothing here needs them)::
@@ -37,20 +39,27 @@ BUDGET_S = 540  # the whole call: under the 10 minutes one device command may ta
 PARTS = {
     # name: (time limit in seconds, command after the Python executable)
     "tests": (  # 314 s on an H200 (2026-12-04): its Trainer tests take about 30 s each; gtc_hsdp's two since
-        400,
+        390,
         ["-m", "pytest", "--noconftest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py", "--junitxml", "{out}/tests.xml"],
     ),
     "kernels": (  # 19 s there
-        40,
+        35,
         ["-m", "gtc_lightning.tools.bench", "--sizes", "1M,14.6M,100M", "--density", "1%", "--rice", "--fold",
          "--repeats", "10", "--json", "{out}/kernels.json"],
     ),
     "step": (  # 57 s there
-        100,
+        85,
         ["-m", "gtc_lightning.tools.bench_step", "--accelerator", "gpu", "--world", "1", "--models", "recipe", "strom",
          "--strategies", "ddp", "ddp_bf16", "gtc", "gtc_update", "gtc_update_twopass", "nocomm", "--rounds", "3",
          "--steps", "30", "--warmup", "10", "--batch", "4096", "--precision", "bf16-mixed", "--matmul-precision",
          "high", "--out", "{out}/step.json"],
+    ),
+    "profile": (  # not yet run on a GPU
+        30,
+        ["-m", "gtc_lightning.tools.bench_step", "--accelerator", "gpu", "--world", "1", "--models", "strom",
+         "--strategies", "gtc_update", "--rounds", "1", "--steps", "20", "--warmup", "10", "--batch", "4096",
+         "--precision", "bf16-mixed", "--matmul-precision", "high", "--out", "{out}/profile.json",
+         "--profile", "{out}/profile"],
     ),
 }  # fmt: skip
 
