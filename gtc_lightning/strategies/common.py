@@ -4,6 +4,7 @@ callback added once, before the checkpoint callbacks; the optimizers GTC refuses
 mode) and the closure
 Strom's gradient mode takes (evaluated once a step)."""
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.utilities.exceptions import _augment_message
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 LAUNCHERS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
@@ -127,7 +127,10 @@ def refuse_optimizers(who: str, optimizers: list, update: bool) -> None:
                 "estimate no longer describes the loss. Use strategy='ddp' for LBFGS, or a first-order optimizer "
                 "(SGD, Adam) with GTC"
             )
-        if update and isinstance(inner, ZeroRedundancyOptimizer):
+        # (torch.distributed.optim is imported by the user who made one: importing it here would cost every
+        # import of this package torch's deprecation warnings of its TorchScript optimizers)
+        zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+        if update and zero is not None and isinstance(inner, zero.ZeroRedundancyOptimizer):
             raise ValueError(
                 f"{who}'s update mode (compress='update', or 'auto' with one optimizer) cannot train with {name}: "
                 "it steps each rank's shard of the optimizer state on that rank's own gradient and broadcasts the "
