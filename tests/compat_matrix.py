@@ -402,19 +402,19 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             ),
             "ma": works(
                 "bit-identical to the uninterrupted run; every rank's own model and optimizer state in "
-                "`<ckpt>.ma/rank<r>.pt`"
+                "`<ckpt>.ma/rank<r>.pt`, their mean in the checkpoint"
             ),
             "bmuf": works(
                 "bit-identical to the uninterrupted run; every rank's own model, optimizer state, W and Δ "
-                "in `<ckpt>.bmuf/rank<r>.pt`"
+                "in `<ckpt>.bmuf/rank<r>.pt`, their mean in the checkpoint"
             ),
             "bmuf_gtc": works(
                 "bit-identical to the uninterrupted run; GTC's residual shards, and every rank's own "
-                "model, optimizer state, W and Δ in `<ckpt>.bmuf_gtc/rank<r>.pt`"
+                "model, optimizer state, W and Δ in `<ckpt>.bmuf_gtc/rank<r>.pt`, their mean in the checkpoint"
             ),
             "sparseloco": works(
                 "bit-identical to the uninterrupted run; every rank's own model, optimizer state, W, Δ and "
-                "residual in `<ckpt>.sparseloco/rank<r>.pt`"
+                "residual in `<ckpt>.sparseloco/rank<r>.pt`, their mean in the checkpoint"
             ),
         },
     ),
@@ -428,16 +428,16 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "dpsgd": works("evaluates the average of the ranks' parameters"),
             "adpsgd": works("evaluates the average of the ranks' parameters"),
             "ma": works(
-                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+                "evaluates the mean of the ranks' models (`average_eval`)"
             ),
             "bmuf": works(
-                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+                "evaluates the mean of the ranks' models (`average_eval`)"
             ),
             "bmuf_gtc": works(
-                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+                "evaluates the mean of the ranks' models (`average_eval`)"
             ),
             "sparseloco": works(
-                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+                "evaluates the mean of the ranks' models (`average_eval`)"
             ),
         },
     ),
@@ -451,16 +451,16 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             "dpsgd": works("evaluates the average; each rank's own parameters come back after"),
             "adpsgd": works("finishes every exchange, then evaluates the average; each rank's own parameters come back after"),
             "ma": works(
-                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+                "evaluates the mean of the ranks' models between syncs (`average_eval`); each rank's own comes back after"
             ),
             "bmuf": works(
-                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+                "evaluates the mean of the ranks' models between syncs (`average_eval`); each rank's own comes back after"
             ),
             "bmuf_gtc": works(
-                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+                "evaluates the mean of the ranks' models between syncs (`average_eval`); each rank's own comes back after"
             ),
             "sparseloco": works(
-                "each rank evaluates its own model (they differ between syncs); `sync_dist` logs the mean"
+                "evaluates the mean of the ranks' models between syncs (`average_eval`); each rank's own comes back after"
             ),
         },
     ),

@@ -13,9 +13,11 @@ import lightning as L
 import pytest
 import torch
 from _averaging_helpers import LR, fit_recorded, local_step, mean, run_ranks
+from _averaging_helpers import Validated as SeenValidated
 from _strategy_helpers import (
     TIMEOUT,
     TinyMLP,
+    fit,
     keep_master_port,  # noqa: F401  (autouse: the fork launcher sets MASTER_PORT)
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -23,7 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 
-from gtc_lightning import BMUFGTCStrategy, BMUFStrategy, DPSGDStrategy, ModelAveragingStrategy
+from gtc_lightning import BMUFGTCStrategy, BMUFStrategy, DPSGDStrategy, ModelAveragingStrategy, SparseLoCoStrategy
 from gtc_lightning.algorithms.common import allreduce_bytes
 
 K = 3  # syncs after steps 3 and 6 of 8 (2 epochs x 4 batches per rank)
@@ -420,6 +422,66 @@ def test_a_fit_that_ends_between_syncs_returns_the_mean_of_the_ranks_models(tmp_
     assert not torch.equal(own[0], own[1]), "the test needs a fit that ends with the ranks apart"
     for rank in range(2):
         assert torch.equal(averaged[rank], mean(list(own))), f"rank {rank}"
+
+
+EVALUATED = {  # syncs after steps 3 and 6; validations and checkpoints after steps 4 and 8, the ranks apart
+    "ma": (ModelAveragingStrategy, {"period": K}),
+    "bmuf": (BMUFStrategy, {"period": K}),
+    "sparseloco": (SparseLoCoStrategy, {"period": K}),
+    "bmuf_gtc": (BMUFGTCStrategy, {"group_size": 1, "period": K, "tau": 0.01}),
+}
+
+
+@pytest.mark.parametrize("name", list(EVALUATED))
+def test_validation_and_checkpoints_between_syncs_see_the_mean_of_the_ranks_models(tmp_path, name):
+    """Validation after steps 4 and 8 (between syncs) evaluates the mean of the ranks' models, each
+    rank's own comes back for the next local step; the checkpoints hold that mean, their shards each
+    rank's own, and a fit resumed from a checkpoint goes on from every rank's own, bit for bit."""
+    cls, kwargs = EVALUATED[name]
+    callbacks = [
+        ModelCheckpoint(dirpath=tmp_path / "every", every_n_train_steps=4, save_top_k=-1),
+        ModelCheckpoint(dirpath=tmp_path / "best", monitor="val_loss", save_top_k=1),
+    ]
+    trainer_kwargs = {"enable_checkpointing": True, "callbacks": callbacks, "num_sanity_val_steps": 0}
+    model = SeenValidated(tmp_path, momentum=0.0)
+    trainer, ranks = fit(tmp_path, strategy=cls, model=model, trainer_kwargs=trainer_kwargs, **kwargs)
+    seen = [torch.load(tmp_path / f"seen{r}.pt") for r in range(2)]
+    for k, t in enumerate((3, 7)):
+        own = [rank["records"][t]["params"] for rank in ranks]
+        assert not torch.equal(own[0], own[1]), f"the test needs ranks apart after step {t + 1}"
+        for r in range(2):
+            assert torch.equal(seen[r][k], mean(own)), f"rank {r}: validation after step {t + 1}"
+    if name == "ma":  # the local step after the validation starts from the rank's own model
+        for rank in ranks:
+            step5 = local_step(rank["records"][3]["params"], rank["records"][4]["local_grad"])
+            assert torch.equal(rank["records"][4]["params"], step5)
+    for ckpt in [*(tmp_path / "best").glob("*.ckpt"), *(tmp_path / "every").glob("*.ckpt")]:
+        step = int(ckpt.stem.split("step=")[1]) - 1
+        state = torch.load(ckpt, weights_only=False)["state_dict"]
+        assert torch.equal(torch.cat([v.reshape(-1) for v in state.values()]), seen[0][step // 4]), ckpt.name
+        for r in range(2):
+            shard = torch.load(f"{ckpt}.{name}/rank{r}.pt", weights_only=False)["state_dict"]
+            flat = torch.cat([v.reshape(-1) for v in shard.values()])
+            assert torch.equal(flat, ranks[r]["records"][step]["params"]), f"{ckpt.name}: rank {r}'s shard"
+    resumed_dir = tmp_path / "resumed"
+    _, resumed = fit(resumed_dir, strategy=cls, model=TinyMLP(momentum=0.0),
+                     ckpt_path=str(tmp_path / "every" / "epoch=0-step=4.ckpt"), **kwargs)  # fmt: skip
+    for r in range(2):
+        assert torch.equal(resumed[r]["start"]["params"], ranks[r]["records"][3]["params"])
+        for a, b in zip(resumed[r]["records"], ranks[r]["records"][4:]):
+            assert torch.equal(a["params"], b["params"]), f"rank {r}: the resumed fit differs"
+
+
+def test_without_average_eval_each_rank_validates_its_own_model(tmp_path):
+    model = SeenValidated(tmp_path, momentum=0.0)
+    trainer_kwargs = {"num_sanity_val_steps": 0}
+    _, ranks = fit(tmp_path, strategy=ModelAveragingStrategy, model=model, trainer_kwargs=trainer_kwargs,
+                   period=K, average_eval=False)  # fmt: skip
+    seen = [torch.load(tmp_path / f"seen{r}.pt") for r in range(2)]
+    for r in range(2):
+        assert torch.equal(seen[r][0], ranks[r]["records"][3]["params"])
+        assert torch.equal(seen[r][1], ranks[r]["records"][7]["params"])
+    assert not torch.equal(seen[0][0], seen[1][0])
 
 
 FABRIC_NAMES = [

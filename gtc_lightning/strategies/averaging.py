@@ -19,10 +19,11 @@ Lightning strategy the same way for every scheme. DDP's own buffer broadcast
 (``broadcast_buffers``) and unused-parameter bitmap are not counted in the bytes, as for GTC.
 """
 
+import contextlib
 import logging
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 class RankShards:
     """Every rank's own training state in ``<checkpoint>.<name>/rank<r>.pt``: its parameters and
     buffers, its optimizers' and AMP scaler's state and its averaging state. Between syncs these
-    differ from rank 0's, the only ones in Lightning's checkpoint, so a resume needs them to be
+    differ from the mean of the ranks' models, the one in Lightning's checkpoint, so a resume needs them to be
     bit-exact. The checkpoint gets an entry ``name`` with the world size and counters. Every rank
     writes and removes its own shard; a resume through a link (``last.ckpt`` of
     ``ModelCheckpoint(save_last="link")``) reads the shards beside the link's target.
@@ -72,7 +73,7 @@ class RankShards:
     Args:
         name: the strategy's name: the checkpoint entry and the shard folder's suffix.
         restore: restore every rank's shard on resume; ``False`` starts every rank from the
-            checkpoint (rank 0's model and optimizer state) and a new period from there.
+            checkpoint (the mean of the ranks' models, rank 0's optimizer state) and a new period from there.
     """
 
     def __init__(self, name: str, restore: bool = True) -> None:
@@ -216,6 +217,18 @@ class LocalStepsMixin:
     _fitted: tuple | None = None  # weak references to the last fit's Trainer and model, its trainable layout
     _average_at_end = False  # the class's default; the strategies take it as an argument
     _at_end: tuple[torch.Tensor, torch.Tensor] | None = None  # (own, average) after average_at_end
+    _average_eval = False  # the class's default; the strategies take it as an argument
+    _own: torch.Tensor | None = None  # this rank's parameters while an evaluation loop sees the mean
+
+    @property
+    def average_eval(self) -> bool:
+        """Whether validation, test and predict loops evaluate the mean of the ranks' models."""
+        return self._average_eval
+
+    @property
+    def average_at_end(self) -> bool:
+        """Whether a fit that ends with the ranks' models apart leaves every rank their mean."""
+        return self._average_at_end
 
     @property
     def sync_stats(self) -> dict:
@@ -295,23 +308,110 @@ class LocalStepsMixin:
         params = self._params if self._state is not None else []
         if not self._average_at_end or not params or self.world_size < 2:
             return
-        group = self._average_group()
-        sums = parameter_checksums(params)
-        everyone = torch.empty(dist.get_world_size(group) * sums.numel(), dtype=sums.dtype, device=sums.device)
-        all_gather_equal(everyone, sums, group=group)
-        if bool((everyone.view(-1, sums.numel()) == sums).all()):
+        if self._replicas_agree(params):
             return
         own = flatten(params).cpu()  # (kept off the accelerator: the model may be used after fit)
         with torch.no_grad():
-            mean, _ = all_mean(params, group)
+            mean, _ = all_mean(params, self._average_group())
             unflatten_(mean, params)
         self._at_end = (own, flatten(params).cpu())
         if self.global_rank == 0:
             log.info("%s: fit ended with the ranks' models apart; each is now their mean (average_at_end)", self.name)
 
     def _average_group(self) -> dist.ProcessGroup | None:
-        """The ranks whose models ``average_at_end`` averages: DDP's ``process_group`` (None: all)."""
+        """The ranks whose models ``average_at_end``, ``average_eval`` and the checkpoints average: DDP's
+        ``process_group`` (None: all)."""
         return self._ddp_kwargs.get("process_group")  # type: ignore[attr-defined]
+
+    def _replicas_agree(self, params: list[torch.Tensor]) -> bool:
+        """Whether every rank of :meth:`_average_group` holds ``params`` bit for bit as this one does (their
+        checksums gathered: every rank of the group must call it)."""
+        group = self._average_group()
+        sums = parameter_checksums(params)
+        everyone = torch.empty(dist.get_world_size(group) * sums.numel(), dtype=sums.dtype, device=sums.device)
+        all_gather_equal(everyone, sums, group=group)
+        return bool((everyone.view(-1, sums.numel()) == sums).all())
+
+    # ---- evaluating and checkpointing the mean of the ranks' models ---------------------------------
+
+    def _trainable(self) -> list[torch.Tensor]:
+        module = self.lightning_module  # type: ignore[attr-defined]
+        return [p for p in module.parameters() if p.requires_grad] if module is not None else []
+
+    def _evaluate_average(self) -> None:
+        """``average_eval``: put the mean of the ranks' trainable parameters in place for an evaluation
+        loop, this rank's own kept aside (one all-reduce; nothing when the replicas agree)."""
+        if not self._average_eval or self._own is not None or self.world_size < 2:  # type: ignore[attr-defined]
+            return
+        params = self._trainable()
+        if not params or not dist.is_initialized() or self._replicas_agree(params):
+            return
+        self._own = flatten(params)
+        with torch.no_grad():
+            mean, _ = all_mean(params, self._average_group())
+            unflatten_(mean, params)
+
+    def _restore_own(self) -> None:
+        if self._own is not None:
+            unflatten_(self._own, self._trainable())
+            self._own = None
+
+    def _averaged_state_dict(self) -> dict[str, Any] | None:
+        """The module's state dict with the mean over the ranks in place of each trainable parameter;
+        None when the replicas agree (every rank must call it)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        params = self._trainable()
+        if not params or self.world_size < 2 or self._replicas_agree(params):  # type: ignore[attr-defined]
+            return None
+        with torch.no_grad():
+            mean, _ = all_mean(params, self._average_group())
+        averaged = {id(p): part.view_as(p) for p, part in zip(params, mean.split([p.numel() for p in params]))}
+        state = module.state_dict(keep_vars=True)  # tied weights: one tensor under two keys
+        return {key: averaged.get(id(value), value).detach() for key, value in state.items()}
+
+    @contextlib.contextmanager
+    def _own_parameters(self) -> Iterator[None]:
+        """This rank's own parameters in place for the duration (inside an evaluation loop)."""
+        if self._own is None:
+            yield
+            return
+        params = self._trainable()
+        mean = flatten(params)
+        unflatten_(self._own, params)
+        try:
+            yield
+        finally:
+            unflatten_(mean, params)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()  # type: ignore[misc]
+        self._evaluate_average()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._restore_own()
+        super().on_validation_end()  # type: ignore[misc]
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()  # type: ignore[misc]
+        self._evaluate_average()
+
+    @override
+    def on_test_end(self) -> None:
+        self._restore_own()
+        super().on_test_end()  # type: ignore[misc]
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()  # type: ignore[misc]
+        self._evaluate_average()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._restore_own()
+        super().on_predict_end()  # type: ignore[misc]
 
     def _continue_own_model(self) -> None:
         """A fit that continues one that ended with the average goes on from each rank's own model,
@@ -371,9 +471,18 @@ class LocalStepsMixin:
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
-        if self._state is not None:
-            self._shards.save(self, self._state, checkpoint, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        """Every rank's own model and state go to its shard; the checkpoint itself holds the mean of the
+        ranks' models (one all-reduce when they differ; inside an evaluation loop with ``average_eval``
+        the mean is in place already): what ``load_from_checkpoint`` gives and where every rank starts
+        when a fit resumes with ``restore_shards=False``."""
+        if self._state is not None and "state_dict" in checkpoint and self._own is None:
+            averaged = self._averaged_state_dict()
+            if averaged is not None:
+                checkpoint["state_dict"] = averaged
+        with self._own_parameters():
+            if self._state is not None:
+                self._shards.save(self, self._state, checkpoint, filepath)
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -430,6 +539,9 @@ class ModelAveragingStrategy(LocalStepsMixin, DDPStrategy):
             all-reduce of the model); ``False`` keeps each rank's own. A later ``fit`` of the same Trainer
             goes on from each rank's own, as one uninterrupted fit would (unless the model's weights were
             changed in between).
+        average_eval: validation, test and predict loops between two syncs evaluate the mean of the ranks'
+            models (one all-reduce as the loop starts; each rank's own comes back as it ends; nothing when
+            the replicas agree, as after a sync); ``False``: each rank evaluates its own.
         **kwargs: as for ``DDPStrategy`` (``accelerator``, ``cluster_environment``, ``precision_plugin``,
             ``process_group_backend``, ``timeout``, ``start_method``, ...) and for
             ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``,
@@ -437,9 +549,9 @@ class ModelAveragingStrategy(LocalStepsMixin, DDPStrategy):
             arguments may only be ``None``.
 
     Gradient clipping acts on each rank's local gradient (on warmup steps on the averaged one, as
-    under DDP). The replicas are identical after every sync and differ between syncs; the model
-    Lightning validates and checkpoints between syncs is each rank's own (rank 0's in the checkpoint
-    itself, every rank's in its shard).
+    under DDP). The replicas are identical after every sync and differ between syncs; between syncs
+    Lightning's evaluation loops see the mean of the ranks' models (``average_eval``), a checkpoint holds
+    that mean and every rank's shard its own model.
     """
 
     name = "ma"
@@ -453,6 +565,7 @@ class ModelAveragingStrategy(LocalStepsMixin, DDPStrategy):
         optimizer_state: Literal["keep", "reset", "average"] = "keep",
         restore_shards: bool = True,
         average_at_end: bool = True,
+        average_eval: bool = True,
         **kwargs: Any,
     ) -> None:
         check_int("period", period, 1, "local optimizer steps between two syncs")
@@ -469,6 +582,7 @@ class ModelAveragingStrategy(LocalStepsMixin, DDPStrategy):
         self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup, averaged at each sync
         self._shards = RankShards(self.name, restore_shards)
         self._average_at_end = bool(average_at_end)
+        self._average_eval = bool(average_eval)
 
     @property
     def period(self) -> int:
@@ -515,5 +629,6 @@ class ModelAveragingStrategy(LocalStepsMixin, DDPStrategy):
         return (
             f"period={self._period}, warmup_steps={self._warmup_steps}, "
             f"optimizer_state={self._optimizer_state}, scale_lr={self._scale_lr}, average_at_end={self._average_at_end}, "
+            f"average_eval={self._average_eval}, "
             f"world_size={self.world_size}"
         )

@@ -216,6 +216,8 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
             ``<checkpoint>.bmuf_gtc/rank<r>.pt`` on resume (GTC's residuals: ``restore_residuals``).
         average_at_end: a fit that ends between two block syncs leaves every rank the mean of all ranks'
             models (as :class:`~gtc_lightning.strategies.averaging.ModelAveragingStrategy`'s).
+        average_eval: evaluation loops between two block syncs see the mean of all ranks' models (as
+            :class:`~gtc_lightning.strategies.averaging.ModelAveragingStrategy`'s).
         tau, coding: as for :class:`~gtc_lightning.strategies.gtc.GTCStrategy`, with the defaults this
             strategy was measured with (a fixed ``tau=1e-2``, 32-bit words).
         compress: always Strom's gradient compression within the groups (``"auto"`` means it too).
@@ -237,6 +239,7 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
         optimizer_state: Literal["keep", "reset", "average"] = "keep",
         restore_shards: bool = True,
         average_at_end: bool = True,
+        average_eval: bool = True,
         tau: float | Literal["auto"] = 1e-2,
         coding: Literal["none", "rice"] = "none",
         compress: Literal["auto", "gradient"] = "gradient",
@@ -270,6 +273,7 @@ class BMUFGTCStrategy(LocalStepsMixin, GTCStrategy):
         self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup, averaged at each sync
         self._shards = RankShards(self.name, restore_shards)
         self._average_at_end = bool(average_at_end)
+        self._average_eval = bool(average_eval)
         self._groups: tuple[list[int], dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup] | None = (
             None  # (my group's ranks, it, representatives, the world group they were made in)
         )

@@ -41,13 +41,11 @@ resumes with ``restore_shards=False``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -57,10 +55,7 @@ from typing_extensions import override
 
 from gtc_lightning.algorithms.averaging.dpsgd import DPSGDState, check_ring_size
 from gtc_lightning.algorithms.averaging.model_averaging import (
-    all_mean,
-    flatten,
     local_hook,
-    unflatten_,
 )
 from gtc_lightning.algorithms.common import check_int
 from gtc_lightning.strategies.averaging import LocalStepsMixin, RankShards
@@ -144,28 +139,15 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
         self._state: DPSGDState | None = None
         self._params: list[torch.nn.Parameter] = []  # the trainable ones at setup (statistics)
         self._shards = RankShards(self.name, restore_shards)
-        self._own: torch.Tensor | None = None  # this rank's parameters while the average is evaluated
 
     @property
     def warmup_steps(self) -> int:
         return self._warmup_steps
 
     @property
-    def average_eval(self) -> bool:
-        return self._average_eval
-
-    @property
-    def average_at_end(self) -> bool:
-        return self._average_at_end
-
-    @property
     def dpsgd_state(self) -> DPSGDState | None:
         """The ring, step counter and statistics; ``None`` before ``fit`` configured DDP."""
         return self._state
-
-    def _trainable(self) -> list[torch.Tensor]:
-        assert self.lightning_module is not None
-        return [p for p in self.lightning_module.parameters() if p.requires_grad]
 
     @override
     def _configure_launcher(self) -> None:
@@ -217,76 +199,3 @@ class DPSGDStrategy(LocalStepsMixin, DDPStrategy):
         if self._state is not None and self._state.averaging:
             return None  # the neighbour averaging takes each step's trainable parameters
         return "it is in none of DDP's buckets, whose all-reduce keeps the replicas identical during the warmup"
-
-    # ---- evaluating the average ---------------------------------------------------------------
-
-    def _evaluate_average(self) -> None:
-        if not self._average_eval or self._own is not None or self.world_size < 2:
-            return
-        params = self._trainable()
-        self._own = flatten(params)
-        with torch.no_grad():
-            mean, _ = all_mean(params, self._ddp_kwargs.get("process_group"))
-            unflatten_(mean, params)
-
-    def _restore_own(self) -> None:
-        if self._own is not None:
-            unflatten_(self._own, self._trainable())
-            self._own = None
-
-    def _averaged_state_dict(self) -> dict[str, Any]:
-        """The module's state dict with the mean over the ranks in place of each trainable parameter."""
-        assert self.lightning_module is not None
-        params = self._trainable()
-        with torch.no_grad():
-            mean, _ = all_mean(params, self._ddp_kwargs.get("process_group"))
-        averaged = {id(p): part.view_as(p) for p, part in zip(params, mean.split([p.numel() for p in params]))}
-        state = self.lightning_module.state_dict(keep_vars=True)  # tied weights: one tensor under two keys
-        return {key: averaged.get(id(value), value).detach() for key, value in state.items()}
-
-    @contextlib.contextmanager
-    def _own_parameters(self) -> Iterator[None]:
-        """This rank's own parameters in place for the duration (inside an evaluation loop)."""
-        if self._own is None:
-            yield
-            return
-        params = self._trainable()
-        mean = flatten(params)
-        unflatten_(self._own, params)
-        try:
-            yield
-        finally:
-            unflatten_(mean, params)
-
-    @override
-    def on_validation_start(self) -> None:
-        self._evaluate_average()
-
-    @override
-    def on_validation_end(self) -> None:
-        self._restore_own()
-
-    @override
-    def on_test_start(self) -> None:
-        self._evaluate_average()
-
-    @override
-    def on_test_end(self) -> None:
-        self._restore_own()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._evaluate_average()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._restore_own()
-
-    # ---- checkpoints: every rank's own state in its shard (LocalStepsMixin), the average in the checkpoint
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self._state is not None and "state_dict" in checkpoint and self._own is None:
-            checkpoint["state_dict"] = self._averaged_state_dict()  # (in an evaluation loop it is already)
-        with self._own_parameters():
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
