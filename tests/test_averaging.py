@@ -25,7 +25,13 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 
-from gtc_lightning import BMUFGTCStrategy, BMUFStrategy, DPSGDStrategy, ModelAveragingStrategy, SparseLoCoStrategy
+from gtc_lightning import (
+    BMUFGTCStrategy,
+    BMUFStrategy,
+    DPSGDStrategy,
+    ModelAveragingStrategy,
+    SparseLoCoStrategy,
+)
 from gtc_lightning.algorithms.common import allreduce_bytes
 
 K = 3  # syncs after steps 3 and 6 of 8 (2 epochs x 4 batches per rank)
@@ -444,7 +450,7 @@ def test_validation_and_checkpoints_between_syncs_see_the_mean_of_the_ranks_mode
     ]
     trainer_kwargs = {"enable_checkpointing": True, "callbacks": callbacks, "num_sanity_val_steps": 0}
     model = SeenValidated(tmp_path, momentum=0.0)
-    trainer, ranks = fit(tmp_path, strategy=cls, model=model, trainer_kwargs=trainer_kwargs, **kwargs)
+    _, ranks = fit(tmp_path, strategy=cls, model=model, trainer_kwargs=trainer_kwargs, **kwargs)
     seen = [torch.load(tmp_path / f"seen{r}.pt") for r in range(2)]
     for k, t in enumerate((3, 7)):
         own = [rank["records"][t]["params"] for rank in ranks]
