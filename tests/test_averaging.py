@@ -478,6 +478,47 @@ def test_validation_and_checkpoints_between_syncs_see_the_mean_of_the_ranks_mode
             assert torch.equal(a["params"], b["params"]), f"rank {r}: the resumed fit differs"
 
 
+class SavedEntries(L.Callback):
+    """After Lightning's ``EMAWeightAveraging`` (listed before it): what each checkpoint's ``state_dict``
+    holds on this rank before the strategy averages it (the rank's average model), and the model fit
+    ends with on this rank before ``average_at_end`` (the average model, copied in)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir, self.saved = Path(out_dir), {}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.saved[trainer.global_step] = {k: v.detach().clone() for k, v in checkpoint["state_dict"].items()}
+
+    def on_train_end(self, trainer, pl_module):
+        final = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).clone()
+        torch.save({"saved": self.saved, "final": final}, self.out_dir / f"entries{trainer.global_rank}.pt")
+
+
+def test_with_lightnings_ema_the_checkpoint_and_the_end_of_fit_hold_the_mean_of_the_ranks_averages(tmp_path):
+    """``EMAWeightAveraging`` puts each rank's average model in the checkpoint's ``state_dict`` (the model
+    itself under ``current_model_state``) and copies it into the model at the end of fit: between syncs
+    the ranks' averages differ, and the checkpoint holds their mean, as fit ends with it."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    callbacks = [
+        EMAWeightAveraging(decay=0.5), SavedEntries(tmp_path),
+        ModelCheckpoint(dirpath=tmp_path / "every", every_n_train_steps=4, save_top_k=-1),
+    ]  # fmt: skip
+    trainer_kwargs = {"enable_checkpointing": True, "callbacks": callbacks}
+    trainer, _ = fit(tmp_path, strategy=ModelAveragingStrategy, model=TinyMLP(momentum=0.0),
+                     trainer_kwargs=trainer_kwargs, period=K)  # fmt: skip
+    entries = [torch.load(tmp_path / f"entries{r}.pt", weights_only=False) for r in range(2)]
+    for step in (4, 8):
+        ranks = [entry["saved"][step] for entry in entries]
+        assert not torch.equal(ranks[0]["net.0.weight"], ranks[1]["net.0.weight"]), "the ranks' averages agree"
+        saved = torch.load(tmp_path / "every" / f"epoch={step // 5}-step={step}.ckpt", weights_only=False)
+        assert "current_model_state" in saved
+        for key in ranks[0]:
+            assert torch.equal(saved["state_dict"][key], mean([rank[key] for rank in ranks])), (step, key)
+    final = torch.cat([p.detach().reshape(-1) for p in trainer.lightning_module.parameters()])
+    assert torch.equal(final, mean([entry["final"] for entry in entries])), "average_at_end"
+
+
 def test_without_average_eval_each_rank_validates_its_own_model(tmp_path):
     model = SeenValidated(tmp_path, momentum=0.0)
     trainer_kwargs = {"num_sanity_val_steps": 0}

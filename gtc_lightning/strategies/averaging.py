@@ -356,18 +356,29 @@ class LocalStepsMixin:
             unflatten_(self._own, self._trainable())
             self._own = None
 
-    def _averaged_state_dict(self) -> dict[str, Any] | None:
-        """The module's state dict with the mean over the ranks in place of each trainable parameter;
-        None when the replicas agree (every rank must call it)."""
+    def _averaged_state_dict(self, saved: dict[str, Any]) -> dict[str, Any] | None:
+        """``saved`` (a checkpoint's ``state_dict``) with the mean over the ranks of each trainable
+        parameter's entry: the live parameters', or what a callback put there instead (Lightning's
+        ``WeightAveraging`` puts its average model's: then the mean of the ranks' averages). None when
+        the ranks' entries agree (every rank must call it)."""
         module = self.lightning_module  # type: ignore[attr-defined]
-        params = self._trainable()
-        if not params or self.world_size < 2 or self._replicas_agree(params):  # type: ignore[attr-defined]
+        if self.world_size < 2 or module is None:  # type: ignore[attr-defined]
+            return None
+        live = module.state_dict(keep_vars=True)  # tied weights: one parameter under two keys
+        keys: dict[int, list[str]] = {}
+        for key, value in live.items():
+            if isinstance(value, torch.nn.Parameter) and value.requires_grad and torch.is_tensor(saved.get(key)):
+                keys.setdefault(id(value), []).append(key)
+        entries = [saved[names[0]].detach() for names in keys.values()]
+        if not entries or self._replicas_agree(entries):
             return None
         with torch.no_grad():
-            mean, _ = all_mean(params, self._average_group())
-        averaged = {id(p): part.view_as(p) for p, part in zip(params, mean.split([p.numel() for p in params]))}
-        state = module.state_dict(keep_vars=True)  # tied weights: one tensor under two keys
-        return {key: averaged.get(id(value), value).detach() for key, value in state.items()}
+            mean, _ = all_mean(entries, self._average_group())
+        averaged = dict(saved)
+        for names, part, entry in zip(keys.values(), mean.split([e.numel() for e in entries]), entries):
+            for key in names:
+                averaged[key] = part.view_as(entry).clone()
+        return averaged
 
     @contextlib.contextmanager
     def _own_parameters(self) -> Iterator[None]:
@@ -472,11 +483,11 @@ class LocalStepsMixin:
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         """Every rank's own model and state go to its shard; the checkpoint itself holds the mean of the
-        ranks' models (one all-reduce when they differ; inside an evaluation loop with ``average_eval``
-        the mean is in place already): what ``load_from_checkpoint`` gives and where every rank starts
-        when a fit resumes with ``restore_shards=False``."""
-        if self._state is not None and "state_dict" in checkpoint and self._own is None:
-            averaged = self._averaged_state_dict()
+        ranks' models (one all-reduce when they differ; with Lightning's ``WeightAveraging`` callback, the
+        mean of the ranks' average models it put there): what ``load_from_checkpoint`` gives and where
+        every rank starts when a fit resumes with ``restore_shards=False``."""
+        if self._state is not None and "state_dict" in checkpoint:
+            averaged = self._averaged_state_dict(checkpoint["state_dict"])
             if averaged is not None:
                 checkpoint["state_dict"] = averaged
         with self._own_parameters():
