@@ -464,6 +464,21 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
             ),
         },
     ),
+    "ema_weights": (
+        "`EMAWeightAveraging` callback (Lightning's moving average of the weights, the model fit ends with)",
+        {
+            "ddp": works(),
+            "gtc": works(),
+            "gtc_update": works(),
+            "gtc_stale": works("the average takes the parameters without the update in flight"),
+            "dpsgd": works("each rank averages its own model; fit ends with the mean of the ranks' averages, which checkpoints hold"),
+            "adpsgd": works("each rank averages its own model; fit ends with the mean of the ranks' averages, which checkpoints hold"),
+            "ma": works("each rank averages its own model; fit ends with the mean of the ranks' averages, which checkpoints hold"),
+            "bmuf": works("each rank averages its own model; fit ends with the mean of the ranks' averages, which checkpoints hold"),
+            "bmuf_gtc": works("each rank averages its own model; fit ends with the mean of the ranks' averages, which checkpoints hold"),
+            "sparseloco": works("each rank averages its own model; fit ends with the mean of the ranks' averages, which checkpoints hold"),
+        },
+    ),
     "compiled": (
         '`torch.compile` in `configure_model` (`backend="eager"`)',
         {

@@ -39,7 +39,7 @@ from compat_matrix import (
     marked_table,
     stale_blocks,
 )
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader
@@ -422,6 +422,15 @@ def run_validation_in_fit(strategy, out, reference):
     for rank in run.ranks:
         first, last = rank["val_losses"]
         assert last < first, rank["val_losses"]
+    return run
+
+
+@runner("ema_weights")
+def run_ema_weights(strategy, out, reference):
+    run = fit(strategy, out, callbacks=[EMAWeightAveraging(decay=0.5)])
+    final = _flat(run.model.parameters())  # rank 0's model after fit
+    for rank in run.ranks:
+        assert not torch.equal(final, rank["records"][-1]["params"]), "fit did not end with the average model"
     return run
 
 
