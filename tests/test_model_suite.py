@@ -443,3 +443,18 @@ def test_clipped_methods_clip_at_c_or_dgcs_sqrt_n_c(tmp_path):
             ["--models", "gru", "cnn", "--methods", "ddp", "gtc_defaults_clip", "--out", str(tmp_path)]
         )
     assert not (tmp_path / "results.json").exists()
+
+
+def test_the_probe_scores_the_model_a_validation_loop_sees(tmp_path):
+    """Every rank calls the strategy's validation hooks around rank 0's scoring (the local-step family puts
+    the mean of the ranks' models in place there), and every rank records the step, so that the end of
+    fit calls the same collectives on every rank."""
+    from types import SimpleNamespace
+
+    calls = []
+    strategy = SimpleNamespace(
+        on_validation_start=lambda: calls.append("start"), on_validation_end=lambda: calls.append("end")
+    )
+    probe = model_suite.SuiteProbe(tmp_path, [3])
+    probe._evaluate(SimpleNamespace(strategy=strategy, global_rank=1, global_step=3), None)
+    assert calls == ["start", "end"] and probe._evaluated_at == 3 and probe.curve == []

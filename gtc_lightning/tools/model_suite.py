@@ -14,8 +14,10 @@ on a synthetic task whose best possible loss is known (:mod:`gtc_lightning.tools
 All runs of one invocation are measured side by side on the same machine. Per run:
 
 - held-out loss: rank 0 scores the full held-out set with the final parameters, and a few times
-  during training for the curve (all ranks hold the same parameters; the run records whether
-  they are bit-identical at the end);
+  during training for the curve, as a validation loop would see the model (the strategy's
+  ``on_validation_start``/``on_validation_end`` around it: the local-step family evaluates the mean of
+  the ranks' models, ``average_eval``); the run records whether the ranks' own parameters are
+  bit-identical at the end;
 - bytes on the wire per rank and optimizer step, as the collectives put them there (ring all-reduce:
   ``2 (W-1)/W`` of the tensor's bytes, :func:`gtc_lightning.algorithms.common.allreduce_bytes`): DDP and bf16
   from the gradient's size; PowerSGD by counting every all-reduce torch's hook issues (P, Q and
@@ -347,6 +349,7 @@ class SuiteProbe(L.Callback):
         self.out_dir = Path(out_dir)
         self.eval_steps = set(eval_steps)
         self.curve: list[tuple[int, float, float]] = []  # (step, held-out loss, bytes sent so far)
+        self._evaluated_at: int | None = None  # the step of the last evaluation
         self.step_seconds: list[float] = []
         self._counting = None
         self._counter = [0]
@@ -379,10 +382,19 @@ class SuiteProbe(L.Callback):
         return float(trainer.global_step * allreduce_bytes(self.numel(pl_module), world, element))
 
     def _evaluate(self, trainer, pl_module) -> None:
-        if trainer.global_rank == 0:
-            self.curve.append(
-                (trainer.global_step, heldout_loss(pl_module), self.bytes_sent(trainer, pl_module))
-            )
+        """Rank 0 scores the model a validation loop would see: every rank calls the strategy's
+        ``on_validation_start``/``on_validation_end`` around it (the local-step family's
+        ``average_eval``: the mean of the ranks' models; AD-PSGD first finishes its exchanges)."""
+        strategy = trainer.strategy
+        self._evaluated_at = trainer.global_step  # on every rank (the curve is rank 0's)
+        strategy.on_validation_start()
+        try:
+            if trainer.global_rank == 0:
+                self.curve.append(
+                    (trainer.global_step, heldout_loss(pl_module), self.bytes_sent(trainer, pl_module))
+                )
+        finally:
+            strategy.on_validation_end()
 
     def on_train_start(self, trainer, pl_module):
         if 0 in self.eval_steps:
@@ -397,7 +409,7 @@ class SuiteProbe(L.Callback):
             self._evaluate(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module):
-        if not self.curve or self.curve[-1][0] != trainer.global_step:
+        if self._evaluated_at != trainer.global_step:
             self._evaluate(trainer, pl_module)
         strategy = trainer.strategy
         record = {
