@@ -206,3 +206,21 @@ def test_bad_settings_say_what_is_wrong():
     sim = make(scheme="ma", workers=2)
     with pytest.raises(ValueError, match="one batch per worker"):
         sim.step([None])
+
+
+@pytest.mark.parametrize("scheme", ["ma", "bmuf", "gtc"])
+def test_evaluated_is_the_mean_of_the_workers_models_as_a_real_runs_validation(scheme):
+    """Between syncs (8 steps, K = 3) ``evaluated()`` holds the mean of the learners' models, each
+    divided by their number and summed in order (a 2-rank all-reduce's), and worker 0's own come back
+    after; ``gtc`` has one model, which it holds as it is."""
+    _, sim = simulate(scheme, 2, tau=0.01, period=3) if scheme == "gtc" else simulate(scheme, 2, period=3)
+    flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone() for m in sim.models]
+    with sim.evaluated() as model:
+        seen = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    after = torch.cat([p.detach().reshape(-1) for p in sim.model.parameters()])
+    assert torch.equal(after, flat[0]), "worker 0's own parameters did not come back"
+    if scheme == "gtc":
+        assert len(flat) == 1 and torch.equal(seen, flat[0])
+    else:
+        assert not torch.equal(flat[0], flat[1]), "the test needs workers apart"
+        assert torch.equal(seen, flat[0] / 2 + flat[1] / 2)

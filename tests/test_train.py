@@ -371,8 +371,8 @@ def test_simulated_workers_match_a_two_rank_run(aligned, tmp_path, scheme):
     final model (rank 0's), bit for bit, and for GTC (one model on every rank) the same dev frame
     accuracy after every epoch. GTC is what the simulation models, Strom's gradient mode at tau 0.01 in
     32-bit words (conf/gtc.yaml; gtc_auto: with automatic tau from there), not GTCStrategy's defaults.
-    (Between bmuf's syncs each real rank scores its own model on its share of dev; the simulation
-    scores worker 0's on all of it.)"""
+    (Between bmuf's syncs the real ranks score the mean of their models on their shares of dev, the
+    simulation the mean of its workers' on all of it; the checkpoints hold that mean.)"""
     import simulate
 
     gtc = ["--config", str(ROOT / "conf" / "gtc.yaml"), "--trainer.strategy.init_args.start_method", "fork"]

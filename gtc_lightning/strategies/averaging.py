@@ -1,6 +1,11 @@
 """Periodic model averaging (``"ma"``) as a Lightning strategy, and the wiring every strategy of the
-averaging family shares (Su, Chen & Xu, "Experiments on Parallel Training of Deep Neural Network
-using Model Averaging", 2015). The state and the hook are in
+averaging family shares.
+
+Long file: model averaging and the family's shared wiring (the shards, the sync after each step, the end
+of fit, the evaluation and checkpoints of the mean of the ranks' models), which every scheme extends.
+
+Model averaging follows Su, Chen & Xu, "Experiments on Parallel Training of Deep Neural Network
+using Model Averaging" (2015). The state and the hook are in
 :mod:`gtc_lightning.algorithms.averaging.model_averaging`; per optimizer step and per rank:
 
 1. Dense warmup: for the first ``warmup_steps`` steps the hook (``local_hook``) averages the gradients
@@ -13,8 +18,8 @@ using Model Averaging", 2015). The state and the hook are in
 
 :mod:`gtc_lightning.strategies.bmuf` and :mod:`gtc_lightning.strategies.dpsgd` build BMUF, the
 BMUF-GTC hybrid and D-PSGD from the same pieces: :class:`RankShards` keeps every rank's own
-parameters and optimizer state beside a checkpoint, since between syncs they differ from rank 0's
-(the only ones Lightning saves), and :class:`LocalStepsMixin` wires the state and the shards into a
+parameters and optimizer state beside a checkpoint, since between syncs they differ from the mean
+of the ranks' models (the one the checkpoint holds), and :class:`LocalStepsMixin` wires the state and the shards into a
 Lightning strategy the same way for every scheme. DDP's own buffer broadcast
 (``broadcast_buffers``) and unused-parameter bitmap are not counted in the bytes, as for GTC.
 """

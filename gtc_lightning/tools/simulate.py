@@ -45,9 +45,10 @@ worker in groups of 8 (each group also decodes and steps its own model).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -173,8 +174,28 @@ class VirtualWorkers:
 
     @property
     def model(self) -> torch.nn.Module:
-        """The model worker 0 holds: what Lightning validates and checkpoints on rank 0."""
+        """The model worker 0 holds (trained in place)."""
         return self.models[0]
+
+    @contextlib.contextmanager
+    def evaluated(self) -> Iterator[torch.nn.Module]:
+        """Worker 0's model holding, for the duration, what a real run's evaluation loops and checkpoints
+        see: for ``gtc`` its one model; for ``ma``, ``bmuf`` and ``bmuf_gtc`` the mean of the learners'
+        models (the strategies' ``average_eval``: each divided by their number, then summed in order, as
+        the all-reduce of 2 ranks forms it). Worker 0's own parameters come back afterwards."""
+        if len(self.models) == 1:
+            yield self.model
+            return
+        own = flatten(self.params[0]).clone()
+        mean = None
+        for params in self.params:
+            part = flatten(params).float().div_(len(self.models))
+            mean = part if mean is None else mean.add_(part)
+        unflatten_(mean, self.params[0])
+        try:
+            yield self.model
+        finally:
+            unflatten_(own, self.params[0])
 
     def _gradient(self, g: int, batch: Any, into: torch.Tensor | None = None) -> float:
         """Model ``g``'s gradient on ``batch`` in its parameters' ``.grad``; with ``into`` (a flat

@@ -6,10 +6,11 @@ Each worker gets the batches ``train.py --trainer.devices N`` gives rank r (the 
 the frames per seed and epoch, every N-th frame of it from r), the model starts from the same
 initialisation (``--seed``), the learning rate follows the same schedule after each epoch (on worker
 0's dev frame accuracy, as rank 0's), and the run directory has what ``evaluate.py --runs`` reads
-(``train_summary.json``, ``config.yaml`` with the seed, ``checkpoints/last.ckpt``: worker 0's model,
-the one Lightning saves), so a simulated run is decoded and compared like a trained one. Dev frame
-accuracy is worker 0's model on all of dev; for ``gtc`` (one model) that is what a real run reports,
-while between the syncs of ``ma`` and ``bmuf`` a real run scores each rank's own model on its share. The global
+(``train_summary.json``, ``config.yaml`` with the seed, ``checkpoints/last.ckpt``: the model a real
+run's checkpoint holds), so a simulated run is decoded and compared like a trained one. Dev frame
+accuracy and the checkpoint are of the model a real run's evaluation loops see: for ``gtc`` the one model;
+for ``ma``, ``bmuf`` and ``bmuf_gtc`` the mean of the workers' models (the strategies' ``average_eval``),
+scored on all of dev where a real run sums the ranks' shares. The global
 batch stays ``--global-batch`` frames (512: the recipe's 2 x 256), so that only the scheme and the
 number of workers change, as in the README's strategy comparison. ``gtc`` and ``bmuf_gtc`` are Strom's
 gradient mode at ``--tau`` in 32-bit words, as ``--config conf/gtc.yaml`` (and ``conf/bmuf_gtc.yaml``)
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
             if i % 200 == 0:
                 log.info("epoch %d step %d: loss %.3f%s", epoch, i, losses[-1],
                          f", tau {sim.taus[0]:.4g}" if sim.controllers else "")  # fmt: skip
-        acc = frame_accuracy(sim.model, dm, device)
+        with sim.evaluated() as evaluated:  # what a real run's validation sees (ma, bmuf: the workers' mean)
+            acc = frame_accuracy(evaluated, dm, device)
         model.dev_acc_history.append(acc)
         lr = sim.optimizers[0].param_groups[0]["lr"]
         if model.halve_after_epoch(epoch):
@@ -163,8 +165,10 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = time.perf_counter() - start
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     ckpt = run_dir / "checkpoints" / "last.ckpt"
+    with sim.evaluated() as evaluated:  # a real run's checkpoint: the mean of the ranks' models (ma, bmuf)
+        state_dict = {k: v.detach().cpu().clone() for k, v in evaluated.state_dict().items()}
     torch.save({
-        "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
+        "state_dict": state_dict,
         "hyper_parameters": dict(model.hparams),
         "datamodule_hyper_parameters": dict(dm.hparams),
         "pytorch-lightning_version": L.__version__,
