@@ -148,6 +148,11 @@ FAMILY: dict[str, Callable[..., Strategy]] = {
     "sparseloco_h5_8e-3": lambda steps, world, **kw: SparseLoCoStrategy(
         period=max(2, steps // 400), density=8e-3, **kw
     ),
+    # Four times those bytes per step, at H = 5: where a compressed sync might reach DiLoCo's loss (H = 50,
+    # dense) at fewer bytes than DiLoCo sends
+    "sparseloco_h5_3e-2": lambda steps, world, **kw: SparseLoCoStrategy(
+        period=max(2, steps // 400), density=3e-2, **kw
+    ),
     "sparseloco_h20_3e-2": lambda steps, world, **kw: SparseLoCoStrategy(
         period=max(2, steps // 100), density=3e-2, **kw
     ),
