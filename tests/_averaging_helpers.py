@@ -130,3 +130,18 @@ def run_ranks(out_dir: Path, target: Callable, devices: int = 2, timeout: float 
     if failed or any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"exit codes {[p.exitcode for p in procs]}\n" + "\n".join(failed))
     return [torch.load(out_dir / f"result{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def check_checkpoints_hold_the_validated_mean(out_dir: Path, name: str, seen: list, ranks: list[dict]) -> None:
+    """The checkpoints under ``out_dir/best`` and ``out_dir/every`` (saved after steps 4 and 8) hold the
+    model validated then (``seen``, rank 0's :class:`Validated` record: the mean of the ranks' models);
+    their shards (``<ckpt>.<name>/rank<r>.pt``) each rank's own parameters after that step."""
+    out_dir = Path(out_dir)
+    for ckpt in [*(out_dir / "best").glob("*.ckpt"), *(out_dir / "every").glob("*.ckpt")]:
+        step = int(ckpt.stem.split("step=")[1]) - 1
+        state = torch.load(ckpt, weights_only=False)["state_dict"]
+        assert torch.equal(torch.cat([v.reshape(-1) for v in state.values()]), seen[step // 4]), ckpt.name
+        for r, rank in enumerate(ranks):
+            shard = torch.load(f"{ckpt}.{name}/rank{r}.pt", weights_only=False)["state_dict"]
+            flat = torch.cat([v.reshape(-1) for v in shard.values()])
+            assert torch.equal(flat, rank["records"][step]["params"]), f"{ckpt.name}: rank {r}'s shard"

@@ -12,7 +12,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from _averaging_helpers import LR, fit_recorded, local_step, mean, run_ranks
+from _averaging_helpers import (
+    LR,
+    check_checkpoints_hold_the_validated_mean,
+    fit_recorded,
+    local_step,
+    mean,
+    run_ranks,
+)
 from _averaging_helpers import Validated as SeenValidated
 from _strategy_helpers import (
     TIMEOUT,
@@ -461,14 +468,7 @@ def test_validation_and_checkpoints_between_syncs_see_the_mean_of_the_ranks_mode
         for rank in ranks:
             step5 = local_step(rank["records"][3]["params"], rank["records"][4]["local_grad"])
             assert torch.equal(rank["records"][4]["params"], step5)
-    for ckpt in [*(tmp_path / "best").glob("*.ckpt"), *(tmp_path / "every").glob("*.ckpt")]:
-        step = int(ckpt.stem.split("step=")[1]) - 1
-        state = torch.load(ckpt, weights_only=False)["state_dict"]
-        assert torch.equal(torch.cat([v.reshape(-1) for v in state.values()]), seen[0][step // 4]), ckpt.name
-        for r in range(2):
-            shard = torch.load(f"{ckpt}.{name}/rank{r}.pt", weights_only=False)["state_dict"]
-            flat = torch.cat([v.reshape(-1) for v in shard.values()])
-            assert torch.equal(flat, ranks[r]["records"][step]["params"]), f"{ckpt.name}: rank {r}'s shard"
+    check_checkpoints_hold_the_validated_mean(tmp_path, name, seen[0], ranks)
     resumed_dir = tmp_path / "resumed"
     _, resumed = fit(resumed_dir, strategy=cls, model=TinyMLP(momentum=0.0),
                      ckpt_path=str(tmp_path / "every" / "epoch=0-step=4.ckpt"), **kwargs)  # fmt: skip

@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from _averaging_helpers import Validated, mean
+from _averaging_helpers import Validated, check_checkpoints_hold_the_validated_mean, mean
 from _strategy_helpers import (
     TinyMLP,
     fit,
@@ -106,13 +106,7 @@ def test_validation_and_the_end_of_fit_see_the_average(dpsgd_run, tmp_path):
     final = torch.cat([p.detach().reshape(-1) for p in trainer.lightning_module.parameters()])
     assert torch.equal(final, mean([rank["records"][-1]["params"] for rank in ranks])), "average_at_end"
     # The checkpoints hold the average (the model validated); their shards each rank's own.
-    for ckpt in [*(out / "best").glob("*.ckpt"), *(out / "every").glob("*.ckpt")]:
-        step = int(ckpt.stem.split("step=")[1]) - 1
-        state = torch.load(ckpt, weights_only=False)["state_dict"]
-        assert torch.equal(torch.cat([v.reshape(-1) for v in state.values()]), seen[0][step // 4]), ckpt.name
-        for r in range(2):
-            shard = torch.load(f"{ckpt}.dpsgd/rank{r}.pt", weights_only=False)["state_dict"]
-            assert torch.equal(torch.cat([v.reshape(-1) for v in shard.values()]), ranks[r]["records"][step]["params"])
+    check_checkpoints_hold_the_validated_mean(out, "dpsgd", seen[0], ranks)
 
 
 def test_resume_continues_every_rank_bit_for_bit(dpsgd_run, tmp_path):

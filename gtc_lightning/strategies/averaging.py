@@ -313,13 +313,10 @@ class LocalStepsMixin:
         params = self._params if self._state is not None else []
         if not self._average_at_end or not params or self.world_size < 2:
             return
-        if self._replicas_agree(params):
+        own = self._put_mean(params)
+        if own is None:
             return
-        own = flatten(params).cpu()  # (kept off the accelerator: the model may be used after fit)
-        with torch.no_grad():
-            mean, _ = all_mean(params, self._average_group())
-            unflatten_(mean, params)
-        self._at_end = (own, flatten(params).cpu())
+        self._at_end = (own.cpu(), flatten(params).cpu())  # (kept off the accelerator: the model may be used after fit)
         if self.global_rank == 0:
             log.info("%s: fit ended with the ranks' models apart; each is now their mean (average_at_end)", self.name)
 
@@ -337,6 +334,17 @@ class LocalStepsMixin:
         all_gather_equal(everyone, sums, group=group)
         return bool((everyone.view(-1, sums.numel()) == sums).all())
 
+    def _put_mean(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """Write the mean over :meth:`_average_group` into ``params`` and return this rank's own (flat);
+        None, and nothing written, when the replicas agree (every rank of the group must call it)."""
+        if self._replicas_agree(params):
+            return None
+        own = flatten(params)
+        with torch.no_grad():
+            mean, _ = all_mean(params, self._average_group())
+            unflatten_(mean, params)
+        return own
+
     # ---- evaluating and checkpointing the mean of the ranks' models ---------------------------------
 
     def _trainable(self) -> list[torch.Tensor]:
@@ -349,12 +357,8 @@ class LocalStepsMixin:
         if not self._average_eval or self._own is not None or self.world_size < 2:  # type: ignore[attr-defined]
             return
         params = self._trainable()
-        if not params or not dist.is_initialized() or self._replicas_agree(params):
-            return
-        self._own = flatten(params)
-        with torch.no_grad():
-            mean, _ = all_mean(params, self._average_group())
-            unflatten_(mean, params)
+        if params and dist.is_initialized():
+            self._own = self._put_mean(params)
 
     def _restore_own(self) -> None:
         if self._own is not None:

@@ -187,11 +187,7 @@ class VirtualWorkers:
             yield self.model
             return
         own = flatten(self.params[0]).clone()
-        mean = None
-        for params in self.params:
-            part = flatten(params).float().div_(len(self.models))
-            mean = part if mean is None else mean.add_(part)
-        unflatten_(mean, self.params[0])
+        unflatten_(self._mean(), self.params[0])
         try:
             yield self.model
         finally:
@@ -304,13 +300,18 @@ class VirtualWorkers:
         self.ops.decode_(torch.cat(words), None, self._counts, [(0, update)], f32(tau32 / size))
         return update
 
+    def _mean(self) -> torch.Tensor:
+        """The mean of the learners' models, flat float32: each divided by their number, then summed in order."""
+        mean = None
+        for params in self.params:
+            part = flatten(params).float().div_(len(self.models))
+            mean = part if mean is None else mean.add_(part)
+        return mean
+
     def _sync(self) -> None:
         """The averaging (``ma``) or block update (``bmuf``, ``bmuf_gtc``) over one model per learner."""
         learners = len(self.models)
-        mean = None
-        for params in self.params:
-            part = flatten(params).float().div_(learners)
-            mean = part if mean is None else mean.add_(part)
+        mean = self._mean()
         if self.block:
             mean = block_update_(self.global_params, self.delta, mean, self.block_momentum, self.block_lr,
                                  self.nesterov)
