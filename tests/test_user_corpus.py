@@ -13,9 +13,9 @@ one epoch of the DNN (``conf/tiny.yaml``) and decoding (``evaluate.py``), CI-siz
 decoding by best path (test_train.py's end-to-end test covers the lattice search).
 
 The Kaldi data dir has what a real corpus's has: noise tags and ``<unk>`` in its transcripts, a
-recording at 8 kHz read through a pipe, a test split cut from longer recordings by a ``segments``
-file, a user lexicon with spoken-noise and non-spoken-noise entries, and the user's own ARPA as the
-first pass's LM.
+speaker's recordings at 8 kHz and another's at 16 kHz read through pipes, a test split cut from longer
+recordings by a ``segments`` file, train and dev transcripts with misspelt words that no lexicon has, a user
+lexicon with spoken-noise and non-spoken-noise entries, and the user's own ARPA as the first pass's LM.
 """
 
 from __future__ import annotations
@@ -97,12 +97,15 @@ def _run_recipe(corpus: str, corpus_dir: Path, tmp_path: Path, **options) -> dic
     return json.loads((tmp_path / "exp" / "baseline" / "decode" / "results.json").read_text())
 
 
-def _write_kaldi_split(d: Path, rows: list, pipe_8k: str | None, segments: bool) -> None:
+def _write_kaldi_split(d: Path, rows: list, pipe_8k: str | None, segments: bool, pipe_16k: str | None = None,
+                       misspelt: dict[str, tuple[str, str]] | None = None) -> None:
     """A Kaldi data dir of ``rows``: each a WAV file, except ``pipe_8k``'s (the speaker's recordings
-    stored at 8 kHz and read through ``cat ... |``), or, with ``segments``, recordings of two
+    stored at 8 kHz and read through ``cat ... |``) and ``pipe_16k``'s (at 16 kHz through ``cat ... |``:
+    a pipe whose output's header alone tells its rate), or, with ``segments``, recordings of two
     utterances each (with 0.3 s of silence around each), cut by a ``segments`` file. Transcripts:
     ``[noise]`` before each voice's first sentence, ``<unk>`` after its second (a word the
-    transcriber could not make out), ``[cough]`` after its third."""
+    transcriber could not make out), ``[cough]`` after its third; ``misspelt``: ``{uid: (word, as
+    written)}``, a spoken word as the transcriber misspelt it."""
     import numpy as np
     import torch
     from lhotse.augmentation.torchaudio import get_or_create_resampler
@@ -131,11 +134,17 @@ def _write_kaldi_split(d: Path, rows: list, pipe_8k: str | None, segments: bool)
                 path = d / "wav" / f"{uid}-8k.wav"
                 sf.write(str(path), down(torch.from_numpy(audio.astype(np.float32))[None])[0].numpy(), 8000)
                 scp.append(f"{uid} cat {path} |\n")
+            elif spk == pipe_16k:
+                path = d / "wav" / f"{uid}-16k.wav"
+                sf.write(str(path), audio, 16000)
+                scp.append(f"{uid} cat {path} |\n")
             else:
                 sf.write(str(d / "wav" / f"{uid}.wav"), audio, 16000)
                 scp.append(f"{uid} wav/{uid}.wav\n")
     marks = {"-00": "[noise] {}", "-01": "{} <unk>", "-02": "{} [cough]"}
-    text = [f"{uid} {marks.get(uid[-3:], '{}').format(t)}\n" for _, uid, _, t in rows]
+    misspelt = misspelt or {}
+    text = [f"{uid} {marks.get(uid[-3:], '{}').format(t.replace(*misspelt.get(uid, ('', ''))))}\n"
+            for _, uid, _, t in rows]
     (d / "wav.scp").write_text("".join(sorted(scp)))
     (d / "text").write_text("".join(sorted(text)))
     (d / "utt2spk").write_text("".join(sorted(f"{uid} {spk}\n" for spk, uid, _, _ in rows)))
@@ -144,15 +153,23 @@ def _write_kaldi_split(d: Path, rows: list, pipe_8k: str | None, segments: bool)
 
 
 def test_kaldi_data_dir_of_a_real_corpus_to_a_wer(spoken, tmp_path):
-    """Tags and <unk> trained like silence and left out of scoring, an 8 kHz pipe resampled, a
-    segments file, a user lexicon with SPN/NSN entries and the user's ARPA, stage 0 to a WER."""
+    """Tags and <unk> trained like silence and left out of scoring, an 8 kHz and a 16 kHz pipe (the
+    first resampled), a segments file, a dev word no lexicon has (mapped to <UNK>: the utterance stays in
+    the DNN's cross-validation set), a user lexicon with SPN/NSN entries and the user's ARPA, stage 0 to a
+    WER."""
     from local.data.normalize import normalize_words
     from local.graph.lm import train_lm
 
     corpus = tmp_path / "kaldi"
+    # misspelt words no lexicon has, mapped to <UNK>: in train, where they give its SPN model speech to learn
+    # from (as a real corpus's OOV words do), and in dev ("It's easy to tell the depth of a well.")
+    misspelt = {f"train{v}-05": ("juice", "juise") for v in range(len(_voices()["train"]))}
+    misspelt["dev0-01"] = ("easy", "eazy")
     for split, rows in spoken.items():
         _write_kaldi_split(corpus / split, rows, pipe_8k="train1" if split == "train" else None,
-                           segments=split != "train")  # fmt: skip
+                           pipe_16k="train0" if split == "train" else None, segments=split != "train",
+                           misspelt=misspelt)  # fmt: skip
+    assert "EAZY" in (corpus / "dev" / "text").read_text().upper()
     (tmp_path / "lexicon.txt").write_text("CANOE K AH0 N UW1\n<unk> SPN\n[cough] NSN\n")
     sentences = [normalize_words(t) for t in SPOKEN + LM_ONLY] + [["THE", "ZORBLAX", "SLID"]]
     train_lm(sentences, tmp_path / "user.arpa", order=3)  # the user's LM: one word no lexicon has
@@ -161,6 +178,7 @@ def test_kaldi_data_dir_of_a_real_corpus_to_a_wer(spoken, tmp_path):
     lang = json.loads((data / "lang" / "summary.json").read_text())
     train_voices = len(_voices()["train"])
     assert lang["user_lexicon_words"] == 1 and lang["user_lexicon_tags"] == 2 and lang["train_dropped_oov"] == 0
+    assert lang["train_oov_words"] == 1 and lang["train_oov_tokens"] == len(_voices()["train"])  # JUISE
     assert lang["oov_policy"] == "unk"
     assert lang["train_tag_tokens"] == {"<UNK>": train_voices, "[COUGH]": train_voices, "[NOISE]": train_voices}
     assert lang["silence_phones"] == ["SIL", "SPN", "NSN"]
@@ -171,9 +189,13 @@ def test_kaldi_data_dir_of_a_real_corpus_to_a_wer(spoken, tmp_path):
     # stage 0 declared the piped recordings at 8 kHz, stage 1 resampled them; segments cut the test recordings
     from lhotse import load_manifest
 
-    declared = {c.id: c.sampling_rate for c in load_manifest(data / "manifests" / "train_cuts.jsonl.gz")}
+    manifest = load_manifest(data / "manifests" / "train_cuts.jsonl.gz")
+    declared = {c.id: c.sampling_rate for c in manifest}
     eight = {uid for spk, uid, _, _ in spoken["train"] if spk == "train1"}
+    sixteen = {uid for spk, uid, _, _ in spoken["train"] if spk == "train0"}
     assert {u: r for u, r in declared.items() if r != 16000} == dict.fromkeys(eight, 8000)
+    assert {declared[u] for u in sixteen} == {16000} and len(sixteen) == len(SPOKEN)
+    assert {c.id for c in manifest if c.recording.sources[0].type == "command"} == eight | sixteen
     featured = load_manifest(data / "features" / "train_cuts.jsonl.gz")
     assert len(featured) == len(spoken["train"]) and {c.sampling_rate for c in featured} == {16000}
     for split in ("dev", "test"):  # cut from recordings by segments: their MFCC and alignments start with them
@@ -182,6 +204,11 @@ def test_kaldi_data_dir_of_a_real_corpus_to_a_wer(spoken, tmp_path):
         assert all(c.load_custom("mfcc").shape[0] == c.features.num_frames for c in cuts)
     aligned = load_manifest(data / "ali" / "dev_cuts.jsonl.gz")
     assert len(aligned) and all(len(c.load_custom("pdf_ali")) == c.features.num_frames for c in aligned)
+    # the misspelt dev word is no word of the lexicon: mapped to <UNK> (Kaldi's --map-oov), its utterance
+    # aligned and kept for the DNN's cross-validation rather than dropped
+    assert "EAZY" not in words and "dev0-01" in {c.id for c in aligned}
+    dropped = data / "dropped.jsonl"
+    assert not dropped.is_file() or "dev0-01" not in dropped.read_text()
     test = results["test"]
     assert test["utterances"] == len(spoken["test"]) and 0 <= test["wer"] < 200
     assert test["words"] == sum(len(normalize_words(text)) for _, _, _, text in spoken["test"])  # no tags
