@@ -90,6 +90,7 @@ LONG_FAMILY_COLUMNS = (
     ("diloco", "`diloco`"),
     ("sparseloco", "`sparseloco`"),
     ("sparseloco_h10", "`sparseloco_h10`"),
+    ("sparseloco_h20_3e-2", "`sparseloco_h20_3e-2`"),
     ("bmuf_gtc", "`bmuf_gtc`"),
     ("dpsgd", "`dpsgd`"),
     ("adpsgd", "`adpsgd`"),
@@ -281,7 +282,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "model-suite-long-moments": lambda: model_suite_long_options(columns=LONG_MOMENT_COLUMNS, only=ADAM_MODELS),
     "model-suite-long-family": lambda: model_suite_long_options(columns=LONG_FAMILY_COLUMNS),
     "model-suite-long-family-short": lambda: model_suite_long_options(
-        columns=tuple(c for c in LONG_FAMILY_COLUMNS if c[0] != "sparseloco_h10"), labels=LONG_LABELS
+        columns=tuple(c for c in LONG_FAMILY_COLUMNS if not c[0].startswith("sparseloco_h")), labels=LONG_LABELS
     ),
     "model-suite-long-clipping": model_suite_long_clipping,
     "compat-matrix": _compat(False),
