@@ -52,6 +52,8 @@ def test_a_valid_data_dir_passes(tmp_path):
     rows = validate_data_dir(tmp_path)
     assert [key for _, key, _ in rows["utt2spk"]] == ["s1-u0", "s1-u1", "s2-u2"]
     assert rows["text"][0] == (1, "s1-u0", "HELLO WORLD")
+    _write(tmp_path, "text", ["s1-u0 CAF\u00c9 CR\u00c8ME", *_lines(tmp_path, "text")[1:]])  # UTF-8 beyond ASCII
+    assert validate_data_dir(tmp_path)["text"][0] == (1, "s1-u0", "CAF\u00c9 CR\u00c8ME")
 
 
 def _segments(d: Path) -> None:
@@ -87,6 +89,8 @@ BROKEN = {
                        r"utt2spk:1: 3 fields in `s1-u0 s1 extra`, utt2spk wants 2"),
     "no final newline": (lambda d: (d / "text").write_text((d / "text").read_text().rstrip("\n")),
                          r"text:3: the last line has no newline"),
+    "not UTF-8": (lambda d: (d / "text").write_bytes((d / "text").read_bytes().replace(b"s1-u1 ", "s1-u1 CAF\u00c9 ".encode("latin-1"))),
+                  r"text:2: byte 0xc9 at column 10 is not UTF-8; convert the file \(e.g. iconv -f ISO-8859-1 -t UTF-8"),
     "windows line ending": (lambda d: (d / "utt2spk").write_bytes((d / "utt2spk").read_bytes().replace(b"\n", b"\r\n")),
                             r"utt2spk:1: the line ends with \\r .*sed -i"),
     "spk2utt wrong speaker": (lambda d: _write(d, "spk2utt", ["s1 s1-u0", "s2 s1-u1 s2-u2"]),

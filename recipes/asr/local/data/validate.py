@@ -3,6 +3,8 @@
 A data dir is ``wav.scp``, ``text`` and ``utt2spk``, optionally ``segments`` and ``spk2utt``. Checked
 before any audio is read, each failure a ``ValueError`` of one line, ``file:line: problem; fix``:
 
+- the file is UTF-8 (Kaldi's ``validate_text.pl``: a transcript in Latin-1 would turn its accented words
+  into words no lexicon knows);
 - every line ends with ``\\n`` (not ``\\r\\n``) and has its fields (``utt2spk``: 2, ``segments``: 4,
   ``wav.scp`` and ``spk2utt``: 2 or more; ``text`` may hold the id alone, an empty transcript);
 - keys sorted as ``LC_ALL=C sort`` sorts them (byte order) and unique;
@@ -34,9 +36,18 @@ def read_lines(path: Path) -> list[tuple[int, str, str]]:
     if raw and not raw.endswith(b"\n"):
         n = raw.count(b"\n") + 1
         raise ValueError(f"{path}:{n}: the last line has no newline; end the file with one (Kaldi's tools need it)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        n = raw.count(b"\n", 0, error.start) + 1
+        column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ValueError(
+            f"{path}:{n}: byte 0x{raw[error.start]:02x} at column {column} is not UTF-8; convert the file "
+            f"(e.g. iconv -f ISO-8859-1 -t UTF-8 {path} > {path.name}.utf8, then move it back)"
+        ) from None
     least, exact = FIELDS.get(path.name, (1, None))
     out = []
-    for n, line in enumerate(raw.decode("utf-8", errors="replace").split("\n")[:-1], start=1):
+    for n, line in enumerate(text.split("\n")[:-1], start=1):
         if line.endswith("\r"):
             raise ValueError(f"{path}:{n}: the line ends with \\r (a Windows line ending); "
                              f"convert the file: sed -i 's/\\r$//' {path}")
