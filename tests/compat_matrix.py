@@ -226,7 +226,7 @@ MATRIX: dict[str, tuple[str, dict[str, Outcome]]] = {
         {
             "ddp": works(),
             "gtc": works(),
-            "gtc_update": works("two optimizers: `compress=\"auto\"` compresses the gradient instead"),
+            "gtc_update": works("each optimizer's step is compressed and exchanged after it"),
             "gtc_stale": refused(
                 "each update is applied at the next backward pass, which may step another optimizer",
                 r"stale=True.*2 optimizers",

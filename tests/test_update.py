@@ -1,4 +1,4 @@
-"""``compress="update"`` (and ``"auto"``, which picks it for one optimizer): every rank's optimizer
+"""``compress="update"`` (and ``"auto"``, which picks it unless ``stale=True``): every rank's optimizer
 steps on its own gradient and GTC compresses the step it made, on 2 forked CPU ranks.
 
 The tests check what the mode promises from the recorded local gradients: replicas bit-identical,
@@ -516,14 +516,84 @@ class TwoAdams(TinyMLP):
         return torch.optim.Adam(self.net[0].parameters(), lr=1e-2), torch.optim.Adam(self.net[2].parameters(), lr=1e-2)
 
 
-@pytest.mark.parametrize("compress", ["auto", "gradient"])
-def test_several_adam_optimizers_taking_the_gradient_mode_are_warned_about_unless_asked_for(tmp_path, compress):
-    _, ranks = fit(tmp_path, model=TwoAdams(), max_epochs=1, tau="auto", compress=compress,
-                   find_unused_parameters=True)  # fmt: skip
-    warned = [w for w in ranks[0]["warnings"] if "take Strom's gradient mode" in w]
-    assert len(warned) == (1 if compress == "auto" else 0)
-    if warned:
-        assert "Adam, Adam" in warned[0] and "compress='gradient'" in warned[0]
+class TwoSGDs(TwoAdams):
+    """The same with plain SGD at rate ``LR``: each optimizer's update is its gradient times the rate."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net[0].parameters(), lr=LR), torch.optim.SGD(self.net[2].parameters(), lr=LR)
+
+
+class Options(Mode):
+    """:class:`Mode`, and the update options the strategy resolved."""
+
+    def on_train_end(self, trainer, pl_module):
+        state = trainer.strategy.gtc_state
+        torch.save({"compress": trainer.strategy.compress, "word_levels": state.word_levels,
+                    "mean_variance": state.mean_variance, "density_warmup_steps": state.density_warmup_steps},
+                   self.out / f"options{trainer.global_rank}.pt")  # fmt: skip
+
+
+def test_several_optimizers_each_compress_and_exchange_their_own_step(tmp_path):
+    """Manual optimization with two optimizers: each one's step is compressed and exchanged after it, over the
+    parameters it moved; every rank's wanted step (its gradient, with plain SGD) is applied or kept, replicas
+    bit-identical, and each exchange is compared with a dense all-reduce of its own optimizer's parameters."""
+    _, ranks = fit(tmp_path, model=TwoSGDs(), **{**UPDATE, "compress": "auto"}, find_unused_parameters=True,
+                   trainer_kwargs={"callbacks": [Options(tmp_path)]})  # fmt: skip
+    batches = len(ranks[0]["records"])
+    directions = [[rank["records"][t]["local_grad"] for rank in ranks] for t in range(batches)]
+    assert check_conservation(ranks, directions, LR) == batches == 8
+    assert [rec["step"] for rec in ranks[0]["records"]] == [2 * t for t in range(1, batches + 1)], "two exchanges a batch"
+    second = HIDDEN * 4 + 4  # the last layer's weight and bias: the second optimizer's elements
+    assert ranks[0]["records"][0]["stats"]["last"]["numel"] == second
+    options = torch.load(tmp_path / "options0.pt")
+    assert options["compress"] == "update" and options["word_levels"] == 4  # plain SGD both
+    assert not any("gradient mode" in w for w in ranks[0]["warnings"])
+
+
+def test_several_adam_optimizers_take_the_update_mode_and_resume_bit_for_bit(tmp_path):
+    """Two Adams (a GAN's pattern) under ``compress="auto"``: the update mode, ``mean_variance="auto"`` on
+    because both are Adam, every rank's own moments of both optimizers in its checkpoint shard, and a resume
+    that continues bit for bit."""
+    options = {"tau": "auto", "target_density": DENSITY, "compress": "auto", "mean_variance": "auto",
+               "density_warmup_steps": "auto"}
+    _, full = fit(tmp_path / "full", model=TwoAdams(), find_unused_parameters=True, **options,
+                  trainer_kwargs={"callbacks": [Options(tmp_path)]})  # fmt: skip
+    for a, b in zip(full[0]["records"], full[1]["records"], strict=True):
+        assert torch.equal(a["params"], b["params"])
+    losses = [rec["loss"] for rec in full[0]["records"]]
+    assert losses[-1] < losses[0]
+    resolved = torch.load(tmp_path / "options0.pt")
+    assert resolved["compress"] == "update" and resolved["mean_variance"] is True and resolved["word_levels"] == 1
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit(tmp_path / "part", model=TwoAdams(), max_epochs=1, find_unused_parameters=True, **options,
+        trainer_kwargs={"enable_checkpointing": True, "callbacks": [checkpoint]})  # fmt: skip
+    shard = torch.load(tmp_path / "ckpt" / "last.ckpt.gtc" / "rank1.pt", weights_only=False)
+    assert len(shard["optimizers"]) == 2 and all("exp_avg" in o["state"][0] for o in shard["optimizers"])
+    _, resumed = fit(tmp_path / "resumed", model=TwoAdams(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
+                     find_unused_parameters=True, **options)  # fmt: skip
+    for rank in range(WORLD):
+        assert len(resumed[rank]["records"]) == 4
+        for a, b in zip(resumed[rank]["records"], full[rank]["records"][4:], strict=True):
+            assert torch.equal(a["params"], b["params"]) and torch.equal(a["residual"], b["residual"])
+
+
+@pytest.mark.parametrize(("batches", "max_steps", "optimizers", "want"),
+                         [(100, -1, 1, 100), (100, -1, 2, 200), (100, 100, 2, 100), (100, 150, 2, 150), (100, 300, 2, 200)])
+def test_the_density_warmup_counts_every_optimizers_exchanges(batches, max_steps, optimizers, want):
+    from types import SimpleNamespace
+
+    from gtc_lightning.strategies.gtc import exchanges_in_run
+
+    # estimated_stepping_batches is min(max_steps, batches) when max_steps is set, as Lightning computes it
+    trainer = SimpleNamespace(estimated_stepping_batches=min(batches, max_steps) if max_steps > 0 else batches,
+                              max_steps=max_steps)  # fmt: skip
+    assert exchanges_in_run(trainer, optimizers) == want
+
+
+def test_several_optimizers_in_the_gradient_mode_when_asked(tmp_path):
+    fit(tmp_path, model=TwoAdams(), max_epochs=1, tau="auto", compress="gradient", find_unused_parameters=True,
+        trainer_kwargs={"callbacks": [Mode(tmp_path)]})  # fmt: skip
+    assert torch.load(tmp_path / "mode0.pt")["compress"] == "gradient"
 
 
 # ---- the update mode's experimental options: what the residual keeps, and a density warm-up -------
@@ -822,3 +892,38 @@ def test_zero_redundancy_optimizer_is_refused_by_the_update_mode_and_runs_in_the
     for a, b in zip(ranks[0]["records"], ranks[1]["records"]):
         assert torch.equal(a["params"], b["params"])
     assert ranks[0]["records"][-1]["loss"] < ranks[0]["records"][0]["loss"]
+
+
+def test_the_two_optimizers_example_trains_and_names_its_mode():
+    """``examples/two_optimizers.py`` (Muon and AdamW in manual optimization, 2 ranks started by popen): the
+    defaults take Strom's gradient mode for Muon, and say why."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "examples" / "two_optimizers.py"), "--epochs", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=root, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "gtc (gradient mode), muon: held-out loss" in run.stdout, run.stdout[-2000:]
+    assert "after 128 optimizer steps" in run.stdout, run.stdout[-2000:]
+    assert "compress='auto' with Muon" in run.stderr + run.stdout
+
+
+@pytest.mark.parametrize(
+    ("optimizers", "stale", "want", "why"),
+    [
+        (["SGD"], False, "update", "with one optimizer"),
+        (["Adam", "AdamW"], False, "update", "with 2 optimizers: each one's step is compressed"),
+        (["Muon", "AdamW"], False, "gradient", "with Muon: Strom's gradient mode"),
+        (["Muon"], False, "gradient", "with Muon"),
+        (["AdamW"], True, "gradient", "with stale=True"),
+    ],
+)
+def test_auto_picks_the_update_mode_unless_stale_or_muon(optimizers, stale, want, why):
+    from gtc_lightning.algorithms.gtc.config import resolve_compress
+
+    weight, bias = torch.nn.Parameter(torch.zeros(3, 3)), torch.nn.Parameter(torch.zeros(3))
+    made = [getattr(torch.optim, name)([weight] if name == "Muon" else [bias], lr=0.1) for name in optimizers]
+    mode, reason = resolve_compress("auto", made, stale)
+    assert mode == want and why in reason
+    assert resolve_compress("update", made, stale) == ("update", "as asked")

@@ -157,7 +157,7 @@ def gradient_closure_once(closure: Callable[[], Any] | None, optimizer: Any, who
                 f"{who}(compress='gradient'): {name} evaluates the closure again within its step (SAM's second "
                 "gradient, a line search); Strom's gradient mode compresses and exchanges one gradient per "
                 "optimizer step, and a gradient used only to probe would be sent and never applied. Use "
-                "compress='update' (the default with one optimizer: each rank's optimizer probes with its own "
+                "compress='update' (what 'auto' picks for GTCStrategy: each rank's optimizer probes with its own "
                 "gradients and the step it makes is compressed) or strategy='ddp'"
             )
         return closure(*args, **kwargs)

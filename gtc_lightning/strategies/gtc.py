@@ -39,7 +39,10 @@ from gtc_lightning.algorithms.gtc.config import (
     check_local_clip_scale,
     check_options,
     local_clip_threshold,
+    resolve_compress,
     resolve_density_warmup,
+    resolve_mean_variance,
+    resolve_word_levels,
     sparse_gradient_parameters,
     unused_update_options,
 )
@@ -54,13 +57,20 @@ from gtc_lightning.strategies.common import (
     hint_unused_parameters,
     refuse_optimizers,
     register_names,
-    warn_gradient_mode_for_adaptive,
 )
 from gtc_lightning.strategies.loggers import GTCStatsLogger
 
 log = logging.getLogger(__name__)
 
 BUCKET_CAP_MB = 1024  # GTCStrategy's default DDP bucket cap: one bucket for models up to 256 M weights
+
+
+def exchanges_in_run(trainer: Any, optimizers: int) -> float:
+    """The update mode's exchanges in a fit: the Trainer's ``estimated_stepping_batches``, times the number of
+    optimizers when there are several (manual optimization: each one's step is an exchange, presumed every
+    batch), at most ``max_steps`` (Lightning's global step counts every optimizer's steps)."""
+    total = trainer.estimated_stepping_batches * optimizers
+    return min(total, trainer.max_steps) if trainer.max_steps > 0 else total
 
 
 class GTCStrategy(DDPStrategy):
@@ -113,8 +123,12 @@ class GTCStrategy(DDPStrategy):
             momentum SGD (DGC's momentum correction) and the Adam family; 8 bytes a parameter.
             ``"gradient"``: Strom's original, the gradients in DDP's hook during backward, the
             optimizer sees the decoded average gradient: right for plain SGD, wrong for Adam (it
-            rescales each sparse vote); 16 bytes a parameter. ``"auto"`` (default): ``"update"``
-            with one optimizer, ``"gradient"`` with ``stale=True`` or several optimizers.
+            rescales each sparse vote); 16 bytes a parameter. ``"auto"`` (default): ``"update"``,
+            ``"gradient"`` with ``stale=True`` or a Muon optimizer (measured: Muon's orthogonalised steps
+            lost in the update mode, on the two-optimizer example). With several optimizers (manual optimization) the update
+            mode compresses and exchanges each one's step after it, over the parameters it moved (each
+            exchange is an optimizer step of ``gtc_stats``; ``word_levels`` and ``mean_variance`` "auto" are on
+            only where every optimizer is one they are for).
         conserve: the update mode's residual (experimental, measured on the long model suite):
             ``"direction"`` (default) keeps the optimizer's step over its learning rate, applied at
             the rate of the step that sends it; ``"displacement"`` keeps the step itself.
@@ -379,28 +393,39 @@ class GTCStrategy(DDPStrategy):
     def _resolve_compress(self) -> None:
         """``compress="auto"``: the optimizer's step (whatever the optimizer: for plain SGD it is the
         gradient times the rate, for momentum SGD and Adam what they apply), with 8 bytes a parameter
-        of GTC's own; Strom's gradient with ``stale=True`` or several optimizers."""
+        of GTC's own; Strom's gradient with ``stale=True`` or Muon (:func:`~gtc_lightning.algorithms.gtc.config.resolve_compress`). With several
+        optimizers (manual optimization) each one's step is compressed and exchanged after it, over the
+        parameters it moved."""
         state = self._gtc_state
         assert state is not None and self.lightning_module is not None
-        mode = self._compress
-        if mode == "auto":
-            mode = "gradient" if self._stale or len(self.optimizers) != 1 else "update"
-        if mode == "update" and len(self.optimizers) != 1:
-            raise ValueError(
-                f"GTCStrategy(compress='update') compresses the step of one optimizer; this model has "
-                f"{len(self.optimizers)}. Use compress='gradient' (or 'auto'), or one optimizer"
-            )
+        count = len(self.optimizers)
+        mode, why = resolve_compress(self._compress, self.optimizers, self._stale)
         state.compress = mode
         self._update_params = [p for _, p in self.lightning_module.named_parameters() if p.requires_grad]
-        auto, many = self._compress == "auto", f"{len(self.optimizers)} optimizers"
-        why = "compress='auto' with " + ("one optimizer" if mode == "update" else "stale=True" if self._stale else many)
-        if auto and mode == "gradient" and not self._stale:
-            warn_gradient_mode_for_adaptive("GTC", self.optimizers)
+        auto = self._compress == "auto"
         if unused := unused_update_options(state):
             rank_zero_warn(unused)
+        if mode == "update" and count > 1:
+            self._resolve_auto_options_over_optimizers()
         if self.global_rank == 0:
             log.info("GTC compresses %s (%s): %s", "each rank's optimizer step" if mode == "update" else "the gradient",
                      ", ".join(type(o).__name__ for o in self.optimizers), why if auto else "as asked")  # fmt: skip
+
+    def _resolve_auto_options_over_optimizers(self) -> None:
+        """``word_levels="auto"`` and ``mean_variance="auto"`` with several optimizers: one setting for every
+        exchange (the words' format is the state's), on only where every optimizer is one it is for (plain SGD;
+        Adam and AdamW), each optimizer's reason logged."""
+        state = self._gtc_state
+        assert state is not None
+        for option, resolve, combine in (("word_levels", resolve_word_levels, min),
+                                         ("mean_variance", resolve_mean_variance, all)):  # fmt: skip
+            if getattr(state, option) != "auto":
+                continue
+            picks = [resolve("auto", optimizer) for optimizer in self.optimizers]
+            setattr(state, option, combine(value for value, _ in picks))
+            if self.global_rank == 0:
+                log.info("GTC: %s=%r over %d optimizers (%s)", option, getattr(state, option), len(picks),
+                         "; ".join(why for _, why in picks))  # fmt: skip
 
     def _gate_clipping(self) -> None:
         """Lightning calls ``configure_gradient_clipping`` after the closure, on what the optimizer is
@@ -559,7 +584,10 @@ class GTCStrategy(DDPStrategy):
         if not warmup and not skipped:
             # The rates the step used: read after it, since the closure may set them (a callback's or the
             # module's on_before_optimizer_step runs inside it).
-            update_mode.exchange(state, params, update_mode.learning_rates(optimizer), optimizer)
+            rates = update_mode.learning_rates(optimizer)
+            # with several optimizers each exchange is compared with a dense all-reduce of its own parameters
+            own = sum(p.numel() for p in params if id(p) in rates) if len(self.optimizers) > 1 else None
+            update_mode.exchange(state, params, rates, optimizer, dense_numel=own)
         self._maybe_check_replicas()
         return output
 
@@ -608,7 +636,7 @@ class GTCStrategy(DDPStrategy):
         super().on_train_start()
         state = self._gtc_state
         if self._density_warmup_steps == "auto" and state is not None and state.compress == "update":
-            total = self.lightning_module.trainer.estimated_stepping_batches
+            total = exchanges_in_run(self.lightning_module.trainer, len(self.optimizers))
             state.density_warmup_steps, why = resolve_density_warmup("auto", total)
             if self.global_rank == 0:
                 log.info("GTC: %s", why)

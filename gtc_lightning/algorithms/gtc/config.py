@@ -59,6 +59,26 @@ def resolve_density_warmup(value: int | str, total_steps: float) -> tuple[int, s
     return steps, f"density_warmup_steps='auto': {DENSITY_WARMUP_SHARE:.0%} of {int(total_steps)} optimizer steps"
 
 
+def resolve_compress(value: str, optimizers: list, stale: bool) -> tuple[str, str]:
+    """``compress`` for a fit with ``optimizers``, and why: ``"auto"`` is the update mode (each rank's optimizer
+    steps on its own gradient, and each optimizer's step is compressed after it), or Strom's gradient mode with
+    ``stale=True`` (it exchanges gradients) or with a Muon optimizer among them (a class named ``*Muon*``, as
+    torch's and the reference implementation's are: on the two-optimizer example, Muon and AdamW on 2 ranks with
+    a cosine schedule, the update mode's held-out loss was 1.9-3.2 times the gradient mode's, 3 seeds: each rank
+    orthogonalises its own noisy momentum, and the mean of those steps is not Muon's step on the mean)."""
+    if value != "auto":
+        return value, "as asked"
+    names = [type(getattr(o, "optimizer", o)).__name__ for o in optimizers]
+    if stale:
+        return "gradient", "compress='auto' with stale=True"
+    if muon := [n for n in names if "muon" in n.lower()]:
+        return "gradient", (f"compress='auto' with {muon[0]}: Strom's gradient mode (the update mode lost to it with "
+                            "Muon: each rank would orthogonalise its own momentum)")  # fmt: skip
+    if len(names) == 1:
+        return "update", "compress='auto' with one optimizer"
+    return "update", f"compress='auto' with {len(names)} optimizers: each one's step is compressed and exchanged after it"
+
+
 def resolve_mean_variance(value: bool | str, optimizer) -> tuple[bool, str]:
     """``mean_variance`` as a bool for ``optimizer``, and why: ``"auto"`` is True for
     :class:`torch.optim.Adam` and :class:`torch.optim.AdamW` (Lightning's and Fabric's wrappers unwrapped)
@@ -256,7 +276,7 @@ def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
 
 def unused_update_options(state) -> str | None:
     """Why the update mode's options of ``state`` do nothing, when ``compress="auto"`` picked the
-    gradient mode (stale=True or several optimizers); None when they are at their defaults."""
+    gradient mode (stale=True, or a Muon optimizer); None when they are at their defaults."""
     if state.compress != "gradient" or (
         state.conserve == "direction"
         and not state.density_warmup_steps
@@ -269,6 +289,6 @@ def unused_update_options(state) -> str | None:
         f"GTC: conserve={state.conserve!r}, density_warmup_steps={state.density_warmup_steps}, "
         f"word_levels={state.word_levels}, momentum_masking={state.momentum_masking} and "
         f"mean_variance={state.mean_variance} apply to "
-        "compress='update'; compress='auto' picked the gradient mode here (stale=True or several optimizers), "
+        "compress='update'; compress='auto' picked the gradient mode here (stale=True, or Muon), "
         "which does not use them"
     )

@@ -292,6 +292,7 @@ def exchange(
     params: list[torch.nn.Parameter],
     lrs: dict[int, float],
     optimizer: torch.optim.Optimizer | None = None,
+    dense_numel: int | None = None,
 ) -> StepStats:
     """Steps 4-7, after the rank's optimizer stepped: compress the step it made, exchange, apply the
     decoded mean on every rank; with ``state.momentum_masking``, zero ``optimizer``'s momentum at the
@@ -301,6 +302,9 @@ def exchange(
     as when frozen that way) sends nothing: its residual, the steps still pending for it, is kept
     whole until its rate is above 0 again.
 
+    ``dense_numel``: the elements of the dense all-reduce the step's bytes are compared with (None: every
+    parameter's; with several optimizers, each exchanging its own parameters, the optimizer's).
+
     Raises:
         RuntimeError: on every rank alike, when some rank's optimizer made a non-finite step from
             finite gradients (it is named); the exchange stops before any word is sent.
@@ -309,7 +313,7 @@ def exchange(
     state.step += 1
     start = time.perf_counter()
     residual, scratch = state._residual, state._scratch
-    numel = residual.numel()
+    numel = residual.numel() if dense_numel is None else dense_numel
     moved: list[Moved] = []
     with torch.no_grad():
         for p, kept in zip(params, _views(scratch, state, params)):
