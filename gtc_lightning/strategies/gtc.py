@@ -124,11 +124,12 @@ class GTCStrategy(DDPStrategy):
             ``"gradient"``: Strom's original, the gradients in DDP's hook during backward, the
             optimizer sees the decoded average gradient: right for plain SGD, wrong for Adam (it
             rescales each sparse vote); 16 bytes a parameter. ``"auto"`` (default): ``"update"``,
-            ``"gradient"`` with ``stale=True`` or a Muon optimizer (measured: Muon's orthogonalised steps
-            lost in the update mode, on the two-optimizer example). With several optimizers (manual optimization) the update
-            mode compresses and exchanges each one's step after it, over the parameters it moved (each
-            exchange is an optimizer step of ``gtc_stats``; ``word_levels`` and ``mean_variance`` "auto" are on
-            only where every optimizer is one they are for).
+            ``"gradient"`` with ``stale=True`` or a Muon optimizer (measured: Muon's orthogonalised
+            steps lost in the update mode, on the two-optimizer example). With several optimizers
+            (manual optimization) the update mode compresses and exchanges each one's step after it,
+            over the parameters it moved (each exchange is an optimizer step of ``gtc_stats``;
+            ``word_levels`` and ``mean_variance`` "auto" are on only where every optimizer is one
+            they are for).
         conserve: the update mode's residual (experimental, measured on the long model suite):
             ``"direction"`` (default) keeps the optimizer's step over its learning rate, applied at
             the rate of the step that sends it; ``"displacement"`` keeps the step itself.
@@ -393,23 +394,21 @@ class GTCStrategy(DDPStrategy):
     def _resolve_compress(self) -> None:
         """``compress="auto"``: the optimizer's step (whatever the optimizer: for plain SGD it is the
         gradient times the rate, for momentum SGD and Adam what they apply), with 8 bytes a parameter
-        of GTC's own; Strom's gradient with ``stale=True`` or Muon (:func:`~gtc_lightning.algorithms.gtc.config.resolve_compress`). With several
-        optimizers (manual optimization) each one's step is compressed and exchanged after it, over the
-        parameters it moved."""
+        of GTC's own; Strom's gradient with ``stale=True`` or Muon
+        (:func:`~gtc_lightning.algorithms.gtc.config.resolve_compress`). With several optimizers (manual
+        optimization) each one's step is compressed and exchanged after it, over the parameters it moved."""
         state = self._gtc_state
         assert state is not None and self.lightning_module is not None
-        count = len(self.optimizers)
         mode, why = resolve_compress(self._compress, self.optimizers, self._stale)
         state.compress = mode
         self._update_params = [p for _, p in self.lightning_module.named_parameters() if p.requires_grad]
-        auto = self._compress == "auto"
         if unused := unused_update_options(state):
             rank_zero_warn(unused)
-        if mode == "update" and count > 1:
+        if mode == "update" and len(self.optimizers) > 1:
             self._resolve_auto_options_over_optimizers()
         if self.global_rank == 0:
             log.info("GTC compresses %s (%s): %s", "each rank's optimizer step" if mode == "update" else "the gradient",
-                     ", ".join(type(o).__name__ for o in self.optimizers), why if auto else "as asked")  # fmt: skip
+                     ", ".join(type(o).__name__ for o in self.optimizers), why)  # fmt: skip
 
     def _resolve_auto_options_over_optimizers(self) -> None:
         """``word_levels="auto"`` and ``mean_variance="auto"`` with several optimizers: one setting for every
