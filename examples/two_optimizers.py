@@ -97,6 +97,10 @@ def main() -> None:
         mode = f" ({trainer.strategy.compress} mode)" if isinstance(trainer.strategy, GTCStrategy) else ""
         print(f"{args.strategy}{mode}, {args.optimizers}: held-out loss {float(trainer.callback_metrics['val_loss']):.4f} "
               f"(best possible {NOISE ** 2:.4f}) after {trainer.global_step} optimizer steps")  # fmt: skip
+    # Leave together: a rank that exits with gloo's process group alive can abort at exit ("terminate called
+    # without an active exception"), its last output lost.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
