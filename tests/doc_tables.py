@@ -112,14 +112,14 @@ def model_suite_long_clipping(paths: tuple[Path, ...] = LONG_JSONS, world_size: 
     for model in [model for model, method in runs if method == "ddp_clip"]:
         base = runs[(model, "ddp_clip")]
         lines.append(
-            f"| {model} | DDP clipped at c | {statistics.fmean(r['final_loss'] for r in base.values()):.4f} ({len(base)}) |"
+            f"| {long_label(model)} | DDP clipped at c | {statistics.fmean(r['final_loss'] for r in base.values()):.4f} ({len(base)}) |"
         )
         for method, label in LONG_CLIPPING_ROWS:
             found = long_change(runs, model, method, "ddp_clip")
             if found is not None:
                 change, ratio, each = found
                 spread = f" [{min(each):+.2f}, {max(each):+.2f}]" if len(each) > 1 else ""
-                lines.append(f"| {model} | {label} | {change:+.2f} %{spread} at {ratio:.0f}x ({len(each)}) |")
+                lines.append(f"| {long_label(model)} | {label} | {change:+.2f} %{spread} at {ratio:.0f}x ({len(each)}) |")
     return "\n".join(lines)
 
 
@@ -166,8 +166,15 @@ LONG_LABELS = {**{m: f"{label}, {opt}" for m, (label, opt) in SUITE_MODELS.items
 
 def model_suite_long_summary() -> str:
     """The README's table of the long profile: the defaults, the former defaults and the baselines, each
-    cell as in :func:`model_suite_long_options`."""
-    return model_suite_long_options(columns=LONG_SUMMARY_COLUMNS, labels=LONG_LABELS)
+    cell as in :func:`model_suite_long_options`, at the profile's budgets."""
+    return model_suite_long_options(columns=LONG_SUMMARY_COLUMNS, labels=LONG_LABELS, current=True)
+
+
+def long_label(model: str, labels: dict[str, str] | None = None) -> str:
+    """A row's name: ``labels``' (or the suite's) name of the model, with its budget for ``"cnn@2000"``."""
+    name, _, steps = model.partition("@")
+    name = (labels or {}).get(name, name)
+    return f"{name}, {int(steps):,} steps" if steps else name
 
 
 # The suite's name of the setting GTCStrategy() is since its density warm-up became a default ("auto": 5 % of
@@ -185,14 +192,19 @@ def defaults_measured_as(model: str) -> str:
 
 def long_runs(paths: tuple[Path, ...] = LONG_JSONS, world_size: int = SUITE_WORLD_SIZE) -> dict:
     """``(model, method) -> {seed: run}`` of the long profile at ``world_size`` ranks (errors left out);
-    ``(model, "gtc_defaults")`` without runs of its own takes those of :func:`defaults_measured_as`."""
+    ``(model, "gtc_defaults")`` without runs of its own takes those of :func:`defaults_measured_as`. Runs
+    at another budget than the profile's (``model_suite.LONG_STEPS``: a budget that grew) are the model
+    ``"cnn@2000"``, apart from the current ones."""
+    from gtc_lightning.tools.model_suite import LONG_STEPS
+
     groups: dict[tuple[str, str], dict[int, dict]] = {}
     for p in paths:
         for r in json.loads(p.read_text()):
             if r["world_size"] == world_size and "error" not in r:
-                groups.setdefault((r["model"], r["method"]), {})[r["seed"]] = r
+                model = r["model"] if r["steps"] == LONG_STEPS.get(r["model"]) else f"{r['model']}@{r['steps']}"
+                groups.setdefault((model, r["method"]), {})[r["seed"]] = r
     for model, method in list(groups):
-        if method == defaults_measured_as(model) and (model, "gtc_defaults") not in groups:
+        if method == defaults_measured_as(model.partition("@")[0]) and (model, "gtc_defaults") not in groups:
             groups[(model, "gtc_defaults")] = groups[(model, method)]
     return groups
 
@@ -218,13 +230,20 @@ def model_suite_long_options(
     columns: tuple[tuple[str, str], ...] = LONG_OPTION_COLUMNS,
     labels: dict[str, str] | None = None,
     only: tuple[str, ...] | None = None,
+    current: bool = False,
+    min_filled: int = 1,
 ) -> str:
     """Per model and setting of the long profile: the held-out loss against DDP's of the same seeds
     (ratio of the means, then the lowest and highest seed's own change in brackets), the mean ratio of
     bytes to a fp32 ring all-reduce, and the number of seeds. Settings without a run are left empty; ``only``:
-    these models alone."""
+    these models alone; ``current``: at the profile's budgets alone (not a model's earlier, shorter runs); a
+    model with fewer than ``min_filled`` settings measured is left out."""
     runs = long_runs(paths, world_size)
-    models = [model for model, method in runs if method == "ddp" and (only is None or model in only)]
+    models = [
+        model
+        for model, method in runs
+        if method == "ddp" and (only is None or model.partition("@")[0] in only) and not (current and "@" in model)
+    ]
     lines = [
         "| model | DDP | " + " | ".join(header for _, header in columns) + " |",
         "|---|---|" + "---|" * len(columns),
@@ -240,7 +259,8 @@ def model_suite_long_options(
             change, ratio, each = found
             spread = f" [{min(each):+.2f}, {max(each):+.2f}]" if len(each) > 1 else ""
             cells.append(f"{change:+.2f} %{spread} at {ratio:.0f}x ({len(each)})")
-        lines.append(f"| {(labels or {}).get(model, model)} | " + " | ".join(cells) + " |")
+        if sum(bool(c) for c in cells[1:]) >= min_filled:
+            lines.append(f"| {long_label(model, labels)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -280,9 +300,10 @@ TABLES: dict[str, Callable[[], str]] = {
     "model-suite-long-options": model_suite_long_options,
     "model-suite-long-summary": model_suite_long_summary,
     "model-suite-long-moments": lambda: model_suite_long_options(columns=LONG_MOMENT_COLUMNS, only=ADAM_MODELS),
-    "model-suite-long-family": lambda: model_suite_long_options(columns=LONG_FAMILY_COLUMNS),
+    "model-suite-long-family": lambda: model_suite_long_options(columns=LONG_FAMILY_COLUMNS, min_filled=2),
     "model-suite-long-family-short": lambda: model_suite_long_options(
-        columns=tuple(c for c in LONG_FAMILY_COLUMNS if not c[0].startswith("sparseloco_h")), labels=LONG_LABELS
+        columns=tuple(c for c in LONG_FAMILY_COLUMNS if not c[0].startswith("sparseloco_h")), labels=LONG_LABELS,
+        min_filled=2,
     ),
     "model-suite-long-clipping": model_suite_long_clipping,
     "compat-matrix": _compat(False),

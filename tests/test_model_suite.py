@@ -355,6 +355,31 @@ def test_merge_joins_runs_made_apart_and_renders_them(tmp_path, monkeypatch):
         model_suite.main(["--out", str(out), "--merge", str(src)])
 
 
+def test_a_budget_that_grew_keeps_its_earlier_runs_apart(tmp_path, monkeypatch):
+    """Runs of one model at two budgets are two cells: merging the longer runs keeps the shorter ones, the
+    report names each budget (its own rows, its own DDP), and the long profile's tables take the
+    profile's budget as the model's and the other as ``model@steps``."""
+    monkeypatch.setattr(model_suite, "plot_loss_vs_bytes", lambda results, out: [])
+    out, src = tmp_path / "out", tmp_path / "src"
+    out.mkdir()
+    src.mkdir()
+    short = [_fake_record("cnn", m, 4, 0, 2000, 2, None) | {"final_loss": 1.0} for m in ("ddp", "gtc")]
+    (out / "results.json").write_text(json.dumps(short))
+    longer = [_fake_record("cnn", m, 4, 0, 6000, 2, None) | {"final_loss": f} for m, f in (("ddp", 0.5), ("gtc", 0.6))]
+    (src / "results.json").write_text(json.dumps(longer))
+    results = model_suite.main(["--out", str(out), "--merge", str(src)])
+    assert [(r["method"], r["steps"]) for r in results] == [("ddp", 2000), ("gtc", 2000), ("ddp", 6000), ("gtc", 6000)]
+    report = model_suite.report_markdown(results)
+    assert "| cnn (2000 steps) | gtc | 1.0000 [1.0000-1.0000] | +0.0 % |" in report
+    assert "| cnn (6000 steps) | gtc | 0.6000 [0.6000-0.6000] | +20.0 % |" in report
+    import doc_tables  # tests/doc_tables.py: the long profile's tables
+    monkeypatch.setattr(model_suite, "LONG_STEPS", {**model_suite.LONG_STEPS, "cnn": 6000})
+    runs = doc_tables.long_runs((out / "results.json",))
+    assert sorted(runs) == [("cnn", "ddp"), ("cnn", "gtc"), ("cnn@2000", "ddp"), ("cnn@2000", "gtc")]
+    assert doc_tables.long_change(runs, "cnn", "gtc")[0] == pytest.approx(20.0)
+    assert doc_tables.long_label("cnn@2000", doc_tables.LONG_LABELS).endswith(", 2,000 steps")
+
+
 def test_profile_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="--profile long"):
         model_suite.main(["--models", "transformer_lm", "--out", str(tmp_path)])

@@ -46,6 +46,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import time
 import warnings
@@ -568,22 +569,30 @@ def _human(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _model_name(record: dict, results: list[dict]) -> str:
+    """``record``'s model, with its budget (``"cnn (6000 steps)"``) where ``results`` hold runs of that model
+    at more than one number of steps (a budget that grew keeps its earlier runs beside the new)."""
+    budgets = {r["steps"] for r in results if r["model"] == record["model"] and "steps" in r}
+    return f"{record['model']} ({record['steps']} steps)" if len(budgets) > 1 else record["model"]
+
+
 def _group(results: list[dict]) -> dict[tuple, list[dict]]:
-    """Successful runs by (world size, model, method), in the order they ran."""
+    """Successful runs by (world size, model, method), in the order they ran; the model as
+    :func:`_model_name` names it."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         if "error" not in r:
-            groups.setdefault((r["world_size"], r["model"], r["method"]), []).append(r)
+            groups.setdefault((r["world_size"], _model_name(r, results), r["method"]), []).append(r)
     return groups
 
 
-def _table_row(runs: list[dict], ddp_mean: float | None) -> str:
-    """One method on one model and world size, over its seeds."""
+def _table_row(name: str, runs: list[dict], ddp_mean: float | None) -> str:
+    """One method on one model (``name``) and world size, over its seeds."""
     losses = [r["final_loss"] for r in runs]
     mean = statistics.fmean(losses)
     vs = f"{100 * (mean - ddp_mean) / ddp_mean:+.1f} %" if ddp_mean else "-"
     cells = [
-        runs[0]["model"],
+        name,
         runs[0]["method"],
         f"{mean:.4f} [{min(losses):.4f}-{max(losses):.4f}]",
         vs,
@@ -600,7 +609,7 @@ def report_markdown(results: list[dict]) -> str:
     """The models, then one table per world size (rows: model x method), then DDP's last
     evaluations (whether it reached a plateau) and any failed runs."""
     groups = _group(results)
-    models = list(dict.fromkeys(r["model"] for r in results))
+    models = list(dict.fromkeys(_model_name(r, results) for r in results if "error" not in r))
     worlds = sorted({r["world_size"] for r in results})
     lines = [
         "## Models",
@@ -609,11 +618,11 @@ def report_markdown(results: list[dict]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for m in models:
-        runs = [r for r in results if r["model"] == m and "error" not in r]
+        runs = [r for r in results if "error" not in r and _model_name(r, results) == m]
         if runs:
             initial = statistics.fmean(r["initial_loss"] for r in runs)
             lines.append(
-                f"| {m} | {runs[0]['numel']:,} | {runs[0]['steps']} | {batch_size(m)} | "
+                f"| {m} | {runs[0]['numel']:,} | {runs[0]['steps']} | {batch_size(runs[0]['model'])} | "
                 f"{runs[0]['best_loss']:.4f} | {initial:.4f} |"
             )
     for w in worlds:
@@ -626,7 +635,7 @@ def report_markdown(results: list[dict]) -> str:
             ddp = groups.get((w, m, "ddp"))
             ddp_mean = statistics.fmean(r["final_loss"] for r in ddp) if ddp else None
             lines += [
-                _table_row(runs, ddp_mean) for (gw, gm, _), runs in groups.items() if (gw, gm) == (w, m)
+                _table_row(m, runs, ddp_mean) for (gw, gm, _), runs in groups.items() if (gw, gm) == (w, m)
             ]
     fallback = [
         f"- {m} {method}, {w} ranks: {statistics.fmean(r['gtc_dense_steps'] for r in runs):.0f} "
@@ -675,7 +684,7 @@ def plot_loss_vs_bytes(results: list[dict], out_dir: Path) -> list[Path]:
 
     groups = _group(results)
     paths = []
-    for m in dict.fromkeys(r["model"] for r in results):
+    for m in dict.fromkeys(gm for (_, gm, _) in groups):
         worlds = [w for (w, gm, _) in groups if gm == m]
         if not worlds:
             continue
@@ -714,7 +723,7 @@ def plot_loss_vs_bytes(results: list[dict], out_dir: Path) -> list[Path]:
         ax.set_title(f"{m}: held-out loss against bytes sent (seeds' mean, range)")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out_dir / f"loss_vs_bytes_{m}.png"
+        path = out_dir / f"loss_vs_bytes_{re.sub(r'[^A-Za-z0-9_]+', '_', m).strip('_')}.png"  # "cnn_6000_steps"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
@@ -752,12 +761,13 @@ def progress_line(record: dict) -> str:
 
 
 def _cell(record: dict) -> tuple:
-    return (record["model"], record["method"], record["world_size"], record["seed"])
+    """A run's cell: model, method, world size, seed and budget (runs of one model at two budgets are two cells)."""
+    return (record["model"], record["method"], record["world_size"], record["seed"], record.get("steps"))
 
 
-def resumed(path: Path, cells: list[tuple], steps: dict[str, int]) -> list[dict]:
+def resumed(path: Path, cells: list[tuple]) -> list[dict]:
     """The records of ``path`` (an earlier run's results.json) to keep: those of this invocation's
-    cells, without an error, run for the same number of steps. A missing file keeps nothing.
+    cells (a cell names its budget), without an error. A missing file keeps nothing.
 
     Raises:
         ValueError: when ``path`` is not a list of run records (naming it and the fix).
@@ -769,7 +779,7 @@ def resumed(path: Path, cells: list[tuple], steps: dict[str, int]) -> list[dict]
         kept = [
             r
             for r in records
-            if "error" not in r and _cell(r) in set(cells) and r["steps"] == steps[r["model"]]
+            if "error" not in r and _cell(r) in set(cells)
         ]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
         raise ValueError(
@@ -918,8 +928,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     # Seed by seed: a suite stopped part way has every method of the seeds it finished.
-    cells = [(m, meth, w, s) for w in worlds for s in seeds for m in models for meth in args.methods]
-    results: list[dict] = resumed(out / "results.json", cells, steps) if args.resume else []
+    cells = [(m, meth, w, s, steps[m]) for w in worlds for s in seeds for m in models for meth in args.methods]
+    results: list[dict] = resumed(out / "results.json", cells) if args.resume else []
     done = {_cell(r) for r in results}
     shape = f"{len(models)} models x {len(args.methods)} methods x {len(seeds)} seeds x world sizes {worlds}"
     print(f"model suite ({args.profile}): {len(cells)} runs ({shape}), {len(done)} kept -> {out}", flush=True)
@@ -929,9 +939,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if cell in done:
                 continue
             try:
-                record = run_cell(*cell, steps[cell[0]], evals, out)
+                record = run_cell(*cell, evals, out)
             except Exception as error:  # noqa: BLE001  (one failed cell must not lose the others)
-                record = dict(zip(("model", "method", "world_size", "seed"), cell))
+                record = dict(zip(("model", "method", "world_size", "seed", "steps"), cell))
                 record["error"] = f"{type(error).__name__}: {error}"
             print(f"[{i}/{len(cells)}] {progress_line(record)}", flush=True)
             results.append(record)
