@@ -28,7 +28,8 @@ extensions = [
 source_suffix = {".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "**/_build", "benchmarks/model_suite/results.md", "benchmarks/model_suite_long/results.md",
-                    "benchmarks/model_suite_long_mechanisms/results.md"]  # the suite's own output
+                    "benchmarks/model_suite_long_mechanisms/results.md",
+                    "benchmarks/model_suite_long_cnn_budget/results.md"]  # the suite's own output
 
 # Markdown: headings get anchors (links such as page.md#a-section), ::: fences for notes.
 myst_enable_extensions = ["colon_fence", "deflist"]

@@ -171,10 +171,23 @@ def model_suite_long_summary() -> str:
 
 
 def long_label(model: str, labels: dict[str, str] | None = None) -> str:
-    """A row's name: ``labels``' (or the suite's) name of the model, with its budget for ``"cnn@2000"``."""
-    name, _, steps = model.partition("@")
-    name = (labels or {}).get(name, name)
-    return f"{name}, {int(steps):,} steps" if steps else name
+    """A row's name: ``labels``' (or the suite's) name of the model, with its budget where the model runs
+    another number of steps than most of the profile's, or has runs at an earlier budget (``"cnn@2000"``)."""
+    from gtc_lightning.tools.model_suite import LONG_STEPS
+
+    base, _, steps = model.partition("@")
+    name = (labels or {}).get(base, base)
+    if steps or LONG_STEPS[base] != statistics.mode(LONG_STEPS.values()):
+        return f"{name}, {int(steps or LONG_STEPS[base]):,} steps"
+    return name
+
+
+def _long_order(model: str) -> tuple[int, int]:
+    """Rows in the profile's order of models, a model's earlier budgets after its current one."""
+    from gtc_lightning.tools.model_suite import LONG_STEPS
+
+    base, _, steps = model.partition("@")
+    return list(LONG_STEPS).index(base) if base in LONG_STEPS else len(LONG_STEPS), int(steps or 0)
 
 
 # The suite's name of the setting GTCStrategy() is since its density warm-up became a default ("auto": 5 % of
@@ -239,11 +252,16 @@ def model_suite_long_options(
     these models alone; ``current``: at the profile's budgets alone (not a model's earlier, shorter runs); a
     model with fewer than ``min_filled`` settings measured is left out."""
     runs = long_runs(paths, world_size)
-    models = [
-        model
-        for model, method in runs
-        if method == "ddp" and (only is None or model.partition("@")[0] in only) and not (current and "@" in model)
-    ]
+    models = sorted(
+        (
+            model
+            for model, method in runs
+            if method == "ddp"
+            and (only is None or model.partition("@")[0] in only)
+            and not (current and "@" in model)
+        ),
+        key=_long_order,
+    )
     lines = [
         "| model | DDP | " + " | ".join(header for _, header in columns) + " |",
         "|---|---|" + "---|" * len(columns),
