@@ -572,20 +572,22 @@ def _human(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _model_name(record: dict, results: list[dict]) -> str:
-    """``record``'s model, with its budget (``"cnn (6000 steps)"``) where ``results`` hold runs of that model
-    at more than one number of steps (a budget that grew keeps its earlier runs beside the new)."""
-    budgets = {r["steps"] for r in results if r["model"] == record["model"] and "steps" in r}
-    return f"{record['model']} ({record['steps']} steps)" if len(budgets) > 1 else record["model"]
+def _model_names(results: list[dict]) -> list[str]:
+    """Each successful run's model, with its budget (``"cnn (6000 steps)"``) where ``results`` hold runs of
+    that model at more than one number of steps (a budget that grew keeps its earlier runs beside the new)."""
+    ok = [r for r in results if "error" not in r]
+    budgets: dict[str, set[int]] = {}
+    for r in ok:
+        budgets.setdefault(r["model"], set()).add(r["steps"])
+    return [f"{r['model']} ({r['steps']} steps)" if len(budgets[r["model"]]) > 1 else r["model"] for r in ok]
 
 
 def _group(results: list[dict]) -> dict[tuple, list[dict]]:
     """Successful runs by (world size, model, method), in the order they ran; the model as
-    :func:`_model_name` names it."""
+    :func:`_model_names` names it."""
     groups: dict[tuple, list[dict]] = {}
-    for r in results:
-        if "error" not in r:
-            groups.setdefault((r["world_size"], _model_name(r, results), r["method"]), []).append(r)
+    for r, name in zip([r for r in results if "error" not in r], _model_names(results)):
+        groups.setdefault((r["world_size"], name, r["method"]), []).append(r)
     return groups
 
 
@@ -612,7 +614,7 @@ def report_markdown(results: list[dict]) -> str:
     """The models, then one table per world size (rows: model x method), then DDP's last
     evaluations (whether it reached a plateau) and any failed runs."""
     groups = _group(results)
-    models = list(dict.fromkeys(_model_name(r, results) for r in results if "error" not in r))
+    models = list(dict.fromkeys(_model_names(results)))
     worlds = sorted({r["world_size"] for r in results})
     lines = [
         "## Models",
@@ -621,7 +623,7 @@ def report_markdown(results: list[dict]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for m in models:
-        runs = [r for r in results if "error" not in r and _model_name(r, results) == m]
+        runs = [r for (_, gm, _), group in groups.items() if gm == m for r in group]
         if runs:
             initial = statistics.fmean(r["initial_loss"] for r in runs)
             lines.append(
