@@ -209,3 +209,67 @@ def test_score_counts_and_files(tmp_path):
     assert "(ZEBRA->CAT)" in errs and "(***->BIG)" in errs and "(THE->***)" in errs
     assert "c:\tref=['MY', 'ZEBRA']" in (tmp_path / "recogs-test.txt").read_text()
     assert score({"x": "a b"}, {"x": "A B"}, tmp_path, "ok")["wer"] == 0.0
+
+
+def _unk_lang(d, unk_model: str, extra: tuple[str, ...] = ()):
+    """A lang whose vocabulary has ``<UNK>`` (pronounced SPN) as ``--oov unk`` writes it, its LM trained on
+    SENTENCES with an unknown word in one of them; ``extra`` words join the vocabulary."""
+    cmu = cmu_lexicon()
+    cmu["<UNK>"] = [("SPN",)]
+    sents = [s.split() for s in SENTENCES] + [["THE", "<UNK>", "SAW", "THE", "DOG"]]
+    vocab = sorted({w for s in sents for w in s} | set(extra))
+    summary = write_lang(d, vocab, cmu, unk="<UNK>", unk_model=unk_model)
+    (d / "unk_word.txt").write_text("<UNK>\n")
+    train_lm(sents, d / "lm.arpa", order=2)
+    compile_G(d / "lm.arpa", d / "words.txt", d / "G.fst")
+    return summary, load_lang(d)
+
+
+def _words_of(fst, phones: list[int]) -> list[int] | None:
+    best = kaldifst.shortest_path(kaldifst.compose(kaldifst.make_linear_acceptor(phones), fst))
+    if best.num_states == 0:
+        return None  # no path
+    ok, _, osyms, _ = kaldifst.get_linear_symbol_sequence(best)
+    assert ok
+    return [o for o in osyms if o]
+
+
+def test_unk_is_spelled_out_of_phones_in_decoding_only(tmp_path):
+    summary, lg = _unk_lang(tmp_path / "phone", "phone")
+    assert summary["unk_model"] == "phone" and summary["unk_phone_pairs"] > 1000  # CMUdict's seen phone pairs
+    hash_unk, unk = lg.phones["#unk"], lg.words["<UNK>"]
+    assert hash_unk in lg.disambig_phone_ids and hash_unk not in lg.phone_ids
+    zebra = [lg.phones[p] for p in ("Z", "IY", "B", "R", "AH")]  # a word the vocabulary lacks
+    L_dis, L = lg.L_disambig(), lg.L()
+    assert _words_of(L_dis, [hash_unk, *zebra, hash_unk]) == [unk]
+    assert _words_of(L_dis, zebra) is None  # not without its brackets
+    assert _words_of(L_dis, [hash_unk, lg.phones["AH"], hash_unk]) is None  # two phones at least
+    assert _words_of(L_dis, [lg.phones["SPN"]]) is None  # no garbage phone in decoding
+    cat = [lg.phones[p] for p in lg.lexicon["CAT"][0]]
+    assert _words_of(L_dis, [*cat, hash_unk, *zebra, hash_unk, lg.sil_id]) == [lg.words["CAT"], unk]
+    assert _words_of(L, [lg.phones["SPN"]]) == [unk]  # training's lexicon keeps <UNK> as SPN
+    spn_summary, spn = _unk_lang(tmp_path / "spn", "spn")
+    assert spn_summary["unk_model"] == "spn" and "#unk" not in spn.phones
+    assert _words_of(spn.L_disambig(), [spn.phones["SPN"]]) == [spn.words["<UNK>"]]
+    with pytest.raises(ValueError, match="--unk-model 'letters': use phone"):
+        write_lang(tmp_path / "bad", ["CAT", "<UNK>"], {"CAT": [("K", "AE", "T")], "<UNK>": [("SPN",)]},
+                   unk="<UNK>", unk_model="letters")
+
+
+@pytest.mark.parametrize("kind", ["mono", "tri"])
+def test_decoder_spells_an_unknown_word_as_unk(tmp_path, kind):
+    """Evidence aligned to THE ZEBRA SAW THE DOG (ZEBRA outside the vocabulary) decodes as THE <UNK> SAW THE DOG
+    with the phone-spelled unknown word; with SPN alone the unknown word's frames cannot be <UNK>."""
+    _, source = _unk_lang(tmp_path / "source", "spn", extra=("ZEBRA",))  # the same phones: the evidence's lang
+    results = {}
+    for model in ("phone", "spn"):
+        _, lg = _unk_lang(tmp_path / model, model)
+        assert [lg.phones[p] for p in ("SIL", "SPN", "Z")] == [source.phones[p] for p in ("SIL", "SPN", "Z")]
+        _, tree, tm, hclg = build_system(lg, kind)
+        pdfs = aligned_pdfs(source, tree, tm, "THE ZEBRA SAW THE DOG", frames=200, seed=0)
+        loglik = np.full((len(pdfs), tm.num_pdfs), -15.0, dtype=np.float32)
+        loglik[np.arange(len(pdfs)), pdfs] = 0.0
+        hyps = decode_utterances(hclg, tm, [("u", loglik)], acoustic_scale=1.0)
+        results[model] = words_to_text(hyps["u"], lg.id2word)
+    assert results["phone"] == "THE <UNK> SAW THE DOG"
+    assert results["spn"] != results["phone"]

@@ -179,7 +179,8 @@ def test_kaldi_data_dir_of_a_real_corpus_to_a_wer(spoken, tmp_path):
     train_voices = len(_voices()["train"])
     assert lang["user_lexicon_words"] == 1 and lang["user_lexicon_tags"] == 2 and lang["train_dropped_oov"] == 0
     assert lang["train_oov_words"] == 1 and lang["train_oov_tokens"] == len(_voices()["train"])  # JUISE
-    assert lang["oov_policy"] == "unk"
+    assert lang["oov_policy"] == "unk" and lang["unk_model"] == "phone"  # decoded spelt out of phones
+    assert "#unk" in (data / "lang" / "phones.txt").read_text()
     assert lang["train_tag_tokens"] == {"<UNK>": train_voices, "[COUGH]": train_voices, "[NOISE]": train_voices}
     assert lang["silence_phones"] == ["SIL", "SPN", "NSN"]
     assert lang["lm_arpa_train_words_missing"] == 0  # tags and <UNK> are not words the decoder must output

@@ -144,7 +144,8 @@ def _run_stage(name: str, data_dir: Path, args: argparse.Namespace) -> str:
         from local.graph.lang import prepare_lang
 
         return _summary(prepare_lang(data_dir, lexicon=args.lexicon, lm_text=args.lm_text, oov=args.oov,
-                                     tags=args.tags, unk_word=args.unk_word, lm_arpa=args.lm_arpa))
+                                     tags=args.tags, unk_word=args.unk_word, lm_arpa=args.lm_arpa,
+                                     unk_model=args.unk_model))
     if name == "mono":
         from local.gmm.mono import train_mono
 
@@ -353,14 +354,16 @@ def prepare(
     unk_word: str = "<UNK>",
     lm_arpa: str | Path | None = None,
     allow_shared_speakers: bool = False,
+    unk_model: str = "phone",
 ) -> Path:
     """Run stages ``stage..stop_stage``; return the data directory. Importable by train.py.
 
     ``train_parts`` (LibriSpeech's training parts) and ``allow_shared_speakers`` (a speaker in two splits a
     warning, not an error: ``local.data.validate``) reach stage 0; ``lexicon``, ``lm_text``, ``oov``
     (None: ``unk`` for a real corpus, ``drop`` for the embedded one: ``local/graph/lexicon.py`` says why),
-    ``tags`` (``TAG=PHONE`` items, None: ``local.graph.tags.DEFAULT_TAGS``), ``unk_word`` and ``lm_arpa``
-    (the first pass's LM, ``local/graph/user_lm.py``) reach stage 2. ``gmm_sizes``: any of ``GMM_SIZES`` (the
+    ``tags`` (``TAG=PHONE`` items, None: ``local.graph.tags.DEFAULT_TAGS``), ``unk_word``, ``unk_model`` (how
+    the decoding graphs spell ``unk_word``: ``local/graph/unk_model.py``) and ``lm_arpa`` (the first pass's
+    LM, ``local/graph/user_lm.py``) reach stage 2. ``gmm_sizes``: any of ``GMM_SIZES`` (the
     triphone, LDA+MLLT and SAT systems' leaves and Gaussians), each a number or ``"auto"`` (the default:
     from the hours of training speech, ``local.gmm.sizes``). ``lda_mllt``: train the LDA+MLLT system in
     the tri stage and build SAT, align and adapt on its features (None: the one recorded in
@@ -393,6 +396,10 @@ def prepare(
     if oov not in OOV_POLICIES:
         raise ValueError(f"unknown --oov {oov!r}; choose drop, unk or g2p")
     tag_map, unk_word = parse_tags(tags), check_unk_word(unk_word)
+    from local.graph.unk_model import UNK_MODELS
+
+    if unk_model not in UNK_MODELS:
+        raise ValueError(f"unknown --unk-model {unk_model!r}; choose phone or spn")
     if lm_arpa is not None and not Path(lm_arpa).is_file():
         raise ValueError(f"--lm-arpa {lm_arpa}: no such file; give an ARPA back-off LM (gzipped or not)")
     if lm_arpa is not None and lm_text is not None:
@@ -414,7 +421,7 @@ def prepare(
     data_dir.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(corpus=corpus, corpus_dir=corpus_dir, size=size, seed=seed, num_jobs=num_jobs,
                               train_parts=train_parts, lexicon=lexicon, lm_text=lm_text, oov=oov,
-                              tags=tag_map, unk_word=unk_word, lm_arpa=lm_arpa,
+                              tags=tag_map, unk_word=unk_word, lm_arpa=lm_arpa, unk_model=unk_model,
                               lda_mllt=lda_mllt, sat_schedule=sat_schedule, search=search)  # fmt: skip
     args.gmm_sizes = {**dict.fromkeys(GMM_SIZES, "auto"), **(gmm_sizes or {})}
     args.allow_shared_speakers = allow_shared_speakers
@@ -519,6 +526,10 @@ def main(argv: list[str] | None = None) -> None:
                         "--unk-word, pronounced SPN, as Kaldi does) or g2p (flite's rules); default unk for a real "
                         "corpus, drop for the embedded one")
     p.add_argument("--unk-word", default="<UNK>", help="the unknown word of --oov unk (a tag: not scored)")
+    p.add_argument("--unk-model", default="phone", choices=["phone", "spn"],
+                   help="how the decoding graphs spell --unk-word: phone (any 2 or more phones, weighted by a phone "
+                        "bigram of the lexicon, Kaldi's make_unk_lm.sh; default) or spn (its garbage phone, as in "
+                        "training)")
     p.add_argument("--tags", nargs="+", default=None, metavar="TAG=PHONE",
                    help="the transcripts' noise tags and their silence-like phone, SPN (spoken noise) or NSN, "
                         "replacing the default list: <UNK>=SPN <SPOKEN_NOISE>=SPN [vocalized-noise]=SPN "
@@ -533,7 +544,8 @@ def main(argv: list[str] | None = None) -> None:
             a.train_parts, a.lexicon, a.lm_text, a.oov,
             gmm_sizes={name: getattr(a, name) for name in GMM_SIZES}, lda_mllt=a.lda_mllt,
             sat_schedule=a.sat_schedule, beam=a.beam, max_active=a.max_active, tags=a.tags,
-            unk_word=a.unk_word, lm_arpa=a.lm_arpa, allow_shared_speakers=a.allow_shared_speakers)  # fmt: skip
+            unk_word=a.unk_word, lm_arpa=a.lm_arpa, allow_shared_speakers=a.allow_shared_speakers,
+            unk_model=a.unk_model)  # fmt: skip
 
 
 if __name__ == "__main__":

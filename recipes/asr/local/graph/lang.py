@@ -20,11 +20,13 @@ Choices (Kaldi's ``prepare_lang.sh`` conventions, without word-position phones):
   no lexicon knows out (reason ``oov``; the words counted in ``lang/oov.txt`` and the summary); ``unk``
   keeps it with the word mapped to ``<UNK>`` (``lang/unk_word.txt``; ``Lang.word_ids`` maps as Kaldi's
   ``sym2int.pl --map-oov``); ``g2p`` keeps it with flite's pronunciation. Dev/test utterances are kept.
+  In decoding (``L_disambig.fst``) ``<UNK>`` is spelled out of phones by a phone bigram
+  (``--unk-model phone``, ``local/graph/unk_model.py``); training's ``L.fst`` keeps its ``SPN``.
 - Tags (``[noise]``, ``<UNK>``, ...; ``local/graph/tags.py``) are words pronounced with the
   silence-like phones ``SPN``/``NSN``.
 - Phones: ``<eps>``=0, ``SIL``=1, then ``SPN`` and ``NSN`` where a word of the vocabulary is pronounced
   with them, the 39 CMU phones, then ``#0``..``#K`` (``#0`` is G's backoff symbol, ``#1``..
-  disambiguate homophones and prefix pronunciations).
+  disambiguate homophones and prefix pronunciations), then ``#unk`` with the phone-spelled unknown word.
 - Words: ``<eps>``=0, the vocabulary, then ``#0``, ``<s>``, ``</s>`` (as Kaldi's words.txt).
 - L has optional silence between words with probability 0.5 (Kaldi ``sil_prob=0.5``).
 - Topology: 3-state left-to-right per phone, 5-state SIL (and SPN, NSN) with Kaldi's ergodic middle states.
@@ -154,7 +156,8 @@ def make_topo(phone_ids: list[int], sil_id: int | list[int]) -> str:
 
 
 def make_lexicon_fst_text(
-    lexicon, phone2id: dict[str, int], word2id: dict[str, int], add_loop_disambig: bool
+    lexicon, phone2id: dict[str, int], word2id: dict[str, int], add_loop_disambig: bool,
+    unk_lm: tuple[str, dict] | None = None,
 ) -> str:
     """OpenFst text of L (phones -> words) with optional silence, Kaldi's ``make_lexicon_fst.py``.
 
@@ -162,6 +165,8 @@ def make_lexicon_fst_text(
     last phone returns to the loop state (cost -log(1-p)) or to the silence state (cost -log p),
     from which SIL leads back to the loop state. With ``add_loop_disambig`` the loop state gets
     a ``#0:#0`` self-loop that passes G's backoff symbol through (Kaldi's ``fstaddselfloops``).
+    ``unk_lm`` = (the unknown word, its phone LM): that word's lexicon entries are replaced by the phone
+    LM (``local/graph/unk_model.py``).
     """
     sil_cost, no_sil_cost = -math.log(SIL_PROB), -math.log(1.0 - SIL_PROB)
     start, loop, sil = 0, 1, 2
@@ -172,6 +177,8 @@ def make_lexicon_fst_text(
     ]
     next_state = 3
     for word, pron in lexicon:
+        if unk_lm is not None and word == unk_lm[0]:
+            continue
         src, olabel = loop, word2id[word]
         for ph in pron[:-1]:
             lines.append(f"{src} {next_state} {phone2id[ph]} {olabel} 0")
@@ -179,6 +186,12 @@ def make_lexicon_fst_text(
         last = phone2id[pron[-1]]
         lines.append(f"{src} {loop} {last} {olabel} {no_sil_cost:.6f}")
         lines.append(f"{src} {sil} {last} {olabel} {sil_cost:.6f}")
+    if unk_lm is not None:
+        from local.graph.unk_model import unk_arcs
+
+        arcs, next_state = unk_arcs(unk_lm[1], phone2id, word2id[unk_lm[0]], loop, sil, next_state,
+                                    sil_cost, no_sil_cost)
+        lines += arcs
     if add_loop_disambig:
         lines.append(f"{loop} {loop} {phone2id['#0']} {word2id['#0']} 0")
     lines.append(f"{loop} 0")
@@ -280,13 +293,26 @@ def load_lang(lang_dir: Path | str) -> Lang:
     )
 
 
-def write_lang(lang_dir: Path, vocab: list[str], cmu: dict[str, list[tuple[str, ...]]]) -> dict:
-    """Write lexicon, tables, topology and L / L_disambig (binary and text) for ``vocab``."""
+def write_lang(lang_dir: Path, vocab: list[str], cmu: dict[str, list[tuple[str, ...]]], unk: str | None = None,
+               unk_model: str = "phone") -> dict:
+    """Write lexicon, tables, topology and L / L_disambig (binary and text) for ``vocab``. ``unk``: the
+    unknown word of ``--oov unk``, which L_disambig spells out of phones with ``unk_model="phone"``
+    (``local/graph/unk_model.py``; ``"spn"``: its lexicon entry, as L has it)."""
+    from local.graph.unk_model import UNK_DISAMBIG, UNK_MODELS, phone_bigram
+
+    if unk_model not in UNK_MODELS:
+        raise ValueError(f"--unk-model {unk_model!r}: use phone (the unknown word spelled out of phones in "
+                         "decoding) or spn (one garbage phone)")
     lang_dir.mkdir(parents=True, exist_ok=True)
     lexicon = [(w, p) for w in vocab for p in cmu[w]]
     lexicon_disambig, max_k = add_disambig(lexicon)
     silence = [SIL] + silence_like_used(lexicon)  # SPN, NSN only where a word has them: tags.py
+    unk_lm = None
+    if unk is not None and unk in vocab and unk_model == "phone":
+        lm = phone_bigram(p for prons in cmu.values() for p in prons if not set(p) & {SIL, *SILENCE_LIKE})
+        unk_lm = (unk, lm)
     phones = ["<eps>"] + silence + cmu_phones() + [f"#{k}" for k in range(max_k + 1)]
+    phones += [UNK_DISAMBIG] if unk_lm else []
     phone2id = {p: i for i, p in enumerate(phones)}
     words = ["<eps>"] + vocab + ["#0", "<s>", "</s>"]
     word2id = {w: i for i, w in enumerate(words)}
@@ -301,11 +327,14 @@ def write_lang(lang_dir: Path, vocab: list[str], cmu: dict[str, list[tuple[str, 
     (lang_dir / "topo").write_text(make_topo(real, [phone2id[p] for p in silence]))
 
     for name, lex, loop in (("L", lexicon, False), ("L_disambig", lexicon_disambig, True)):
-        text = make_lexicon_fst_text(lex, phone2id, word2id, add_loop_disambig=loop)
+        text = make_lexicon_fst_text(lex, phone2id, word2id, add_loop_disambig=loop, unk_lm=unk_lm if loop else None)
         (lang_dir / f"{name}.fst.txt").write_text(text)
         compile_fst(text, sort_type="olabel").write(str(lang_dir / f"{name}.fst"))
     return {"words": len(vocab), "prons": len(lexicon), "phones": len(real), "disambig": max_k + 1,
-            **({"silence_phones": silence} if len(silence) > 1 else {})}
+            **({"silence_phones": silence} if len(silence) > 1 else {}),
+            **({"unk_model": unk_model} if unk is not None else {}),
+            **({"unk_phone_lm_prons": unk_lm[1]["prons"],
+                "unk_phone_pairs": sum(len(n) for n in unk_lm[1]["next"].values())} if unk_lm else {})}
 
 
 def map_unknown(words: list[str], known, unk: str | None) -> list[str]:
@@ -322,6 +351,7 @@ def prepare_lang(
     tags: dict[str, str] | None = None,
     unk_word: str = UNK,
     lm_arpa: Path | str | None = None,
+    unk_model: str = "phone",
 ) -> dict:
     """Stage 2: write ``<data_dir>/lang/`` (lexicon, tables, topo, L, LM, G) from the manifests.
 
@@ -335,9 +365,11 @@ def prepare_lang(
             summary counts test sentences found in it and a warning names them).
         oov: ``drop``, ``unk`` or ``g2p`` (``local/graph/lexicon.py``).
         tags: ``{tag: SPN or NSN}`` (None: ``local.graph.tags.DEFAULT_TAGS``).
-        unk_word: the word an OOV maps to with ``oov="unk"`` (pronounced SPN).
+        unk_word: the word an OOV maps to with ``oov="unk"`` (pronounced SPN in training).
         lm_arpa: the first pass's LM as an ARPA file instead of the recipe's estimate
             (``local/graph/user_lm.py``); not with ``lm_text``.
+        unk_model: how the decoding graphs spell ``unk_word`` under ``oov="unk"``: ``phone`` (a phone
+            bigram, ``local/graph/unk_model.py``) or ``spn`` (its garbage phone, as training has it).
 
     Returns:
         a summary: vocabulary size, pronunciations, phones, OOV drops, LM sizes, dev perplexity
@@ -437,7 +469,7 @@ def prepare_lang(
         summary.update(_arpa_vocabulary(arpa, lm_arpa, cmu, vocab, lang_dir))
         vocab |= arpa_vocabulary(arpa) & set(cmu)
     vocab = sorted(vocab)
-    summary.update(write_lang(lang_dir, vocab, cmu))
+    summary.update(write_lang(lang_dir, vocab, cmu, unk=unk, unk_model=unk_model))
     (lang_dir / "train_ids.txt").write_text("".join(c.id + "\n" for c in kept))
     if unk is not None:
         (lang_dir / "unk_word.txt").write_text(unk + "\n")
