@@ -32,6 +32,9 @@ def test_each_system_against_mono_at_the_point_dev_chose(tmp_path):
     assert tri["wer"] == 35.0 and tri["vs_mono"][0] == 15.0 and 10.0 <= tri["vs_mono"][1] <= 15.0 <= tri["vs_mono"][2]
     assert report["sat"]["dev"]["wer"] == 10.0 and report["sat"]["dev"]["vs_mono"] == [-10.0, -10.0, -10.0]
     assert report["tri"]["pdfs"] == 30
+    # each stage against the one before it: SAT against the triphone system (no LDA+MLLT here), not mono
+    assert "vs_previous" not in report["tri"]["dev"]
+    assert report["sat"]["test"]["vs_previous"][:2] == ["tri", -25.0]
 
 
 def test_missing_decodings_are_named(tmp_path):

@@ -7,7 +7,8 @@ stage's decoding wrote (``exp/<system>/decode_<split>/wer.json``: the acoustic s
 and ``per_utt-<split>-acwt<scale>[-wip<penalty>].json`` at that point; SAT's final fMLLR pass) and the
 sizes the stage trained with (``summary.json``), and compares the system with ``mono`` on the same
 utterances (``local.wer_stats.paired_difference``, the speakers resampled: a small dev of a few voices
-has wide intervals). With ``--tree-heldout`` it also scores the triphone tree's growth on speakers it was
+has wide intervals), and with the stage before it (``vs_previous``, past the triphone system: LDA+MLLT
+against the triphone system, SAT against the last of them trained). With ``--tree-heldout`` it also scores the triphone tree's growth on speakers it was
 not built on (``local.gmm.tree.build_tree``'s ``heldout``): the monophone alignments' tree statistics of
 ``--heldout-share`` of the training speakers, left out of the tree, and of dev; the held-out log-likelihood
 gain per frame at several numbers of leaves says how much of the context that the tree learns carries over
@@ -68,6 +69,7 @@ def stages(data_dir: Path, speakers: dict[str, dict[str, str]] | None = None) ->
         speaker = speakers[split] if speakers else speakers_of(data_dir, split)
         _, index = np.unique([speaker[u] for u in ids], return_inverse=True)
         errors_mono, words = per_utterance_counts(base, ids)
+        previous = None  # (system, its errors): the stage before, the one this stage's alignments come from
         for system in SYSTEMS:
             result = decoded(data_dir, system, split)
             if result is None:
@@ -78,6 +80,10 @@ def stages(data_dir: Path, speakers: dict[str, dict[str, str]] | None = None) ->
             entry = out.setdefault(system, {"pdfs": summary.get("pdfs"), "gaussians": summary.get("gaussians")})
             entry[split] = {"wer": round(diff["wer_a"], 2),
                             "vs_mono": [round(diff[k], 2) for k in ("diff", "diff_lo", "diff_hi")]}
+            if previous is not None and previous[0] != "mono":
+                step = paired_difference(errors, previous[1], words, groups=index)
+                entry[split]["vs_previous"] = [previous[0], *(round(step[k], 2) for k in ("diff", "diff_lo", "diff_hi"))]
+            previous = (system, errors)
     return out
 
 
