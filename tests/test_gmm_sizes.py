@@ -26,8 +26,9 @@ def test_auto_sizes_keep_the_default_corpus_and_reach_kaldis_sizes():
 
 def test_recorded_speech_takes_kaldis_small_recipes_sizes():
     """A corpus of recorded speech: RM's sizes at 3 h, mini_librispeech's at 5 h (tri1 2,000 / 10,000,
-    tri2b and tri3b 2,500 / 15,000), Kaldi's larger recipes above as for the synthetic corpus; below 3 h
-    in proportion to the hours, never below the synthetic corpus's sizes."""
+    tri2b and tri3b 2,500 / 15,000), Kaldi's larger recipes above as for the synthetic corpus; the triphone
+    and LDA+MLLT systems 300 / 1,500 at 1 h (the unseen-voices corpora's point); below the first point in
+    proportion to the hours, never below the synthetic corpus's sizes."""
     for system in ("tri", "lda_mllt", "sat"):
         assert auto_sizes(system, 3.0, "timit") == (1800, 9000)
         assert auto_sizes(system, 15, "librispeech") == auto_sizes(system, 15) == (2500, 15000)
@@ -35,8 +36,11 @@ def test_recorded_speech_takes_kaldis_small_recipes_sizes():
         assert sizes == sorted(sizes)
     assert auto_sizes("tri", 5.0, "mini_librispeech") == (2000, 10000)
     assert auto_sizes("sat", 5.0, "mini_librispeech") == auto_sizes("lda_mllt", 5.0, "kaldi") == (2500, 15000)
-    assert auto_sizes("tri", 1.0, "kaldi") == (600, 3000)  # RM's speech per leaf and per Gaussian
-    assert auto_sizes("tri", 0.01, "yesno") == (150, 2000) and auto_sizes("sat", 0.01, "kaldi") == (300, 2500)
+    assert auto_sizes("sat", 1.0, "kaldi") == (600, 3000)  # RM's speech per leaf and per Gaussian
+    assert auto_sizes("tri", 1.0, "kaldi") == auto_sizes("lda_mllt", 1.04, "kaldi") == (300, 1500)  # measured
+    assert auto_sizes("tri", 0.5, "kaldi") == (150, 1500)  # floor: the synthetic corpus's leaves, not its 2,000
+    assert auto_sizes("tri", 2.0, "kaldi") == (950, 4500)  # between 1 h's and RM's, in log hours
+    assert auto_sizes("tri", 0.01, "yesno") == (150, 1500) and auto_sizes("sat", 0.01, "kaldi") == (300, 2500)
     assert resolve_sizes("tri", "auto", "auto", frames=3 * 360_000, corpus="timit")["leaves"] == 1800
 
 

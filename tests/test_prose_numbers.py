@@ -578,6 +578,7 @@ SETTINGS: dict[str, object] = {
     "(RM's 1,800 / 9,000 at 3 h": lambda: "1800" in _source("recipes/asr/local/gmm/sizes.py"),
     "150 leaves / 2,000 Gaussians": lambda: "2000" in _source("recipes/asr/local/gmm/sizes.py"),
     "SAT 300 / 2,500": lambda: "2500" in _source("recipes/asr/local/gmm/sizes.py"),
+    "LDA+MLLT systems 300 / 1,500 at 1 h": lambda: '"tri": ((1.0, 300, 1500)' in _source("recipes/asr/local/gmm/sizes.py"),
     "25 ms / 10 ms": None,  # Kaldi's fbank framing
     "frame shift 0.01 s": None,
     "penalties 0.5 and 1": None,
