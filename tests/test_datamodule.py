@@ -63,6 +63,22 @@ def test_gentle_start_uses_small_batches_first():
     assert bounds[0][0] == 0 and all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
 
 
+def test_a_last_batch_of_a_few_frames_joins_the_one_before():
+    # 7 frames after 731 full batches (the Kaldi data dir whose DNN the 7-frame step left at chance): one batch
+    bounds = batch_bounds([731 * 512 + 7], rank=0, batch_size=512)
+    assert len(bounds) == 731 and bounds[-1] == (730 * 512, 731 * 512 + 7)
+    # a quarter of a batch or more stays a batch of its own (the default corpus: 136 of 512, 68 of 256 per rank)
+    assert [b - a for a, b in batch_bounds([1647 * 512 + 136], 0, 512)][-2:] == [512, 136]
+    per_rank = [shard_batches(843_400, r, 2, 256, seed=0, epoch=0) for r in range(2)]
+    assert [len(b) for b in per_rank] == [1648, 1648] and [len(b[-1]) for b in per_rank] == [68, 68]
+    # every rank merges alike, and every frame is still in one batch
+    per_rank = [shard_batches(2 * (40 * 64 + 5) + 1, r, 2, 64, seed=0, epoch=0) for r in range(2)]
+    assert [len(b) for b in per_rank] == [40, 40] and [len(b[-1]) for b in per_rank] == [70, 69]
+    frames = np.concatenate([np.concatenate(b) for b in per_rank])
+    assert len(np.unique(frames)) == len(frames) == 2 * (40 * 64 + 5) + 1
+    assert len(batch_bounds([5], 0, 64)) == 1  # a shard smaller than a batch is one batch
+
+
 def test_too_many_ranks_raise():
     with pytest.raises(ValueError, match="no training frames"):
         shard_batches(2, 0, 3, 8, seed=0, epoch=0)
@@ -76,7 +92,7 @@ def test_frame_batches_schema_and_epoch_reshuffle():
     ds = FrameBatches(feats, targets, offsets, 8,
                       lambda e: shard_batches(50, 0, 1, 16, seed=0, epoch=e), lambda: epoch[0])
     batches = list(ds)
-    assert len(ds) == len(batches) == 4
+    assert len(ds) == len(batches) == 3 and len(batches[-1]["y"]) == 18  # the last 2 frames join the third batch
     x, y = batches[0]["x"], batches[0]["y"]
     assert x.shape == (16, 17 * 4) and x.dtype == torch.float32 and y.shape == (16,) and y.dtype == torch.int64
     # the centre frame of each window is the labelled frame

@@ -22,7 +22,9 @@ Two training loaders (``loader``):
 Shuffling and sharding (``memory``): every epoch, all training frames are permuted with a generator seeded
 by ``(seed, epoch)``; rank ``r`` of ``W`` takes permuted positions ``r, r+W, ...`` (disjoint,
 together complete) and every rank cuts its shard into the same number of batches, so DDP/GTC
-ranks never wait on a missing batch.
+ranks never wait on a missing batch; an epoch's last batch of fewer than a quarter of the batch size joins
+the batch before it (``batch_bounds``: a step on a handful of frames at the full learning rate can undo the
+epoch just before its validation).
 
 Cross-validation set (``cv_speakers`` > 0, Kaldi nnet1's ``subset_data_dir_tr_cv.sh --cv-spk-percent``):
 that fraction of the training speakers (``held_out_speakers``: persons, ``speaker_of``; never a
@@ -96,13 +98,19 @@ def load_pdf_ali(cut) -> np.ndarray:
     return np.asarray(cut.load_custom("pdf_ali"))
 
 
+MIN_LAST_BATCH = 0.25  # an epoch's last batch under this share of batch_size joins the one before (batch_bounds)
+
+
 def batch_bounds(shard_sizes: list[int], rank: int, batch_size: int, warmup_frames: int = 0,
                  warmup_batch_size: int = 0) -> list[tuple[int, int]]:
     """``(start, end)`` positions of each batch in rank ``rank``'s shard; the same count on every rank.
 
     Batches are laid out on the smallest shard (the first ``warmup_frames`` in batches of
     ``warmup_batch_size``, the rest in batches of ``batch_size``); a larger shard's extra frames
-    (at most one per rank) join its last batch.
+    (at most one per rank) join its last batch. A last batch of fewer than a quarter of ``batch_size``'s
+    frames joins the batch before it (``MIN_LAST_BATCH``): its mean gradient would carry more than twice
+    a full batch's noise at the full learning rate, and a step on 7 frames at the recipe's rate 1.0,
+    the epoch's last before its validation, left a DNN at chance on a Kaldi data dir of 374,279 frames.
     """
     n = min(shard_sizes)
     if n == 0:
@@ -114,6 +122,9 @@ def batch_bounds(shard_sizes: list[int], rank: int, batch_size: int, warmup_fram
         end = min(start + size, warm_end if start < warm_end else n)
         bounds.append((start, end))
         start = end
+    last = bounds[-1][1] - bounds[-1][0]
+    if len(bounds) > 1 and bounds[-1][0] >= warm_end and last < MIN_LAST_BATCH * batch_size:
+        bounds[-2:] = [(bounds[-2][0], bounds[-1][1])]
     bounds[-1] = (bounds[-1][0], shard_sizes[rank])
     return bounds
 
