@@ -38,8 +38,11 @@ from local.kaldi import kaldifst
 def limit_unk_history(arpa_text: str, unk: str) -> tuple[str, int]:
     """The ARPA without the n-grams that have ``unk`` in their history and without the back-off weights of
     those that end in it (a history that ends in ``unk`` then backs off to the empty one at no cost, and
-    Kaldi's ``arpa2fst`` merges its state away); returns the text and the number of n-grams dropped."""
-    out, counts, dropped, order = [], Counter(), 0, 0
+    Kaldi's ``arpa2fst`` merges its state away); returns the text and the number of n-grams dropped.
+
+    A line-by-line rewrite of the text as written, unlike ``local.graph.user_lm.read_arpa``, which
+    normalises the words and leaves out n-grams that normalisation cannot map."""
+    counts, dropped, order = Counter(), 0, 0
     body = []
     for line in arpa_text.splitlines():
         s = line.strip()
@@ -63,8 +66,8 @@ def limit_unk_history(arpa_text: str, unk: str) -> tuple[str, int]:
             body.append(s)
         elif order:
             body.append(s)
-    out = ["\\data\\"] + [f"ngram {n}={counts[n]}" for n in sorted(counts)] + [""]
-    return "\n".join(out + body) + "\n", dropped
+    header = ["\\data\\"] + [f"ngram {n}={counts[n]}" for n in sorted(counts)] + [""]
+    return "\n".join(header + body) + "\n", dropped
 
 
 def skip_redundant_states(g_text: str, backoff: int) -> tuple[str, int]:
