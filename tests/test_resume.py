@@ -206,6 +206,43 @@ def test_a_store_that_refuses_is_known_gone_at_once(monkeypatch):
     assert train.RankWatch._store_refuses(watch) is None
 
 
+def test_rank_0_waits_for_the_ranks_it_launched(caplog):
+    """After a finished fit rank 0 waits for the popen launcher's ranks: each is reaped (its CPU then counts
+    in a shell's ``time`` of the command); one still running at the timeout is named and left; a rank that
+    exited non-zero is named."""
+    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="train"):
+        train.wait_for_ranks([quick, failed], timeout=30)
+    assert quick.returncode == 0 and failed.returncode == 3 and time.monotonic() - start < 10
+    assert f"rank process {failed.pid} exited with code 3" in caplog.text
+    caplog.clear()
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = time.monotonic()
+        with caplog.at_level("WARNING", logger="train"):
+            train.wait_for_ranks([stuck], timeout=0.5)
+        assert time.monotonic() - start < 5 and stuck.poll() is None
+        assert f"rank process {stuck.pid} still running 0 s after training finished" in caplog.text
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
+def test_two_rank_run_ends_with_its_last_rank(tiny_aligned, tmp_path):
+    """``train.py --strategy gtc`` (popen launcher): when the command returns, rank 1 has exited and been
+    reaped by rank 0 (no process of its pid is left)."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "asr" / "train.py"), "--config", str(TINY), "--strategy", "gtc",
+           "--data.data_dir", str(tiny_aligned), "--exp_dir", str(tmp_path / "exp"), "--num_threads", "1",
+           "--trainer.max_epochs", "1"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=_popen_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    pid = int(re.search(r"rank 1 of 2: pid (\d+)", res.stdout + res.stderr).group(1))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
 @pytest.mark.parametrize("how,victim", [("SIGKILL", 1), ("SIGKILL", 0), ("SIGSTOP", 1)])
 def test_lost_rank_stops_the_other_with_its_name(how, victim, tiny_aligned, tmp_path):
     """``train.py --strategy gtc`` (2 ranks, popen launcher) runs; one rank gets SIGKILL (dies) or

@@ -54,6 +54,7 @@ import os
 import shlex
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -793,6 +794,28 @@ def main(argv: list[str] | None = None) -> AsrCLI:
     return cli
 
 
+RANK_EXIT_TIMEOUT_S = 120.0
+
+
+def wait_for_ranks(procs: list, timeout: float = RANK_EXIT_TIMEOUT_S) -> None:
+    """Rank 0 of a run started from the command line waits for the ranks it launched (Lightning's popen
+    launcher, ``procs``) to exit after a finished fit, so that the command ends with its last rank: a shell's
+    ``time`` then counts every rank's CPU (an unwaited rank is nobody's child), and the next stage of
+    ``run.sh`` never starts beside a rank still tearing down. A rank still running after ``timeout``
+    seconds is named in a warning and left to finish.
+    """
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("rank process %s still running %.0f s after training finished; not waiting for it",
+                        proc.pid, timeout)
+        else:
+            if proc.returncode:
+                log.warning("rank process %s exited with code %s after training finished", proc.pid, proc.returncode)
+
+
 def fit(cli: AsrCLI) -> None:
     """``trainer.fit`` from ``--ckpt_path`` (checked first); a lost rank becomes :class:`RankLostError`."""
     run_dir = Path(cli.config.trainer.default_root_dir)
@@ -814,6 +837,8 @@ def fit(cli: AsrCLI) -> None:
         # through a link: the strategies' shards sit beside the file it points to
         real = None if ckpt_path is None else os.path.realpath(ckpt_path)
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=real)
+        launched = getattr(cli.trainer.strategy.launcher, "procs", None) or []  # (fork launchers join their own)
+        wait_for_ranks([proc for proc in launched if isinstance(proc, subprocess.Popen)])
     except Exception as exc:
         if watch is not None and watch.lost:
             watch.wait_for_diagnoses()
