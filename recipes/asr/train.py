@@ -801,8 +801,8 @@ def wait_for_ranks(procs: list, timeout: float = RANK_EXIT_TIMEOUT_S) -> None:
     """Rank 0 of a run started from the command line waits for the ranks it launched (Lightning's popen
     launcher, ``procs``) to exit after a finished fit, so that the command ends with its last rank: a
     shell's ``time`` then counts every rank's CPU (a rank left unwaited is reparented, its CPU lost to
-    ``time``), and the next stage of ``run.sh`` never starts beside a rank still tearing down. A rank still running after ``timeout``
-    seconds is named in a warning and left to finish.
+    ``time``), and the next stage of ``run.sh`` never starts beside a rank still tearing down. A rank still
+    running after ``timeout`` seconds is named in a warning and left to finish.
     """
     deadline = time.monotonic() + timeout
     for proc in procs:
